@@ -1,0 +1,32 @@
+"""The run configuration: schema, TOML loading, command-line overrides, validation."""
+
+from archipelago.config.loading import (
+    ConfigError,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    load_toml,
+    parse_overrides,
+    split_config_flag,
+)
+from archipelago.config.schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    FaultToleranceConfig,
+    JobConfig,
+    LRSchedulerConfig,
+    MetricsConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    TrainingConfig,
+)
+from archipelago.config.validate import validate
+
+__all__ = [
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FaultToleranceConfig", "JobConfig",
+    "LRSchedulerConfig", "MetricsConfig", "ModelConfig", "OptimizerConfig", "ParallelismConfig",
+    "TrainingConfig", "config_from_dict", "config_to_dict", "load_config", "load_toml",
+    "parse_overrides", "split_config_flag", "validate",
+]

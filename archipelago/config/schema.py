@@ -1,0 +1,202 @@
+"""The run configuration: one dataclass tree, one TOML file per run.
+
+Every field carries a one-line docstring: tyro turns them into `--help`, and
+`archipelago config reference` turns them into docs/configuration.md. Cross-field
+rules live in `validate()` (config/validate.py), not in `__post_init__`, so that a
+half-built config can be overridden on the command line before it is checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class ModelConfig:
+    """Which network to train."""
+
+    name: str = "llama3"
+    """Model family: `llama3` or `qwen3` (`archipelago models` lists them)."""
+    flavor: str = "debug"
+    """Named size within the family: `debug`, `small`, or a published shape such as `8B`."""
+
+
+@dataclass
+class DataConfig:
+    """Where the training text comes from and how it is cut into sequences."""
+
+    path: str | None = None
+    """Folder of .txt/.jsonl files to train on; unset means the Shakespeare corpus."""
+    tokenizer: str | None = None
+    """Path to a Hugging Face tokenizer.json; unset means train a byte-level BPE on the data."""
+    vocab_size: int = 4096
+    """Vocabulary size of the BPE tokenizer trained when `data.tokenizer` is unset."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    val_fraction: float = 0.1
+    """Fraction of documents held out for validation (split by document, never by line)."""
+    cache_dir: str | None = None
+    """Where prepared corpora and tokenizers are cached; unset means $ARCHIPELAGO_CACHE_DIR or ~/.cache/archipelago."""
+
+
+@dataclass
+class TrainingConfig:
+    """The inner training loop of one island."""
+
+    steps: int = 300
+    """Number of optimizer steps to train for (in total, counting steps done before a resume)."""
+    batch_size: int = 16
+    """Global batch: sequences per optimizer step, summed over all ranks of the island."""
+    micro_batch_size: int = 0
+    """Sequences per rank per forward pass; fewer than batch_size/ranks means gradient accumulation. 0 means batch_size/ranks."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 0
+    """Seed for weight initialisation and data order."""
+    val_every: int = 50
+    """Evaluate on the held-out split every this many steps (and at the end); 0 disables."""
+    val_batches: int = 8
+    """Batches of `batch_size` sequences per validation pass."""
+    device: Literal["auto", "cpu", "cuda", "xpu", "mps"] = "auto"
+    """Device type; `auto` picks cuda, xpu or mps when present, else cpu."""
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """Compute dtype: `auto` is bf16 on GPUs and fp32 on CPU (parameters and optimizer stay fp32)."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass to save memory."""
+
+
+@dataclass
+class OptimizerConfig:
+    """The inner optimizer."""
+
+    name: Literal["adamw"] = "adamw"
+    """Optimizer; only `adamw` for now."""
+    lr: float = 1e-3
+    """Peak learning rate (reached after warmup)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+
+
+@dataclass
+class LRSchedulerConfig:
+    """Learning-rate schedule: linear warmup, then decay."""
+
+    warmup_steps: int = 20
+    """Steps of linear warmup from ~0 to `optimizer.lr`."""
+    decay: Literal["cosine", "linear", "none"] = "cosine"
+    """Shape of the decay after warmup, down to `min_lr_ratio * lr` at the last step."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+
+
+@dataclass
+class ParallelismConfig:
+    """How the island's ranks share the model."""
+
+    data_parallel: Literal["fsdp", "ddp"] = "fsdp"
+    """With more than one rank: `fsdp` shards parameters per block (FSDP2), `ddp` replicates them."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints on disk (torch.distributed.checkpoint)."""
+
+    enable: bool = True
+    """Write checkpoints."""
+    interval: int = 100
+    """Save every this many steps (and always at the last step)."""
+    keep: int = 3
+    """Keep the newest this many checkpoints; 0 keeps all."""
+    folder: str = "checkpoints"
+    """Checkpoint folder, relative to the run directory unless absolute."""
+    resume: bool = True
+    """Resume from the newest usable checkpoint in `folder` when one exists."""
+    verify: bool = True
+    """Check SHA-256 of every checkpoint file before loading (costs one read of the checkpoint)."""
+
+
+@dataclass
+class MetricsConfig:
+    """What the run reports and where."""
+
+    log_every: int = 10
+    """Write a metrics.jsonl line (and a progress line) every this many steps."""
+    progress: Literal["auto", "rich", "plain", "off"] = "auto"
+    """Live display: `auto` is a progress bar on a terminal and plain lines otherwise."""
+    tensorboard: bool = True
+    """Also write TensorBoard events under RUN_DIR/tensorboard when tensorboard is installed."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s of one rank's device for MFU; 0 looks it up (GPUs) or measures a matmul (CPU)."""
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Membership in a federation of islands (torchft). Key names follow the reference platform."""
+
+    enable: bool = False
+    """Join a federation of islands through a torchft lighthouse."""
+    lighthouse: str | None = None
+    """Lighthouse URL (http://host:port); unset means $TORCHFT_LIGHTHOUSE."""
+    replica_id: int = 0
+    """This island's id within the federation."""
+    group_size: int = 1
+    """Number of islands expected in the federation."""
+    min_replica_size: int = 1
+    """Fewest islands that may form a quorum and commit an outer step."""
+    semi_sync_method: Literal["diloco", "local_sgd"] = "diloco"
+    """Outer algorithm: `diloco` (outer Nesterov SGD on pseudo-gradients) or `local_sgd` (plain averaging)."""
+    sync_steps: int = 20
+    """Inner steps between outer synchronisations."""
+    num_fragments: int = 1
+    """Streaming DiLoCo: number of model fragments synchronised at staggered steps."""
+    fragment_sync_delay: int = 0
+    """Streaming DiLoCo: inner steps a fragment's exchange may overlap (tau)."""
+    fragment_update_alpha: float = 0.0
+    """Streaming DiLoCo: weight of the local fragment blended into the global one after the outer step."""
+    should_quantize: bool = False
+    """Compress pseudo-gradients to int8 before they cross islands."""
+    process_group: Literal["gloo", "nccl"] = "gloo"
+    """Backend of the cross-island process group."""
+    process_group_timeout_ms: int = 10000
+    """Timeout of cross-island collectives, in milliseconds."""
+    rank0_synchronization_only: bool = False
+    """Let only rank 0 of each island talk across islands (sync_width = 1)."""
+    copy_pseudogradients_to_cpu: bool = False
+    """Move what crosses islands to CPU memory before sending it."""
+
+
+@dataclass
+class JobConfig:
+    """The run as a whole."""
+
+    run_dir: str | None = None
+    """Run directory (RUN_DIR) for metrics, checkpoints and the summary; unset means a new folder under runs/. Pass an existing one to resume."""
+    name: str = "run"
+    """Short name, used in the default run directory name and in reports."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Logging verbosity."""
+
+
+@dataclass
+class Config:
+    """A whole run. Load one with `load_config`; every field can be overridden as --section.key."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    job: JobConfig = field(default_factory=JobConfig)

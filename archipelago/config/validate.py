@@ -1,0 +1,98 @@
+"""Cross-field rules of the run configuration. Each message names the key and the fix.
+
+Rules that need to know the island (its rank count, the tokenizer's vocabulary) are
+checked where that is known: in the trainer's build hooks.
+"""
+
+from __future__ import annotations
+
+from archipelago.config.loading import ConfigError
+from archipelago.config.schema import Config
+
+
+def _require(ok: bool, message: str, problems: list[str]) -> None:
+    if not ok:
+        problems.append(message)
+
+
+def _check_training(cfg: Config, p: list[str]) -> None:
+    t = cfg.training
+    _require(t.steps > 0, f"training.steps = {t.steps}: must be positive", p)
+    _require(t.batch_size > 0, f"training.batch_size = {t.batch_size}: must be positive", p)
+    _require(0 <= t.micro_batch_size <= t.batch_size,
+             f"training.micro_batch_size = {t.micro_batch_size}: must be between 0 (no accumulation) "
+             f"and training.batch_size ({t.batch_size})", p)
+    _require(t.max_norm >= 0, f"training.max_norm = {t.max_norm}: use 0 to disable clipping", p)
+    _require(t.val_every >= 0, f"training.val_every = {t.val_every}: use 0 to disable validation", p)
+    _require(t.val_batches > 0, f"training.val_batches = {t.val_batches}: must be positive", p)
+
+
+def _check_data(cfg: Config, p: list[str]) -> None:
+    d = cfg.data
+    _require(d.seq_len >= 2, f"data.seq_len = {d.seq_len}: must be at least 2", p)
+    _require(0.0 < d.val_fraction < 1.0,
+             f"data.val_fraction = {d.val_fraction}: must be between 0 and 1 (e.g. 0.1)", p)
+    if d.tokenizer is None:
+        # A byte-level BPE needs the 256 byte symbols plus the end-of-text token.
+        _require(d.vocab_size >= 257,
+                 f"data.vocab_size = {d.vocab_size}: a byte-level BPE needs at least 257 entries", p)
+
+
+def _check_optimizer(cfg: Config, p: list[str]) -> None:
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    _require(o.lr > 0, f"optimizer.lr = {o.lr}: must be positive", p)
+    for name in ("beta1", "beta2"):
+        value = getattr(o, name)
+        _require(0.0 <= value < 1.0, f"optimizer.{name} = {value}: must be in [0, 1)", p)
+    _require(o.weight_decay >= 0, f"optimizer.weight_decay = {o.weight_decay}: must be >= 0", p)
+    _require(0 <= s.warmup_steps < cfg.training.steps,
+             f"lr_scheduler.warmup_steps = {s.warmup_steps}: must be below training.steps "
+             f"({cfg.training.steps}); lower it or raise training.steps", p)
+    _require(0.0 <= s.min_lr_ratio <= 1.0,
+             f"lr_scheduler.min_lr_ratio = {s.min_lr_ratio}: must be in [0, 1]", p)
+
+
+def _check_outputs(cfg: Config, p: list[str]) -> None:
+    c, m = cfg.checkpoint, cfg.metrics
+    _require(not c.enable or c.interval > 0,
+             f"checkpoint.interval = {c.interval}: must be positive (or pass --checkpoint.no_enable)", p)
+    _require(c.keep >= 0, f"checkpoint.keep = {c.keep}: use 0 to keep every checkpoint", p)
+    _require(m.log_every > 0, f"metrics.log_every = {m.log_every}: must be positive", p)
+    _require(m.peak_tflops >= 0, f"metrics.peak_tflops = {m.peak_tflops}: use 0 for automatic", p)
+
+
+def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
+    ft = cfg.fault_tolerance
+    _require(ft.group_size >= 1, f"fault_tolerance.group_size = {ft.group_size}: must be >= 1", p)
+    _require(1 <= ft.min_replica_size <= ft.group_size,
+             f"fault_tolerance.min_replica_size = {ft.min_replica_size}: must be between 1 and "
+             f"fault_tolerance.group_size ({ft.group_size})", p)
+    _require(0 <= ft.replica_id, f"fault_tolerance.replica_id = {ft.replica_id}: must be >= 0", p)
+    _require(ft.sync_steps >= 1, f"fault_tolerance.sync_steps = {ft.sync_steps}: must be >= 1", p)
+    _require(1 <= ft.num_fragments <= ft.sync_steps,
+             f"fault_tolerance.num_fragments = {ft.num_fragments}: must be between 1 and "
+             f"fault_tolerance.sync_steps ({ft.sync_steps})", p)
+    per_fragment = ft.sync_steps // max(ft.num_fragments, 1)
+    _require(0 <= ft.fragment_sync_delay < max(per_fragment, 1),
+             f"fault_tolerance.fragment_sync_delay = {ft.fragment_sync_delay}: must be below "
+             f"sync_steps / num_fragments ({per_fragment})", p)
+    _require(0.0 <= ft.fragment_update_alpha <= 1.0,
+             f"fault_tolerance.fragment_update_alpha = {ft.fragment_update_alpha}: must be in [0, 1]", p)
+    _require(ft.process_group_timeout_ms > 0,
+             f"fault_tolerance.process_group_timeout_ms = {ft.process_group_timeout_ms}: must be positive", p)
+    # The keys exist now so that configs written for the reference platform load;
+    # the federation itself (torchft Manager, outer DiLoCo loop) is not built yet.
+    _require(not ft.enable,
+             "fault_tolerance.enable = true: federated training across islands is not available in "
+             "this version yet; remove it (or pass --fault_tolerance.no_enable) to train one island", p)
+
+
+def validate(cfg: Config) -> Config:
+    """Raise ConfigError listing every broken rule, or return `cfg` unchanged."""
+    problems: list[str] = []
+    for check in (_check_training, _check_data, _check_optimizer, _check_outputs,
+                  _check_fault_tolerance):
+        check(cfg, problems)
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    return cfg

@@ -1,0 +1,223 @@
+"""Deterministic, resumable batches of token windows from a prepared token file.
+
+Window i is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``; inputs are its first
+seq_len tokens and targets the last seq_len (shifted by one). The visiting order is a
+pure function of (seed, epoch), so every rank and island computes it independently and
+no communication is needed to agree on who reads what.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+_DTYPES = ("uint16", "uint32")
+
+
+def _open_tokens(token_path: Path, dtype: str) -> np.ndarray:
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}; use PreparedDataset.dtype")
+    token_path = Path(token_path)
+    if not token_path.is_file():
+        raise FileNotFoundError(f"token file {token_path} not found; run prepare_dataset() first")
+    itemsize = np.dtype(dtype).itemsize
+    size = token_path.stat().st_size
+    if size % itemsize:
+        raise ValueError(f"{token_path} is {size} bytes, not a whole number of {dtype}; is dtype right?")
+    if size == 0:
+        return np.zeros(0, dtype=dtype)  # np.memmap refuses empty files
+    # Read-only memmap: the OS pages in only the windows we touch, and all ranks on a
+    # host share one page cache copy.
+    return np.memmap(token_path, dtype=dtype, mode="r")
+
+
+def _count_windows(n_tokens: int, seq_len: int) -> int:
+    # Window i needs i*seq_len + seq_len + 1 <= n_tokens.
+    return max(0, (n_tokens - 1) // seq_len)
+
+
+def _gather(tokens: np.ndarray, windows: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = np.empty((len(windows), seq_len + 1), dtype=np.int64)
+    for j, w in enumerate(windows):
+        start = int(w) * seq_len
+        rows[j] = tokens[start:start + seq_len + 1]  # one contiguous read per window
+    batch = torch.from_numpy(rows)
+    # contiguous copies so callers can .view()/pin_memory() without surprises (cost: one copy).
+    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+class TokenSequenceLoader:
+    """Shuffled training batches for one rank of one island.
+
+    Each epoch draws a permutation of all windows from ``default_rng((seed, epoch))``.
+    Island k of n takes permutation positions k, k+n, k+2n, ...; each optimizer step the
+    island consumes its next ``global_batch_size`` windows and rank r gets the r-th
+    contiguous block of ``global_batch_size // world_size`` of them. Hence the union over
+    ranks equals a 1-rank run's batch, and ``state_dict`` does not depend on the rank or
+    world size (a run may resume with a different world size).
+    """
+
+    def __init__(
+        self,
+        token_path: Path,
+        seq_len: int,
+        global_batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        island: int = 0,
+        num_islands: int = 1,
+        dtype: str = "uint16",
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        _check_positive(seq_len=seq_len, global_batch_size=global_batch_size,
+                        world_size=world_size, num_islands=num_islands)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside [0, world_size={world_size}); pass this process's rank")
+        if not 0 <= island < num_islands:
+            raise ValueError(f"island {island} is outside [0, num_islands={num_islands}); check the island index")
+        if global_batch_size % world_size:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} is not divisible by world_size {world_size}; "
+                f"set global_batch_size to a multiple of {world_size}"
+            )
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self._path = Path(token_path)
+        self._tokens = _open_tokens(self._path, dtype)
+        self._num_windows = _count_windows(len(self._tokens), seq_len)
+        per_island = self._num_windows // num_islands  # the smallest island's share
+        if per_island < global_batch_size:
+            raise ValueError(
+                f"{self._path} has {len(self._tokens):,} tokens = {self._num_windows} windows of seq_len+1="
+                f"{seq_len + 1}, i.e. {per_island} per island for {num_islands} island(s), fewer than one "
+                f"global batch ({global_batch_size}); lower seq_len, global_batch_size or num_islands, "
+                f"or use more data"
+            )
+        self.seq_len, self.global_batch_size = seq_len, global_batch_size
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.island, self.num_islands = seed, island, num_islands
+        self.local_batch_size = global_batch_size // world_size
+        self._log = log
+        self._epoch = 0
+        self._cursor = 0
+        self._order = self._island_order(0)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def num_windows(self) -> int:
+        """Windows in the whole token file (all islands together)."""
+        return self._num_windows
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps this island takes per epoch (the remainder is dropped)."""
+        return len(self._order) // self.global_batch_size
+
+    # ------------------------------------------------------------------ batches
+
+    def _island_order(self, epoch: int) -> np.ndarray:
+        perm = np.random.default_rng((self.seed, epoch)).permutation(self._num_windows)
+        return perm[self.island::self.num_islands]
+
+    def _start_epoch(self, epoch: int) -> None:
+        self._epoch, self._cursor = epoch, 0
+        self._order = self._island_order(epoch)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each int64 of shape [global_batch_size // world_size, seq_len]."""
+        if self._cursor + self.global_batch_size > len(self._order):
+            dropped = len(self._order) - self._cursor
+            self._start_epoch(self._epoch + 1)
+            if self._log is not None:
+                self._log(f"data: island {self.island} starts epoch {self._epoch} "
+                          f"(dropped {dropped} leftover windows)")
+        lo = self._cursor + self.rank * self.local_batch_size
+        windows = self._order[lo:lo + self.local_batch_size]
+        self._cursor += self.global_batch_size
+        return _gather(self._tokens, windows, self.seq_len)
+
+    # ------------------------------------------------------------------ resume
+
+    def state_dict(self) -> dict:
+        """Position of the island; identical on all its ranks."""
+        return {
+            "epoch": self._epoch, "cursor": self._cursor, "seed": self.seed, "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size, "num_islands": self.num_islands, "island": self.island,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in ("seq_len", "global_batch_size", "seed", "num_islands", "island"):
+            if state.get(name) != getattr(self, name):
+                raise ValueError(
+                    f"cannot resume data loader: checkpoint has {name}={state.get(name)!r} but this run has "
+                    f"{name}={getattr(self, name)!r}; resuming needs the same data settings "
+                    f"(seq_len, global_batch_size, seed, num_islands, island)"
+                )
+        epoch, cursor = int(state["epoch"]), int(state["cursor"])
+        order = self._island_order(epoch)
+        if epoch < 0 or cursor < 0 or cursor % self.global_batch_size or cursor > len(order):
+            raise ValueError(
+                f"cannot resume data loader: cursor {cursor} (epoch {epoch}) does not fit this token file "
+                f"({len(order)} windows for island {self.island}); resuming needs the same prepared dataset"
+            )
+        self._epoch, self._cursor, self._order = epoch, cursor, order
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def validation_batches(
+    token_path: Path,
+    seq_len: int,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    max_batches: int,
+    dtype: str = "uint16",
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic validation batches in file order (no shuffle), split across ranks.
+
+    Batch j covers windows [j*batch_size, (j+1)*batch_size); rank r gets the r-th
+    contiguous block of batch_size // world_size. Yields min(max_batches, windows //
+    batch_size) batches; a file with fewer than batch_size windows (but at least
+    world_size) yields one smaller batch. Every rank yields the same number of batches,
+    so collective ops over the results cannot deadlock. Arguments are checked on call.
+    """
+    _check_positive(seq_len=seq_len, batch_size=batch_size, world_size=world_size, max_batches=max_batches)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
+    if batch_size % world_size:
+        raise ValueError(f"validation batch_size {batch_size} is not divisible by world_size {world_size}; "
+                         f"set it to a multiple of {world_size}")
+    tokens = _open_tokens(Path(token_path), dtype)
+    n_windows = _count_windows(len(tokens), seq_len)
+    if n_windows < world_size:
+        raise ValueError(
+            f"validation split is too small: {token_path} holds {n_windows} windows of seq_len+1={seq_len + 1} "
+            f"tokens, fewer than world_size={world_size}; raise val_fraction or lower seq_len"
+        )
+    if n_windows >= batch_size:
+        n_batches = min(max_batches, n_windows // batch_size)
+    else:
+        n_batches, batch_size = 1, (n_windows // world_size) * world_size
+    return _iter_validation(tokens, seq_len, batch_size, rank, world_size, n_batches)
+
+
+def _iter_validation(tokens: np.ndarray, seq_len: int, batch_size: int, rank: int, world_size: int,
+                     n_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    local = batch_size // world_size
+    for j in range(n_batches):
+        lo = j * batch_size + rank * local
+        yield _gather(tokens, np.arange(lo, lo + local), seq_len)

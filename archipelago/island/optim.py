@@ -1,0 +1,51 @@
+"""The inner optimizer and its learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from archipelago.config import LRSchedulerConfig, OptimizerConfig
+
+
+def build_adamw(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    # The fused kernel exists for accelerators; on CPU the foreach path is the fast one.
+    fused = device.type in ("cuda", "xpu")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=fused, foreach=None if fused else True)
+
+
+def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:
+    """Multiplier of the peak LR for optimizer step `step` (0-based).
+
+    Linear warmup over `warmup_steps` (starting at 1/(warmup+1), never at 0, so the
+    first step already learns), then cosine or linear decay to `min_lr_ratio` at the
+    last step.
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.decay == "none":
+        return 1.0
+    span = max(total_steps - 1 - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    if cfg.decay == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        shape = 1.0 - progress
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int,
+                       cfg: LRSchedulerConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR over `lr_factor`; its state (last step) goes into the checkpoint."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, total_steps, cfg))

@@ -1,0 +1,231 @@
+"""`archipelago`: one console script, one subcommand per job.
+
+Each subcommand is a small function taking the remaining argv; the config-driven ones
+(`train`, `data prepare`, `config show`) share one parser (config/loading.py), so the
+same TOML file and `--section.key` overrides work everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Callable
+
+from archipelago.config import Config, ConfigError, config_to_dict, load_config
+
+USAGE = """\
+usage: archipelago COMMAND [ARGS]
+
+Train one model across heterogeneous compute islands.
+
+commands:
+  train          train on this island (--config FILE, --nproc N, --section.key VALUE ...)
+  data prepare   fetch the corpus, train the tokenizer, write token files (cached)
+  models         list every model family and flavor with its parameter count
+  report RUN_DIR write a loss plot and a Markdown summary of a run
+  config         `config reference` prints the configuration reference;
+                 `config show [--config FILE] [overrides]` prints the resolved config
+
+Run `archipelago COMMAND --help` for the options of one command.
+"""
+
+TRAIN_HELP = """\
+Train on one island. Options: --config FILE (a TOML run file; $CONFIG_FILE also works),
+--nproc N (start N local ranks under torchrun; $NGPU means the same), and any
+--section.key VALUE below. Under torchrun (multi-node) call `archipelago train` as the
+torchrun program instead of using --nproc.
+"""
+
+log = logging.getLogger("archipelago")
+
+
+def setup_logging(level: str = "info", rank: int = 0) -> None:
+    """Plain log lines on stderr; only rank 0 speaks below WARNING."""
+    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    logging.basicConfig(format=f"%(asctime)s {prefix}%(levelname)s %(message)s", datefmt="%H:%M:%S",
+                        level=getattr(logging, level.upper()) if rank == 0 else logging.WARNING,
+                        force=True)
+
+
+def _pop_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """Remove `--name VALUE` / `--name=VALUE` from argv; returns (value, rest)."""
+    rest, value, i = [], None, 0
+    while i < len(argv):
+        if argv[i] == name and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith(name + "="):
+            value = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    return value, rest
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def _check_model(cfg: Config) -> None:
+    """Fail before any process starts when the model name or flavor is wrong."""
+    from archipelago.models import DEFAULT_VOCAB_SIZE, get_model_args
+
+    try:
+        get_model_args(cfg.model.name, cfg.model.flavor, vocab_size=DEFAULT_VOCAB_SIZE)
+    except ValueError as exc:
+        raise ConfigError(f"model: {exc}") from exc
+
+
+def _prepare_data(cfg: Config) -> None:
+    from archipelago.data import default_cache_dir, prepare_dataset
+
+    d = cfg.data
+    cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
+    prepare_dataset(d.path, d.tokenizer, d.vocab_size, d.val_fraction, cache,
+                    seed=cfg.training.seed, log=log.info)
+
+
+def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config) -> int:
+    """Re-run this command under torchrun with `nproc` local ranks; returns its exit code."""
+    run_dir = cfg.job.run_dir or f"runs/{cfg.job.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    # Prepare once here, with progress on the terminal, so the ranks find it cached.
+    _prepare_data(cfg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "archipelago.launch.cli", "train", *argv,
+           f"--job.run_dir={run_dir}"]
+    env = dict(os.environ)
+    # torchrun would set 1 with a warning; say it ourselves: cores / ranks threads each.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    log.info("starting %d ranks under torchrun; run directory %s", nproc, run_dir)
+    try:
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:  # torchrun forwards the signal to its workers
+        return 130
+
+
+def cmd_train(argv: list[str]) -> int:
+    nproc_arg, argv = _pop_option(argv, "--nproc")
+    nproc = int(nproc_arg or os.environ.get("NGPU") or 1)
+    rank = int(os.environ.get("RANK", "0"))
+    cfg = load_config(argv, prog="archipelago train", description=TRAIN_HELP)
+    setup_logging(cfg.job.log_level, rank)
+    _check_model(cfg)
+    if nproc > 1 and not _under_torchrun():
+        return _spawn_torchrun(nproc, argv, cfg)
+    from archipelago.trainer import NonFiniteLossError, run_training
+
+    try:
+        summary = run_training(cfg)
+    except NonFiniteLossError as exc:
+        log.error("%s", exc)
+        return 3
+    if rank == 0:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_data(argv: list[str]) -> int:
+    if not argv or argv[0] != "prepare":
+        print("usage: archipelago data prepare [--config FILE] [--data.key VALUE ...]", file=sys.stderr)
+        return 2
+    cfg = load_config(argv[1:], prog="archipelago data prepare",
+                      description="Fetch the corpus, train the tokenizer and write token files (cached).")
+    setup_logging(cfg.job.log_level)
+    from archipelago.data import default_cache_dir, prepare_dataset
+
+    d = cfg.data
+    cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
+    ds = prepare_dataset(d.path, d.tokenizer, d.vocab_size, d.val_fraction, cache,
+                         seed=cfg.training.seed, log=print)
+    print(f"dataset: {ds.folder}\n  tokenizer: {ds.tokenizer_path} (vocab {ds.vocab_size})\n"
+          f"  train: {ds.train_tokens:,} tokens\n  val:   {ds.val_tokens:,} tokens")
+    return 0
+
+
+def cmd_models(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: archipelago models\n\nList every family and flavor with its exact parameter "
+              "count (flavors whose vocabulary comes from the tokenizer are counted with the "
+              "default vocabulary).")
+        return 0
+    from archipelago.models import DEFAULT_VOCAB_SIZE, list_flavors
+
+    print(f"{'family':<8} {'flavor':<7} {'parameters':>16} {'dim':>6} {'layers':>6} {'heads':>5} "
+          f"{'kv':>3} {'vocab':>7} {'FLOPs/token@2k':>16}")
+    from_tokenizer = {(f, v) for f, v, a in list_flavors(vocab_size=None) if a.vocab_size is None}
+    for family, flavor, args in list_flavors():
+        vocab = f"{args.vocab_size}" + ("*" if (family, flavor) in from_tokenizer else "")
+        print(f"{family:<8} {flavor:<7} {args.num_params():>16,} {args.dim:>6} {args.n_layers:>6} "
+              f"{args.n_heads:>5} {args.n_kv_heads:>3} {vocab:>7} {args.flops_per_token(2048):>16.3e}")
+    print(f"\n* vocabulary taken from the tokenizer at train time; counted here with {DEFAULT_VOCAB_SIZE}")
+    return 0
+
+
+def cmd_report(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("usage: archipelago report RUN_DIR\n\nWrite RUN_DIR/report/loss.png and "
+              "RUN_DIR/report/report.md from a run's metrics.jsonl and summary.json.", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    from archipelago.metrics import write_report
+
+    png, md = write_report(Path(argv[0]))
+    print(f"wrote {png}\nwrote {md}")
+    return 0
+
+
+def cmd_config(argv: list[str]) -> int:
+    if argv and argv[0] == "reference":
+        from archipelago.config.reference import reference_markdown
+
+        print(reference_markdown())
+        return 0
+    if argv and argv[0] == "show":
+        cfg = load_config(argv[1:], prog="archipelago config show",
+                          description="Print the configuration after the TOML file and overrides.")
+        print(json.dumps(config_to_dict(cfg), indent=2))
+        return 0
+    print("usage: archipelago config reference | config show [--config FILE] [overrides]",
+          file=sys.stderr)
+    return 2
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "train": cmd_train, "data": cmd_data, "models": cmd_models, "report": cmd_report,
+    "config": cmd_config,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        from archipelago.config.loading import closest
+
+        hint = closest(argv[0], COMMANDS)
+        print(f"archipelago: unknown command {argv[0]!r}" + (f"; did you mean {hint!r}?" if hint else "")
+              + "\n\n" + USAGE, file=sys.stderr)
+        return 2
+    try:
+        return command(argv[1:])
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # errors whose message already names the fix; others keep their traceback
+        from archipelago.data import CorpusUnavailable
+
+        if isinstance(exc, CorpusUnavailable):
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

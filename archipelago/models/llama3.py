@@ -1,0 +1,38 @@
+"""Llama-3 / Llama-3.1 flavors."""
+
+from __future__ import annotations
+
+from .args import ModelArgs, RopeScaling
+from .registry import register_family
+
+# Llama-3.1's published long-context RoPE scaling (8K -> 128K).
+LLAMA31_ROPE_SCALING = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192
+)
+
+LLAMA3_FLAVORS: dict[str, ModelArgs] = {
+    # 6,163,712 params with vocab 2048.
+    "debug": ModelArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=16, ffn_dim=768, vocab_size=None,
+        rope_theta=500000.0, norm_eps=1e-5, max_seq_len=2048,
+    ),
+    # 124,275,456 params with vocab 4096 (GPT-2-small sized).
+    "small": ModelArgs(
+        dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=3584, vocab_size=None,
+        rope_theta=500000.0, norm_eps=1e-5, max_seq_len=2048,
+    ),
+    # Llama-3.1-8B: 8,030,261,248 params.
+    "8B": ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+        rope_theta=500000.0, rope_scaling=LLAMA31_ROPE_SCALING, norm_eps=1e-5,
+        max_seq_len=131072,
+    ),
+    # Llama-3.1-70B: 70,553,706,496 params.
+    "70B": ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256,
+        rope_theta=500000.0, rope_scaling=LLAMA31_ROPE_SCALING, norm_eps=1e-5,
+        max_seq_len=131072,
+    ),
+}
+
+register_family("llama3", LLAMA3_FLAVORS)

@@ -1,0 +1,425 @@
+"""The training loop of one island.
+
+`Trainer.__init__` builds each part through a small `build_*` hook, in dependency
+order; a variant (the federated trainer of a later issue, a vision trainer) overrides
+one hook instead of copying the constructor. `train()` reads top to bottom: resume,
+then step / log / validate / checkpoint until `training.steps`, then summarise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
+from archipelago.config import Config, ConfigError, config_to_dict
+from archipelago.data import (PreparedDataset, TokenSequenceLoader, default_cache_dir,
+                              prepare_dataset, validation_batches)
+from archipelago.island.device import (IslandContext, all_reduce_, barrier, broadcast_object,
+                                       close_island, init_island)
+from archipelago.island.optim import build_adamw, build_lr_scheduler
+from archipelago.island.parallelize import ParallelModel, parallelize
+from archipelago.metrics import (MetricsLog, ProgressDisplay, TensorBoardLog, ThroughputMeter,
+                                 peak_flops_per_s, write_json_atomic)
+from archipelago.models import build_model, get_model_args
+
+log = logging.getLogger("archipelago.trainer")
+
+# Models above this size are built on the meta device and initialised shard by shard;
+# smaller ones are initialised whole on CPU first, which makes the initial weights
+# independent of the rank count (what the 1-rank vs 2-rank equivalence relies on).
+META_INIT_MIN_PARAMS = 1_000_000_000
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/inf loss; the message names the step and the last good checkpoint."""
+
+
+@dataclass
+class Progress:
+    """Where the run stands; checkpointed with everything else."""
+
+    step: int = 0
+    tokens: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+
+
+def _fault_injection() -> tuple[str, int] | None:
+    """ARCHIPELAGO_FAULT=crash@N or nan@N: a test-only hook to exercise recovery paths."""
+    spec = os.environ.get("ARCHIPELAGO_FAULT")
+    if not spec:
+        return None
+    kind, _, step = spec.partition("@")
+    if kind not in ("crash", "nan") or not step.isdigit():
+        raise ConfigError(f"ARCHIPELAGO_FAULT={spec!r}: expected crash@STEP or nan@STEP")
+    return kind, int(step)
+
+
+class Trainer:
+    """Trains one model on one island; see the module docstring."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.ctx = self.build_island()
+        self.run_dir = self.build_run_dir()
+        self.dataset = self.build_dataset()
+        self.model = self.build_model()
+        self.optimizer = self.build_optimizer()
+        self.lr_scheduler = self.build_lr_scheduler()
+        self.train_loader = self.build_train_loader()
+        self.progress = Progress()
+        self.checkpointer = self.build_checkpointer()
+        self.metrics = self.build_metrics()
+        self.fault = _fault_injection()
+
+    # ---- build hooks ---------------------------------------------------------------
+
+    def build_island(self) -> IslandContext:
+        ctx = init_island(self.cfg.training.device)
+        torch.manual_seed(self.cfg.training.seed)
+        return ctx
+
+    def build_run_dir(self) -> Path:
+        """The run directory: --job.run_dir, or a new timestamped folder chosen by rank 0."""
+        job = self.cfg.job
+        chosen = job.run_dir or f"runs/{job.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        run_dir = Path(str(broadcast_object(chosen, self.ctx)))
+        if self.ctx.is_leader:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(run_dir / "config.json", config_to_dict(self.cfg))
+            _log_to_file(run_dir / "train.log")
+        barrier(self.ctx)
+        return run_dir
+
+    def build_dataset(self) -> PreparedDataset:
+        """Rank 0 prepares (or finds cached) token files; the others wait, then read them."""
+        d = self.cfg.data
+        cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
+        folder = None
+        if self.ctx.is_leader:
+            folder = prepare_dataset(d.path, d.tokenizer, d.vocab_size, d.val_fraction, cache,
+                                     seed=self.cfg.training.seed, log=log.info).folder
+        folder = broadcast_object(folder, self.ctx)
+        return PreparedDataset.load(Path(str(folder)))
+
+    def build_model(self) -> ParallelModel:
+        m, t = self.cfg.model, self.cfg.training
+        args = get_model_args(m.name, m.flavor, vocab_size=self.dataset.vocab_size)
+        if args.max_seq_len < self.cfg.data.seq_len:
+            raise ConfigError(f"data.seq_len = {self.cfg.data.seq_len} exceeds the model's max_seq_len "
+                              f"({args.max_seq_len}); lower --data.seq_len")
+        on_meta = args.num_params() >= META_INIT_MIN_PARAMS
+        model = build_model(args, device="meta")
+        if not on_meta:
+            model.to_empty(device="cpu")
+            model.init_weights(seed=t.seed)
+        parallel = parallelize(model, self.ctx, self.cfg.parallelism.data_parallel,
+                               t.mixed_precision, t.activation_checkpointing, t.compile)
+        if on_meta:  # initialise the local shards only; full weights never exist on one rank
+            parallel.module.to_empty(device=self.ctx.device)
+            parallel.inner.init_weights(seed=t.seed)
+        log.info("model %s/%s: %s parameters, %s FLOPs/token, %s on %d x %s (%s)", m.name, m.flavor,
+                 f"{args.num_params():,}", f"{args.flops_per_token(self.cfg.data.seq_len):,}",
+                 parallel.strategy, self.ctx.world_size, self.ctx.device.type, parallel.dtype)
+        return parallel
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return build_adamw(self.model.module, self.cfg.optimizer, self.ctx.device)
+
+    def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        return build_lr_scheduler(self.optimizer, self.cfg.training.steps, self.cfg.lr_scheduler)
+
+    def build_train_loader(self) -> TokenSequenceLoader:
+        t = self.cfg.training
+        return TokenSequenceLoader(self.dataset.train_path, self.cfg.data.seq_len, t.batch_size,
+                                   rank=self.ctx.rank, world_size=self.ctx.world_size, seed=t.seed,
+                                   dtype=self.dataset.dtype, log=log.info)
+
+    def build_checkpointer(self) -> CheckpointManager | None:
+        c = self.cfg.checkpoint
+        if not c.enable and not c.resume:
+            return None
+        folder = Path(c.folder) if Path(c.folder).is_absolute() else self.run_dir / c.folder
+        return CheckpointManager(folder, keep=c.keep, rank=self.ctx.rank,
+                                 world_size=self.ctx.world_size, verify=c.verify)
+
+    def build_metrics(self) -> "RunMetrics":
+        return RunMetrics(self.cfg, self.ctx, self.run_dir, self.model)
+
+    # ---- state ---------------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue bit-for-bit."""
+        return {
+            "train": ModelOptimizerState(self.model.module, self.optimizer),
+            "lr_scheduler": ObjectState(self.lr_scheduler.state_dict, self.lr_scheduler.load_state_dict),
+            "data": ObjectState(self.train_loader.state_dict, self.train_loader.load_state_dict),
+            "progress": ObjectState(self.progress.state_dict, self.progress.load_state_dict),
+            "rng": RNGState(),
+        }
+
+    def resume(self) -> None:
+        if self.checkpointer is None or not self.cfg.checkpoint.resume:
+            return
+        step = self.checkpointer.load_latest(self.checkpoint_state())
+        if step is not None:
+            log.info("resumed from step %d (%s tokens)", self.progress.step, f"{self.progress.tokens:,}")
+            self.metrics.event("resume", step=self.progress.step)
+
+    def save_checkpoint(self, final: bool = False) -> None:
+        if self.checkpointer is None or not self.cfg.checkpoint.enable:
+            return
+        step = self.progress.step
+        if not final and step % self.cfg.checkpoint.interval != 0:
+            return
+        self.check_finite()  # never write a checkpoint of weights that already diverged
+        self.checkpointer.save(step, self.checkpoint_state())
+
+    # ---- the loop ------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        """Train to `training.steps` and return the summary (also written to summary.json)."""
+        self.resume()
+        total = self.cfg.training.steps
+        self.metrics.start(self.progress.step)
+        while self.progress.step < total:
+            loss, grad_norm = self.train_step()
+            self.progress.step += 1
+            self.progress.tokens += self.tokens_per_step
+            self.maybe_inject_fault()
+            self.after_step(loss, grad_norm)
+        return self.finish()
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.training.batch_size * self.cfg.data.seq_len
+
+    def micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's share of the global batch, cut into micro-batches for accumulation."""
+        inputs, targets = self.train_loader.next_batch()
+        size = self.cfg.training.micro_batch_size or inputs.shape[0]
+        if inputs.shape[0] % size:
+            raise ConfigError(f"training.micro_batch_size = {size} does not divide the per-rank batch "
+                              f"({inputs.shape[0]} = batch_size / {self.ctx.world_size} ranks)")
+        dev = self.ctx.device
+        return [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
+                for x, y in zip(inputs.split(size), targets.split(size))]
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (loss, grad norm) as tensors, not yet synced to host."""
+        batches = self.micro_batches()
+        total = torch.zeros((), device=self.ctx.device)
+        for i, (inputs, targets) in enumerate(batches):
+            with self.model.gradient_sync(i == len(batches) - 1), self.model.autocast():
+                logits = self.model.module(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            (loss / len(batches)).backward()
+            total += loss.detach() / len(batches)
+        grad_norm = self.clip_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        return total, grad_norm
+
+    def clip_gradients(self) -> torch.Tensor:
+        params = [p for p in self.model.module.parameters() if p.grad is not None]
+        max_norm = self.cfg.training.max_norm or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        # Under FSDP2 the norm is a DTensor; full_tensor() is a (small) collective.
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def maybe_inject_fault(self) -> None:
+        if self.fault is None or self.fault[1] != self.progress.step:
+            return
+        kind = self.fault[0]
+        if kind == "crash":
+            log.warning("ARCHIPELAGO_FAULT: crashing at step %d", self.progress.step)
+            os.kill(os.getpid(), 9)
+        self.metrics.poison_next_loss = True
+
+    def after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        step, t = self.progress.step, self.cfg.training
+        self.metrics.observe(step, loss)
+        val_loss = None
+        if t.val_every and (step % t.val_every == 0 or step == t.steps):
+            val_loss = self.evaluate()
+        if step % self.cfg.metrics.log_every == 0 or val_loss is not None or step == t.steps:
+            self.check_finite()
+            self.metrics.log_step(step, loss, grad_norm, self.lr_scheduler.get_last_lr()[0],
+                                  self.progress.tokens, val_loss)
+        self.save_checkpoint(final=step == t.steps)
+
+    def check_finite(self) -> None:
+        """Stop on a NaN/inf loss seen since the last check (a host sync point)."""
+        bad_step = self.metrics.first_nonfinite_step()
+        if bad_step is None:
+            return
+        last = self.checkpointer.latest_step() if self.checkpointer else None
+        where = (f"the last good checkpoint is step {last} in {self.checkpointer.folder}; the run "
+                 "resumes from it when restarted with the same --job.run_dir"
+                 if last is not None else "no checkpoint was written before it")
+        message = (f"non-finite loss at step {bad_step}: training stopped; {where}. Lower "
+                   "--optimizer.lr or --training.max_norm, or check the data.")
+        self.metrics.event("nonfinite_loss", step=bad_step, last_checkpoint=last)
+        raise NonFiniteLossError(message)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over the held-out split (the same batches every time)."""
+        t = self.cfg.training
+        self.model.module.eval()
+        sums = torch.zeros(2, device=self.ctx.device, dtype=torch.float64)
+        for inputs, targets in validation_batches(self.dataset.val_path, self.cfg.data.seq_len,
+                                                  t.batch_size, self.ctx.rank, self.ctx.world_size,
+                                                  t.val_batches, self.dataset.dtype):
+            inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
+            with self.model.autocast():
+                logits = self.model.module(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            sums += torch.stack([loss.double(), torch.tensor(targets.numel(), device=sums.device,
+                                                             dtype=torch.float64)])
+        self.model.module.train()
+        all_reduce_(sums, self.ctx)
+        return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+
+    def finish(self) -> dict[str, Any]:
+        summary = self.metrics.finish(self.progress, self.model.inner.num_params())
+        log.info("done: %d steps, %s tokens in %.1f s, final loss %.4f, val loss %s",
+                 summary["steps"], f"{summary['tokens']:,}", summary["wall_s"], summary["final_loss"],
+                 f"{summary['val_loss']:.4f}" if summary["val_loss"] is not None else "n/a")
+        return summary
+
+    def close(self) -> None:
+        self.metrics.close()
+        close_island()
+
+
+class RunMetrics:
+    """Everything the trainer reports: metrics.jsonl, TensorBoard, the live display, summary.json.
+
+    Losses stay on the device until a log step: reading them every step would be a
+    host-device sync point that stalls the GPU queue.
+    """
+
+    def __init__(self, cfg: Config, ctx: IslandContext, run_dir: Path, model: ParallelModel) -> None:
+        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
+        leader = ctx.is_leader
+        self.jsonl = MetricsLog(run_dir / "metrics.jsonl", enabled=leader)
+        self.tensorboard = TensorBoardLog(run_dir / "tensorboard", enabled=leader and cfg.metrics.tensorboard)
+        self.display: ProgressDisplay | None = None  # made in start(), once the first step is known
+        self.flops_per_token = model.inner.flops_per_token(cfg.data.seq_len)
+        self.peak, self.peak_source = peak_flops_per_s(ctx.device, model.dtype, cfg.metrics.peak_tflops)
+        self.meter = ThroughputMeter(window=1)  # each update is already a whole log window
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=ctx.device)
+        self.poison_next_loss = False
+        self.last_loss = float("nan")
+        self.last_val: float | None = None
+        self.started = time.perf_counter()
+        self.window_start = self.started
+        self.window_steps = 0
+
+    def start(self, step: int) -> None:
+        self.display = ProgressDisplay(self.cfg.training.steps, start_step=step,
+                                       mode=self.cfg.metrics.progress, enabled=self.ctx.is_leader,
+                                       title=self.cfg.job.name)
+        self.started = self.window_start = time.perf_counter()
+        self.start_step = step
+        log.info("peak %.2f TFLOP/s per rank (%s) used for MFU", self.peak / 1e12, self.peak_source)
+
+    def observe(self, step: int, loss: torch.Tensor) -> None:
+        """Record the first step whose loss is not finite, without a host sync."""
+        if self.poison_next_loss:
+            loss.fill_(float("nan"))
+            self.poison_next_loss = False
+        bad = ~torch.isfinite(loss) & (self.first_bad < 0)
+        self.first_bad = torch.where(bad, torch.full_like(self.first_bad, step), self.first_bad)
+        self.window_steps += 1
+
+    def first_nonfinite_step(self) -> int | None:
+        """The earliest non-finite step on any rank (a collective and a host sync point).
+
+        Every rank learns about any rank's NaN, so all stop together and none is left
+        waiting in a collective.
+        """
+        never = 2**62
+        first = torch.where(self.first_bad < 0, torch.full_like(self.first_bad, never), self.first_bad)
+        first = int(all_reduce_(first.clone(), self.ctx, op="min"))
+        return None if first >= never else first
+
+    def log_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
+                 tokens: int, val_loss: float | None) -> None:
+        now = time.perf_counter()
+        loss_avg = float(all_reduce_(loss.detach().clone(), self.ctx, op="avg"))
+        window_tokens = self.window_steps * self.cfg.training.batch_size * self.cfg.data.seq_len
+        self.meter.update(window_tokens, now - self.window_start)
+        self.window_start, self.window_steps = now, 0
+        tokens_per_s = self.meter.tokens_per_s()
+        mfu = self.meter.mfu(self.flops_per_token, self.peak * self.ctx.world_size)
+        self.last_loss = loss_avg
+        if val_loss is not None:
+            self.last_val = val_loss
+        record = {"step": step, "loss": loss_avg, "lr": lr, "grad_norm": float(grad_norm),
+                  "tokens": tokens, "tokens_per_s": tokens_per_s, "mfu": mfu,
+                  "elapsed_s": now - self.started}
+        if val_loss is not None:
+            record["val_loss"] = val_loss
+        self.jsonl.log(record)
+        self.tensorboard.log(step, {k: v for k, v in record.items() if k != "step"})
+        self.display.update(step, record)
+
+    def event(self, name: str, **fields: Any) -> None:
+        self.jsonl.log({"event": name, "time": time.time(), **fields})
+        if self.display is not None:
+            self.display.message(f"{name}: {fields}")
+
+    def finish(self, progress: Progress, params: int) -> dict[str, Any]:
+        wall = time.perf_counter() - self.started
+        trained_steps = progress.step - self.start_step
+        summary = {
+            "steps": progress.step, "tokens": progress.tokens, "wall_s": wall,
+            "steps_this_session": trained_steps,
+            "tokens_per_s": trained_steps * self.cfg.training.batch_size * self.cfg.data.seq_len / wall
+            if wall > 0 else None,
+            "final_loss": self.last_loss, "val_loss": self.last_val, "params": params,
+            "model": f"{self.cfg.model.name}/{self.cfg.model.flavor}", "ranks": self.ctx.world_size,
+            "device": self.ctx.device.type, "peak_flops_per_s": self.peak,
+            "peak_source": self.peak_source, "run_dir": str(self.run_dir),
+        }
+        if self.ctx.is_leader:
+            write_json_atomic(self.run_dir / "summary.json", summary)
+        return summary
+
+    def close(self) -> None:
+        if self.display is not None:
+            self.display.close()
+        self.tensorboard.close()
+        self.jsonl.close()
+
+
+def _log_to_file(path: Path) -> None:
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("archipelago").addHandler(handler)
+
+
+def run_training(cfg: Config) -> dict[str, Any]:
+    """Build a Trainer, train, and always release the process group."""
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+

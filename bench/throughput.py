@@ -1,0 +1,140 @@
+"""Trainer overhead: Archipelago's trainer vs a minimal hand-written PyTorch loop.
+
+Both run the same model, batch, sequence length, optimizer and thread count in this
+one process; each is timed over the same number of steady-state steps after a warm-up,
+and the two alternate for several repeats so drift in machine speed hits both. Prints
+a table (ratio first) and writes JSON with --out.
+
+    python bench/throughput.py [--flavor debug] [--steps 30] [--repeats 3] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from archipelago.config import Config, validate  # noqa: E402
+from archipelago.data import TokenSequenceLoader, default_cache_dir, prepare_dataset  # noqa: E402
+from archipelago.models import build_model, get_model_args  # noqa: E402
+from archipelago.trainer import Trainer  # noqa: E402
+
+
+def bench_config(args: argparse.Namespace, run_dir: Path) -> Config:
+    cfg = Config()
+    cfg.model.flavor = args.flavor
+    cfg.data.seq_len = args.seq_len
+    cfg.training.batch_size = args.batch_size
+    cfg.training.steps = args.warmup + args.steps
+    cfg.training.val_every = 0
+    cfg.lr_scheduler.warmup_steps = 0
+    cfg.checkpoint.enable = cfg.checkpoint.resume = False
+    cfg.metrics.progress = "off"
+    cfg.metrics.tensorboard = False
+    cfg.metrics.log_every = args.steps  # one log line in the timed window, as a real run would
+    cfg.job.run_dir = str(run_dir)
+    return validate(cfg)
+
+
+class TimedTrainer(Trainer):
+    """The real trainer; only `after_step` is extended to stamp the timed window."""
+
+    warmup = 0
+    t0 = t1 = 0.0
+
+    def after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        super().after_step(loss, grad_norm)
+        if self.progress.step == self.warmup:
+            self.t0 = time.perf_counter()
+        self.t1 = time.perf_counter()
+
+
+def run_trainer(cfg: Config, warmup: int) -> float:
+    trainer = TimedTrainer(cfg)
+    trainer.warmup = warmup
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return trainer.t1 - trainer.t0
+
+
+def run_minimal(cfg: Config, dataset_train: Path, vocab: int, dtype: str, warmup: int, steps: int) -> float:
+    """The baseline: what one would write by hand, batches already in memory."""
+    args = get_model_args(cfg.model.name, cfg.model.flavor, vocab_size=vocab)
+    torch.manual_seed(cfg.training.seed)
+    model = build_model(args, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, betas=(0.9, 0.95),
+                            weight_decay=0.1, foreach=True)
+    loader = TokenSequenceLoader(dataset_train, cfg.data.seq_len, cfg.training.batch_size, 0, 1,
+                                 seed=0, dtype=dtype)
+    batches = [loader.next_batch() for _ in range(warmup + steps)]
+    t0 = 0.0
+    for i, (x, y) in enumerate(batches):
+        if i == warmup:
+            t0 = time.perf_counter()
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    loss.item()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flavor", default="debug")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30, help="timed steps per repeat")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="archipelago-bench-"))
+    cfg = bench_config(args, tmp / "run")
+    ds = prepare_dataset(None, None, cfg.data.vocab_size, cfg.data.val_fraction, default_cache_dir(),
+                         log=lambda _m: None)
+    tokens = args.steps * args.batch_size * args.seq_len
+    trainer_tps, minimal_tps = [], []
+    for r in range(args.repeats):
+        cfg.job.run_dir = str(tmp / f"run{r}")
+        trainer_tps.append(tokens / run_trainer(cfg, args.warmup))
+        minimal_tps.append(tokens / run_minimal(cfg, ds.train_path, ds.vocab_size, ds.dtype,
+                                                args.warmup, args.steps))
+    trainer_med, minimal_med = statistics.median(trainer_tps), statistics.median(minimal_tps)
+    ratio = trainer_med / minimal_med
+    result = {
+        "ratio": ratio, "trainer_tokens_per_s": trainer_med, "minimal_tokens_per_s": minimal_med,
+        "trainer_runs": trainer_tps, "minimal_runs": minimal_tps, "flavor": args.flavor,
+        "seq_len": args.seq_len, "batch_size": args.batch_size, "steps": args.steps,
+        "repeats": args.repeats, "threads": args.threads, "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+    }
+    print(f"\nllama3/{args.flavor}, batch {args.batch_size} x seq {args.seq_len}, {args.threads} threads, "
+          f"{args.steps} timed steps x {args.repeats} repeats (median)\n")
+    print("| ratio (trainer / minimal) | trainer tokens/s | minimal loop tokens/s |")
+    print("|---:|---:|---:|")
+    print(f"| {ratio:.3f} | {trainer_med:,.0f} | {minimal_med:,.0f} |")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The run configuration: shipped files parse, bad input is refused with a useful message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from archipelago.config import ConfigError, config_from_dict, load_config, load_toml, validate
+from archipelago.config.reference import field_docs, reference_markdown
+from archipelago.config.schema import Config, FaultToleranceConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "configs").rglob("*.toml"))
+
+
+def test_there_are_shipped_configs():
+    assert len(SHIPPED) >= 2
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_shipped_config_parses_and_validates(path):
+    cfg = load_config(["--config", str(path)])
+    # The file really was applied (not silently replaced by defaults).
+    raw = path.read_text()
+    assert f'flavor = "{cfg.model.flavor}"' in raw
+
+
+def test_unknown_key_in_toml_names_the_closest_key(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[training]\nstep = 5\n")
+    with pytest.raises(ConfigError, match=r"unknown key `step`; did you mean `steps`"):
+        load_toml(f)
+
+
+def test_unknown_section_in_toml_names_the_closest_section():
+    with pytest.raises(ConfigError, match=r"did you mean `\[training\]`"):
+        config_from_dict({"trainig": {"steps": 3}})
+
+
+def test_wrong_type_in_toml_is_refused():
+    with pytest.raises(ConfigError, match=r"training.steps = 'ten': expected int, got str"):
+        config_from_dict({"training": {"steps": "ten"}})
+    with pytest.raises(ConfigError, match=r"expected bool"):
+        config_from_dict({"checkpoint": {"enable": 1}})
+    with pytest.raises(ConfigError, match=r"'diloco' \| 'local_sgd'"):
+        config_from_dict({"fault_tolerance": {"semi_sync_method": "adam"}})
+
+
+def test_ints_widen_to_floats_and_optional_strings_accept_values():
+    cfg = config_from_dict({"optimizer": {"lr": 1}, "data": {"path": "/x"}})
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.data.path == "/x"
+
+
+def test_command_line_overrides_in_all_three_spellings(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('[training]\nsteps = 40\n[model]\nflavor = "debug"\n')
+    cfg = load_config(["--config", str(f), "--training.batch_size", "4", "--optimizer.lr=0.01",
+                       "--checkpoint.no_enable", "--training.compile"])
+    assert cfg.training.steps == 40  # from the file
+    assert cfg.training.batch_size == 4 and cfg.optimizer.lr == 0.01
+    assert cfg.checkpoint.enable is False and cfg.training.compile is True
+
+
+def test_config_file_from_environment(tmp_path, monkeypatch):
+    f = tmp_path / "run.toml"
+    f.write_text("[training]\nsteps = 77\n")
+    monkeypatch.setenv("CONFIG_FILE", str(f))
+    assert load_config([]).training.steps == 77
+
+
+def test_unknown_command_line_flag_suggests_the_closest(capsys):
+    with pytest.raises(SystemExit) as exc:
+        load_config(["--training.step", "5"])
+    assert exc.value.code != 0
+    assert "--training.steps" in capsys.readouterr().err
+
+
+def test_invalid_combinations_name_the_fix():
+    cfg = Config()
+    cfg.training.steps = 10
+    cfg.lr_scheduler.warmup_steps = 10
+    cfg.training.micro_batch_size = 99
+    with pytest.raises(ConfigError) as exc:
+        validate(cfg)
+    message = str(exc.value)
+    assert "lr_scheduler.warmup_steps = 10: must be below training.steps (10)" in message
+    assert "training.micro_batch_size = 99" in message  # every problem is listed at once
+
+
+def test_fault_tolerance_keys_of_the_reference_platform_exist():
+    names = {"enable", "replica_id", "group_size", "min_replica_size", "semi_sync_method",
+             "sync_steps", "num_fragments", "fragment_sync_delay", "fragment_update_alpha",
+             "should_quantize", "process_group", "process_group_timeout_ms",
+             "rank0_synchronization_only", "copy_pseudogradients_to_cpu"}
+    assert names <= set(FaultToleranceConfig.__dataclass_fields__)
+
+
+def test_every_field_has_a_docstring():
+    for section in Config.__dataclass_fields__.values():
+        cls = section.default_factory  # type: ignore[misc]
+        docs = field_docs(cls)
+        missing = set(cls.__dataclass_fields__) - set(docs)
+        assert not missing, f"{cls.__name__} fields without docstring: {missing}"
+
+
+def test_configuration_reference_in_docs_is_current():
+    doc = ROOT / "docs" / "configuration.md"
+    assert doc.read_text().strip() == reference_markdown().strip(), (
+        "docs/configuration.md is stale: run `make docs`")
+
+
+def test_help_shows_field_docstrings():
+    out = subprocess.run([sys.executable, "-m", "archipelago.launch.cli", "train", "--help"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert "--training.steps" in out.stdout
+    assert "Number of optimizer steps" in out.stdout
+    assert "--nproc" in out.stdout
+
+
+def test_cli_reports_config_errors_without_traceback(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[optimizer]\nlrr = 1.0\n")
+    out = subprocess.run([sys.executable, "-m", "archipelago.launch.cli", "train", "--config", str(f)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 2
+    assert "did you mean `lr`" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_unknown_model_flavor_is_refused_before_training(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "archipelago.launch.cli", "train",
+                          "--model.flavor", "debugg", "--job.run_dir", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 2
+    assert "debug" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "r").exists()
