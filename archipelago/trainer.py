@@ -8,6 +8,7 @@ then step / log / validate / checkpoint until `training.steps`, then summarise.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -121,16 +122,12 @@ class Trainer:
         if args.max_seq_len < self.cfg.data.seq_len:
             raise ConfigError(f"data.seq_len = {self.cfg.data.seq_len} exceeds the model's max_seq_len "
                               f"({args.max_seq_len}); lower --data.seq_len")
-        on_meta = args.num_params() >= META_INIT_MIN_PARAMS
         model = build_model(args, device="meta")
-        if not on_meta:
+        if args.num_params() < META_INIT_MIN_PARAMS:
             model.to_empty(device="cpu")
             model.init_weights(seed=t.seed)
         parallel = parallelize(model, self.ctx, self.cfg.parallelism.data_parallel,
-                               t.mixed_precision, t.activation_checkpointing, t.compile)
-        if on_meta:  # initialise the local shards only; full weights never exist on one rank
-            parallel.module.to_empty(device=self.ctx.device)
-            parallel.inner.init_weights(seed=t.seed)
+                               t.mixed_precision, t.activation_checkpointing, t.compile, seed=t.seed)
         log.info("model %s/%s: %s parameters, %s FLOPs/token, %s on %d x %s (%s)", m.name, m.flavor,
                  f"{args.num_params():,}", f"{args.flops_per_token(self.cfg.data.seq_len):,}",
                  parallel.strategy, self.ctx.world_size, self.ctx.device.type, parallel.dtype)
@@ -195,6 +192,8 @@ class Trainer:
         self.resume()
         total = self.cfg.training.steps
         self.metrics.start(self.progress.step)
+        if self.progress.step == 0 and self.cfg.training.val_every:
+            self.metrics.log_validation(0, self.evaluate())  # the "before" of the loss curve
         while self.progress.step < total:
             loss, grad_norm = self.train_step()
             self.progress.step += 1
@@ -303,7 +302,19 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        """Release everything, in an order that cannot deadlock at exit.
+
+        DDP's reducer owns the gloo process group; freeing it while gloo's worker
+        thread still destroys a finished all-reduce (which needs the GIL the freeing
+        thread holds) hangs the process. So: wait until no collective is in flight,
+        free the model and optimizer while the group is alive, then destroy the group.
+        """
         self.metrics.close()
+        if self.ctx.is_distributed:
+            barrier(self.ctx)
+            time.sleep(0.05)  # releases the GIL so gloo's threads finish their clean-up
+        self.model = self.optimizer = self.lr_scheduler = None  # type: ignore[assignment]
+        gc.collect()
         close_island()
 
 
@@ -379,6 +390,14 @@ class RunMetrics:
         self.jsonl.log(record)
         self.tensorboard.log(step, {k: v for k, v in record.items() if k != "step"})
         self.display.update(step, record)
+
+    def log_validation(self, step: int, val_loss: float) -> None:
+        """A validation-only record (the evaluation before the first step)."""
+        self.last_val = val_loss
+        self.jsonl.log({"step": step, "val_loss": val_loss, "tokens": 0})
+        self.tensorboard.log(step, {"val_loss": val_loss})
+        if self.display is not None:
+            self.display.message(f"step {step}: val {val_loss:.3f}")
 
     def event(self, name: str, **fields: Any) -> None:
         self.jsonl.log({"event": name, "time": time.time(), **fields})

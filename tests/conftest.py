@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,24 +38,50 @@ class Finished:
     output: str
 
 
+def pids_with_token(token: str) -> list[int]:
+    """PIDs of the processes whose environment carries `token` (the ones a test started).
+
+    torchrun starts each rank in a session of its own, so a rank that outlives
+    torchrun is in neither our process group nor our process tree; the token,
+    inherited by every descendant, still finds it.
+    """
+    found = []
+    needle = f"ARCHIPELAGO_TEST_TOKEN={token}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:  # exited meanwhile, or not ours to read
+                pass
+    return found
+
+
+def kill_started_processes(token: str) -> None:
+    for pid in pids_with_token(token):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_cli(args: list[str], timeout: float = 240, env: dict[str, str] | None = None) -> Finished:
-    """Run `archipelago ARGS` in its own process group; kill the whole group on timeout."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    full_env.pop("ARCHIPELAGO_FAULT", None) if not env or "ARCHIPELAGO_FAULT" not in env else None
+    """Run `archipelago ARGS`; on timeout, and always at the end, kill every process it started."""
+    token = uuid.uuid4().hex
+    full_env = {k: v for k, v in os.environ.items() if k != "ARCHIPELAGO_FAULT"}
+    full_env.update(PYTHONUNBUFFERED="1", ARCHIPELAGO_TEST_TOKEN=token, **(env or {}))
     proc = subprocess.Popen([sys.executable, "-m", "archipelago.launch.cli", *args], cwd=ROOT,
-                            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group we created: torchrun and its ranks
+        kill_started_processes(token)
         out, _ = proc.communicate()
         pytest.fail(f"archipelago {' '.join(args)} timed out after {timeout}s:\n{out[-4000:]}")
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers, if a rank outlived torchrun
-        except ProcessLookupError:
-            pass
+        leftovers = pids_with_token(token)
+        kill_started_processes(token)
+    assert not leftovers, f"processes outlived `archipelago {' '.join(args)}`: {leftovers}\n{out[-3000:]}"
     return Finished(proc.returncode, out)
 
 

@@ -77,17 +77,36 @@ class ParallelModel:
             yield
 
 
+def _materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate a meta-device model's (local) storage on `device` and initialise it."""
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+        model.init_weights(seed=seed)
+    else:
+        model.to(device)
+
+
 def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_precision: str,
-                activation_checkpointing: bool = False, compile_blocks: bool = False) -> ParallelModel:
-    """Wrap an initialised model (on CPU or already on `ctx.device`) for this island."""
+                activation_checkpointing: bool = False, compile_blocks: bool = False,
+                seed: int = 0) -> ParallelModel:
+    """Wrap a model for this island and put it on the island's device.
+
+    `model` is either initialised (on CPU) or still on the meta device; a meta model
+    is materialised here, after sharding under FSDP so that each rank only ever
+    allocates its own shard, and before wrapping under DDP, which broadcasts
+    rank 0's weights at construction.
+    """
     dtype = compute_dtype(mixed_precision, ctx.device)
     _wrap_blocks(model, activation_checkpointing, compile_blocks)
     if ctx.world_size == 1:
-        return ParallelModel(model.to(ctx.device), model, ctx, dtype, "single")
+        _materialize(model, ctx.device, seed)
+        return ParallelModel(model, model, ctx, dtype, "single")
     if data_parallel == "ddp":
-        model.to(ctx.device)
+        _materialize(model, ctx.device, seed)
         ddp = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type != "cpu" else None)
         return ParallelModel(ddp, model, ctx, dtype, "ddp")
-    model.to(ctx.device)
+    if not any(p.is_meta for p in model.parameters()):
+        model.to(ctx.device)
     _shard(model, ctx, dtype)
+    _materialize(model, ctx.device, seed)  # a no-op move for a model that was already real
     return ParallelModel(model, model, ctx, dtype, "fsdp")

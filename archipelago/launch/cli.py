@@ -174,6 +174,7 @@ def cmd_report(argv: list[str]) -> int:
     from archipelago.metrics import write_report
 
     png, md = write_report(Path(argv[0]))
+    print(md.read_text())
     print(f"wrote {png}\nwrote {md}")
     return 0
 

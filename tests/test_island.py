@@ -1,0 +1,111 @@
+"""Parallelism applied from outside the model: initialisation, sharding, wrappers."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from archipelago.island.device import IslandContext, detect_device_type
+from archipelago.island.parallelize import compute_dtype, parallelize
+from archipelago.models import build_model, get_model_args
+
+
+def tiny_model(device="cpu", seed=0):
+    args = get_model_args("llama3", "debug", vocab_size=64)
+    args.n_layers, args.dim, args.n_heads, args.n_kv_heads, args.ffn_dim = 2, 32, 4, 2, 64
+    args.max_seq_len = 16
+    model = build_model(args, device="meta")
+    if device != "meta":
+        model.to_empty(device=device)
+        model.init_weights(seed=seed)
+    return model
+
+
+def one_rank() -> IslandContext:
+    return IslandContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
+
+
+def test_compute_dtype_is_bf16_on_accelerators_and_fp32_on_cpu():
+    assert compute_dtype("auto", torch.device("cpu")) == torch.float32
+    assert compute_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert compute_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    assert compute_dtype("fp32", torch.device("cuda", 0)) == torch.float32
+
+
+def test_cpu_is_always_available():
+    assert detect_device_type("cpu") == "cpu"
+    assert detect_device_type("auto") in ("cpu", "cuda", "xpu", "mps")
+
+
+def test_meta_model_is_materialised_like_a_cpu_initialised_one():
+    reference = tiny_model("cpu", seed=3)
+    parallel = parallelize(tiny_model("meta"), one_rank(), "fsdp", "auto", seed=3)
+    got = dict(parallel.inner.named_parameters())
+    for name, param in reference.named_parameters():
+        assert torch.equal(got[name], param), name
+    assert parallel.strategy == "single"
+
+
+def test_activation_checkpointing_keeps_loss_and_gradients():
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for checkpointing in (False, True):
+        parallel = parallelize(tiny_model("cpu"), one_rank(), "fsdp", "fp32",
+                               activation_checkpointing=checkpointing)
+        loss = parallel.module(tokens).float().logsumexp(-1).mean()
+        loss.backward()
+        grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+                 for n, p in parallel.module.named_parameters()}
+        results.append((loss.detach(), grads))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=0, atol=1e-6)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_worker(rank: int, port: int, meta: bool, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        ctx = IslandContext(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"),
+                            backend="gloo")
+        parallel = parallelize(tiny_model("meta" if meta else "cpu", seed=5), ctx, "fsdp", "auto", seed=5)
+        full = {n: p.full_tensor().detach().clone() for n, p in parallel.module.named_parameters()}
+        local = {n: p.to_local().numel() for n, p in parallel.module.named_parameters()}
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+        parallel.module(tokens).sum().backward()
+        out[rank] = (full, local, all(p.grad is not None for p in parallel.module.parameters()))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("meta", [False, True], ids=["cpu-init", "meta-init"])
+def test_fsdp_shards_every_block_and_initialises_consistently(meta):
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_fsdp_worker, args=(_free_port(), meta, out), nprocs=2, join=True)
+        (full0, local0, grads0), (full1, local1, grads1) = out[0], out[1]
+    assert grads0 and grads1
+    reference = dict(tiny_model("cpu", seed=5).named_parameters())
+    for name, tensor in full0.items():
+        # Both ranks see the same full weights, and each holds only part of them.
+        assert torch.equal(tensor, full1[name]), name
+        assert local0[name] < tensor.numel() or tensor.shape[0] < 2, name
+        assert torch.isfinite(tensor).all(), name
+        if not meta:  # a CPU-initialised model is sharded as is: same weights as 1 rank
+            assert torch.equal(tensor, reference[name].detach()), name
+    if meta:  # initialised shard by shard: the statistics of the reference init hold
+        w = full0["layers.0.attention.wq.weight"]
+        assert 0.015 < w.std().item() < 0.025
