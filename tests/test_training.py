@@ -125,3 +125,17 @@ def test_report_writes_plot_and_summary(shakespeare, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((run / "summary.json").read_text())
     assert f"{summary['val_loss']:.4f}" in (run / "report" / "report.md").read_text()
+
+
+def test_bf16_mixed_precision_path_runs_under_fsdp(shakespeare, tmp_path):
+    """The GPU precision path (FSDP2 MixedPrecisionPolicy) exercised on CPU ranks."""
+    common = ["--training.steps", "4", "--metrics.log_every", "1", "--training.val_every", "0",
+              "--checkpoint.no_enable"]
+    fp32 = train(tmp_path / "fp32", *common)
+    bf16 = train(tmp_path / "bf16", *common, "--training.mixed_precision", "bf16", nproc=2)
+    assert fp32.returncode == 0 and bf16.returncode == 0, bf16.output[-3000:]
+    assert "torch.bfloat16" in (tmp_path / "bf16" / "train.log").read_text()
+    a, b = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")
+    for step in a:
+        assert b[step] != a[step]  # really computed in another precision
+        assert b[step] == pytest.approx(a[step], abs=5e-2), (step, a, b)
