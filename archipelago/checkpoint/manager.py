@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from archipelago.checkpoint._fsutil import sha256_file, write_text_atomic
+from archipelago.fsutil import sha256_file, write_text_atomic
 
 log = logging.getLogger("archipelago.checkpoint")
 

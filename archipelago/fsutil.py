@@ -1,4 +1,4 @@
-"""Small filesystem helpers for crash-safe checkpoint bookkeeping."""
+"""Small filesystem helpers for crash-safe files: atomic writes, fsync, hashing."""
 
 from __future__ import annotations
 
