@@ -9,7 +9,9 @@ then step / log / validate / checkpoint until `training.steps`, then summarise.
 from __future__ import annotations
 
 import gc
+import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
-from archipelago.config import Config, ConfigError, config_to_dict
+from archipelago.config import Config, ConfigError, config_to_dict, validate_for_island
 from archipelago.data import (PreparedDataset, TokenSequenceLoader, default_cache_dir,
                               prepare_dataset, validation_batches)
 from archipelago.island.device import (IslandContext, all_reduce_, barrier, broadcast_object,
@@ -50,12 +52,15 @@ class Progress:
 
     step: int = 0
     tokens: int = 0
+    loss: float = float("nan")      # last logged training loss
+    val_loss: float = float("nan")  # last validation loss (nan: not evaluated yet)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "tokens": self.tokens}
+    def state_dict(self) -> dict[str, float]:
+        return {"step": self.step, "tokens": self.tokens, "loss": self.loss, "val_loss": self.val_loss}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, float]) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.loss, self.val_loss = float(state["loss"]), float(state["val_loss"])
 
 
 def _fault_injection() -> tuple[str, int] | None:
@@ -98,27 +103,40 @@ class Trainer:
         job = self.cfg.job
         chosen = job.run_dir or f"runs/{job.name}-{datetime.now():%Y%m%d-%H%M%S}"
         run_dir = Path(str(broadcast_object(chosen, self.ctx)))
+        problem = None
         if self.ctx.is_leader:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(run_dir / "config.json", config_to_dict(self.cfg))
-            _log_to_file(run_dir / "train.log")
-        barrier(self.ctx)
+            problem = _resume_mismatch(run_dir / "config.json", self.cfg)
+            if problem is None:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                write_json_atomic(run_dir / "config.json", config_to_dict(self.cfg))
+                _log_to_file(run_dir / "train.log")
+        problem = broadcast_object(problem, self.ctx)
+        if problem is not None:
+            raise ConfigError(str(problem))
         return run_dir
 
     def build_dataset(self) -> PreparedDataset:
         """Rank 0 prepares (or finds cached) token files; the others wait, then read them."""
         d = self.cfg.data
         cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
-        folder = None
+        folder: object = None
         if self.ctx.is_leader:
-            folder = prepare_dataset(d.path, d.tokenizer, d.vocab_size, d.val_fraction, cache,
-                                     seed=self.cfg.training.seed, log=log.info).folder
+            try:
+                folder = prepare_dataset(d.path, d.tokenizer, d.vocab_size, d.val_fraction, cache,
+                                         seed=self.cfg.training.seed, log=log.info).folder
+            except ValueError as exc:  # bad folder, bad tokenizer file: say which key to fix
+                folder = ConfigError(f"data: {exc}")
         folder = broadcast_object(folder, self.ctx)
+        if isinstance(folder, ConfigError):  # every rank stops with the same message
+            raise folder
         return PreparedDataset.load(Path(str(folder)))
 
     def build_model(self) -> ParallelModel:
         m, t = self.cfg.model, self.cfg.training
-        args = get_model_args(m.name, m.flavor, vocab_size=self.dataset.vocab_size)
+        try:
+            args = get_model_args(m.name, m.flavor, vocab_size=self.dataset.vocab_size)
+        except ValueError as exc:  # e.g. a tokenizer larger than the flavor's vocabulary
+            raise ConfigError(f"model: {exc}") from exc
         if args.max_seq_len < self.cfg.data.seq_len:
             raise ConfigError(f"data.seq_len = {self.cfg.data.seq_len} exceeds the model's max_seq_len "
                               f"({args.max_seq_len}); lower --data.seq_len")
@@ -141,6 +159,7 @@ class Trainer:
 
     def build_train_loader(self) -> TokenSequenceLoader:
         t = self.cfg.training
+        validate_for_island(self.cfg, self.ctx.world_size)
         return TokenSequenceLoader(self.dataset.train_path, self.cfg.data.seq_len, t.batch_size,
                                    rank=self.ctx.rank, world_size=self.ctx.world_size, seed=t.seed,
                                    dtype=self.dataset.dtype, log=log.info)
@@ -193,7 +212,10 @@ class Trainer:
         total = self.cfg.training.steps
         self.metrics.start(self.progress.step)
         if self.progress.step == 0 and self.cfg.training.val_every:
-            self.metrics.log_validation(0, self.evaluate())  # the "before" of the loss curve
+            self.progress.val_loss = self.evaluate()
+            self.metrics.log_validation(0, self.progress.val_loss)  # the "before" of the curve
+        elif self.progress.step >= total:
+            log.info("already trained to step %d of %d: nothing to do", self.progress.step, total)
         while self.progress.step < total:
             loss, grad_norm = self.train_step()
             self.progress.step += 1
@@ -209,10 +231,7 @@ class Trainer:
     def micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's share of the global batch, cut into micro-batches for accumulation."""
         inputs, targets = self.train_loader.next_batch()
-        size = self.cfg.training.micro_batch_size or inputs.shape[0]
-        if inputs.shape[0] % size:
-            raise ConfigError(f"training.micro_batch_size = {size} does not divide the per-rank batch "
-                              f"({inputs.shape[0]} = batch_size / {self.ctx.world_size} ranks)")
+        size = self.cfg.training.micro_batch_size or inputs.shape[0]  # checked in build_train_loader
         dev = self.ctx.device
         return [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
                 for x, y in zip(inputs.split(size), targets.split(size))]
@@ -257,8 +276,11 @@ class Trainer:
             val_loss = self.evaluate()
         if step % self.cfg.metrics.log_every == 0 or val_loss is not None or step == t.steps:
             self.check_finite()
-            self.metrics.log_step(step, loss, grad_norm, self.lr_scheduler.get_last_lr()[0],
-                                  self.progress.tokens, val_loss)
+            self.progress.loss = self.metrics.log_step(step, loss, grad_norm,
+                                                       self.lr_scheduler.get_last_lr()[0],
+                                                       self.progress.tokens, val_loss)
+            if val_loss is not None:
+                self.progress.val_loss = val_loss
         self.save_checkpoint(final=step == t.steps)
 
     def check_finite(self) -> None:
@@ -336,8 +358,6 @@ class RunMetrics:
         self.meter = ThroughputMeter(window=1)  # each update is already a whole log window
         self.first_bad = torch.full((), -1, dtype=torch.long, device=ctx.device)
         self.poison_next_loss = False
-        self.last_loss = float("nan")
-        self.last_val: float | None = None
         self.started = time.perf_counter()
         self.window_start = self.started
         self.window_steps = 0
@@ -371,7 +391,8 @@ class RunMetrics:
         return None if first >= never else first
 
     def log_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
-                 tokens: int, val_loss: float | None) -> None:
+                 tokens: int, val_loss: float | None) -> float:
+        """Write one step record; returns the loss averaged over the island's ranks."""
         now = time.perf_counter()
         loss_avg = float(all_reduce_(loss.detach().clone(), self.ctx, op="avg"))
         window_tokens = self.window_steps * self.cfg.training.batch_size * self.cfg.data.seq_len
@@ -379,9 +400,6 @@ class RunMetrics:
         self.window_start, self.window_steps = now, 0
         tokens_per_s = self.meter.tokens_per_s()
         mfu = self.meter.mfu(self.flops_per_token, self.peak * self.ctx.world_size)
-        self.last_loss = loss_avg
-        if val_loss is not None:
-            self.last_val = val_loss
         record = {"step": step, "loss": loss_avg, "lr": lr, "grad_norm": float(grad_norm),
                   "tokens": tokens, "tokens_per_s": tokens_per_s, "mfu": mfu,
                   "elapsed_s": now - self.started}
@@ -390,10 +408,10 @@ class RunMetrics:
         self.jsonl.log(record)
         self.tensorboard.log(step, {k: v for k, v in record.items() if k != "step"})
         self.display.update(step, record)
+        return loss_avg
 
     def log_validation(self, step: int, val_loss: float) -> None:
         """A validation-only record (the evaluation before the first step)."""
-        self.last_val = val_loss
         self.jsonl.log({"step": step, "val_loss": val_loss, "tokens": 0})
         self.tensorboard.log(step, {"val_loss": val_loss})
         if self.display is not None:
@@ -412,7 +430,9 @@ class RunMetrics:
             "steps_this_session": trained_steps,
             "tokens_per_s": trained_steps * self.cfg.training.batch_size * self.cfg.data.seq_len / wall
             if wall > 0 else None,
-            "final_loss": self.last_loss, "val_loss": self.last_val, "params": params,
+            "final_loss": progress.loss,
+            "val_loss": progress.val_loss if math.isfinite(progress.val_loss) else None,
+            "params": params,
             "model": f"{self.cfg.model.name}/{self.cfg.model.flavor}", "ranks": self.ctx.world_size,
             "device": self.ctx.device.type, "peak_flops_per_s": self.peak,
             "peak_source": self.peak_source, "run_dir": str(self.run_dir),
@@ -426,6 +446,27 @@ class RunMetrics:
             self.display.close()
         self.tensorboard.close()
         self.jsonl.close()
+
+
+# Settings a checkpoint is tied to: resuming with other values would load the wrong
+# shapes or data order, and training from scratch instead would overwrite the run's work.
+RESUME_KEYS = (("model", "name"), ("model", "flavor"), ("data", "path"), ("data", "tokenizer"),
+               ("data", "vocab_size"), ("data", "seq_len"), ("data", "val_fraction"),
+               ("training", "batch_size"), ("training", "seed"))
+
+
+def _resume_mismatch(saved_config: Path, cfg: Config) -> str | None:
+    """Why this run may not reuse the run directory that holds `saved_config`, or None."""
+    if not cfg.checkpoint.resume or not saved_config.is_file():
+        return None
+    saved, now = json.loads(saved_config.read_text()), config_to_dict(cfg)
+    diffs = [f"{a}.{b}: {saved.get(a, {}).get(b)!r} -> {now[a][b]!r}" for a, b in RESUME_KEYS
+             if saved.get(a, {}).get(b) != now[a][b]]
+    if not diffs:
+        return None
+    return (f"run directory {saved_config.parent} belongs to a run with other settings "
+            f"({'; '.join(diffs)}); its checkpoints cannot be resumed with them. Use a new "
+            "--job.run_dir, or the original settings to resume")
 
 
 def _log_to_file(path: Path) -> None:

@@ -152,3 +152,44 @@ def test_compiled_blocks_with_activation_checkpointing_match_eager(shakespeare, 
     a, b = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
     for step in a:  # inductor fuses and reorders float ops; the math is the same
         assert b[step] == pytest.approx(a[step], abs=1e-3), (step, a, b)
+
+
+def test_batch_that_does_not_split_over_ranks_is_refused_clearly(shakespeare, tmp_path):
+    done = train(tmp_path / "run", "--training.batch_size", "7", "--training.steps", "3", nproc=2,
+                 timeout=120)
+    assert done.returncode != 0
+    assert "training.batch_size = 7 does not split over the island's 2 ranks" in done.output
+    assert "Traceback" not in done.output
+
+
+def test_empty_data_folder_is_refused_clearly(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    done = train(tmp_path / "run", "--data.path", str(tmp_path / "corpus"), "--training.steps", "3",
+                 timeout=120)
+    assert done.returncode == 2
+    assert "error: data:" in done.output and "Traceback" not in done.output
+
+
+def test_resuming_a_run_directory_with_another_model_is_refused(shakespeare, tmp_path):
+    run = tmp_path / "run"
+    first = train(run, "--training.steps", "5", "--checkpoint.interval", "5", "--training.val_every", "0")
+    assert first.returncode == 0, first.output[-3000:]
+    other = train(run, "--training.steps", "10", "--model.name", "qwen3", "--training.val_every", "0")
+    assert other.returncode == 2
+    assert "model.name: 'llama3' -> 'qwen3'" in other.output and "Use a new --job.run_dir" in other.output
+    assert (run / "checkpoints" / "step-00000005" / "COMPLETE.json").is_file()  # the work is intact
+
+
+def test_rerunning_a_finished_run_keeps_its_summary(shakespeare, tmp_path):
+    run = tmp_path / "run"
+    args = ["--training.steps", "4", "--checkpoint.interval", "4", "--training.val_every", "2",
+            "--metrics.log_every", "2"]
+    first = train(run, *args)
+    assert first.returncode == 0, first.output[-3000:]
+    before = json.loads((run / "summary.json").read_text())
+    again = train(run, *args)
+    assert again.returncode == 0, again.output[-3000:]
+    assert "already trained to step 4 of 4" in again.output
+    after = json.loads((run / "summary.json").read_text())
+    for key in ("steps", "tokens", "final_loss", "val_loss", "params"):
+        assert after[key] == before[key], key

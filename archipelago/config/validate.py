@@ -96,3 +96,15 @@ def validate(cfg: Config) -> Config:
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
     return cfg
+
+
+def validate_for_island(cfg: Config, ranks: int) -> None:
+    """Rules that depend on the island's rank count; checked by the launcher and the trainer."""
+    t = cfg.training
+    if t.batch_size % ranks:
+        raise ConfigError(f"training.batch_size = {t.batch_size} does not split over the island's "
+                          f"{ranks} ranks; use a multiple of {ranks}")
+    per_rank = t.batch_size // ranks
+    if t.micro_batch_size and per_rank % t.micro_batch_size:
+        raise ConfigError(f"training.micro_batch_size = {t.micro_batch_size} does not divide the "
+                          f"per-rank batch ({per_rank} = batch_size / {ranks} ranks)")

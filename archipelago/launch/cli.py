@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
-from archipelago.config import Config, ConfigError, config_to_dict, load_config
+from archipelago.config import Config, ConfigError, config_to_dict, load_config, validate_for_island
 
 USAGE = """\
 usage: archipelago COMMAND [ARGS]
@@ -103,9 +103,14 @@ def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     log.info("starting %d ranks under torchrun; run directory %s", nproc, run_dir)
     try:
-        return subprocess.call(cmd, env=env)
+        code = subprocess.call(cmd, env=env)
     except KeyboardInterrupt:  # torchrun forwards the signal to its workers
         return 130
+    if code != 0:
+        log.error("the island failed (exit code %d): each rank's own message is above torchrun's "
+                  "report; the run resumes from its last checkpoint when restarted with "
+                  "--job.run_dir %s", code, run_dir)
+    return code
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -115,6 +120,7 @@ def cmd_train(argv: list[str]) -> int:
     cfg = load_config(argv, prog="archipelago train", description=TRAIN_HELP)
     setup_logging(cfg.job.log_level, rank)
     _check_model(cfg)
+    validate_for_island(cfg, int(os.environ.get("WORLD_SIZE", nproc)))
     if nproc > 1 and not _under_torchrun():
         return _spawn_torchrun(nproc, argv, cfg)
     from archipelago.trainer import NonFiniteLossError, run_training
