@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from archipelago.checkpoint import (
+    CheckpointUnusable,
     CheckpointManager,
     LoaderState,
     ModelOptimizerState,
@@ -266,8 +267,18 @@ def test_unloadable_checkpoint_falls_back_then_raises(tmp_path: Path) -> None:
     mgr.save(2, {"y": torch.ones(2)})  # a different "model": key x missing
     state = {"x": torch.zeros(2)}
     assert mgr.load_latest(state) == 1 and torch.equal(state["x"], torch.ones(2))
-    with pytest.raises(RuntimeError, match="could not load any checkpoint"):
+    with pytest.raises(CheckpointUnusable, match="no usable checkpoint .* although 2 were written"):
         mgr.load_latest({"z": torch.zeros(2)})
+
+
+def test_all_committed_checkpoints_corrupt_refuses_to_start_over(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path, keep=5)
+    path = mgr.save(1, {"x": torch.ones(2)})
+    shard = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-1])  # truncated: fails its manifest
+    with pytest.raises(CheckpointUnusable, match="although 1 were written"):
+        mgr.load_latest({"x": torch.zeros(2)})
+    assert shard.exists()  # nothing was removed
 
 
 def test_world_size_without_process_group_names_the_fix(tmp_path: Path) -> None:

@@ -46,6 +46,10 @@ _STEP_DIR_RE = re.compile(r"^step-(\d+)$")
 T = TypeVar("T")
 
 
+class CheckpointUnusable(RuntimeError):
+    """Checkpoints exist but none can be used; training from scratch would bury that work."""
+
+
 def step_dir_name(step: int) -> str:
     """Directory name for `step`; zero-padded so names sort like steps."""
     return f"step-{step:08d}"
@@ -238,12 +242,16 @@ class CheckpointManager:
         ranks load the same step. Returns the loaded step, or None when no
         checkpoint exists (training starts from scratch).
 
-        Raises RuntimeError when a load was attempted and failed and nothing
-        older loaded either: `state` may then be partially overwritten, so
-        silently training "from scratch" on it would be wrong.
+        Raises CheckpointUnusable when committed checkpoints exist but none
+        could be verified and loaded: `state` may be partially overwritten,
+        and training "from scratch" in this folder would replace that work.
+        A folder holding only incomplete saves (a crash during the first save)
+        starts from scratch.
         """
         self._check_process_group()
         candidates = self._candidates() if self.rank == 0 else []
+        committed = self._on_rank0(lambda: [str(p) for p in candidates if _is_committed(p)],
+                                   "listing checkpoints")
         failed: list[str] = []
         while True:
             name = self._on_rank0(lambda: self._next_usable(candidates), "verifying checkpoints")
@@ -256,12 +264,12 @@ class CheckpointManager:
                 log.info("resumed from checkpoint %s (step %s)", path, step)
                 return step
             failed.append(str(path))
-        if failed:
-            raise RuntimeError(
-                f"could not load any checkpoint in {self.folder} (failed: {', '.join(failed)}); "
-                "the model/optimizer state may be partially overwritten. Fix the cause in the "
-                "warnings above (e.g. a model/config change), or move the checkpoint folder "
-                "away to start from scratch."
+        if failed or committed:
+            raise CheckpointUnusable(
+                f"no usable checkpoint in {self.folder} although {len(committed or [])} were "
+                f"written (could not load: {', '.join(failed) or 'none tried'}); see the warnings "
+                "above. Fix the cause (e.g. a model or config change), or move the checkpoint "
+                "folder away (or use a new --job.run_dir) to start from scratch."
             )
         log.info("no usable checkpoint in %s: training starts from scratch", self.folder)
         return None

@@ -226,9 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # errors whose message already names the fix; others keep their traceback
+        from archipelago.checkpoint import CheckpointUnusable
         from archipelago.data import CorpusUnavailable
 
-        if isinstance(exc, CorpusUnavailable):
+        if isinstance(exc, (CorpusUnavailable, CheckpointUnusable)):
             print(f"error: {exc}", file=sys.stderr)
             return 1
         raise
