@@ -8,6 +8,7 @@ then step / log / validate / checkpoint until `training.steps`, then summarise.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ from archipelago.data import (PreparedDataset, TokenSequenceLoader, default_cach
                               prepare_dataset, validation_batches)
 from archipelago.island.device import (IslandContext, all_reduce_, barrier, broadcast_object,
                                        close_island, init_island)
-from archipelago.island.optim import build_adamw, build_lr_scheduler
+from archipelago.island.optim import apply_optimizer_config, build_adamw, build_lr_scheduler
 from archipelago.island.parallelize import ParallelModel, parallelize
 from archipelago.metrics import (MetricsLog, ProgressDisplay, TensorBoardLog, ThroughputMeter,
                                  peak_flops_per_s, write_json_atomic)
@@ -54,23 +55,40 @@ class Progress:
     tokens: int = 0
     loss: float = float("nan")      # last logged training loss
     val_loss: float = float("nan")  # last validation loss (nan: not evaluated yet)
+    wall_s: float = 0.0             # wall-clock seconds of training, summed over sessions
 
     def state_dict(self) -> dict[str, float]:
-        return {"step": self.step, "tokens": self.tokens, "loss": self.loss, "val_loss": self.val_loss}
+        return {"step": self.step, "tokens": self.tokens, "loss": self.loss,
+                "val_loss": self.val_loss, "wall_s": self.wall_s}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.loss, self.val_loss = float(state["loss"]), float(state["val_loss"])
+        self.wall_s = float(state["wall_s"])
 
 
-def _fault_injection() -> tuple[str, int] | None:
-    """ARCHIPELAGO_FAULT=crash@N or nan@N: a test-only hook to exercise recovery paths."""
+@dataclass
+class StepResult:
+    """What one optimizer step produced; tensors stay on the device until a log step."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float  # the learning rate this step used
+
+
+def _fault_injection(rank: int) -> tuple[str, int] | None:
+    """Test-only hook to exercise failure paths (docs/development.md).
+
+    ARCHIPELAGO_FAULT=KIND@STEP with KIND crash (SIGKILL), nan (the loss becomes NaN) or
+    error (an exception); ARCHIPELAGO_FAULT_RANK=R limits it to one rank.
+    """
     spec = os.environ.get("ARCHIPELAGO_FAULT")
-    if not spec:
+    only_rank = os.environ.get("ARCHIPELAGO_FAULT_RANK")
+    if not spec or (only_rank is not None and int(only_rank) != rank):
         return None
     kind, _, step = spec.partition("@")
-    if kind not in ("crash", "nan") or not step.isdigit():
-        raise ConfigError(f"ARCHIPELAGO_FAULT={spec!r}: expected crash@STEP or nan@STEP")
+    if kind not in ("crash", "nan", "error") or not step.isdigit():
+        raise ConfigError(f"ARCHIPELAGO_FAULT={spec!r}: expected crash@STEP, nan@STEP or error@STEP")
     return kind, int(step)
 
 
@@ -89,7 +107,7 @@ class Trainer:
         self.progress = Progress()
         self.checkpointer = self.build_checkpointer()
         self.metrics = self.build_metrics()
-        self.fault = _fault_injection()
+        self.fault = _fault_injection(self.ctx.rank)
 
     # ---- build hooks ---------------------------------------------------------------
 
@@ -116,20 +134,21 @@ class Trainer:
         return run_dir
 
     def build_dataset(self) -> PreparedDataset:
-        """Rank 0 prepares (or finds cached) token files; the others wait, then read them."""
+        """Token files for this rank: prepared once per machine, found in the cache after.
+
+        Every rank calls prepare_dataset; its file lock lets the first rank of each
+        node build the files while the others wait and then find them cached. No
+        collective runs meanwhile, so a long tokenizer training cannot hit the
+        process-group timeout, and nodes need not share a filesystem for the cache.
+        """
         d = self.cfg.data
         cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
-        folder: object = None
-        if self.ctx.is_leader:
-            try:
-                folder = prepare_dataset(d.path, d.tokenizer, d.vocab_size, d.val_fraction, cache,
-                                         seed=self.cfg.training.seed, log=log.info).folder
-            except ValueError as exc:  # bad folder, bad tokenizer file: say which key to fix
-                folder = ConfigError(f"data: {exc}")
-        folder = broadcast_object(folder, self.ctx)
-        if isinstance(folder, ConfigError):  # every rank stops with the same message
-            raise folder
-        return PreparedDataset.load(Path(str(folder)))
+        try:
+            return prepare_dataset(d.path, d.tokenizer, d.vocab_size, d.val_fraction, cache,
+                                   seed=self.cfg.training.seed,
+                                   log=log.info if self.ctx.is_leader else log.debug)
+        except ValueError as exc:  # bad folder, bad tokenizer file: say which key to fix
+            raise ConfigError(f"data: {exc}") from exc
 
     def build_model(self) -> ParallelModel:
         m, t = self.cfg.model, self.cfg.training
@@ -160,9 +179,21 @@ class Trainer:
     def build_train_loader(self) -> TokenSequenceLoader:
         t = self.cfg.training
         validate_for_island(self.cfg, self.ctx.world_size)
-        return TokenSequenceLoader(self.dataset.train_path, self.cfg.data.seq_len, t.batch_size,
-                                   rank=self.ctx.rank, world_size=self.ctx.world_size, seed=t.seed,
-                                   dtype=self.dataset.dtype, log=log.info)
+        try:
+            if t.val_every:  # checks the held-out split is big enough, before any step
+                self.validation_batches()
+            return TokenSequenceLoader(self.dataset.train_path, self.cfg.data.seq_len, t.batch_size,
+                                       rank=self.ctx.rank, world_size=self.ctx.world_size,
+                                       seed=t.seed, dtype=self.dataset.dtype, log=log.info)
+        except ValueError as exc:  # too little data for seq_len x batch_size
+            raise ConfigError(f"data: {exc} (settings: --data.seq_len, --training.batch_size, "
+                              "--training.val_batches)") from exc
+
+    def validation_batches(self):  # noqa: ANN201 - an iterator of (inputs, targets)
+        t = self.cfg.training
+        return validation_batches(self.dataset.val_path, self.cfg.data.seq_len, t.batch_size,
+                                  self.ctx.rank, self.ctx.world_size, t.val_batches,
+                                  self.dataset.dtype)
 
     def build_checkpointer(self) -> CheckpointManager | None:
         c = self.cfg.checkpoint
@@ -192,6 +223,9 @@ class Trainer:
             return
         step = self.checkpointer.load_latest(self.checkpoint_state())
         if step is not None:
+            # The checkpoint restores the optimizer's hyper-parameters too; the config of
+            # this run wins, so a resumed run can change lr, betas or weight decay.
+            apply_optimizer_config(self.optimizer, self.lr_scheduler, self.cfg.optimizer)
             log.info("resumed from step %d (%s tokens)", self.progress.step, f"{self.progress.tokens:,}")
             self.metrics.event("resume", step=self.progress.step)
 
@@ -202,7 +236,8 @@ class Trainer:
         if not final and step % self.cfg.checkpoint.interval != 0:
             return
         self.check_finite()  # never write a checkpoint of weights that already diverged
-        self.checkpointer.save(step, self.checkpoint_state())
+        with self.metrics.untimed():
+            self.checkpointer.save(step, self.checkpoint_state())
 
     # ---- the loop ------------------------------------------------------------------
 
@@ -210,18 +245,19 @@ class Trainer:
         """Train to `training.steps` and return the summary (also written to summary.json)."""
         self.resume()
         total = self.cfg.training.steps
-        self.metrics.start(self.progress.step)
+        self.metrics.start(self.progress)
         if self.progress.step == 0 and self.cfg.training.val_every:
             self.progress.val_loss = self.evaluate()
             self.metrics.log_validation(0, self.progress.val_loss)  # the "before" of the curve
         elif self.progress.step >= total:
             log.info("already trained to step %d of %d: nothing to do", self.progress.step, total)
         while self.progress.step < total:
-            loss, grad_norm = self.train_step()
+            result = self.train_step()
             self.progress.step += 1
             self.progress.tokens += self.tokens_per_step
+            self.progress.wall_s = self.metrics.wall_s()
             self.maybe_inject_fault()
-            self.after_step(loss, grad_norm)
+            self.after_step(result)
         return self.finish()
 
     @property
@@ -236,8 +272,8 @@ class Trainer:
         return [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
                 for x, y in zip(inputs.split(size), targets.split(size))]
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (loss, grad norm) as tensors, not yet synced to host."""
+    def train_step(self) -> StepResult:
+        """One optimizer step (forward/backward over the micro-batches, clip, update)."""
         batches = self.micro_batches()
         total = torch.zeros((), device=self.ctx.device)
         for i, (inputs, targets) in enumerate(batches):
@@ -247,10 +283,11 @@ class Trainer:
             (loss / len(batches)).backward()
             total += loss.detach() / len(batches)
         grad_norm = self.clip_gradients()
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        return total, grad_norm
+        return StepResult(total, grad_norm, lr)
 
     def clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.model.module.parameters() if p.grad is not None]
@@ -266,19 +303,20 @@ class Trainer:
         if kind == "crash":
             log.warning("ARCHIPELAGO_FAULT: crashing at step %d", self.progress.step)
             os.kill(os.getpid(), 9)
+        if kind == "error":
+            raise RuntimeError(f"ARCHIPELAGO_FAULT: injected failure at step {self.progress.step}")
         self.metrics.poison_next_loss = True
 
-    def after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    def after_step(self, result: StepResult) -> None:
         step, t = self.progress.step, self.cfg.training
-        self.metrics.observe(step, loss)
+        self.metrics.observe(step, result.loss)
         val_loss = None
         if t.val_every and (step % t.val_every == 0 or step == t.steps):
-            val_loss = self.evaluate()
+            with self.metrics.untimed():  # throughput counts training time only
+                val_loss = self.evaluate()
         if step % self.cfg.metrics.log_every == 0 or val_loss is not None or step == t.steps:
             self.check_finite()
-            self.progress.loss = self.metrics.log_step(step, loss, grad_norm,
-                                                       self.lr_scheduler.get_last_lr()[0],
-                                                       self.progress.tokens, val_loss)
+            self.progress.loss = self.metrics.log_step(step, result, self.progress.tokens, val_loss)
             if val_loss is not None:
                 self.progress.val_loss = val_loss
         self.save_checkpoint(final=step == t.steps)
@@ -303,9 +341,7 @@ class Trainer:
         t = self.cfg.training
         self.model.module.eval()
         sums = torch.zeros(2, device=self.ctx.device, dtype=torch.float64)
-        for inputs, targets in validation_batches(self.dataset.val_path, self.cfg.data.seq_len,
-                                                  t.batch_size, self.ctx.rank, self.ctx.world_size,
-                                                  t.val_batches, self.dataset.dtype):
+        for inputs, targets in self.validation_batches():
             inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
             with self.model.autocast():
                 logits = self.model.module(inputs)
@@ -323,8 +359,16 @@ class Trainer:
                  f"{summary['val_loss']:.4f}" if summary["val_loss"] is not None else "n/a")
         return summary
 
+    def abort(self) -> None:
+        """After an error: flush what was logged, and run no collective.
+
+        Other ranks may be blocked inside a collective this rank will never join, so a
+        barrier here would hang the island; the process exits and torchrun stops the rest.
+        """
+        self.metrics.close()
+
     def close(self) -> None:
-        """Release everything, in an order that cannot deadlock at exit.
+        """Release everything after a successful run, in an order that cannot deadlock.
 
         DDP's reducer owns the gloo process group; freeing it while gloo's worker
         thread still destroys a finished all-reduce (which needs the GIL the freeing
@@ -358,17 +402,32 @@ class RunMetrics:
         self.meter = ThroughputMeter(window=1)  # each update is already a whole log window
         self.first_bad = torch.full((), -1, dtype=torch.long, device=ctx.device)
         self.poison_next_loss = False
-        self.started = time.perf_counter()
-        self.window_start = self.started
+        self.started = self.window_start = time.perf_counter()
         self.window_steps = 0
+        self.window_untimed = 0.0  # seconds of validation/checkpointing inside the window
+        self.start_step, self.wall_before = 0, 0.0
 
-    def start(self, step: int) -> None:
-        self.display = ProgressDisplay(self.cfg.training.steps, start_step=step,
+    def start(self, progress: Progress) -> None:
+        """Begin this session's clock where the (possibly resumed) run stands."""
+        self.display = ProgressDisplay(self.cfg.training.steps, start_step=progress.step,
                                        mode=self.cfg.metrics.progress, enabled=self.ctx.is_leader,
                                        title=self.cfg.job.name)
         self.started = self.window_start = time.perf_counter()
-        self.start_step = step
+        self.start_step, self.wall_before = progress.step, progress.wall_s
         log.info("peak %.2f TFLOP/s per rank (%s) used for MFU", self.peak / 1e12, self.peak_source)
+
+    def wall_s(self) -> float:
+        """Wall-clock seconds of training so far, over all sessions of the run."""
+        return self.wall_before + time.perf_counter() - self.started
+
+    @contextlib.contextmanager
+    def untimed(self) -> Iterator[None]:
+        """Leave the enclosed work (validation, checkpointing) out of tokens/s and MFU."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.window_untimed += time.perf_counter() - began
 
     def observe(self, step: int, loss: torch.Tensor) -> None:
         """Record the first step whose loss is not finite, without a host sync."""
@@ -390,17 +449,18 @@ class RunMetrics:
         first = int(all_reduce_(first.clone(), self.ctx, op="min"))
         return None if first >= never else first
 
-    def log_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
-                 tokens: int, val_loss: float | None) -> float:
+    def log_step(self, step: int, result: StepResult, tokens: int, val_loss: float | None) -> float:
         """Write one step record; returns the loss averaged over the island's ranks."""
+        # float() waits for the device to finish the queued steps, so the clock read
+        # after it covers their whole compute time (this is the host sync point).
+        loss_avg = float(all_reduce_(result.loss.detach().clone(), self.ctx, op="avg"))
         now = time.perf_counter()
-        loss_avg = float(all_reduce_(loss.detach().clone(), self.ctx, op="avg"))
         window_tokens = self.window_steps * self.cfg.training.batch_size * self.cfg.data.seq_len
-        self.meter.update(window_tokens, now - self.window_start)
-        self.window_start, self.window_steps = now, 0
+        self.meter.update(window_tokens, now - self.window_start - self.window_untimed)
+        self.window_start, self.window_steps, self.window_untimed = now, 0, 0.0
         tokens_per_s = self.meter.tokens_per_s()
         mfu = self.meter.mfu(self.flops_per_token, self.peak * self.ctx.world_size)
-        record = {"step": step, "loss": loss_avg, "lr": lr, "grad_norm": float(grad_norm),
+        record = {"step": step, "loss": loss_avg, "lr": result.lr, "grad_norm": float(result.grad_norm),
                   "tokens": tokens, "tokens_per_s": tokens_per_s, "mfu": mfu,
                   "elapsed_s": now - self.started}
         if val_loss is not None:
@@ -423,13 +483,14 @@ class RunMetrics:
             self.display.message(f"{name}: {fields}")
 
     def finish(self, progress: Progress, params: int) -> dict[str, Any]:
-        wall = time.perf_counter() - self.started
-        trained_steps = progress.step - self.start_step
+        """Write summary.json (whole-run totals); a session that trained nothing keeps the old one."""
+        path = self.run_dir / "summary.json"
+        if progress.step == self.start_step and path.is_file():
+            return json.loads(path.read_text())
+        wall = progress.wall_s
         summary = {
             "steps": progress.step, "tokens": progress.tokens, "wall_s": wall,
-            "steps_this_session": trained_steps,
-            "tokens_per_s": trained_steps * self.cfg.training.batch_size * self.cfg.data.seq_len / wall
-            if wall > 0 else None,
+            "tokens_per_s": progress.tokens / wall if wall > 0 else None,
             "final_loss": progress.loss,
             "val_loss": progress.val_loss if math.isfinite(progress.val_loss) else None,
             "params": params,
@@ -438,7 +499,7 @@ class RunMetrics:
             "peak_source": self.peak_source, "run_dir": str(self.run_dir),
         }
         if self.ctx.is_leader:
-            write_json_atomic(self.run_dir / "summary.json", summary)
+            write_json_atomic(path, summary)
         return summary
 
     def close(self) -> None:
@@ -476,10 +537,13 @@ def _log_to_file(path: Path) -> None:
 
 
 def run_training(cfg: Config) -> dict[str, Any]:
-    """Build a Trainer, train, and always release the process group."""
+    """Build a Trainer and train; release the process group cleanly only on success."""
     trainer = Trainer(cfg)
     try:
-        return trainer.train()
-    finally:
-        trainer.close()
+        summary = trainer.train()
+    except BaseException:
+        trainer.abort()
+        raise
+    trainer.close()
+    return summary
 

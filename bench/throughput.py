@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from archipelago.config import Config, validate  # noqa: E402
 from archipelago.data import TokenSequenceLoader, default_cache_dir, prepare_dataset  # noqa: E402
 from archipelago.models import build_model, get_model_args  # noqa: E402
-from archipelago.trainer import Trainer  # noqa: E402
+from archipelago.trainer import StepResult, Trainer  # noqa: E402
 
 
 def bench_config(args: argparse.Namespace, run_dir: Path) -> Config:
@@ -51,8 +51,8 @@ class TimedTrainer(Trainer):
     warmup = 0
     t0 = t1 = 0.0
 
-    def after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        super().after_step(loss, grad_norm)
+    def after_step(self, result: StepResult) -> None:
+        super().after_step(result)
         if self.progress.step == self.warmup:
             self.t0 = time.perf_counter()
         self.t1 = time.perf_counter()

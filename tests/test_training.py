@@ -24,6 +24,9 @@ def test_loss_falls_on_real_data_within_50_steps(shakespeare, tmp_path):
     # A fresh model guesses about uniformly over 4096 tokens: ln(4096) = 8.3.
     assert first > 8.0 and last < first - 2.0, curve
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r for r in records if "loss" in r}
+    # The logged lr is the one the step used: warmup of 2 starts at lr / 3.
+    assert by_step[1]["lr"] == pytest.approx(3e-3 / 3) and by_step[3]["lr"] == pytest.approx(3e-3)
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     # Held-out text too: evaluated before the first step (uniform guessing), then falling.
     assert len(vals) == 3 and vals[0] > 8.0 and vals[2] < vals[1] < vals[0] - 1.5, vals
@@ -131,7 +134,7 @@ def test_bf16_mixed_precision_path_runs_under_fsdp(shakespeare, tmp_path):
     """The GPU precision path (FSDP2 MixedPrecisionPolicy) exercised on CPU ranks."""
     common = ["--training.steps", "4", "--metrics.log_every", "1", "--training.val_every", "0",
               "--checkpoint.no_enable"]
-    fp32 = train(tmp_path / "fp32", *common)
+    fp32 = train(tmp_path / "fp32", *common, nproc=2)
     bf16 = train(tmp_path / "bf16", *common, "--training.mixed_precision", "bf16", nproc=2)
     assert fp32.returncode == 0 and bf16.returncode == 0, bf16.output[-3000:]
     assert "torch.bfloat16" in (tmp_path / "bf16" / "train.log").read_text()
@@ -193,3 +196,39 @@ def test_rerunning_a_finished_run_keeps_its_summary(shakespeare, tmp_path):
     after = json.loads((run / "summary.json").read_text())
     for key in ("steps", "tokens", "final_loss", "val_loss", "params"):
         assert after[key] == before[key], key
+
+
+def test_one_failing_rank_stops_the_island_with_its_message(shakespeare, tmp_path):
+    done = train(tmp_path / "run", "--training.steps", "20", "--training.val_every", "0",
+                 "--checkpoint.no_enable", nproc=2, timeout=120,
+                 env={"ARCHIPELAGO_FAULT": "error@3", "ARCHIPELAGO_FAULT_RANK": "1"})
+    assert done.returncode == 1
+    assert "rank 1 failed: RuntimeError: ARCHIPELAGO_FAULT: injected failure at step 3" in done.output
+
+
+def test_non_finite_loss_exit_code_survives_torchrun(shakespeare, tmp_path):
+    done = train(tmp_path / "run", "--training.steps", "8", "--metrics.log_every", "2",
+                 "--training.val_every", "0", "--checkpoint.no_enable", nproc=2,
+                 env={"ARCHIPELAGO_FAULT": "nan@3"})
+    assert done.returncode == 3, done.output[-3000:]
+    assert "non-finite loss at step 3" in done.output
+
+
+def test_resumed_run_follows_the_new_optimizer_settings(shakespeare, tmp_path):
+    from archipelago.config import LRSchedulerConfig
+    from archipelago.island.optim import lr_factor
+
+    run = tmp_path / "run"
+    common = ["--training.val_every", "0", "--metrics.log_every", "1", "--checkpoint.interval", "4"]
+    first = train(run, "--training.steps", "4", *common)
+    assert first.returncode == 0, first.output[-3000:]
+    again = train(run, "--training.steps", "8", "--optimizer.lr", "1e-4", *common)
+    assert again.returncode == 0, again.output[-3000:]
+    records = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r}
+    schedule = LRSchedulerConfig(warmup_steps=2)  # TINY's warmup; cosine to 0.1 over 8 steps
+    for step in (5, 8):
+        assert records[step]["lr"] == pytest.approx(1e-4 * lr_factor(step - 1, 8, schedule)), step
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["wall_s"] > 0
+    assert summary["tokens_per_s"] == pytest.approx(summary["tokens"] / summary["wall_s"])

@@ -14,8 +14,9 @@ loaded. COMPLETE.json lists size and SHA-256 of every file DCP wrote, so silent
 corruption (bit rot, truncated copies) is detected and the previous checkpoint
 is used instead.
 
-Multi-rank runs need ``folder`` on a filesystem every rank can see (rank 0
-hashes and verifies the files written by all ranks).
+Multi-rank runs need ``folder`` on a filesystem every rank of the island can
+see: the ranks hash each other's files (in parallel, round-robin) and rank 0
+writes the manifest.
 """
 
 from __future__ import annotations
@@ -176,9 +177,11 @@ class CheckpointManager:
         self._on_rank0(lambda: self._prepare_dir(path), f"preparing {path}")
         with _quiet_single_process():
             dcp.save(state, checkpoint_id=path, no_dist=not _dist_active())
-        # Every rank's shard must be on disk before rank 0 hashes them.
+        # Every rank's shard must be on disk before any rank hashes them.
         _barrier()
-        nbytes = self._on_rank0(lambda: self._commit(step, path), f"committing {path}")
+        names = self._on_rank0(lambda: self._list_files(path), f"listing {path}") or []
+        files = self._hash_files(path, names)
+        nbytes = self._on_rank0(lambda: self._commit(step, path, files), f"committing {path}")
         self.last_saved_step = step
         if self.rank == 0:
             log.info(
@@ -195,22 +198,38 @@ class CheckpointManager:
             _remove_checkpoint_dir(path)
         path.mkdir(parents=True, exist_ok=True)
 
-    def _commit(self, step: int, path: Path) -> int:
-        manifest = self._build_manifest(step, path)
+    def _commit(self, step: int, path: Path, files: dict[str, dict[str, Any]]) -> int:
+        manifest = {"step": step, "time": time.time(), "files": files}
         write_text_atomic(path / COMPLETE_NAME, json.dumps(manifest, indent=1) + "\n")
         write_text_atomic(self.folder / LATEST_NAME, path.name + "\n")
         self._prune(step)
         return sum(entry["size"] for entry in manifest["files"].values())
 
-    def _build_manifest(self, step: int, path: Path) -> dict[str, Any]:
-        files: dict[str, dict[str, Any]] = {}
-        for file in sorted(p for p in path.rglob("*") if p.is_file()):
-            rel = file.relative_to(path).as_posix()
-            if rel == COMPLETE_NAME or rel.endswith(".tmp"):
-                continue
-            digest = sha256_file(file) if self.verify else None
-            files[rel] = {"size": file.stat().st_size, "sha256": digest}
-        return {"step": step, "time": time.time(), "files": files}
+    @staticmethod
+    def _list_files(path: Path) -> list[str]:
+        """The files DCP wrote into `path`, as sorted relative names."""
+        return sorted(p.relative_to(path).as_posix() for p in path.rglob("*")
+                      if p.is_file() and p.name != COMPLETE_NAME and not p.name.endswith(".tmp"))
+
+    def _hash_files(self, path: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+        """Size and SHA-256 of each file, hashed by all ranks in parallel (a collective).
+
+        Rank r reads files r, r + W, r + 2W, ...: hashing costs one read of the
+        checkpoint, spread over the island instead of done by rank 0 alone, which at
+        large scale would outlast the process-group timeout the other ranks wait under.
+        A missing file gets size None.
+        """
+        share = {}
+        for name in names[self.rank::self.world_size]:
+            file = path / name
+            present = file.is_file()
+            share[name] = {"size": file.stat().st_size if present else None,
+                           "sha256": sha256_file(file) if present and self.verify else None}
+        if not _dist_active():
+            return share
+        shares: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, share)
+        return {name: entry for part in shares for name, entry in part.items()}
 
     def _prune(self, current_step: int) -> None:
         """Keep the newest `keep` committed checkpoints up to `current_step`.
@@ -254,7 +273,7 @@ class CheckpointManager:
                                    "listing checkpoints")
         failed: list[str] = []
         while True:
-            name = self._on_rank0(lambda: self._next_usable(candidates), "verifying checkpoints")
+            name = self._next_usable(candidates)
             if name is None:
                 break
             path = self.folder / name
@@ -309,41 +328,56 @@ class CheckpointManager:
         return ordered
 
     def _next_usable(self, candidates: list[Path]) -> str | None:
-        """Pop candidates until one verifies; its dir name, or None."""
-        while candidates:
-            path = candidates.pop(0)
-            problem = self._verify(path)
-            if problem is None:
-                return path.name
-            log.warning("%s", problem)
-        return None
+        """Pop candidates (held by rank 0) until one verifies; its dir name, or None.
 
-    def _verify(self, path: Path) -> str | None:
-        """None when `path` looks intact, else a warning message saying why not."""
+        A collective: rank 0 reads each manifest, all ranks hash its files together.
+        """
+        while True:
+            head = self._on_rank0(lambda: self._pop_manifest(candidates), "reading manifests")
+            if head is None:
+                return None
+            name, files, problem = head
+            if problem is None:
+                actual = self._hash_files(self.folder / name, sorted(files))
+                problem = self._on_rank0(lambda: self._compare(self.folder / name, files, actual),
+                                         "verifying checkpoint")
+            if problem is None:
+                return name
+            if self.rank == 0:
+                log.warning("%s", problem)
+
+    @staticmethod
+    def _pop_manifest(candidates: list[Path]) -> tuple[str, dict[str, Any], str | None] | None:
+        """(name, manifest files, problem) of the next candidate; None when none is left."""
+        if not candidates:
+            return None
+        path = candidates.pop(0)
         complete = path / COMPLETE_NAME
         if not complete.is_file():
-            return f"incomplete checkpoint {path} (no {COMPLETE_NAME}): skipped"
+            return path.name, {}, f"incomplete checkpoint {path} (no {COMPLETE_NAME}): skipped"
         try:
             files = json.loads(complete.read_text(encoding="utf-8"))["files"]
+            return path.name, dict(files), None
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            return f"corrupt checkpoint {path}: {COMPLETE_NAME} unreadable ({exc}): skipped, using the previous one"
+            return path.name, {}, (f"corrupt checkpoint {path}: {COMPLETE_NAME} unreadable ({exc}): "
+                                   "skipped, using the previous one")
+
+    def _compare(self, path: Path, files: dict[str, Any], actual: dict[str, Any]) -> str | None:
+        """None when every file matches its manifest entry, else why not."""
         for rel, expected in files.items():
-            problem = self._check_file(path / rel, expected)
+            problem = self._file_problem(expected, actual[rel])
             if problem is not None:
                 return f"corrupt checkpoint {path}: {rel} {problem}: skipped, using the previous one"
         return None
 
-    def _check_file(self, file: Path, expected: dict[str, Any]) -> str | None:
-        if not file.is_file():
+    def _file_problem(self, expected: dict[str, Any], got: dict[str, Any]) -> str | None:
+        if got["size"] is None:
             return "is missing"
-        size = file.stat().st_size
-        if size != expected.get("size"):
-            return f"has size {size}, expected {expected.get('size')} (truncated?)"
+        if got["size"] != expected.get("size"):
+            return f"has size {got['size']}, expected {expected.get('size')} (truncated?)"
         want = expected.get("sha256")
-        if self.verify and want:
-            got = sha256_file(file)
-            if got != want:
-                return f"sha256 mismatch (expected {want[:12]}..., got {got[:12]}...)"
+        if self.verify and want and got["sha256"] != want:
+            return f"sha256 mismatch (expected {want[:12]}..., got {got['sha256'][:12]}...)"
         return None
 
     # ---------------------------------------------------------------- helpers

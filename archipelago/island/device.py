@@ -62,6 +62,19 @@ def detect_device_type(requested: str = "auto") -> str:
     return "cpu"
 
 
+def _local_device(kind: str, local_rank: int) -> torch.device:
+    """This rank's device: one accelerator per local rank; CPU and MPS are shared."""
+    if kind in ("cpu", "mps"):  # mps has a single device and no set_device
+        return torch.device(kind)
+    count = getattr(torch, kind).device_count()
+    if local_rank >= count:
+        raise ConfigError(f"local rank {local_rank} has no {kind} device: this node shows {count}; "
+                          f"start at most {count} ranks per node (--nproc / NGPU)")
+    device = torch.device(kind, local_rank)
+    getattr(torch, kind).set_device(device)
+    return device
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
@@ -72,11 +85,7 @@ def init_island(device_type: str = "auto", timeout_s: float = 600.0) -> IslandCo
     kind = detect_device_type(device_type)
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
-    if kind == "cpu":
-        device = torch.device("cpu")
-    else:
-        device = torch.device(kind, local_rank)
-        getattr(torch, kind).set_device(device)
+    device = _local_device(kind, local_rank)
     backend = _BACKENDS[kind]
     if world > 1 and not dist.is_initialized():
         # device_id binds NCCL's communicator eagerly to this GPU; gloo takes no device.

@@ -49,3 +49,20 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int,
     """A LambdaLR over `lr_factor`; its state (last step) goes into the checkpoint."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, cfg))
+
+
+def apply_optimizer_config(optimizer: torch.optim.Optimizer,
+                           scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: OptimizerConfig) -> None:
+    """Make a restored optimizer and schedule follow `cfg` (loading restores the old values).
+
+    Group 0 holds the decayed matrices and group 1 the rest (see build_adamw). The
+    schedule keeps its position; its peak becomes `cfg.lr`, and the current learning
+    rate is recomputed from it, so the next step already uses the new settings.
+    """
+    decays = [cfg.weight_decay, 0.0]
+    for group, decay in zip(optimizer.param_groups, decays):
+        group.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=decay, initial_lr=cfg.lr)
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = cfg.lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports

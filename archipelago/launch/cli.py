@@ -81,20 +81,60 @@ def _check_model(cfg: Config) -> None:
         raise ConfigError(f"model: {exc}") from exc
 
 
-def _prepare_data(cfg: Config) -> None:
+def _prepare_data(cfg: Config, log_fn: Callable[[str], None]):  # noqa: ANN202 - PreparedDataset
     from archipelago.data import default_cache_dir, prepare_dataset
 
     d = cfg.data
     cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
-    prepare_dataset(d.path, d.tokenizer, d.vocab_size, d.val_fraction, cache,
-                    seed=cfg.training.seed, log=log.info)
+    try:
+        return prepare_dataset(d.path, d.tokenizer, d.vocab_size, d.val_fraction, cache,
+                               seed=cfg.training.seed, log=log_fn)
+    except ValueError as exc:
+        raise ConfigError(f"data: {exc}") from exc
+
+
+FAILURE_FILE = "failure.json"
+
+
+def _failure(exc: BaseException) -> tuple[int, str]:
+    """(exit code, message) for an exception that ended training on this rank."""
+    from archipelago.checkpoint import CheckpointUnusable
+    from archipelago.data import CorpusUnavailable
+    from archipelago.trainer import NonFiniteLossError
+
+    if isinstance(exc, NonFiniteLossError):
+        return 3, str(exc)
+    if isinstance(exc, (ConfigError, CheckpointUnusable)):
+        return 2, f"error: {exc}"
+    if isinstance(exc, CorpusUnavailable):
+        return 1, f"error: {exc}"
+    if isinstance(exc, KeyboardInterrupt):
+        return 130, "interrupted"
+    return 1, f"{type(exc).__name__}: {exc} (traceback above)"
+
+
+def _record_failure(cfg: Config, code: int, message: str) -> None:
+    """Leave the reason in RUN_DIR so the launcher can repeat it after torchrun's report.
+
+    The first rank to fail holds the cause; ranks failing after it (their peer went
+    away mid-collective) only report the symptom, so an existing record is kept.
+    """
+    if not cfg.job.run_dir:
+        return
+    record = {"exit_code": code, "message": message, "rank": os.environ.get("RANK", "0")}
+    try:
+        with open(Path(cfg.job.run_dir) / FAILURE_FILE, "x") as f:  # "x": only the first writer
+            json.dump(record, f)
+    except OSError:  # FileExistsError: a rank failed first; a missing run_dir: nothing to keep
+        pass
 
 
 def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config) -> int:
     """Re-run this command under torchrun with `nproc` local ranks; returns its exit code."""
     run_dir = cfg.job.run_dir or f"runs/{cfg.job.name}-{datetime.now():%Y%m%d-%H%M%S}"
     # Prepare once here, with progress on the terminal, so the ranks find it cached.
-    _prepare_data(cfg)
+    _prepare_data(cfg, log.info)
+    (Path(run_dir) / FAILURE_FILE).unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "archipelago.launch.cli", "train", *argv,
            f"--job.run_dir={run_dir}"]
@@ -107,15 +147,22 @@ def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config) -> int:
     except KeyboardInterrupt:  # torchrun forwards the signal to its workers
         return 130
     if code != 0:
-        log.error("the island failed (exit code %d): each rank's own message is above torchrun's "
-                  "report; the run resumes from its last checkpoint when restarted with "
-                  "--job.run_dir %s", code, run_dir)
+        failure = Path(run_dir) / FAILURE_FILE
+        if failure.is_file():  # the failing rank's own reason and exit code, not torchrun's
+            record = json.loads(failure.read_text())
+            print(f"\nrank {record['rank']} failed: {record['message']}", file=sys.stderr)
+            code = int(record["exit_code"])
+        log.error("the island failed (exit code %d); it resumes from its last checkpoint when "
+                  "restarted with --job.run_dir %s", code, run_dir)
     return code
 
 
 def cmd_train(argv: list[str]) -> int:
     nproc_arg, argv = _pop_option(argv, "--nproc")
-    nproc = int(nproc_arg or os.environ.get("NGPU") or 1)
+    nproc_text = nproc_arg or os.environ.get("NGPU") or "1"
+    if not nproc_text.isdigit() or int(nproc_text) < 1:
+        raise ConfigError(f"--nproc / NGPU = {nproc_text!r}: expected a positive whole number of ranks")
+    nproc = int(nproc_text)
     rank = int(os.environ.get("RANK", "0"))
     cfg = load_config(argv, prog="archipelago train", description=TRAIN_HELP)
     setup_logging(cfg.job.log_level, rank)
@@ -123,13 +170,29 @@ def cmd_train(argv: list[str]) -> int:
     validate_for_island(cfg, int(os.environ.get("WORLD_SIZE", nproc)))
     if nproc > 1 and not _under_torchrun():
         return _spawn_torchrun(nproc, argv, cfg)
-    from archipelago.trainer import NonFiniteLossError, run_training
+    return _train_here(cfg, rank)
+
+
+def _train_here(cfg: Config, rank: int) -> int:
+    """Train as this process (one rank of the island); returns the exit code."""
+    from archipelago.trainer import run_training
 
     try:
         summary = run_training(cfg)
-    except NonFiniteLossError as exc:
-        log.error("%s", exc)
-        return 3
+    except BaseException as exc:  # noqa: BLE001 - every failure gets a code and a message
+        code, message = _failure(exc)
+        if code == 1 and not isinstance(exc, KeyboardInterrupt):
+            log.exception("training failed")
+        log.error("%s", message)
+        _record_failure(cfg, code, message)
+        if _under_torchrun():
+            # Skip interpreter teardown: other ranks may be stuck in a collective, and
+            # destroying process groups then can hang; torchrun stops them for us.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     if rank == 0:
         print(json.dumps(summary, indent=2))
     return 0
