@@ -232,6 +232,7 @@ def test_report_writes_png_and_markdown(tmp_path: Path) -> None:
     assert "![loss curve](loss.png)" in text
     assert "last 1.2345 (step 30)" in text
     assert "| mfu | 3.1% |" in text and "| params | 1,234,567 |" in text
+    assert "| val_loss | 1.2345 |" in text
     assert "resumed 1x" in text
     assert "ignored" not in text
 

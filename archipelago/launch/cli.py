@@ -188,14 +188,27 @@ def _train_here(cfg: Config, rank: int) -> int:
         if _under_torchrun():
             # Skip interpreter teardown: other ranks may be stuck in a collective, and
             # destroying process groups then can hang; torchrun stops them for us.
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            _exit_now(code)
         return code
     if rank == 0:
         print(json.dumps(summary, indent=2))
+    if _under_torchrun():
+        _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """Flush and leave without interpreter teardown (only ever called under torchrun).
+
+    gloo's worker threads can still be freeing a finished collective's tensors while
+    Python shuts down, which aborts the process ("terminate called without an active
+    exception") in a fraction of runs. Everything is written and the process group is
+    closed by now, so there is nothing left for teardown to do.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_data(argv: list[str]) -> int:

@@ -116,7 +116,7 @@ def _markdown(name: str, history: MetricsHistory, summary: dict[str, Any], png_n
 
 def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     keys = [k for k in _PREFERRED_FIELDS if k in summary]
-    keys += [k for k in summary if k not in keys]
+    keys += [k for k in summary if k not in keys and k not in ("run_name", "name")]  # name is the title
     rows = []
     for key in keys:
         value = summary[key]
@@ -133,9 +133,9 @@ def _format_value(key: str, value: Any) -> str:
     if key == "mfu":
         return f"{100 * value:.1f}%"
     if key == "wall_s":
-        return f"{value:,.1f} s ({value / 3600:.2f} h)"
+        return f"{value:,.1f} s" + (f" ({value / 3600:.2f} h)" if value >= 3600 else "")
     if isinstance(value, int):
         return f"{value:,}"
     if not math.isfinite(value):
         return str(value)
-    return f"{value:,.1f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return f"{value:,.1f}" if abs(value) >= 1000 else f"{value:.5g}"
