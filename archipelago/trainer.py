@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
 from archipelago.config import Config, ConfigError, config_to_dict, validate_for_island
-from archipelago.data import (PreparedDataset, TokenSequenceLoader, default_cache_dir,
-                              prepare_dataset, validation_batches)
+from archipelago.data import (PreparedDataset, TokenSequenceLoader, prepare_from_config,
+                              validation_batches)
 from archipelago.island.device import (IslandContext, all_reduce_, barrier, broadcast_object,
                                        close_island, init_island)
 from archipelago.island.optim import apply_optimizer_config, build_adamw, build_lr_scheduler
@@ -136,19 +136,13 @@ class Trainer:
     def build_dataset(self) -> PreparedDataset:
         """Token files for this rank: prepared once per machine, found in the cache after.
 
-        Every rank calls prepare_dataset; its file lock lets the first rank of each
-        node build the files while the others wait and then find them cached. No
-        collective runs meanwhile, so a long tokenizer training cannot hit the
-        process-group timeout, and nodes need not share a filesystem for the cache.
+        Every rank calls prepare_from_config; the dataset's file lock lets the first
+        rank of each node build the files while the others wait and then find them
+        cached. No collective runs meanwhile, so a long tokenizer training cannot hit
+        the process-group timeout, and nodes need not share a filesystem for the cache.
         """
-        d = self.cfg.data
-        cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
-        try:
-            return prepare_dataset(d.path, d.tokenizer, d.vocab_size, d.val_fraction, cache,
-                                   seed=self.cfg.training.seed,
+        return prepare_from_config(self.cfg.data, self.cfg.training.seed,
                                    log=log.info if self.ctx.is_leader else log.debug)
-        except ValueError as exc:  # bad folder, bad tokenizer file: say which key to fix
-            raise ConfigError(f"data: {exc}") from exc
 
     def build_model(self) -> ParallelModel:
         m, t = self.cfg.model, self.cfg.training
@@ -338,7 +332,6 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss over the held-out split (the same batches every time)."""
-        t = self.cfg.training
         self.model.module.eval()
         sums = torch.zeros(2, device=self.ctx.device, dtype=torch.float64)
         for inputs, targets in self.validation_batches():

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from archipelago.config import Config, validate  # noqa: E402
-from archipelago.data import TokenSequenceLoader, default_cache_dir, prepare_dataset  # noqa: E402
+from archipelago.data import TokenSequenceLoader, prepare_from_config  # noqa: E402
 from archipelago.models import build_model, get_model_args  # noqa: E402
 from archipelago.trainer import StepResult, Trainer  # noqa: E402
 
@@ -108,8 +108,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="archipelago-bench-"))
     cfg = bench_config(args, tmp / "run")
-    ds = prepare_dataset(None, None, cfg.data.vocab_size, cfg.data.val_fraction, default_cache_dir(),
-                         log=lambda _m: None)
+    ds = prepare_from_config(cfg.data, cfg.training.seed, log=lambda _m: None)
     tokens = args.steps * args.batch_size * args.seq_len
     trainer_tps, minimal_tps = [], []
     for r in range(args.repeats):

@@ -25,11 +25,9 @@ TINY = ["--model.name", "llama3", "--model.flavor", "debug", "--data.seq_len", "
 def shakespeare():
     """The real corpus, prepared (cached) exactly as `make setup` prepares it."""
     from archipelago.config import Config
-    from archipelago.data import default_cache_dir, prepare_dataset
+    from archipelago.data import prepare_from_config
 
-    d = Config().data
-    return prepare_dataset(d.path, d.tokenizer, d.vocab_size, d.val_fraction, default_cache_dir(),
-                           seed=0, log=lambda _msg: None)
+    return prepare_from_config(Config().data, seed=0, log=lambda _msg: None)
 
 
 @dataclass

@@ -103,6 +103,7 @@ def test_fsdp_shards_every_block_and_initialises_consistently(meta):
         # Both ranks see the same full weights, and each holds only part of them.
         assert torch.equal(tensor, full1[name]), name
         assert local0[name] < tensor.numel() or tensor.shape[0] < 2, name
+        assert local0[name] + local1[name] == tensor.numel(), name
         assert torch.isfinite(tensor).all(), name
         if not meta:  # a CPU-initialised model is sharded as is: same weights as 1 rank
             assert torch.equal(tensor, reference[name].detach()), name

@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from archipelago.models import (
     DEFAULT_VOCAB_SIZE,

@@ -10,7 +10,7 @@ from .corpus import (
     split_documents,
 )
 from .loader import TokenSequenceLoader, validation_batches
-from .prepare import PreparedDataset, default_cache_dir, prepare_dataset, token_dtype
+from .prepare import PreparedDataset, default_cache_dir, prepare_dataset, prepare_from_config, token_dtype
 from .tokenizer import EOS_TOKEN, eos_id, load_tokenizer, train_bpe_tokenizer, vocab_size_of
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "vocab_size_of",
     "PreparedDataset",
     "prepare_dataset",
+    "prepare_from_config",
     "default_cache_dir",
     "token_dtype",
     "TokenSequenceLoader",

@@ -15,7 +15,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -29,6 +29,9 @@ from .corpus import (
     split_documents,
 )
 from .tokenizer import eos_id, load_tokenizer, train_bpe_tokenizer, vocab_size_of
+
+if TYPE_CHECKING:
+    from archipelago.config import DataConfig
 
 # Bump when the on-disk layout or the tokenization recipe changes: old caches are then
 # simply not found (new key) instead of being silently reused.
@@ -258,3 +261,19 @@ def prepare_dataset(
     log(f"prepared dataset {final}")
     return PreparedDataset.load(final)
 
+
+
+def prepare_from_config(data: "DataConfig", seed: int, log: Callable[[str], None] = print) -> PreparedDataset:
+    """prepare_dataset for a run's `[data]` section; its mistakes become ConfigErrors.
+
+    The one place the config is turned into a dataset: `archipelago data prepare`, the
+    `--nproc` launcher and every trainer rank call it, so they agree on the cache key.
+    """
+    from archipelago.config import ConfigError
+
+    cache = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
+    try:
+        return prepare_dataset(data.path, data.tokenizer, data.vocab_size, data.val_fraction, cache,
+                               seed=seed, log=log)
+    except ValueError as exc:  # bad folder, bad tokenizer file: say which key to fix
+        raise ConfigError(f"data: {exc}") from exc

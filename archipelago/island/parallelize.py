@@ -97,6 +97,7 @@ def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_
     rank 0's weights at construction.
     """
     dtype = compute_dtype(mixed_precision, ctx.device)
+    on_meta = any(p.is_meta for p in model.parameters())
     _wrap_blocks(model, activation_checkpointing, compile_blocks)
     if ctx.world_size == 1:
         _materialize(model, ctx.device, seed)
@@ -105,8 +106,9 @@ def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_
         _materialize(model, ctx.device, seed)
         ddp = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type != "cpu" else None)
         return ParallelModel(ddp, model, ctx, dtype, "ddp")
-    if not any(p.is_meta for p in model.parameters()):
+    if not on_meta:
         model.to(ctx.device)
     _shard(model, ctx, dtype)
-    _materialize(model, ctx.device, seed)  # a no-op move for a model that was already real
+    if on_meta:  # only now, so each rank allocates just its own shard
+        _materialize(model, ctx.device, seed)
     return ParallelModel(model, model, ctx, dtype, "fsdp")

@@ -81,23 +81,11 @@ def _check_model(cfg: Config) -> None:
         raise ConfigError(f"model: {exc}") from exc
 
 
-def _prepare_data(cfg: Config, log_fn: Callable[[str], None]):  # noqa: ANN202 - PreparedDataset
-    from archipelago.data import default_cache_dir, prepare_dataset
-
-    d = cfg.data
-    cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
-    try:
-        return prepare_dataset(d.path, d.tokenizer, d.vocab_size, d.val_fraction, cache,
-                               seed=cfg.training.seed, log=log_fn)
-    except ValueError as exc:
-        raise ConfigError(f"data: {exc}") from exc
-
-
 FAILURE_FILE = "failure.json"
 
 
-def _failure(exc: BaseException) -> tuple[int, str]:
-    """(exit code, message) for an exception that ended training on this rank."""
+def _known_failure(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, message) for errors whose message already names the fix; else None."""
     from archipelago.checkpoint import CheckpointUnusable
     from archipelago.data import CorpusUnavailable
     from archipelago.trainer import NonFiniteLossError
@@ -110,7 +98,12 @@ def _failure(exc: BaseException) -> tuple[int, str]:
         return 1, f"error: {exc}"
     if isinstance(exc, KeyboardInterrupt):
         return 130, "interrupted"
-    return 1, f"{type(exc).__name__}: {exc} (traceback above)"
+    return None
+
+
+def _failure(exc: BaseException) -> tuple[int, str]:
+    """(exit code, message) for any exception that ended training on this rank."""
+    return _known_failure(exc) or (1, f"{type(exc).__name__}: {exc} (traceback above)")
 
 
 def _record_failure(cfg: Config, code: int, message: str) -> None:
@@ -133,7 +126,9 @@ def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config) -> int:
     """Re-run this command under torchrun with `nproc` local ranks; returns its exit code."""
     run_dir = cfg.job.run_dir or f"runs/{cfg.job.name}-{datetime.now():%Y%m%d-%H%M%S}"
     # Prepare once here, with progress on the terminal, so the ranks find it cached.
-    _prepare_data(cfg, log.info)
+    from archipelago.data import prepare_from_config
+
+    prepare_from_config(cfg.data, cfg.training.seed, log=log.info)
     (Path(run_dir) / FAILURE_FILE).unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "archipelago.launch.cli", "train", *argv,
@@ -218,12 +213,9 @@ def cmd_data(argv: list[str]) -> int:
     cfg = load_config(argv[1:], prog="archipelago data prepare",
                       description="Fetch the corpus, train the tokenizer and write token files (cached).")
     setup_logging(cfg.job.log_level)
-    from archipelago.data import default_cache_dir, prepare_dataset
+    from archipelago.data import prepare_from_config
 
-    d = cfg.data
-    cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
-    ds = prepare_dataset(d.path, d.tokenizer, d.vocab_size, d.val_fraction, cache,
-                         seed=cfg.training.seed, log=print)
+    ds = prepare_from_config(cfg.data, cfg.training.seed, log=print)
     print(f"dataset: {ds.folder}\n  tokenizer: {ds.tokenizer_path} (vocab {ds.vocab_size})\n"
           f"  train: {ds.train_tokens:,} tokens\n  val:   {ds.val_tokens:,} tokens")
     return 0
@@ -302,13 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # errors whose message already names the fix; others keep their traceback
-        from archipelago.checkpoint import CheckpointUnusable
-        from archipelago.data import CorpusUnavailable
-
-        if isinstance(exc, (CorpusUnavailable, CheckpointUnusable)):
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        raise
+        known = _known_failure(exc)
+        if known is None:
+            raise
+        print(known[1], file=sys.stderr)
+        return known[0]
 
 
 if __name__ == "__main__":
