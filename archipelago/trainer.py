@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
 from archipelago.config import Config, ConfigError, config_to_dict, validate_for_island
+from archipelago.federation import OuterLoop, build_outer_loop, report_record
 from archipelago.data import (PreparedDataset, TokenSequenceLoader, prepare_from_config,
                               validation_batches)
 from archipelago.island.device import (IslandContext, all_reduce_, barrier, broadcast_object,
@@ -105,6 +106,7 @@ class Trainer:
         self.lr_scheduler = self.build_lr_scheduler()
         self.train_loader = self.build_train_loader()
         self.progress = Progress()
+        self.outer = self.build_outer_loop()
         self.checkpointer = self.build_checkpointer()
         self.metrics = self.build_metrics()
         self.fault = _fault_injection(self.ctx.rank)
@@ -176,9 +178,12 @@ class Trainer:
         try:
             if t.val_every:  # checks the held-out split is big enough, before any step
                 self.validation_batches()
+            ft = self.cfg.fault_tolerance  # islands read disjoint sequences
             return TokenSequenceLoader(self.dataset.train_path, self.cfg.data.seq_len, t.batch_size,
                                        rank=self.ctx.rank, world_size=self.ctx.world_size,
-                                       seed=t.seed, dtype=self.dataset.dtype, log=log.info)
+                                       seed=t.seed, island=ft.replica_id if ft.enable else 0,
+                                       num_islands=ft.group_size if ft.enable else 1,
+                                       dtype=self.dataset.dtype, log=log.info)
         except ValueError as exc:  # too little data for seq_len x batch_size
             raise ConfigError(f"data: {exc} (settings: --data.seq_len, --training.batch_size, "
                               "--training.val_batches)") from exc
@@ -188,6 +193,14 @@ class Trainer:
         return validation_batches(self.dataset.val_path, self.cfg.data.seq_len, t.batch_size,
                                   self.ctx.rank, self.ctx.world_size, t.val_batches,
                                   self.dataset.dtype)
+
+    def build_outer_loop(self) -> OuterLoop | None:
+        """Membership in a federation of islands (None when fault_tolerance is off)."""
+        ft = self.cfg.fault_tolerance
+        if not ft.enable:
+            return None
+        return build_outer_loop(ft, self.model.inner, f"{self.cfg.model.name}/{self.cfg.model.flavor}",
+                                self.ctx.rank, self.ctx.world_size)
 
     def build_checkpointer(self) -> CheckpointManager | None:
         c = self.cfg.checkpoint
@@ -210,6 +223,7 @@ class Trainer:
             "data": ObjectState(self.train_loader.state_dict, self.train_loader.load_state_dict),
             "progress": ObjectState(self.progress.state_dict, self.progress.load_state_dict),
             "rng": RNGState(),
+            **({"federation": self.outer} if self.outer is not None else {}),
         }
 
     def resume(self) -> None:
@@ -227,13 +241,20 @@ class Trainer:
         if self.checkpointer is None or not self.cfg.checkpoint.enable:
             return
         step = self.progress.step
-        if not final and step % self.cfg.checkpoint.interval != 0:
+        due = final or step % self.cfg.checkpoint.interval == 0 or self._checkpoint_deferred
+        if not due:
+            return
+        # Mid-exchange state (an all-reduce in flight) cannot be saved; save after the round.
+        self._checkpoint_deferred = self.outer is not None and self.outer.exchange_pending
+        if self._checkpoint_deferred:
             return
         self.check_finite()  # never write a checkpoint of weights that already diverged
         with self.metrics.untimed():
             self.checkpointer.save(step, self.checkpoint_state())
 
     # ---- the loop ------------------------------------------------------------------
+
+    _checkpoint_deferred = False
 
     def train(self) -> dict[str, Any]:
         """Train to `training.steps` and return the summary (also written to summary.json)."""
@@ -251,8 +272,17 @@ class Trainer:
             self.progress.tokens += self.tokens_per_step
             self.progress.wall_s = self.metrics.wall_s()
             self.maybe_inject_fault()
+            self.after_inner_step()
             self.after_step(result)
         return self.finish()
+
+    def after_inner_step(self) -> None:
+        """Run the outer loop (a round ends every sync_steps / num_fragments steps)."""
+        if self.outer is None:
+            return
+        report = self.outer.after_inner_step(self.progress.step)
+        if report is not None:
+            self.metrics.outer_step(report_record(report))
 
     @property
     def tokens_per_step(self) -> int:
@@ -346,6 +376,9 @@ class Trainer:
         return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
 
     def finish(self) -> dict[str, Any]:
+        if self.outer is not None:
+            self.metrics.event("leave", step=self.progress.step, outer_step=self.outer.step,
+                               global_hash=self.outer.global_hash())
         summary = self.metrics.finish(self.progress, self.model.inner.num_params())
         log.info("done: %d steps, %s tokens in %.1f s, final loss %.4f, val loss %s",
                  summary["steps"], f"{summary['tokens']:,}", summary["wall_s"], summary["final_loss"],
@@ -359,6 +392,8 @@ class Trainer:
         barrier here would hang the island; the process exits and torchrun stops the rest.
         """
         self.metrics.close()
+        if self.outer is not None:
+            self.outer.shutdown()
 
     def close(self) -> None:
         """Release everything after a successful run, in an order that cannot deadlock.
@@ -369,6 +404,8 @@ class Trainer:
         free the model and optimizer while the group is alive, then destroy the group.
         """
         self.metrics.close()
+        if self.outer is not None:
+            self.outer.shutdown()
         if self.ctx.is_distributed:
             barrier(self.ctx)
             time.sleep(0.05)  # releases the GIL so gloo's threads finish their clean-up
@@ -455,7 +492,7 @@ class RunMetrics:
         mfu = self.meter.mfu(self.flops_per_token, self.peak * self.ctx.world_size)
         record = {"step": step, "loss": loss_avg, "lr": result.lr, "grad_norm": float(result.grad_norm),
                   "tokens": tokens, "tokens_per_s": tokens_per_s, "mfu": mfu,
-                  "elapsed_s": now - self.started}
+                  "elapsed_s": now - self.started, "time": time.time()}
         if val_loss is not None:
             record["val_loss"] = val_loss
         self.jsonl.log(record)
@@ -469,6 +506,17 @@ class RunMetrics:
         self.tensorboard.log(step, {"val_loss": val_loss})
         if self.display is not None:
             self.display.message(f"step {step}: val {val_loss:.3f}")
+
+    def outer_step(self, record: dict[str, Any]) -> None:
+        """One round of the outer loop (metrics.jsonl `outer_step` event, and a display line)."""
+        self.jsonl.log({"event": "outer_step", "time": time.time(), **record})
+        self.tensorboard.log(record["step"], {"outer/participants": record["participants"],
+                                              "outer/sync_s": record["sync_s"]})
+        if self.display is not None:
+            state = "committed" if record["committed"] else "NOT committed"
+            extra = " (recovered from a peer)" if record["healed"] else ""
+            self.display.message(f"outer step {record['outer_step']} {state} with "
+                                 f"{record['participants']} island(s){extra}, sync {record['sync_s']:.2f} s")
 
     def event(self, name: str, **fields: Any) -> None:
         self.jsonl.log({"event": name, "time": time.time(), **fields})

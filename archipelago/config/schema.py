@@ -122,6 +122,8 @@ class CheckpointConfig:
     """Resume from the newest usable checkpoint in `folder` when one exists."""
     verify: bool = True
     """Check SHA-256 of every checkpoint file before loading (costs one read of the checkpoint)."""
+    scope: Literal["island", "leader"] = "island"
+    """In a federation: `island` makes every island save its whole state; `leader` lets only the lowest live island save the model (the others save their data position only)."""
 
 
 @dataclass
@@ -172,6 +174,22 @@ class FaultToleranceConfig:
     """Let only rank 0 of each island talk across islands (sync_width = 1)."""
     copy_pseudogradients_to_cpu: bool = False
     """Move what crosses islands to CPU memory before sending it."""
+    sync_width: int = 1
+    """Bridge ranks per island: rank s of every island exchanges chunk s of the pseudo-gradient; at most the smallest island's rank count, equal on all islands."""
+    outer_optimizer: Literal["sgd", "adamw"] = "sgd"
+    """Outer optimizer applied to the averaged pseudo-gradient (DiLoCo)."""
+    outer_lr: float = 0.7
+    """Outer learning rate (DiLoCo)."""
+    outer_momentum: float = 0.9
+    """Outer SGD momentum (DiLoCo; with `adamw` it is beta1)."""
+    outer_nesterov: bool = True
+    """Use Nesterov momentum in the outer SGD (DiLoCo)."""
+    connect_timeout_ms: int = 10000
+    """How long to try to reach the lighthouse and peers before giving up with an error."""
+    quorum_timeout_ms: int = 600000
+    """How long an island waits for a quorum of islands at an outer step."""
+    max_retries: int = 10
+    """Stop after this many consecutive outer steps that failed to commit."""
 
 
 @dataclass

@@ -67,7 +67,9 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
     _require(1 <= ft.min_replica_size <= ft.group_size,
              f"fault_tolerance.min_replica_size = {ft.min_replica_size}: must be between 1 and "
              f"fault_tolerance.group_size ({ft.group_size})", p)
-    _require(0 <= ft.replica_id, f"fault_tolerance.replica_id = {ft.replica_id}: must be >= 0", p)
+    _require(0 <= ft.replica_id < max(ft.group_size, 1),
+             f"fault_tolerance.replica_id = {ft.replica_id}: must be between 0 and "
+             f"fault_tolerance.group_size - 1 ({ft.group_size - 1}); islands are numbered from 0", p)
     _require(ft.sync_steps >= 1, f"fault_tolerance.sync_steps = {ft.sync_steps}: must be >= 1", p)
     _require(1 <= ft.num_fragments <= ft.sync_steps,
              f"fault_tolerance.num_fragments = {ft.num_fragments}: must be between 1 and "
@@ -80,11 +82,22 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
              f"fault_tolerance.fragment_update_alpha = {ft.fragment_update_alpha}: must be in [0, 1]", p)
     _require(ft.process_group_timeout_ms > 0,
              f"fault_tolerance.process_group_timeout_ms = {ft.process_group_timeout_ms}: must be positive", p)
-    # The keys exist now so that configs written for the reference platform load;
-    # the federation itself (torchft Manager, outer DiLoCo loop) is not built yet.
-    _require(not ft.enable,
-             "fault_tolerance.enable = true: federated training across islands is not available in "
-             "this version yet; remove it (or pass --fault_tolerance.no_enable) to train one island", p)
+    _require(ft.sync_steps % max(ft.num_fragments, 1) == 0,
+             f"fault_tolerance.sync_steps = {ft.sync_steps}: must be a multiple of "
+             f"fault_tolerance.num_fragments ({ft.num_fragments})", p)
+    _require(ft.sync_width >= 1, f"fault_tolerance.sync_width = {ft.sync_width}: must be >= 1", p)
+    _require(not (ft.rank0_synchronization_only and ft.sync_width != 1),
+             f"fault_tolerance.rank0_synchronization_only = true means sync_width = 1, but "
+             f"fault_tolerance.sync_width = {ft.sync_width}; drop one of them", p)
+    _require(ft.outer_lr > 0, f"fault_tolerance.outer_lr = {ft.outer_lr}: must be positive", p)
+    _require(0.0 <= ft.outer_momentum < 1.0,
+             f"fault_tolerance.outer_momentum = {ft.outer_momentum}: must be in [0, 1)", p)
+    for key in ("connect_timeout_ms", "quorum_timeout_ms"):
+        _require(getattr(ft, key) > 0, f"fault_tolerance.{key} = {getattr(ft, key)}: must be positive", p)
+    _require(ft.max_retries >= 0, f"fault_tolerance.max_retries = {ft.max_retries}: must be >= 0", p)
+    _require(not ft.should_quantize,
+             "fault_tolerance.should_quantize = true: torchft's quantization needs Triton kernels on "
+             "a GPU and fails or is silently ignored elsewhere; leave it off", p)
 
 
 def validate(cfg: Config) -> Config:
@@ -108,3 +121,8 @@ def validate_for_island(cfg: Config, ranks: int) -> None:
     if t.micro_batch_size and per_rank % t.micro_batch_size:
         raise ConfigError(f"training.micro_batch_size = {t.micro_batch_size} does not divide the "
                           f"per-rank batch ({per_rank} = batch_size / {ranks} ranks)")
+    ft = cfg.fault_tolerance
+    if ft.enable and ft.sync_width > ranks:
+        raise ConfigError(f"fault_tolerance.sync_width = {ft.sync_width} exceeds this island's {ranks} "
+                          f"rank(s): sync_width may not exceed the smallest island's rank count; lower it "
+                          f"to {ranks} on every island")

@@ -1,0 +1,49 @@
+"""Everything between islands: membership (torchft), the bridge, the outer loop."""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+from torch import nn
+
+from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.diloco import (FederationError, OuterLoop, OuterReport, report_record,
+                                           split_fragments)
+from archipelago.federation.membership import (FederationMismatch, LighthouseUnreachable,
+                                               build_manager, fingerprint, lighthouse_address,
+                                               wait_for_lighthouse)
+
+log = logging.getLogger("archipelago.federation")
+
+__all__ = ["FederationError", "FederationMismatch", "LighthouseUnreachable", "OuterLoop",
+           "OuterReport", "build_outer_loop", "report_record", "split_fragments"]
+
+
+def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str, rank: int,
+                     world_size: int) -> OuterLoop:
+    """Join the federation: check the lighthouse, make the bridge ranks' managers, and
+    take the current weights as the first global weights (a collective over the island)."""
+    url = lighthouse_address(ft)
+    problem = None
+    if rank == 0:
+        try:
+            wait_for_lighthouse(url, ft.connect_timeout_ms / 1000)
+        except LighthouseUnreachable as exc:
+            problem = str(exc)
+    if world_size > 1:  # every rank fails together instead of waiting in a collective
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem is not None:
+        raise LighthouseUnreachable(problem)
+    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    fp = fingerprint(model_name, shapes, ft, world_size)
+    width = 1 if ft.rank0_synchronization_only else ft.sync_width
+    manager = build_manager(ft, rank, width) if rank < width else None
+    fragments = split_fragments(model, ft.num_fragments if ft.semi_sync_method == "diloco" else 1)
+    if rank == 0:
+        log.info("joining the federation at %s as island %d (%d rank(s), sync_width %d, %s, "
+                 "sync every %d steps, %d fragment(s))", url, ft.replica_id, world_size, width,
+                 ft.semi_sync_method, ft.sync_steps, len(fragments))
+    return OuterLoop(ft, fragments, rank, world_size, manager, fp)

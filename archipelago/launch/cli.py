@@ -1,8 +1,9 @@
 """`archipelago`: one console script, one subcommand per job.
 
-Each subcommand is a small function taking the remaining argv; the config-driven ones
-(`train`, `data prepare`, `config show`) share one parser (config/loading.py), so the
-same TOML file and `--section.key` overrides work everywhere.
+Each subcommand is a small function taking the remaining argv (`lighthouse` lives in
+launch/lighthouse.py); the config-driven ones (`train`, `data prepare`, `config show`)
+share one parser (config/loading.py), so the same TOML file and `--section.key`
+overrides work everywhere.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ Train one model across heterogeneous compute islands.
 
 commands:
   train          train on this island (--config FILE, --nproc N, --section.key VALUE ...)
+  lighthouse     run the lighthouse that islands join (--bind HOST:PORT, --min-replicas N)
   data prepare   fetch the corpus, train the tokenizer, write token files (cached)
   models         list every model family and flavor with its parameter count
   report RUN_DIR write a loss plot and a Markdown summary of a run
@@ -253,6 +255,12 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
+def cmd_lighthouse(argv: list[str]) -> int:
+    from archipelago.launch.lighthouse import cmd_lighthouse as run_lighthouse
+
+    return run_lighthouse(argv)
+
+
 def cmd_config(argv: list[str]) -> int:
     if argv and argv[0] == "reference":
         from archipelago.config.reference import reference_markdown
@@ -271,7 +279,7 @@ def cmd_config(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train, "data": cmd_data, "models": cmd_models, "report": cmd_report,
-    "config": cmd_config,
+    "config": cmd_config, "lighthouse": cmd_lighthouse,
 }
 
 

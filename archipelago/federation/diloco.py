@@ -1,0 +1,397 @@
+"""The outer loop across islands: DiLoCo, streaming DiLoCo and LocalSGD.
+
+Semantics follow torchft's `DiLoCo` where they overlap (DESIGN §1), so that on
+homogeneous islands both give the same weights:
+
+* fragment i of n is synchronised every `sync_steps / n` inner steps, in the order
+  of the federation's step count (step % n);
+* the exchange of a fragment starts `fragment_sync_delay` (tau) steps before it is
+  applied, and overlaps those inner steps;
+* the pseudo-gradient is (global weights - local weights); the outer optimizer
+  (Nesterov SGD by default) steps the global weights with its average;
+* `fragment_update_alpha` blends the local weights into the new global ones;
+* a round commits only if torchft's `should_commit` agrees; otherwise the island
+  restores the last global weights of the fragment and goes on.
+
+What differs, on purpose: the global weights and the outer optimizer live on the
+bridge ranks in the canonical flat layout (layout.py), so islands of any size meet
+and a recovering island can take them from any peer; each island's pseudo-gradient
+is sent with a weight (1, or 0 for an island that has just recovered and holds no
+valid local progress), and the average divides by the sum of weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ReduceOp
+
+from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.layout import FlatLayout
+from archipelago.federation.membership import (FederationMismatch, exchange_fingerprints,
+                                               mismatch)
+
+log = logging.getLogger("archipelago.federation")
+
+# Hash the global weights after every round below this size (cheap); larger models
+# hash them only at the end of the run (sha256 reads every byte once).
+HASH_EVERY_ROUND_MAX_NUMEL = 1 << 26
+
+
+class FederationError(RuntimeError):
+    """The federation cannot go on (e.g. too many rounds in a row failed to commit)."""
+
+
+@dataclass
+class OuterReport:
+    """What one synchronisation did; logged as an `outer_step` event."""
+
+    step: int = 0                 # inner step at which the round ended
+    outer_step: int = 0           # the federation's step count after this round
+    committed: bool = False
+    participants: int = 0         # islands in the quorum
+    contributors: float = 0.0     # sum of contribution weights (islands that sent progress)
+    fragment: int = 0
+    healed: bool = False          # this island received the global state from a peer
+    bytes_sent: int = 0           # payload this island handed to the cross-island all-reduce
+    sync_s: float = 0.0           # seconds spent blocked in the synchronisation
+    global_hash: str | None = None
+
+
+def split_fragments(model: nn.Module, n: int) -> list[list[nn.Parameter]]:
+    """The model's parameters in model order, cut into `n` contiguous fragments by layer.
+
+    Parameters before the first layer (embeddings) go to the first fragment and those
+    after the last (final norm, output) to the last, as torchtitan's fragmenting does.
+    """
+    named = list(model.named_parameters())
+    layer_of = [_layer_index(name) for name, _ in named]
+    count = max([i for i in layer_of if i is not None], default=-1) + 1
+    if n > max(count, 1):
+        raise ValueError(f"fault_tolerance.num_fragments = {n} exceeds the model's {count} layers")
+    fragments: list[list[nn.Parameter]] = [[] for _ in range(n)]
+    seen_layer = False
+    for (name, p), layer in zip(named, layer_of):
+        if layer is None:
+            fragments[n - 1 if seen_layer else 0].append(p)
+        else:
+            seen_layer = True
+            fragments[min(layer * n // count, n - 1)].append(p)
+    return fragments
+
+
+def _layer_index(name: str) -> int | None:
+    match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+def build_outer_optimizer(ft: FaultToleranceConfig, param: torch.Tensor) -> torch.optim.Optimizer:
+    """The outer optimizer of one fragment's global chunk (elementwise, so a chunk is enough)."""
+    if ft.semi_sync_method == "local_sgd":  # global <- global - mean(global - local) = mean(local)
+        opt: torch.optim.Optimizer = torch.optim.SGD([param], lr=1.0)
+    elif ft.outer_optimizer == "adamw":
+        opt = torch.optim.AdamW([param], lr=ft.outer_lr, betas=(ft.outer_momentum, 0.999),
+                                weight_decay=0.0)
+    else:
+        opt = torch.optim.SGD([param], lr=ft.outer_lr, momentum=ft.outer_momentum,
+                              nesterov=ft.outer_nesterov and ft.outer_momentum > 0)
+    _materialize(opt, param)
+    return opt
+
+
+def _materialize(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
+    """Create the optimizer state before the first step, so checkpoints and recovery
+    always carry it. A zero momentum buffer gives exactly SGD's first step (0*m + g)."""
+    state = opt.state[param]
+    if isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] > 0:
+        state["momentum_buffer"] = torch.zeros_like(param)
+    elif isinstance(opt, torch.optim.AdamW):
+        state.update(step=torch.zeros((), dtype=torch.float32),
+                     exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+
+
+@dataclass
+class _Pending:
+    """An exchange started by `prepare` and finished by `perform`."""
+
+    fragment: int
+    work: Any = None
+    buffer: torch.Tensor | None = None
+    reset: bool = False      # this island recovered: discard its local progress
+    prepare_s: float = 0.0   # seconds prepare() blocked (quorum, recovery, gather)
+
+
+class OuterLoop:
+    """Runs the outer synchronisation after each inner optimizer step (see module doc)."""
+
+    def __init__(self, ft: FaultToleranceConfig, fragments: list[list[nn.Parameter]], rank: int,
+                 world_size: int, manager: Any | None, fingerprint: dict[str, Any],
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.ft, self.rank, self.world_size, self.group = ft, rank, world_size, group
+        self.manager, self.fingerprint = manager, fingerprint
+        self.per_fragment = ft.sync_steps // len(fragments)
+        self.delay = ft.fragment_sync_delay
+        self.layouts = [FlatLayout(params, ft.sync_width, rank, world_size, group) for params in fragments]
+        self.is_bridge = self.layouts[0].is_bridge
+        if self.is_bridge != (manager is not None):
+            raise ValueError("bridge ranks (and only they) need a torchft Manager")
+        self.numel = sum(layout.numel for layout in self.layouts)
+        self.local_step = 0       # inner steps since the last round ended
+        self.step = 0             # the federation's step count (torchft's manager step)
+        self.pending: _Pending | None = None
+        self.quorum_id: int | None = None
+        self.globals: list[nn.Parameter] = []
+        self.outer: list[torch.optim.Optimizer] = []
+        self._recovered: bool | None = None  # set by the recovery callback: None, or "contributes"
+        self.save_global()  # collective: the initial weights are the first global weights
+        if manager is not None:
+            manager.register_state_dict_fn("archipelago_outer", self._load_recovery, self._recovery_state)
+
+    # ---- public --------------------------------------------------------------------
+
+    @property
+    def exchange_pending(self) -> bool:
+        """An exchange is in flight: the island's state cannot be checkpointed now."""
+        return self.pending is not None
+
+    def after_inner_step(self, inner_step: int) -> OuterReport | None:
+        """Call after every inner optimizer step (on every rank); returns a report per round."""
+        self.local_step += 1
+        if self.local_step == self.per_fragment - self.delay:
+            self.prepare()
+        if self.local_step < self.per_fragment:
+            return None
+        self.local_step = 0
+        return self.perform(inner_step)
+
+    def save_global(self) -> None:
+        """Take the island's current weights as the global weights (a collective)."""
+        chunks = [layout.gather() for layout in self.layouts]
+        if not self.is_bridge:
+            return
+        pin = torch.cuda.is_available()
+        self.globals = [nn.Parameter(c.detach().to("cpu").clone().pin_memory() if pin
+                                     else c.detach().to("cpu").clone()) for c in chunks]
+        self.outer = [build_outer_optimizer(self.ft, g) for g in self.globals]
+
+    def global_hash(self) -> str:
+        """SHA-256 over the global weights in canonical order (a collective)."""
+        digest = None
+        if self.is_bridge:
+            h = hashlib.sha256()
+            for g in self.globals:
+                h.update(g.detach().contiguous().numpy().tobytes())
+            digest = h.hexdigest()
+        digests = self._island_gather_objects(digest)
+        return hashlib.sha256("".join(d for d in digests if d).encode()).hexdigest()[:16]
+
+    def shutdown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+
+    # ---- the round -----------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Join the quorum (recovering if behind) and start averaging one fragment."""
+        began = time.perf_counter()
+        healed, blocked, error = False, False, False
+        if self.manager is not None:
+            self._recovered = None
+            self.manager.start_quorum()  # blocks; a recovering island receives state here
+            healed = self._recovered is not None
+            blocked = healed and not self._recovered
+            error = self._check_members()
+        flags = self._island_max([float(self.manager.current_step()) if self.manager else 0.0,
+                                  float(healed), float(blocked), float(error)])
+        self.step = int(flags[0])
+        if flags[3] and self.manager is not None and self.manager.errored() is None:
+            self.manager.report_error(FederationMismatch("a peer island does not match this one"))
+        fragment = self.step % len(self.layouts)
+        reset = bool(flags[2])
+        local = self.layouts[fragment].gather()
+        buffer = None
+        if self.is_bridge:
+            buffer = self._pseudo_gradient(fragment, local, contributes=not reset)
+        # One bad island must not poison the others: non-finite progress is sent as zero weight.
+        if self._island_max([0.0 if buffer is None else float(not torch.isfinite(buffer).all())])[0]:
+            log.warning("non-finite pseudo-gradient at outer step %d: this island sends no update", self.step)
+            if buffer is not None:
+                buffer.zero_()
+        work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM) if self.is_bridge else None
+        self.pending = _Pending(fragment, work, buffer, reset, time.perf_counter() - began)
+
+    def perform(self, inner_step: int) -> OuterReport:
+        """Finish the exchange, vote, and step (or restore) the fragment's global weights."""
+        p = self.pending
+        assert p is not None, "perform() without prepare()"
+        self.pending = None
+        blocked_since = time.perf_counter()
+        committed, participants, total = False, 0, 0.0
+        if self.manager is not None:
+            p.work.wait()
+            committed = self._should_commit()
+            participants = self.manager.num_participants()
+            total = float(p.buffer[-1])
+        flags = self._island_max([float(committed), float(participants), total])
+        committed, participants, total = bool(flags[0]), int(flags[1]), flags[2]
+        merge = committed and not p.reset and self.ft.fragment_update_alpha > 0
+        local = self.layouts[p.fragment].gather() if merge else None
+        if self.manager is not None and committed:
+            self._outer_step(p.fragment, p.buffer, total)
+        new = None
+        if self.is_bridge:
+            new = self.globals[p.fragment].detach()
+            if merge:
+                new = new.lerp(local.to(new.device), self.ft.fragment_update_alpha)
+        self.layouts[p.fragment].scatter(new)
+        if p.reset:  # a recovered island takes every fragment's global weights
+            for i, layout in enumerate(self.layouts):
+                if i != p.fragment:
+                    layout.scatter(self.globals[i].detach() if self.is_bridge else None)
+        if committed:
+            self.step += 1
+        report = OuterReport(step=inner_step, outer_step=self.step, committed=committed,
+                             participants=participants, contributors=total, fragment=p.fragment,
+                             healed=p.reset, bytes_sent=self._payload_bytes(p),
+                             sync_s=p.prepare_s + time.perf_counter() - blocked_since)
+        if self.numel <= HASH_EVERY_ROUND_MAX_NUMEL:
+            report.global_hash = self.global_hash()
+        return report
+
+    # ---- pieces --------------------------------------------------------------------
+
+    def _pseudo_gradient(self, fragment: int, local: torch.Tensor, contributes: bool) -> torch.Tensor:
+        """[weight * (global - local) ..., weight] on CPU: summed across islands, the last
+        element is the total weight that the average divides by."""
+        g = self.globals[fragment].detach()
+        buffer = torch.empty(g.numel() + 1, dtype=g.dtype)
+        weight = 1.0 if contributes else 0.0
+        torch.sub(g, local.to(g.device), out=buffer[:-1])
+        if not contributes:
+            buffer[:-1].zero_()
+        buffer[-1] = weight
+        return buffer
+
+    def _outer_step(self, fragment: int, buffer: torch.Tensor, total: float) -> None:
+        if total <= 0:  # nobody sent progress (e.g. every island just recovered)
+            return
+        g = self.globals[fragment]
+        with torch.no_grad():
+            g.grad = buffer[:-1] / total
+            self.outer[fragment].step()
+            self.outer[fragment].zero_grad(set_to_none=True)
+
+    def _should_commit(self) -> bool:
+        try:
+            return bool(self.manager.should_commit())
+        except RuntimeError as exc:  # torchft raises after max_retries failures in a row
+            raise FederationError(f"{exc}; the federation is not making progress: check that the other "
+                                  "islands are alive and reachable (fault_tolerance.max_retries)") from exc
+
+    def _check_members(self) -> bool:
+        """After a membership change, compare fingerprints; True if a peer must be refused.
+
+        The island whose fingerprint differs from the federation's reference (the island
+        furthest ahead, then the lowest id) refuses to go on with FederationMismatch.
+        """
+        quorum_id = self.manager._quorum_id
+        if quorum_id == self.quorum_id or self.rank != 0:
+            return False
+        mine = dict(self.fingerprint, step=self.manager.current_step())
+        table = exchange_fingerprints(self.manager, mine)
+        if table is None:
+            return False  # the collective failed; retried at the next membership change
+        self.quorum_id = quorum_id
+        reference = max(table, key=lambda fp: (fp.get("step", 0), -int(fp.get("island", 0) or 0)))
+        problem = mismatch(mine, reference)
+        if problem is not None:
+            raise FederationMismatch(f"refusing to join the federation: {problem}")
+        others = [mismatch(fp, mine) for fp in table]
+        refused = [m for m in others if m is not None]
+        for m in refused:
+            log.error("refusing a peer island: %s", m)
+        return bool(refused)
+
+    def _payload_bytes(self, p: _Pending) -> int:
+        mine = 0 if p.buffer is None else p.buffer.numel() * p.buffer.element_size()
+        return int(self._island_sum(float(mine)))
+
+    # ---- recovery (torchft's checkpoint transport) ---------------------------------
+
+    def _recovery_state(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint,
+                "fragments": [{"global": g.detach().clone(), "outer": _tensor_state(o, g)}
+                              for g, o in zip(self.globals, self.outer)]}
+
+    def _load_recovery(self, state: dict[str, Any]) -> None:
+        problem = mismatch(self.fingerprint, state["fingerprint"])
+        if problem is not None:
+            raise FederationMismatch(f"refusing the state of a peer island: {problem}")
+        same = all(torch.equal(g.detach(), f["global"].to(g.device))
+                   for g, f in zip(self.globals, state["fragments"]))
+        for g, o, f in zip(self.globals, self.outer, state["fragments"]):
+            _load_tensor_state(o, g, f)
+        self._recovered = same  # equal weights (a fresh federation): its progress still counts
+        log.info("recovered the global weights from a peer island (federation step %d)",
+                 self.manager.current_step())
+
+    # ---- checkpoint (DCP Stateful) -------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"local_step": self.local_step, "step": self.step}
+        if self.is_bridge:
+            state[f"bridge{self.rank}"] = {f"fragment{i}": {"global": g.detach(), "outer": _tensor_state(o, g)}
+                                          for i, (g, o) in enumerate(zip(self.globals, self.outer))}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.local_step, self.step = int(state["local_step"]), int(state["step"])
+        if self.is_bridge:
+            for i, (g, o) in enumerate(zip(self.globals, self.outer)):
+                _load_tensor_state(o, g, state[f"bridge{self.rank}"][f"fragment{i}"])
+        if self.manager is not None:
+            self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
+
+    # ---- island collectives --------------------------------------------------------
+
+    def _island_max(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def _island_sum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(t, group=self.group)
+        return float(t[0])
+
+    def _island_gather_objects(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def _tensor_state(opt: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in opt.state[param].items() if isinstance(v, torch.Tensor)}
+
+
+def _load_tensor_state(opt: torch.optim.Optimizer, param: nn.Parameter, state: dict[str, Any]) -> None:
+    with torch.no_grad():
+        param.copy_(state["global"].to(param.device))
+        for key, value in state["outer"].items():
+            opt.state[param][key].copy_(value.to(opt.state[param][key].device))
+
+
+def report_record(report: OuterReport) -> dict[str, Any]:
+    return asdict(report)

@@ -1,0 +1,182 @@
+"""Membership of an island in a federation: the torchft Manager of each bridge rank.
+
+Only bridge ranks (island ranks 0 .. sync_width-1) talk across islands, so only they
+create a torchft `Manager`, with rank s and world size sync_width: torchft pairs group
+rank s of every island, which is exactly "bridge rank s of every island all-reduces
+chunk s". The other ranks learn the quorum's outcome from island rank 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+from torch.distributed import ReduceOp, TCPStore
+
+from archipelago.config import ConfigError
+from archipelago.config.schema import FaultToleranceConfig
+
+log = logging.getLogger("archipelago.federation")
+
+
+class FederationMismatch(ConfigError):
+    """This island's model or bridge does not match the federation it tried to join."""
+
+
+class LighthouseUnreachable(ConfigError):
+    """The lighthouse did not answer within the connect timeout."""
+
+
+def lighthouse_address(ft: FaultToleranceConfig) -> str:
+    """The lighthouse URL from the config or $TORCHFT_LIGHTHOUSE, or a ConfigError naming both."""
+    url = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not url:
+        raise ConfigError("fault_tolerance.enable needs a lighthouse: start one with `archipelago "
+                          "lighthouse --bind 0.0.0.0:29510` and pass --fault_tolerance.lighthouse "
+                          "http://HOST:29510 (or export TORCHFT_LIGHTHOUSE)")
+    return url if "://" in url else f"http://{url}"
+
+
+def wait_for_lighthouse(url: str, timeout_s: float) -> None:
+    """Return once a TCP connection to the lighthouse succeeds; raise after `timeout_s`.
+
+    torchft would otherwise retry inside its Rust client and surface the failure only at
+    the first quorum, as a long timeout with a gRPC trace; this says what to fix.
+    """
+    parsed = urlparse(url)
+    host, port = parsed.hostname, parsed.port
+    if not host or not port:
+        raise ConfigError(f"lighthouse address {url!r} is not http://HOST:PORT; fix "
+                          "--fault_tolerance.lighthouse or TORCHFT_LIGHTHOUSE")
+    deadline, error = time.monotonic() + timeout_s, None
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, timeout_s))):
+                return
+        except OSError as exc:
+            error = exc
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    raise LighthouseUnreachable(
+        f"cannot reach the lighthouse at {url} ({error}) within {timeout_s:.0f} s "
+        "(fault_tolerance.connect_timeout_ms); start it with `archipelago lighthouse` or fix "
+        "--fault_tolerance.lighthouse / TORCHFT_LIGHTHOUSE")
+
+
+def _store_for_manager() -> tuple[str, int, TCPStore | None]:
+    """Where the bridge ranks' TCPStore is: torchrun's, or one we host for a lone process.
+
+    The address is advertised to the other islands (their cross-island process groups
+    rendezvous in the quorum leader's store), so LOCAL_ADDR wins over MASTER_ADDR.
+    """
+    advertised = os.environ.get("LOCAL_ADDR")
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return advertised or os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None
+    host = advertised or "127.0.0.1"
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    return host, store.port, store
+
+
+def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int) -> Any:
+    """A torchft Manager for bridge rank `bridge_rank` of this island (state fns added later)."""
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    url = lighthouse_address(ft)
+    timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
+    pg = ProcessGroupNCCL(timeout=timeout) if ft.process_group == "nccl" else ProcessGroupGloo(timeout=timeout)
+    host, port, store = _store_for_manager()
+    manager = Manager(
+        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replica_size,
+        use_async_quorum=False,  # the outer loop needs the quorum before it averages
+        timeout=timeout, quorum_timeout=timedelta(milliseconds=ft.quorum_timeout_ms),
+        connect_timeout=timedelta(milliseconds=ft.connect_timeout_ms),
+        rank=bridge_rank, world_size=width, store_addr=host, store_port=port,
+        lighthouse_addr=url, replica_id=f"island_{ft.replica_id}",
+        hostname=os.environ.get("LOCAL_ADDR") or socket.gethostname(),
+        max_retries=ft.max_retries,
+    )
+    manager._archipelago_store = store  # keep a self-hosted store alive as long as the manager
+    return manager
+
+
+# ---- fingerprints ------------------------------------------------------------------
+
+# What every island must agree on; anything else (rank count, device) may differ.
+FINGERPRINT_KEYS = ("model", "params", "shapes", "sync_width", "num_fragments", "semi_sync_method",
+                    "outer")
+
+
+def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]],
+                ft: FaultToleranceConfig, ranks: int) -> dict[str, Any]:
+    """A description of this island that peers compare at join time."""
+    shapes = hashlib.sha256(json.dumps(named_shapes).encode()).hexdigest()[:16]
+    outer = (f"{ft.outer_optimizer}(lr={ft.outer_lr}, momentum={ft.outer_momentum}, "
+             f"nesterov={ft.outer_nesterov}) alpha={ft.fragment_update_alpha}")
+    return {"island": ft.replica_id, "ranks": ranks, "model": model_name,
+            "params": sum(_numel(s) for _, s in named_shapes), "shapes": shapes,
+            "sync_width": ft.sync_width, "num_fragments": ft.num_fragments,
+            "semi_sync_method": ft.semi_sync_method, "outer": outer}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def describe(fp: dict[str, Any]) -> str:
+    return (f"island {fp['island']} ({fp['ranks']} rank(s)): {fp['model']}, {fp['params']:,} parameters "
+            f"(shapes {fp['shapes']}), sync_width {fp['sync_width']}, {fp['num_fragments']} fragment(s), "
+            f"{fp['semi_sync_method']} {fp['outer']}")
+
+
+def mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """Why two islands cannot train together, or None."""
+    keys = [k for k in FINGERPRINT_KEYS if mine.get(k) != theirs.get(k)]
+    if not keys:
+        return None
+    hint = (" sync_width must be equal on every island and at most the smallest island's rank count."
+            if "sync_width" in keys else "")
+    return (f"{describe(mine)} does not match {describe(theirs)} (differs in: {', '.join(keys)}); "
+            f"start every island with the same model and [fault_tolerance] settings.{hint}")
+
+
+_ROW = 1024  # bytes of JSON per island in the exchange
+
+
+def exchange_fingerprints(manager: Any, mine: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Every participant's fingerprint, through one all-reduce on the cross-island group.
+
+    Each island writes its JSON into its own row (its replica rank) of a zero tensor;
+    a sum leaves every row filled everywhere. Returns None if the collective failed
+    (the manager has recorded the error and the round will not commit).
+    """
+    rows, me = manager.num_participants(), manager.participating_rank()
+    if me is None or rows < 1:
+        return None
+    raw = json.dumps(mine, sort_keys=True).encode()[:_ROW]
+    table = torch.zeros(rows, _ROW, dtype=torch.float64)
+    table[me, :len(raw)] = torch.tensor(list(raw), dtype=torch.float64)
+    manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
+    if manager.errored() is not None:
+        return None
+    out = []
+    for row in table:
+        data = bytes(int(v) for v in row.tolist() if v > 0)
+        try:
+            out.append(json.loads(data.decode()))
+        except ValueError:  # a peer without a fingerprint (an old version): treat as a mismatch
+            out.append({"island": "?", "ranks": 0, "model": "unknown", "params": 0, "shapes": "?",
+                        "sync_width": "?", "num_fragments": "?", "semi_sync_method": "?", "outer": "?"})
+    return out

@@ -1,0 +1,175 @@
+"""`archipelago lighthouse`: run torchft's lighthouse, the membership service of a federation.
+
+Islands find each other through the lighthouse: each island's torchft Manager heartbeats
+to it and asks it for a quorum at every outer step. This module runs torchft's own server
+(`torchft.coordination.LighthouseServer`, the same code as the `torchft_lighthouse`
+console script) inside this process, prints the URL to give the islands, and stops it
+cleanly on Ctrl-C / SIGTERM. `start_lighthouse` is the reusable part (the local
+federation launcher starts its lighthouse with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import signal
+import socket
+import threading
+from typing import TYPE_CHECKING
+
+from archipelago.config import ConfigError
+
+if TYPE_CHECKING:
+    from torchft.coordination import LighthouseServer
+
+DEFAULT_BIND = "0.0.0.0:29510"
+DEFAULT_MIN_REPLICAS = 1
+DEFAULT_JOIN_TIMEOUT_MS = 60000
+DEFAULT_QUORUM_TICK_MS = 100
+DEFAULT_HEARTBEAT_TIMEOUT_MS = 5000
+
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+
+DESCRIPTION = """\
+Run the lighthouse of a federation (torchft's LighthouseServer, in this process). Islands
+join it with TORCHFT_LIGHTHOUSE=http://HOST:PORT or --fault_tolerance.lighthouse
+http://HOST:PORT. Stop it with Ctrl-C or SIGTERM (exit code 0).
+
+Defaults are torchft_lighthouse's, except: --bind is 0.0.0.0:29510 (torchft_lighthouse:
+[::]:29510) and --min-replicas defaults to 1 (torchft_lighthouse requires it). Islands
+trust the lighthouse and each other completely, and its dashboard has an unauthenticated
+kill endpoint: run it on a private network only (docs/federation.md).
+"""
+
+
+def split_bind(bind: str) -> tuple[str, int]:
+    """(host, port) of `HOST:PORT` / `[IPv6]:PORT`; raises ConfigError naming the fix."""
+    fix = "expected HOST:PORT, e.g. --bind 0.0.0.0:29510, --bind 127.0.0.1:0 (a free port) or --bind [::]:29510"
+    host, sep, port_text = bind.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise ConfigError(f"--bind {bind}: {fix}")
+    if not host:
+        host = "0.0.0.0"
+    elif host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ConfigError(f"--bind {bind}: write an IPv6 address in brackets, e.g. [::1]:29510")
+    port = int(port_text)
+    if port > 65535:
+        raise ConfigError(f"--bind {bind}: port {port} is out of range; use 1-65535, or 0 for a free port")
+    return host, port
+
+
+def _url_host(host: str) -> str:
+    """`host` as written in a URL: IPv6 literals get brackets."""
+    try:
+        return f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
+    except ValueError:
+        return host
+
+
+def start_lighthouse(bind: str = DEFAULT_BIND, min_replicas: int = DEFAULT_MIN_REPLICAS,
+                     join_timeout_ms: int = DEFAULT_JOIN_TIMEOUT_MS,
+                     quorum_tick_ms: int = DEFAULT_QUORUM_TICK_MS,
+                     heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS) -> "LighthouseServer":
+    """Start torchft's lighthouse on `bind` (HOST:PORT; port 0 picks a free one) and return it.
+
+    `.address()` of the result is its URL (torchft writes this host's name into it);
+    `.shutdown()` stops it. Bad arguments and an unusable address raise ConfigError
+    with a one-line message that names the fix.
+    """
+    host, port = split_bind(bind)
+    for name, value, low in (("min_replicas", min_replicas, 1), ("join_timeout_ms", join_timeout_ms, 0),
+                             ("quorum_tick_ms", quorum_tick_ms, 1),
+                             ("heartbeat_timeout_ms", heartbeat_timeout_ms, 1)):
+        if value < low:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
+    from torchft.coordination import LighthouseServer
+
+    try:
+        return LighthouseServer(bind=f"{_url_host(host)}:{port}", min_replicas=min_replicas,
+                                join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms,
+                                heartbeat_timeout_ms=heartbeat_timeout_ms)
+    except RuntimeError as exc:
+        reason = str(exc)
+        if "in use" in reason:
+            raise ConfigError(f"--bind {bind}: port {port} is already in use (another lighthouse?); stop that "
+                              f"process or pick another port, e.g. --bind {_url_host(host)}:{port + 1} "
+                              "(port 0 picks a free one)") from None
+        if "not available" in reason or "assign" in reason:
+            hint = "that is not an address of this machine; bind 0.0.0.0 (all interfaces) or one of its own addresses"
+        elif "lookup" in reason or "resolve" in reason:
+            hint = f"cannot resolve host {host!r}; use an IP address of this machine, or 0.0.0.0"
+        elif "permission" in reason.lower():
+            hint = f"not allowed to bind port {port}; use a port above 1023"
+        else:
+            hint = "expected HOST:PORT with an address of this machine, e.g. --bind 0.0.0.0:29510"
+        raise ConfigError(f"--bind {bind}: {reason}: {hint}") from None
+
+
+def island_urls(bind: str, server: "LighthouseServer") -> tuple[str, str | None]:
+    """(URL to give islands, URL for islands on this host or None) of a started lighthouse.
+
+    A lighthouse bound to one address is reached at that address. One bound to all
+    interfaces (0.0.0.0, [::]) is reached at this host's name, the URL torchft reports.
+    """
+    host, _ = split_bind(bind)
+    port = server.address().rsplit(":", 1)[1]
+    if host in WILDCARD_HOSTS:
+        return f"http://{_url_host(socket.gethostname())}:{port}", f"http://localhost:{port}"
+    return f"http://{_url_host(host)}:{port}", None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="archipelago lighthouse", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    # The underscore spellings are torchft_lighthouse's, so its command lines work here too.
+    p.add_argument("--bind", default=DEFAULT_BIND, metavar="HOST:PORT",
+                   help=f"address to listen on; port 0 picks a free one (default {DEFAULT_BIND})")
+    p.add_argument("--min-replicas", "--min_replicas", type=int, default=DEFAULT_MIN_REPLICAS, metavar="N",
+                   help=f"fewest islands that form a quorum (default {DEFAULT_MIN_REPLICAS})")
+    p.add_argument("--join-timeout-ms", "--join_timeout_ms", type=int, default=DEFAULT_JOIN_TIMEOUT_MS,
+                   metavar="MS", help="how long to wait for heartbeating stragglers to join before issuing "
+                   f"a quorum (default {DEFAULT_JOIN_TIMEOUT_MS})")
+    p.add_argument("--quorum-tick-ms", "--quorum_tick_ms", type=int, default=DEFAULT_QUORUM_TICK_MS,
+                   metavar="MS", help=f"how often to check for a quorum (default {DEFAULT_QUORUM_TICK_MS})")
+    p.add_argument("--heartbeat-timeout-ms", "--heartbeat_timeout_ms", type=int,
+                   default=DEFAULT_HEARTBEAT_TIMEOUT_MS, metavar="MS",
+                   help="how long without a heartbeat before an island counts as dead "
+                   f"(default {DEFAULT_HEARTBEAT_TIMEOUT_MS})")
+    return p
+
+
+def cmd_lighthouse(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    stop = threading.Event()
+    # Handlers first, so that a signal during start-up is not lost.
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server = start_lighthouse(args.bind, args.min_replicas, args.join_timeout_ms,
+                                  args.quorum_tick_ms, args.heartbeat_timeout_ms)
+        try:
+            url, local_url = island_urls(args.bind, server)
+            host, _ = split_bind(args.bind)
+            port = url.rsplit(":", 1)[1]
+            where = " (all interfaces)" if local_url else ""
+            print(f"lighthouse listening on {_url_host(host)}:{port}{where}; min_replicas {args.min_replicas}, "
+                  f"join_timeout_ms {args.join_timeout_ms}, quorum_tick_ms {args.quorum_tick_ms}, "
+                  f"heartbeat_timeout_ms {args.heartbeat_timeout_ms}")
+            print(f"address: {url}")
+            if local_url:
+                print(f"  {url} uses this host's name: other hosts must resolve it to this host, else give "
+                      f"them this host's IP; on this host {local_url} works too")
+            print(f"give islands either of:\n  export TORCHFT_LIGHTHOUSE={url}\n"
+                  f"  --fault_tolerance.lighthouse {url}")
+            print(f"dashboard: {url} (no authentication: keep it on a private network); "
+                  "Ctrl-C or SIGTERM stops the lighthouse", flush=True)
+            while not stop.wait(0.5):
+                pass
+        finally:
+            server.shutdown()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("lighthouse stopped", flush=True)
+    return 0
