@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -281,8 +282,29 @@ class Trainer:
         if self.outer is None:
             return
         report = self.outer.after_inner_step(self.progress.step)
-        if report is not None:
-            self.metrics.outer_step(report_record(report))
+        if report is None:
+            return
+        if report.healed:
+            self.catch_up(self.outer.aligned_inner_step())
+        self.metrics.outer_step(report_record(report))
+
+    def catch_up(self, step: int) -> None:
+        """After recovering from a peer, continue at the federation's inner step.
+
+        The island now holds the federation's weights; keeping its own (older) step
+        count would make it train past the others and finish alone. Its data position
+        stays its own: islands read disjoint sequences whatever the step.
+        """
+        jump = step - self.progress.step
+        if jump <= 0:
+            return
+        log.info("catching up with the federation: inner step %d -> %d", self.progress.step, step)
+        self.metrics.event("catch_up", step=self.progress.step, to_step=step)
+        with warnings.catch_warnings():  # stepping the schedule without optimizer steps is intended
+            warnings.simplefilter("ignore")
+            for _ in range(jump):
+                self.lr_scheduler.step()
+        self.progress.step = step
 
     @property
     def tokens_per_step(self) -> int:

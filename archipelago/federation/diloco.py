@@ -147,6 +147,8 @@ class OuterLoop:
         self.local_step = 0       # inner steps since the last round ended
         self.step = 0             # the federation's step count (torchft's manager step)
         self.pending: _Pending | None = None
+        self.inner_step = 0       # the trainer's step count, sent to recovering peers
+        self.peer_inner_step = 0  # the step count of the peer this island last recovered from
         self.quorum_id: int | None = None
         self.globals: list[nn.Parameter] = []
         self.outer: list[torch.optim.Optimizer] = []
@@ -165,12 +167,21 @@ class OuterLoop:
     def after_inner_step(self, inner_step: int) -> OuterReport | None:
         """Call after every inner optimizer step (on every rank); returns a report per round."""
         self.local_step += 1
+        self.inner_step = inner_step
         if self.local_step == self.per_fragment - self.delay:
             self.prepare()
         if self.local_step < self.per_fragment:
             return None
         self.local_step = 0
         return self.perform(inner_step)
+
+    def aligned_inner_step(self) -> int:
+        """After a recovery: the inner step of the peer this island recovered from.
+
+        The peer sent its step at the start of the round; both have since trained the
+        same `fragment_sync_delay` steps of it.
+        """
+        return self.peer_inner_step + self.delay
 
     def save_global(self) -> None:
         """Take the island's current weights as the global weights (a collective)."""
@@ -210,8 +221,11 @@ class OuterLoop:
             blocked = healed and not self._recovered
             error = self._check_members()
         flags = self._island_max([float(self.manager.current_step()) if self.manager else 0.0,
-                                  float(healed), float(blocked), float(error)])
+                                  float(healed), float(blocked), float(error),
+                                  float(self.peer_inner_step) if healed else 0.0])
         self.step = int(flags[0])
+        if flags[1]:
+            self.peer_inner_step = int(flags[4])
         if flags[3] and self.manager is not None and self.manager.errored() is None:
             self.manager.report_error(FederationMismatch("a peer island does not match this one"))
         fragment = self.step % len(self.layouts)
@@ -327,7 +341,7 @@ class OuterLoop:
     # ---- recovery (torchft's checkpoint transport) ---------------------------------
 
     def _recovery_state(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint,
+        return {"fingerprint": self.fingerprint, "inner_step": self.inner_step,
                 "fragments": [{"global": g.detach().clone(), "outer": _tensor_state(o, g)}
                               for g, o in zip(self.globals, self.outer)]}
 
@@ -339,6 +353,7 @@ class OuterLoop:
                    for g, f in zip(self.globals, state["fragments"]))
         for g, o, f in zip(self.globals, self.outer, state["fragments"]):
             _load_tensor_state(o, g, f)
+        self.peer_inner_step = int(state["inner_step"])
         self._recovered = same  # equal weights (a fresh federation): its progress still counts
         log.info("recovered the global weights from a peer island (federation step %d)",
                  self.manager.current_step())

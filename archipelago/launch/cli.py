@@ -1,7 +1,7 @@
 """`archipelago`: one console script, one subcommand per job.
 
 Each subcommand is a small function taking the remaining argv (`lighthouse` lives in
-launch/lighthouse.py); the config-driven ones (`train`, `data prepare`, `config show`)
+launch/lighthouse.py, `local` in launch/local.py); the config-driven ones (`train`, `data prepare`, `config show`)
 share one parser (config/loading.py), so the same TOML file and `--section.key`
 overrides work everywhere.
 """
@@ -27,9 +27,11 @@ Train one model across heterogeneous compute islands.
 commands:
   train          train on this island (--config FILE, --nproc N, --section.key VALUE ...)
   lighthouse     run the lighthouse that islands join (--bind HOST:PORT, --min-replicas N)
+  local          a whole federation on this machine: a lighthouse and one torchrun per
+                 island (--islands 2,1, --kill ISLAND@SECONDS, --restart-after SECONDS)
   data prepare   fetch the corpus, train the tokenizer, write token files (cached)
   models         list every model family and flavor with its parameter count
-  report RUN_DIR write a loss plot and a Markdown summary of a run
+  report RUN_DIR write a loss plot and a Markdown summary of a run (or a federation)
   config         `config reference` prints the configuration reference;
                  `config show [--config FILE] [overrides]` prints the resolved config
 
@@ -90,10 +92,13 @@ def _known_failure(exc: BaseException) -> tuple[int, str] | None:
     """(exit code, message) for errors whose message already names the fix; else None."""
     from archipelago.checkpoint import CheckpointUnusable
     from archipelago.data import CorpusUnavailable
+    from archipelago.federation import FederationError
     from archipelago.trainer import NonFiniteLossError
 
     if isinstance(exc, NonFiniteLossError):
         return 3, str(exc)
+    if isinstance(exc, FederationError):
+        return 4, f"error: {exc}"
     if isinstance(exc, (ConfigError, CheckpointUnusable)):
         return 2, f"error: {exc}"
     if isinstance(exc, CorpusUnavailable):
@@ -261,6 +266,12 @@ def cmd_lighthouse(argv: list[str]) -> int:
     return run_lighthouse(argv)
 
 
+def cmd_local(argv: list[str]) -> int:
+    from archipelago.launch.local import main as run_local
+
+    return run_local(argv)
+
+
 def cmd_config(argv: list[str]) -> int:
     if argv and argv[0] == "reference":
         from archipelago.config.reference import reference_markdown
@@ -279,7 +290,7 @@ def cmd_config(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train, "data": cmd_data, "models": cmd_models, "report": cmd_report,
-    "config": cmd_config, "lighthouse": cmd_lighthouse,
+    "config": cmd_config, "lighthouse": cmd_lighthouse, "local": cmd_local,
 }
 
 

@@ -13,7 +13,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Iterator
 
 log = logging.getLogger("archipelago.metrics")
 
@@ -94,20 +94,30 @@ def read_metrics(path: Path) -> MetricsHistory:
     malformed line (typically the last one, cut by a crash) is skipped with a
     warning.
     """
-    path = Path(path)
     by_step: dict[int, dict[str, Any]] = {}
     events: list[dict[str, Any]] = []
+    for record in iter_records(path):
+        step = record.get("step")
+        if "event" in record or not isinstance(step, int) or isinstance(step, bool):
+            events.append(record)
+        else:
+            by_step[step] = record
+    return MetricsHistory(steps=[by_step[s] for s in sorted(by_step)], events=events)
+
+
+def iter_records(path: Path) -> Iterator[dict[str, Any]]:
+    """Every well-formed record of a metrics.jsonl file, in file (= time) order.
+
+    Unlike read_metrics nothing is de-duplicated: readers that care about what
+    happened when (a restarted island re-logging steps) need every line.
+    Malformed lines are skipped with a warning.
+    """
+    path = Path(path)
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             record = _parse_line(path, lineno, line)
-            if record is None:
-                continue
-            step = record.get("step")
-            if "event" in record or not isinstance(step, int) or isinstance(step, bool):
-                events.append(record)
-            else:
-                by_step[step] = record
-    return MetricsHistory(steps=[by_step[s] for s in sorted(by_step)], events=events)
+            if record is not None:
+                yield record
 
 
 def _parse_line(path: Path, lineno: int, line: str) -> dict[str, Any] | None:

@@ -1,4 +1,9 @@
-"""Post-run report: a loss plot and a short Markdown summary of a run directory."""
+"""Post-run report: a loss plot and a short Markdown summary of a run directory.
+
+A run directory is either one island's (metrics.jsonl, summary.json) or a local
+federation's (federation.json and island-K/metrics.jsonl per island); the latter gets
+loss against wall-clock time per island, kill/restart markers and the outer-step table.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from archipelago.metrics.islands import finite, is_federation_dir, is_step_record, island_records, load_federation
 from archipelago.metrics.jsonl import MetricsHistory, read_metrics
 
 log = logging.getLogger("archipelago.metrics")
@@ -22,13 +28,18 @@ def write_report(run_dir: Path) -> tuple[Path, Path]:
     """Write run_dir/report/loss.png and run_dir/report/report.md.
 
     Reads run_dir/metrics.jsonl (required) and run_dir/summary.json
-    (optional). Returns (png_path, markdown_path).
+    (optional); for a federation run directory (no metrics.jsonl of its own,
+    federation.json or island-K/metrics.jsonl instead) see write_federation_report.
+    Returns (png_path, markdown_path).
     """
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.is_file() and is_federation_dir(run_dir):
+        return write_federation_report(run_dir)
     if not metrics_path.is_file():
         raise FileNotFoundError(
-            f"is {run_dir} a run directory? expected metrics.jsonl at {metrics_path}"
+            f"is {run_dir} a run directory? expected metrics.jsonl at {metrics_path} "
+            "(or island-K/metrics.jsonl for a federation run)"
         )
     history = read_metrics(metrics_path)
     summary = _read_summary(run_dir / "summary.json")
@@ -139,3 +150,177 @@ def _format_value(key: str, value: Any) -> str:
     if not math.isfinite(value):
         return str(value)
     return f"{value:,.1f}" if abs(value) >= 1000 else f"{value:.5g}"
+
+
+# --------------------------------------------------------------- federation
+
+# Launcher events drawn as vertical lines: (colour, line style).
+_MARKERS = {"kill": ("tab:red", "--"), "restart": ("tab:green", ":")}
+_EVENT_ROWS_MAX = 200  # quorum events can be one per outer step: keep the table readable
+
+
+def write_federation_report(run_dir: Path) -> tuple[Path, Path]:
+    """report/loss.png (loss per island against wall-clock time) and report/report.md.
+
+    Uses federation.json when the launcher wrote one, else rebuilds the same summary
+    from island-K/metrics.jsonl (without ranks, exit codes and kill/restart events).
+    """
+    run_dir = Path(run_dir)
+    federation = load_federation(run_dir)
+    records = {i["id"]: island_records(run_dir / f"island-{i['id']}") for i in federation["islands"]}
+    t0 = _start_time(federation, records)
+    name = run_dir.resolve().name
+    out_dir = run_dir / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = _plot_federation(records, federation, t0, name, out_dir / "loss.png")
+    md = out_dir / "report.md"
+    md.write_text(_federation_markdown(name, federation, t0, png.name), encoding="utf-8")
+    log.info("wrote report %s", md)
+    return png, md
+
+
+def _start_time(federation: dict[str, Any], records: dict[int, list[dict[str, Any]]]) -> float:
+    """Time zero of the plot: the launcher's start, else the earliest record."""
+    times = [r["time"] for rs in records.values() for r in rs if finite(r.get("time"))]
+    times += [e["time"] for e in federation.get("events", []) if finite(e.get("time"))]
+    if finite(federation.get("start_time")):
+        times.append(federation["start_time"])
+    return min(times, default=0.0)
+
+
+def _timed(records: list[dict[str, Any]], key: str, t0: float) -> tuple[list[float], list[float]]:
+    """(seconds since t0, value) of the step records with a finite `key` and a time."""
+    points = [(r["time"] - t0, float(r[key])) for r in records
+              if is_step_record(r) and finite(r.get(key)) and finite(r.get("time"))]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _plot_federation(records: dict[int, list[dict[str, Any]]], federation: dict[str, Any],
+                     t0: float, name: str, path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8.0, 4.8))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    drawn = False
+    for index, (island, island_records_) in enumerate(records.items()):
+        colour = f"C{index % 10}"
+        xs, ys = _break_at(*_timed(island_records_, "loss", t0), _gaps(island, island_records_, federation, t0))
+        vx, vy = _timed(island_records_, "val_loss", t0)
+        if xs:
+            ax.plot(xs, ys, color=colour, linewidth=1.0, label=f"island {island} train")
+        if vx:
+            ax.plot(vx, vy, color=colour, marker="o", linestyle="none", label=f"island {island} val")
+        drawn = drawn or bool(xs or vx)
+    _draw_markers(ax, federation.get("events", []), t0)
+    if drawn:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no loss values logged", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("wall-clock time since start (s)")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{name}: loss per island")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _gaps(island: int, records: list[dict[str, Any]], federation: dict[str, Any], t0: float) -> list[float]:
+    """Times at which the island was down (kills, resumes): its curve is not joined across them."""
+    events = [e for e in federation.get("events", []) if e.get("island") == island and e.get("event") == "kill"]
+    events += [r for r in records if r.get("event") == "resume"]
+    return sorted(e["time"] - t0 for e in events if finite(e.get("time")))
+
+
+def _break_at(xs: list[float], ys: list[float], cuts: list[float]) -> tuple[list[float], list[float]]:
+    """Insert a NaN (matplotlib leaves a gap there) between points that a cut falls between."""
+    out_x: list[float] = []
+    out_y: list[float] = []
+    for x, y in zip(xs, ys):
+        if out_x and any(out_x[-1] < cut <= x for cut in cuts):
+            out_x.append(math.nan)
+            out_y.append(math.nan)
+        out_x.append(x)
+        out_y.append(y)
+    return out_x, out_y
+
+
+def _draw_markers(ax: Any, events: list[dict[str, Any]], t0: float) -> None:
+    """A vertical line per launcher kill/restart, labelled with its island."""
+    for event in events:
+        style = _MARKERS.get(str(event.get("event")))
+        if style is None or event.get("source") != "launcher" or not finite(event.get("time")):
+            continue
+        x = event["time"] - t0
+        ax.axvline(x, color=style[0], linestyle=style[1], linewidth=1.0)
+        ax.annotate(f"{event['event']} {event.get('island')}", (x, 1.0), xycoords=("data", "axes fraction"),
+                    rotation=90, va="top", ha="right", fontsize="x-small", color=style[0])
+
+
+def _federation_markdown(name: str, federation: dict[str, Any], t0: float, png_name: str) -> str:
+    agree = "yes" if federation.get("global_hash_agree") else "no"
+    if federation.get("global_hash_outer_step") is not None:
+        agree += f" (outer step {federation['global_hash_outer_step']}, the last all islands committed)"
+    lines = [f"# Federation report: {name}", "", f"![loss per island]({png_name})", ""]
+    facts = [f"Islands: {len(federation['islands'])}", f"outer steps: {len(federation.get('outer_steps', []))}",
+             f"final global weights agree: {agree}"]
+    if finite(federation.get("wall_s")):
+        facts.append(f"wall time: {_format_value('wall_s', federation['wall_s'])}")
+    if federation.get("lighthouse"):
+        facts.append(f"lighthouse: {federation['lighthouse']}")
+    lines += ["; ".join(facts) + ".", ""]
+    lines += _island_table(federation["islands"]) + [""]
+    lines += _outer_step_table(federation.get("outer_steps", [])) + [""]
+    lines += _event_table(federation.get("events", []), t0)
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return "n/a" if value is None else str(value)
+
+
+def _island_table(islands: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Islands", "",
+             "| island | ranks | restarts | outer steps committed | final step | final loss | "
+             "final val loss | global hash | exit code |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for i in islands:
+        digest = f"`{i['global_hash'][:16]}`" if i.get("global_hash") else "n/a"
+        lines.append(f"| {i['id']} | {_cell(i.get('ranks'))} | {_cell(i.get('restarts'))} | "
+                     f"{_cell(i.get('outer_steps_committed'))} | {_cell(i.get('final_step'))} | "
+                     f"{_cell(i.get('final_loss'))} | {_cell(i.get('final_val_loss'))} | {digest} | "
+                     f"{_cell(i.get('exit_code'))} |")
+    return lines
+
+
+def _outer_step_table(outer_steps: list[dict[str, Any]]) -> list[str]:
+    if not outer_steps:
+        return ["## Outer steps", "", "No outer step was logged."]
+    lines = ["## Outer steps", "", "| outer step | participants | committed by islands | healed | same hash |",
+             "| ---: | ---: | --- | --- | --- |"]
+    for entry in outer_steps:
+        committed = ", ".join(map(str, entry.get("islands", []))) or "none"
+        healed = ", ".join(map(str, entry.get("healed", []))) or "-"
+        same = {True: "yes", False: "NO"}.get(entry.get("hash_agree"), "n/a")
+        lines.append(f"| {entry['outer_step']} | {entry.get('participants')} | {committed} | {healed} | {same} |")
+    return lines
+
+
+def _event_table(events: list[dict[str, Any]], t0: float) -> list[str]:
+    if not events:
+        return ["## Events", "", "No events were logged."]
+    lines = ["## Events", "", "| t (s) | island | event | source | details |", "| ---: | ---: | --- | --- | --- |"]
+    for event in events[:_EVENT_ROWS_MAX]:
+        when = f"{event['time'] - t0:.1f}" if finite(event.get("time")) else "n/a"
+        details = ", ".join(f"{k}={v}" for k, v in event.items()
+                            if k not in ("time", "island", "event", "source") and not isinstance(v, (dict, list)))
+        details = details.replace("|", "\\|")  # a pipe would end the Markdown cell
+        lines.append(f"| {when} | {event.get('island')} | {event.get('event')} | {event.get('source', '')} | "
+                     f"{details} |")
+    if len(events) > _EVENT_ROWS_MAX:
+        lines.append(f"\n... and {len(events) - _EVENT_ROWS_MAX} more events (see federation.json).")
+    return lines

@@ -1,0 +1,737 @@
+"""usage: archipelago local --islands N[,N...] [options] [--config FILE] [--section.key VALUE ...]
+
+Run a whole federation on this machine: an in-process torchft lighthouse and one
+`archipelago train` island per entry of --islands (`--islands 2,1`: island 0 with 2 CPU
+ranks, island 1 with 1), joined through the lighthouse by DiLoCo-style outer syncs.
+
+Every option this command does not know (the --config file, --section.key overrides) is
+passed to each island's `archipelago train`. Island K writes to RUN_DIR/island-K
+(metrics.jsonl, checkpoints, console.log); RUN_DIR is --job.run_dir, by default
+runs/local-<timestamp>. Island output is shown prefixed with [island-K], under a live
+status table on a terminal (a status line every 10 s elsewhere).
+
+Fault drills: `--kill 1@30` SIGKILLs every process of island 1 thirty seconds after the
+start; with `--restart-after 10` the island is started again ten seconds later with the
+same command, resumes from its own checkpoint and catches up from a live peer.
+The lighthouse's own log is quiet (warnings only) unless RUST_LOG says otherwise.
+
+At the end RUN_DIR/federation.json holds per-island results, the outer steps with their
+participants, and every join/leave/recovery/kill/restart event; `archipelago report
+RUN_DIR` plots it. The exit code is 0 when every island's last run exited 0, else the
+first failing island's code (130 after Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+from archipelago.metrics.islands import FEDERATION_FILE, federation_summary
+from archipelago.metrics.progress import format_count
+from archipelago.metrics.summary import write_json_atomic
+
+# Test hook (docs/development.md): a command line replacing `python -m archipelago.launch.cli
+# train`, so launcher tests can run a fake island that needs no training.
+ISLAND_CMD_ENV = "ARCHIPELAGO_LOCAL_ISLAND_CMD"
+# Inherited by every process of an island, torchrun's ranks included: they are session
+# leaders (outside our process group and, once torchrun dies, outside our process tree),
+# so this marker in /proc/PID/environ is the one reliable way to find them all.
+TOKEN_ENV = "ARCHIPELAGO_ISLAND_TOKEN"
+FAILURE_FILE = "failure.json"  # written by `archipelago train` (launch/cli.py)
+COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
+TICK_S = 0.2  # main-loop period: how late a kill/restart/exit is noticed at most
+STATUS_EVERY_S = 10.0  # plain status line period when stdout is not a terminal
+STOP_GRACE_S = 5.0  # after Ctrl-C: how long islands get to exit before SIGKILL
+LIVE_HEADERS = ["island", "ranks", "state", "inner step", "outer step", "loss", "tokens/s", "participants"]
+
+
+# ----------------------------------------------------------------- arguments
+
+
+@dataclass
+class Options:
+    islands: list[int]
+    kills: list[tuple[int, float]]
+    restart_after: float | None
+    lighthouse_bind: str
+    min_replicas: int
+    join_timeout_ms: int
+    quorum_tick_ms: int
+    heartbeat_timeout_ms: int
+    table: bool
+    run_dir: Path
+    passthrough: list[str]
+
+
+def _islands_arg(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected rank counts like 2,1 (each at least 1)")
+    return counts
+
+
+def _kill_arg(text: str) -> tuple[int, float]:
+    island, _, seconds = text.partition("@")
+    try:
+        result = (int(island), float(seconds))
+    except ValueError:
+        result = (-1, -1.0)
+    if result[0] < 0 or result[1] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ISLAND@SECONDS, e.g. 1@30")
+    return result
+
+
+def _pop_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """Remove `--name VALUE` / `--name=VALUE` from argv; returns (last value, rest)."""
+    rest, value, i = [], None, 0
+    while i < len(argv):
+        if argv[i] == name and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith(name + "="):
+            value = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    return value, rest
+
+
+def _parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: a passed-through `--job.x` must never be taken for one of ours.
+    p = argparse.ArgumentParser(prog="archipelago local", description=__doc__, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, usage=argparse.SUPPRESS)
+    p.add_argument("--islands", required=True, type=_islands_arg, metavar="N[,N...]",
+                   help="rank count of each island: 2,1 = island 0 with 2 ranks, island 1 with 1")
+    p.add_argument("--kill", action="append", default=[], type=_kill_arg, metavar="ISLAND@SECONDS",
+                   help="SIGKILL every process of ISLAND this many seconds after the start (repeatable)")
+    p.add_argument("--restart-after", type=float, metavar="SECONDS",
+                   help="start a killed island again this many seconds after the kill")
+    p.add_argument("--lighthouse-bind", default="127.0.0.1:0", metavar="HOST:PORT",
+                   help="address of the in-process lighthouse (port 0: any free port)")
+    p.add_argument("--min-replicas", type=int, default=1, help="islands needed for a quorum")
+    p.add_argument("--join-timeout-ms", type=int, default=5000,
+                   help="how long the lighthouse waits for more islands before forming a quorum")
+    p.add_argument("--quorum-tick-ms", type=int, default=100, help="lighthouse quorum check period")
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
+                   help="an island silent this long is dropped from the quorum")
+    p.add_argument("--no-table", action="store_true", help="no live status table / status lines")
+    return p
+
+
+def parse_args(argv: list[str]) -> Options:
+    """Options of `archipelago local`; raises SystemExit (argparse) on --help or bad usage."""
+    parser = _parser()
+    args, passthrough = parser.parse_known_args(argv)
+    for island, _ in args.kill:
+        if island >= len(args.islands):
+            parser.error(f"--kill {island}@...: there are only islands 0..{len(args.islands) - 1}")
+    if args.restart_after is not None and args.restart_after < 0:
+        parser.error("--restart-after: expected a number of seconds >= 0")
+    run_dir, passthrough = _pop_option(passthrough, "--job.run_dir")
+    return Options(
+        islands=args.islands, kills=args.kill,
+        restart_after=args.restart_after, lighthouse_bind=args.lighthouse_bind,
+        min_replicas=args.min_replicas, join_timeout_ms=args.join_timeout_ms,
+        quorum_tick_ms=args.quorum_tick_ms, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        table=not args.no_table, passthrough=passthrough,
+        run_dir=Path(run_dir or f"runs/local-{datetime.now():%Y%m%d-%H%M%S}"))
+
+
+# ------------------------------------------------------------ island command
+
+
+def island_program() -> list[str]:
+    """The island program: `python -m archipelago.launch.cli train`, or the test hook's command."""
+    override = os.environ.get(ISLAND_CMD_ENV)
+    return shlex.split(override) if override else [sys.executable, "-m", "archipelago.launch.cli", "train"]
+
+
+def island_command(island: int, ranks: int, group_size: int, passthrough: list[str], run_dir: Path,
+                   lighthouse: str, program: list[str] | None = None) -> list[str]:
+    """The command line of island `island`; ours come after the passthrough so they win."""
+    return [*(program or island_program()), "--nproc", str(ranks), *passthrough,
+            "--job.run_dir", f"{run_dir}/island-{island}", "--fault_tolerance.enable",
+            f"--fault_tolerance.replica_id={island}", f"--fault_tolerance.group_size={group_size}",
+            "--fault_tolerance.lighthouse", lighthouse, "--metrics.progress", "plain"]
+
+
+def island_env(token: str, lighthouse: str, total_ranks: int,
+               base: dict[str, str] | None = None) -> dict[str, str]:
+    """The island's environment: ours (or `base`) plus its token, the lighthouse and threads."""
+    env = dict(os.environ if base is None else base)
+    env.update({TOKEN_ENV: token, "TORCHFT_LIGHTHOUSE": lighthouse,
+                "PYTHONUNBUFFERED": "1"})  # lines must reach us as they are written, not per 8 KiB
+    # All islands share this machine's cores; torchrun would default every rank to 1 thread.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // total_ranks)))
+    return env
+
+
+# ---------------------------------------------------------- processes by token
+
+
+def island_pids(token: str) -> list[int]:
+    """Live processes whose environment carries this island token (never matched by name)."""
+    needle = f"{TOKEN_ENV}={token}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0") and not _is_zombie(entry):
+                found.append(int(entry.name))
+        except OSError:  # exited meanwhile, or not ours to read
+            pass
+    return found
+
+
+def _is_zombie(proc_dir: Path) -> bool:
+    # A zombie is already dead: signalling it again would only make kill loops spin.
+    stat = (proc_dir / "stat").read_text()
+    return stat[stat.rfind(")") + 2:].startswith("Z")
+
+
+def signal_island(token: str, sig: int) -> int:
+    """Send `sig` to every process of the island; returns how many were signalled."""
+    pids = island_pids(token)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return len(pids)
+
+
+def kill_island(token: str, timeout_s: float = 5.0) -> int:
+    """SIGKILL the island's processes until none is left (a dying parent may still fork)."""
+    hit, deadline = 0, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        count = signal_island(token, signal.SIGKILL)
+        if count == 0:
+            break
+        hit += count
+        time.sleep(0.05)
+    return hit
+
+
+def _exit_status(returncode: int) -> int:
+    """A shell-style exit code: killed by signal N -> 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+# ----------------------------------------------------------------- metrics
+
+
+class MetricsTail:
+    """Follows an island's metrics.jsonl as it grows, keeping the latest values for the table."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.latest: dict[str, Any] = {}
+        self._offset = 0
+        self._partial = b""  # a line still being written: completed by a later read
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self._offset:  # replaced or truncated: start over
+                    self._offset, self._partial = 0, b""
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:  # not written yet
+            return
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            self._absorb(line)
+
+    def _absorb(self, line: bytes) -> None:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(record, dict):
+            return
+        if record.get("event") == "outer_step":
+            self.latest.update(outer_step=record.get("outer_step"), participants=record.get("participants"))
+        elif "event" not in record and record.get("loss") is not None:
+            self.latest.update(step=record.get("step"), loss=record.get("loss"),
+                               tokens_per_s=record.get("tokens_per_s"))
+
+
+# ------------------------------------------------------------------ output
+
+
+class Output:
+    """Island and launcher lines: colour prefixes on a terminal, plain prefixes elsewhere."""
+
+    def __init__(self, tty: bool) -> None:
+        self.tty = tty
+        self.lock = threading.Lock()  # reader threads print concurrently
+        self.console: Any = None
+        self.live: Any = None
+        if tty:
+            from rich.console import Console
+
+            self.console = Console(highlight=False)
+
+    def island_line(self, island: int, text: str) -> None:
+        self._emit(f"[island-{island}]", COLOURS[island % len(COLOURS)], text)
+
+    def note(self, text: str) -> None:
+        self._emit("[local]", "bold", text)
+
+    def error(self, text: str) -> None:
+        with self.lock:
+            _write(sys.stderr, text)
+
+    def table(self, headers: list[str], rows: list[list[str]]) -> None:
+        with self.lock:
+            if self.console is not None:
+                self.console.print(_rich_table(headers, rows))
+            else:
+                _write(sys.stdout, _plain_table(headers, rows))
+
+    def start_live(self, renderable: Any) -> None:
+        from rich.live import Live
+
+        self.live = Live(renderable, console=self.console, refresh_per_second=2)
+        self.live.start()
+
+    def update_live(self, renderable: Any) -> None:
+        if self.live is not None:
+            with self.lock:
+                self.live.update(renderable)
+
+    def stop_live(self) -> None:
+        live, self.live = self.live, None
+        if live is not None:
+            live.stop()
+
+    def _emit(self, prefix: str, style: str, text: str) -> None:
+        with self.lock:
+            if self.console is None:
+                _write(sys.stdout, f"{prefix} {text}")
+                return
+            from rich.text import Text
+
+            # soft_wrap: long log lines keep their shape instead of being re-flowed.
+            self.console.print(Text.assemble((prefix, style), " ", text), soft_wrap=True)
+
+
+def _write(stream: IO[str], text: str) -> None:
+    try:
+        stream.write(text + "\n")
+        stream.flush()
+    except (OSError, ValueError):  # closed pipe: output is cosmetic, the islands must go on
+        pass
+
+
+def _plain_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows)]
+    lines = [headers] + rows
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def _rich_table(headers: list[str], rows: list[list[str]]) -> Any:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(*headers, box=box.SIMPLE_HEAD)  # light borders: fits 80 columns
+    for row in rows:
+        table.add_row(*[str(c) for c in row])
+    return table
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+# ------------------------------------------------------------ the federation
+
+
+@dataclass
+class Island:
+    id: int
+    ranks: int
+    cmd: list[str]
+    env: dict[str, str]
+    dir: Path
+    token: str
+    tail: MetricsTail
+    proc: subprocess.Popen[bytes] | None = None
+    reader: threading.Thread | None = None
+    state: str = "pending"  # running / killed / restarted / finished / failed / stopped (Ctrl-C)
+    exit_code: int | None = None  # of the last run, once it has exited
+    restarts: int = 0
+    killed: bool = False  # the current run was killed by the launcher
+    restart_at: float | None = None  # seconds since start, when a restart is due
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.exit_code is None
+
+
+@dataclass
+class LocalFederation:
+    """One `archipelago local` run: lighthouse, islands, fault drills, summary."""
+
+    opts: Options
+    out: Output
+    islands: list[Island] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    lighthouse: Any = None
+    url: str | None = None
+    t0: float = field(default_factory=time.monotonic)
+    start_time: float = field(default_factory=time.time)
+    _next_status: float = STATUS_EVERY_S
+    stopping: bool = False  # Ctrl-C / SIGTERM: islands exiting now were stopped by us
+    pending_kills: list[tuple[int, float]] = field(default_factory=list)  # (island, at seconds), by time
+
+    def __post_init__(self) -> None:
+        self.pending_kills = sorted(self.opts.kills, key=lambda kill: kill[1])
+
+    def run(self) -> int:
+        interrupted = False
+        try:
+            self._start()
+            self._loop()
+        except KeyboardInterrupt:
+            interrupted = True
+            _ignore_signals()  # a second Ctrl-C must not cut the clean-up short
+            self.out.note("interrupted: stopping every island")
+            self._stop_gracefully()
+        finally:
+            self._cleanup()  # on every path, exceptions included: no process outlives us
+        return self._finish(interrupted)
+
+    # ------------------------------------------------------------- start
+
+    def _start(self) -> None:
+        self.opts.run_dir.mkdir(parents=True, exist_ok=True)
+        self.lighthouse = start_lighthouse_server(self.opts)
+        self.url = reachable_url(self.lighthouse.address(), self.opts.lighthouse_bind)
+        self.out.note(f"lighthouse at {self.url}; run directory {self.opts.run_dir}")
+        run_token = uuid.uuid4().hex
+        total = sum(self.opts.islands)
+        for k, ranks in enumerate(self.opts.islands):
+            cmd = island_command(k, ranks, len(self.opts.islands), self.opts.passthrough,
+                                 self.opts.run_dir, self.url)
+            token = f"{run_token}-island-{k}"
+            folder = self.opts.run_dir / f"island-{k}"
+            self.islands.append(Island(k, ranks, cmd, island_env(token, self.url, total), folder, token,
+                                       MetricsTail(folder / "metrics.jsonl")))
+        for island in self.islands:
+            self._launch(island)
+            island.state = "running"
+        if self.opts.table and self.out.tty:
+            self.out.start_live(self._live_table())
+
+    def _launch(self, island: Island) -> None:
+        island.dir.mkdir(parents=True, exist_ok=True)
+        # The launcher repeats failure.json's message; one left by an earlier run must not be.
+        (island.dir / FAILURE_FILE).unlink(missing_ok=True)
+        island.exit_code, island.killed = None, False
+        # Own session: a terminal Ctrl-C reaches only us, and we stop islands in order.
+        island.proc = subprocess.Popen(island.cmd, env=island.env, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        island.reader = threading.Thread(target=self._pump, args=(island.id, island.proc.stdout,
+                                         island.dir / "console.log"), daemon=True)
+        island.reader.start()
+
+    def _pump(self, island: int, stream: IO[bytes], log_path: Path) -> None:
+        """Copy one island's output to the console and console.log until it closes.
+
+        Must keep draining whatever fails: an undrained pipe blocks the island.
+        """
+        log: IO[bytes] | None = None
+        try:
+            log = open(log_path, "ab")  # append: a restarted island continues the same log
+        except OSError as exc:
+            self.out.note(f"island-{island}: cannot write {log_path} ({exc})")
+        with stream:
+            for raw in iter(stream.readline, b""):
+                if log is not None:
+                    try:
+                        log.write(raw)
+                        log.flush()
+                    except OSError:
+                        log = None
+                self.out.island_line(island, raw.decode("utf-8", "replace").rstrip("\r\n"))
+        if log is not None:
+            log.close()
+
+    # -------------------------------------------------------------- loop
+
+    def _loop(self) -> None:
+        while True:
+            self._fire_due()
+            self._reap()
+            for island in self.islands:
+                island.tail.poll()
+            self._show()
+            if all(i.exit_code is not None and i.restart_at is None for i in self.islands):
+                return
+            time.sleep(TICK_S)
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _fire_due(self) -> None:
+        now = self._elapsed()
+        while self.pending_kills and self.pending_kills[0][1] <= now:
+            k, at = self.pending_kills.pop(0)
+            self._kill(self.islands[k], at)
+        for island in self.islands:
+            if island.restart_at is not None and island.restart_at <= now:
+                self._restart(island)
+
+    def _kill(self, island: Island, at: float) -> None:
+        if not island.alive:
+            self.out.note(f"island-{island.id} already exited; --kill {island.id}@{at:g} skipped")
+            return
+        island.killed, island.state = True, "killed"
+        count = kill_island(island.token)
+        self._event("kill", island.id, processes=count, at_s=at)
+        self.out.note(f"island-{island.id}: SIGKILL to {count} processes (--kill {island.id}@{at:g})")
+        if self.opts.restart_after is not None:
+            island.restart_at = self._elapsed() + self.opts.restart_after
+
+    def _restart(self, island: Island) -> None:
+        if island.exit_code is None and island.proc is not None:  # killed but not reaped yet
+            island.proc.wait(timeout=10)
+            self._on_exit(island, island.proc.returncode)
+        island.restart_at = None
+        island.restarts += 1
+        self._event("restart", island.id, restart=island.restarts)
+        self.out.note(f"island-{island.id}: restart {island.restarts} with the same command")
+        self._launch(island)
+        island.state = "restarted"
+
+    def _reap(self) -> None:
+        for island in self.islands:
+            if island.alive and island.proc is not None and island.proc.poll() is not None:
+                self._on_exit(island, island.proc.returncode)
+
+    def _on_exit(self, island: Island, returncode: int) -> None:
+        kill_island(island.token)  # ranks that outlived their torchrun: no orphans, pipe closes
+        if island.reader is not None:
+            island.reader.join(timeout=5)
+        island.exit_code = _exit_status(returncode)
+        if self.stopping:
+            island.state = "stopped"
+        elif not island.killed:
+            island.state = "finished" if returncode == 0 else "failed"
+        self._event("exit", island.id, exit_code=island.exit_code, killed=island.killed)
+        self.out.note(f"island-{island.id} {island.state} (exit code {island.exit_code})")
+
+    def _event(self, kind: str, island: int, **fields: Any) -> None:
+        self.events.append({"event": kind, "time": time.time(), "island": island,
+                            "source": "launcher", **fields})
+
+    # ----------------------------------------------------------- display
+
+    def _rows(self) -> list[list[str]]:
+        rows = []
+        for island in self.islands:
+            latest = island.tail.latest
+            tps = latest.get("tokens_per_s")
+            rows.append([str(island.id), str(island.ranks), island.state, _fmt(latest.get("step")),
+                         _fmt(latest.get("outer_step")), _fmt(latest.get("loss")),
+                         format_count(tps) if tps is not None else "-", _fmt(latest.get("participants"))])
+        return rows
+
+    def _live_table(self) -> Any:
+        return _rich_table(LIVE_HEADERS, self._rows())
+
+    def _show(self) -> None:
+        if not self.opts.table:
+            return
+        if self.out.tty:
+            self.out.update_live(self._live_table())
+        elif self._elapsed() >= self._next_status:
+            self._next_status = self._elapsed() + STATUS_EVERY_S
+            parts = [f"island-{r[0]} {r[2]} step {r[3]} outer {r[4]} loss {r[5]} {r[6]} tok/s {r[7]} participants"
+                     for r in self._rows()]
+            self.out.note(f"{self._elapsed():.0f}s | " + " | ".join(parts))
+
+    # ----------------------------------------------------------- the end
+
+    def _stop_gracefully(self) -> None:
+        """SIGTERM every island process (torchrun forwards it too), then wait a while."""
+        self.stopping = True
+        for island in self.islands:
+            signal_island(island.token, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and any(island_pids(i.token) for i in self.islands):
+            time.sleep(0.1)
+
+    def _cleanup(self) -> None:
+        _ignore_signals()
+        for island in self.islands:
+            kill_island(island.token)
+        for island in self.islands:
+            if island.alive and island.proc is not None:
+                try:
+                    island.proc.wait(timeout=5)
+                    self._on_exit(island, island.proc.returncode)
+                except subprocess.TimeoutExpired:  # cannot happen after SIGKILL; never hang on it
+                    pass
+        self.out.stop_live()
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+            self.lighthouse = None
+
+    def _finish(self, interrupted: bool) -> int:
+        islands = [{"id": i.id, "ranks": i.ranks, "exit_code": i.exit_code, "restarts": i.restarts,
+                    "state": i.state} for i in self.islands]
+        summary = federation_summary(self.opts.run_dir, islands, self.events, lighthouse=self.url,
+                                     start_time=self.start_time, wall_s=round(self._elapsed(), 3),
+                                     interrupted=interrupted)
+        write_json_atomic(self.opts.run_dir / FEDERATION_FILE, summary)
+        self._print_summary(summary)
+        return 130 if interrupted else self._exit_code()
+
+    def _print_summary(self, summary: dict[str, Any]) -> None:
+        headers = ["island", "ranks", "restarts", "outer steps", "final step", "loss", "val loss",
+                   "global hash", "exit"]
+        rows = [[str(r["id"]), _fmt(r["ranks"]), _fmt(r["restarts"]), _fmt(r["outer_steps_committed"]),
+                 _fmt(r["final_step"]), _fmt(r["final_loss"]), _fmt(r["final_val_loss"]),
+                 (r["global_hash"] or "-")[:12], _fmt(r["exit_code"])] for r in summary["islands"]]
+        self.out.note(f"federation finished in {summary['wall_s']:.1f}s; "
+                      f"{len(summary['outer_steps'])} outer steps")
+        self.out.table(headers, rows)
+        agree = "yes" if summary["global_hash_agree"] else "NO"
+        step = summary["global_hash_outer_step"]
+        where = f"at outer step {step}, the last all islands committed" if step is not None else \
+            "(no outer step was committed by every island)"
+        self.out.note(f"global weights agree across islands {where}: {agree}")
+        self.out.note(f"wrote {self.opts.run_dir / FEDERATION_FILE}")
+
+    def _exit_code(self) -> int:
+        for island in self.islands:
+            if island.exit_code != 0:
+                code = island.exit_code if island.exit_code is not None else 1
+                if island.state == "killed":
+                    self.out.error(f"island-{island.id} was killed (--kill) and not restarted (exit code {code})")
+                else:
+                    self.out.error(f"island-{island.id} failed (exit code {code})" + _failure_message(island.dir))
+                return code
+        return 0
+
+
+def _failure_message(island_dir: Path) -> str:
+    """': <message>' from the island's failure.json (the failing rank's own reason), or ''."""
+    try:
+        record = json.loads((island_dir / FAILURE_FILE).read_text())
+        return f": {record['message']}" if record.get("message") else ""
+    except (OSError, ValueError, KeyError, AttributeError):
+        return ""
+
+
+# ---------------------------------------------------------------- lighthouse
+
+
+def start_lighthouse_server(opts: Options) -> Any:
+    """The in-process lighthouse (launch/lighthouse.py when present, else torchft's server)."""
+    try:
+        from archipelago.launch.lighthouse import start_lighthouse
+    except ImportError:
+        start_lighthouse = _torchft_lighthouse
+    # The lighthouse logs every quorum request straight to fd 2, mid-line into the island
+    # lines and through the live table, while the islands' join/leave/quorum records say
+    # the same. torchft reads RUST_LOG once, when its first server starts, so quietening it
+    # there changes nothing else (islands get the environment as it was). RUST_LOG=info
+    # brings the log back.
+    user_setting = os.environ.get("RUST_LOG")
+    os.environ["RUST_LOG"] = user_setting or "warn"
+    try:
+        return start_lighthouse(bind=opts.lighthouse_bind, min_replicas=opts.min_replicas,
+                                join_timeout_ms=opts.join_timeout_ms, quorum_tick_ms=opts.quorum_tick_ms,
+                                heartbeat_timeout_ms=opts.heartbeat_timeout_ms)
+    finally:
+        if user_setting is None:
+            del os.environ["RUST_LOG"]
+
+
+def _torchft_lighthouse(**kwargs: Any) -> Any:
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(**kwargs)
+
+
+def reachable_url(address: str, bind: str) -> str:
+    """The lighthouse URL islands should dial.
+
+    torchft reports its host name; when bound to one address (127.0.0.1) that name may
+    resolve elsewhere, so the bound address is used instead; a wildcard keeps the name.
+    """
+    host = bind.rsplit(":", 1)[0]
+    port = urlsplit(address).port
+    if host in ("", "0.0.0.0", "[::]", "::") or port is None:
+        return address
+    return f"http://{host}:{port}"
+
+
+# ---------------------------------------------------------------- signals
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the federation exactly as Ctrl-C does
+
+
+def _set_signals(handler: Any) -> dict[int, Any]:
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+    return previous
+
+
+def _ignore_signals() -> None:
+    _set_signals(signal.SIG_IGN)
+
+
+def main(argv: list[str]) -> int:
+    """`archipelago local ARGS`; returns the exit code."""
+    try:
+        opts = parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2, message printed)
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        tty = sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    previous = _set_signals(_raise_interrupt)
+    try:
+        return LocalFederation(opts, Output(tty)).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

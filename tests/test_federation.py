@@ -1,0 +1,233 @@
+"""The outer loop and the bridge, against references: torchft's DiLoCo, full tensors.
+
+Islands here are threads of this process (one rank each) with an in-process
+lighthouse, as torchft's own integration tests do; multi-rank islands are spawned
+processes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation import split_fragments
+from archipelago.federation.diloco import OuterLoop
+from archipelago.federation.layout import FlatLayout
+from archipelago.federation.membership import (FederationMismatch, LighthouseUnreachable, fingerprint,
+                                               mismatch, wait_for_lighthouse)
+from archipelago.island.device import IslandContext
+from archipelago.island.parallelize import parallelize
+from test_island import _free_port, tiny_model
+
+VOCAB, SEQ, BATCH = 64, 16, 4
+_INIT = threading.Lock()  # model init seeds torch's global RNG: one thread at a time
+
+
+def _model() -> nn.Module:
+    with _INIT:
+        return tiny_model("cpu", seed=3)
+
+
+def _batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * replica + step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _inner_step(model: nn.Module, opt: torch.optim.Optimizer, replica: int, step: int) -> None:
+    x, y = _batch(replica, step)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _manager(lighthouse: str, replica: int, stores: list):
+    from torch.distributed import TCPStore
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stores.append(store)  # keep it alive as long as the manager
+    return Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), load_state_dict=None,
+                   state_dict=None, min_replica_size=2, use_async_quorum=False,
+                   timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30),
+                   connect_timeout=timedelta(seconds=10), rank=0, world_size=1,
+                   store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse,
+                   replica_id=f"island_{replica}")
+
+
+def _ours(ft: FaultToleranceConfig, lighthouse: str, replica: int, steps: int, out: dict) -> None:
+    stores: list = []
+    manager = _manager(lighthouse, replica, stores)
+    try:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        fp = fingerprint("tiny", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, 1)
+        outer = OuterLoop(replace(ft, replica_id=replica), split_fragments(model, ft.num_fragments),
+                          0, 1, manager, fp)
+        for step in range(1, steps + 1):
+            _inner_step(model, opt, replica, step)
+            outer.after_inner_step(step)
+        out[replica] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[f"step{replica}"] = outer.step
+    finally:
+        manager.shutdown(wait=False)
+
+
+class _Fragment(nn.Module):
+    """A module holding some of the model's own parameters (what torchft's DiLoCo wants)."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(params)
+
+
+def _torchft(ft: FaultToleranceConfig, lighthouse: str, replica: int, steps: int, out: dict) -> None:
+    from torchft.local_sgd import DiLoCo
+
+    stores: list = []
+    manager = _manager(lighthouse, replica, stores)
+    try:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        fragments = [_Fragment(ps) for ps in split_fragments(model, ft.num_fragments)]
+        outer = [torch.optim.SGD(f.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum,
+                                 nesterov=True) for f in fragments]
+        with DiLoCo(manager, fragments, opt, outer, sync_every=ft.sync_steps,
+                    fragment_sync_delay=ft.fragment_sync_delay,
+                    fragment_update_alpha=ft.fragment_update_alpha):
+            for step in range(1, steps + 1):
+                _inner_step(model, opt, replica, step)
+        out[replica] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[f"step{replica}"] = manager.current_step()
+    finally:
+        manager.shutdown(wait=False)
+
+
+def _run_islands(target, ft: FaultToleranceConfig, steps: int) -> dict:
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2000)
+    out: dict = {}
+    try:
+        threads = [threading.Thread(target=target, args=(ft, lighthouse.address(), r, steps, out),
+                                    daemon=True) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=150)
+        assert not any(t.is_alive() for t in threads), "an island thread hung"
+    finally:
+        lighthouse.shutdown()
+    assert 0 in out and 1 in out, f"an island failed: {sorted(map(str, out))}"
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fragments,delay,alpha", [(1, 0, 0.0), (2, 1, 0.5)],
+                         ids=["diloco", "streaming-2-fragments"])
+def test_matches_torchft_diloco_on_homogeneous_islands(fragments, delay, alpha):
+    ft = FaultToleranceConfig(enable=True, group_size=2, min_replica_size=2, sync_steps=4,
+                              num_fragments=fragments, fragment_sync_delay=delay,
+                              fragment_update_alpha=alpha)
+    steps = 12  # three rounds of every fragment
+    ours, theirs = _run_islands(_ours, ft, steps), _run_islands(_torchft, ft, steps)
+    assert ours["step0"] == theirs["step0"] == steps // (ft.sync_steps // fragments)
+    start = dict(tiny_model("cpu", seed=3).named_parameters())
+    for name, tensor in theirs[0].items():
+        assert not torch.equal(tensor, start[name].detach()), f"{name} never trained"
+        torch.testing.assert_close(ours[0][name], tensor, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(ours[1][name], theirs[1][name], rtol=0, atol=1e-6, msg=name)
+
+
+# ---- the bridge: canonical layout under FSDP ------------------------------------------
+
+
+def _layout_worker(rank: int, port: int, width: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        ctx = IslandContext(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"),
+                            backend="gloo")
+        module = parallelize(tiny_model("cpu", seed=5), ctx, "fsdp", "auto", seed=5).module
+        params = list(module.parameters())
+        layout = FlatLayout(params, width, rank, 2)
+        chunk = layout.gather()
+        out[f"chunk{rank}"] = None if chunk is None else chunk.clone()
+        layout.scatter(None if chunk is None else chunk * 2 + rank)  # marks which bridge wrote
+        out[f"after{rank}"] = torch.cat([p.full_tensor().detach().flatten() for p in params])
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("width", [1, 2])
+def test_bridge_gathers_the_canonical_layout_and_scatters_back_into_fsdp_shards(width):
+    flat = torch.cat([p.detach().flatten() for p in tiny_model("cpu", seed=5).parameters()])
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_layout_worker, args=(_free_port(), width, out), nprocs=2, join=True)
+        out = dict(out)
+    size = -(-flat.numel() // width)
+    expected_after = flat.clone() * 2
+    for s in range(width):
+        lo, hi = s * size, min((s + 1) * size, flat.numel())
+        assert torch.equal(out[f"chunk{s}"], flat[lo:hi]), f"chunk {s}"
+        expected_after[lo:hi] += s
+    assert width == 2 or out["chunk1"] is None
+    for rank in range(2):
+        assert torch.equal(out[f"after{rank}"], expected_after)
+
+
+def test_bridge_on_one_rank_is_a_plain_copy():
+    model = tiny_model("cpu", seed=1)
+    layout = FlatLayout(list(model.parameters()), 1, 0, 1)
+    chunk = layout.gather()
+    assert torch.equal(chunk, torch.cat([p.detach().flatten() for p in model.parameters()]))
+    layout.scatter(torch.zeros_like(chunk))
+    assert all(not p.detach().any() for p in model.parameters())
+    with pytest.raises(ValueError, match="sync_width 2"):
+        FlatLayout(list(model.parameters()), 2, 0, 1)
+
+
+# ---- fragments, fingerprints, lighthouse ---------------------------------------------
+
+
+def test_fragments_are_contiguous_layers_with_embeddings_first_and_output_last():
+    model = tiny_model("cpu")
+    names = {id(p): n for n, p in model.named_parameters()}
+    fragments = split_fragments(model, 2)
+    first, last = [names[id(p)] for p in fragments[0]], [names[id(p)] for p in fragments[1]]
+    assert first[0].startswith("tok_embeddings") and all("layers.1." not in n for n in first)
+    assert any(n.startswith("output") for n in last) and all("layers.0." not in n for n in last)
+    assert sum(map(len, fragments)) == len(list(model.parameters()))
+    with pytest.raises(ValueError, match="num_fragments = 3"):
+        split_fragments(model, 3)
+
+
+def test_fingerprint_mismatch_names_both_islands():
+    ft = FaultToleranceConfig(enable=True, group_size=2)
+    a = fingerprint("llama3/debug", [("w", (4, 4))], ft, 2)
+    b = fingerprint("llama3/small", [("w", (8, 4))], replace(ft, replica_id=1, sync_width=2), 1)
+    assert mismatch(a, dict(a, ranks=7, island=3)) is None  # rank counts may differ
+    message = mismatch(a, b)
+    assert "island 0" in message and "island 1" in message and "llama3/small" in message
+    assert "sync_width" in message and "smallest island" in message
+    assert issubclass(FederationMismatch, Exception)
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_lighthouse_fails_within_the_connect_timeout():
+    port = _free_port()  # nothing listens there
+    with pytest.raises(LighthouseUnreachable, match="archipelago lighthouse"):
+        wait_for_lighthouse(f"http://127.0.0.1:{port}", timeout_s=1.0)
