@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
 from archipelago.config import Config, ConfigError, config_to_dict, validate_for_island
-from archipelago.federation import OuterLoop, build_outer_loop, report_record
+from archipelago.federation import OuterLoop, OuterReport, build_outer_loop, report_record
 from archipelago.data import (PreparedDataset, TokenSequenceLoader, prepare_from_config,
                               validation_batches)
 from archipelago.island.device import (IslandContext, all_reduce_, barrier, broadcast_object,
@@ -267,6 +267,8 @@ class Trainer:
             self.metrics.log_validation(0, self.progress.val_loss)  # the "before" of the curve
         elif self.progress.step >= total:
             log.info("already trained to step %d of %d: nothing to do", self.progress.step, total)
+        if self.progress.step < total:
+            self.join_federation()
         while self.progress.step < total:
             result = self.train_step()
             self.progress.step += 1
@@ -277,16 +279,31 @@ class Trainer:
             self.after_step(result)
         return self.finish()
 
+    def join_federation(self) -> None:
+        """Enter the federation with a round of our own: receive the global weights (from a
+        peer if the federation is running) and line up with its step count."""
+        if self.outer is None:
+            return
+        ft = self.cfg.fault_tolerance
+        self.metrics.event("join", step=self.progress.step, ranks=self.ctx.world_size,
+                           island=ft.replica_id)
+        self.outer.inner_step = self.progress.step
+        self.report_outer(self.outer.join(ft.group_size, ft.join_wait_ms / 1000))
+
+    def report_outer(self, report: OuterReport) -> None:
+        if report.healed:
+            self.metrics.event("recovery", step=self.progress.step, outer_step=report.outer_step,
+                               to_step=self.outer.aligned_inner_step())
+            self.catch_up(self.outer.aligned_inner_step())
+        self.metrics.outer_step(report_record(report))
+
     def after_inner_step(self) -> None:
         """Run the outer loop (a round ends every sync_steps / num_fragments steps)."""
         if self.outer is None:
             return
         report = self.outer.after_inner_step(self.progress.step)
-        if report is None:
-            return
-        if report.healed:
-            self.catch_up(self.outer.aligned_inner_step())
-        self.metrics.outer_step(report_record(report))
+        if report is not None:
+            self.report_outer(report)
 
     def catch_up(self, step: int) -> None:
         """After recovering from a peer, continue at the federation's inner step.

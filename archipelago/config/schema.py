@@ -190,6 +190,8 @@ class FaultToleranceConfig:
     """How long an island waits for a quorum of islands at an outer step."""
     max_retries: int = 10
     """Stop after this many consecutive outer steps that failed to commit."""
+    join_wait_ms: int = 60000
+    """A new federation (outer step 0) waits this long for all `group_size` islands before it starts with those present."""
 
 
 @dataclass

@@ -92,6 +92,7 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
     _require(ft.outer_lr > 0, f"fault_tolerance.outer_lr = {ft.outer_lr}: must be positive", p)
     _require(0.0 <= ft.outer_momentum < 1.0,
              f"fault_tolerance.outer_momentum = {ft.outer_momentum}: must be in [0, 1)", p)
+    _require(ft.join_wait_ms >= 0, f"fault_tolerance.join_wait_ms = {ft.join_wait_ms}: must be >= 0", p)
     for key in ("connect_timeout_ms", "quorum_timeout_ms"):
         _require(getattr(ft, key) > 0, f"fault_tolerance.{key} = {getattr(ft, key)}: must be positive", p)
     _require(ft.max_retries >= 0, f"fault_tolerance.max_retries = {ft.max_retries}: must be >= 0", p)

@@ -148,6 +148,7 @@ class OuterLoop:
         self.step = 0             # the federation's step count (torchft's manager step)
         self.pending: _Pending | None = None
         self.inner_step = 0       # the trainer's step count, sent to recovering peers
+        self.healed = False       # the last quorum sent this island the global state
         self.peer_inner_step = 0  # the step count of the peer this island last recovered from
         self.quorum_id: int | None = None
         self.globals: list[nn.Parameter] = []
@@ -210,8 +211,31 @@ class OuterLoop:
 
     # ---- the round -----------------------------------------------------------------
 
-    def prepare(self) -> None:
-        """Join the quorum (recovering if behind) and start averaging one fragment."""
+    def join(self, group_size: int, wait_s: float) -> OuterReport:
+        """This island's first round: it sends no progress and receives the global state.
+
+        A running federation takes it in at its next round end (the island recovers
+        from a peer and catches up to its step). A new federation (outer step 0) first
+        assembles: the islands wait, up to `wait_s`, until `group_size` of them are in
+        one quorum, so that all start together from the same weights.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            assembling = time.monotonic() < deadline
+            if self.prepare(joining=True, need=group_size if assembling else 1):
+                report = self.perform(self.inner_step)
+                if report.committed:
+                    self.local_step = 0
+                    return report
+            time.sleep(0.5)
+
+    def prepare(self, joining: bool = False, need: int = 1) -> bool:
+        """Join the quorum (recovering if behind) and start averaging one fragment.
+
+        Returns False, having started nothing, when a new federation (outer step 0) has
+        fewer than `need` islands in the quorum: every island of that quorum sees the
+        same count and waits, so none is left alone in an all-reduce.
+        """
         began = time.perf_counter()
         healed, blocked, error = False, False, False
         if self.manager is not None:
@@ -222,18 +246,22 @@ class OuterLoop:
             error = self._check_members()
         flags = self._island_max([float(self.manager.current_step()) if self.manager else 0.0,
                                   float(healed), float(blocked), float(error),
-                                  float(self.peer_inner_step) if healed else 0.0])
+                                  float(self.peer_inner_step) if healed else 0.0,
+                                  float(self.manager.num_participants()) if self.manager else 0.0])
         self.step = int(flags[0])
-        if flags[1]:
+        if self.step == 0 and flags[5] < need:
+            return False
+        self.healed = bool(flags[1])
+        if self.healed:
             self.peer_inner_step = int(flags[4])
         if flags[3] and self.manager is not None and self.manager.errored() is None:
             self.manager.report_error(FederationMismatch("a peer island does not match this one"))
         fragment = self.step % len(self.layouts)
-        reset = bool(flags[2])
+        reset = bool(flags[2]) or (joining and self.healed)
         local = self.layouts[fragment].gather()
         buffer = None
         if self.is_bridge:
-            buffer = self._pseudo_gradient(fragment, local, contributes=not reset)
+            buffer = self._pseudo_gradient(fragment, local, contributes=not (reset or joining))
         # One bad island must not poison the others: non-finite progress is sent as zero weight.
         if self._island_max([0.0 if buffer is None else float(not torch.isfinite(buffer).all())])[0]:
             log.warning("non-finite pseudo-gradient at outer step %d: this island sends no update", self.step)
@@ -241,6 +269,7 @@ class OuterLoop:
                 buffer.zero_()
         work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM) if self.is_bridge else None
         self.pending = _Pending(fragment, work, buffer, reset, time.perf_counter() - began)
+        return True
 
     def perform(self, inner_step: int) -> OuterReport:
         """Finish the exchange, vote, and step (or restore) the fragment's global weights."""
@@ -274,7 +303,7 @@ class OuterLoop:
             self.step += 1
         report = OuterReport(step=inner_step, outer_step=self.step, committed=committed,
                              participants=participants, contributors=total, fragment=p.fragment,
-                             healed=p.reset, bytes_sent=self._payload_bytes(p),
+                             healed=self.healed, bytes_sent=self._payload_bytes(p),
                              sync_s=p.prepare_s + time.perf_counter() - blocked_since)
         if self.numel <= HASH_EVERY_ROUND_MAX_NUMEL:
             report.global_hash = self.global_hash()

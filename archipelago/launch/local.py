@@ -125,8 +125,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lighthouse-bind", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="address of the in-process lighthouse (port 0: any free port)")
     p.add_argument("--min-replicas", type=int, default=1, help="islands needed for a quorum")
-    p.add_argument("--join-timeout-ms", type=int, default=5000,
-                   help="how long the lighthouse waits for more islands before forming a quorum")
+    p.add_argument("--join-timeout-ms", type=int, default=60000,
+                   help="how long the lighthouse waits for islands that are alive (heartbeating) but "
+                        "not yet at the outer step before forming a quorum without them; a killed "
+                        "island stops heartbeating and is dropped after --heartbeat-timeout-ms")
     p.add_argument("--quorum-tick-ms", type=int, default=100, help="lighthouse quorum check period")
     p.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
                    help="an island silent this long is dropped from the quorum")

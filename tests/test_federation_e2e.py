@@ -1,0 +1,182 @@
+"""Whole federations of real islands (torchrun jobs) on CPU, through the CLI.
+
+Each test starts islands as subprocesses (via `archipelago local`, or one by one with
+an in-process lighthouse), with hard timeouts, and kills every process it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import ROOT, TINY, kill_started_processes, pids_with_token, run_cli
+
+ROUND = ["--fault_tolerance.sync_steps", "4", "--training.val_every", "0", "--checkpoint.interval", "4",
+         "--metrics.log_every", "4"]
+
+
+def _federation(tmp: Path, name: str, islands: str, *extra: str) -> dict:
+    run_dir = tmp / name
+    done = run_cli(["local", "--islands", islands, "--no-table", *TINY, *ROUND, "--training.steps", "8",
+                    "--job.run_dir", str(run_dir), *extra], timeout=300)
+    assert done.returncode == 0, done.output[-4000:]
+    return json.loads((run_dir / "federation.json").read_text())
+
+
+def _final_weights(island_dir: Path) -> dict[str, torch.Tensor]:
+    ckpt = island_dir / "checkpoints" / (island_dir / "checkpoints" / "latest").read_text().strip()
+    out = island_dir / "final.pt"
+    dcp_to_torch_save(ckpt, out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in _flatten(state).items() if ".model." in f".{k}" and torch.is_tensor(v)}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out.update(_flatten(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_islands_of_two_and_one_ranks_match_one_and_one(tmp_path):
+    mixed = _federation(tmp_path, "mixed", "2,1")
+    even = _federation(tmp_path, "even", "1,1")
+    for fed in (mixed, even):
+        assert fed["global_hash_agree"], fed["islands"]
+        # The joining round (everyone sends nothing, receives the start weights), then two rounds.
+        assert [s["participants"] for s in fed["outer_steps"]] == [2, 2, 2]
+        assert all(i["outer_steps_committed"] == 3 for i in fed["islands"])
+    assert [i["ranks"] for i in mixed["islands"]] == [2, 1]
+    a, b = _final_weights(tmp_path / "mixed" / "island-0"), _final_weights(tmp_path / "even" / "island-0")
+    c = _final_weights(tmp_path / "mixed" / "island-1")
+    assert a.keys() == b.keys() and len(a) > 10
+    start = None
+    for name in a:
+        torch.testing.assert_close(a[name], c[name], rtol=0, atol=0, msg=name)  # one global model
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=2e-4, msg=name)  # FSDP vs 1 rank
+
+
+@pytest.mark.timeout(900)
+def test_sync_width_one_and_two_give_the_same_global_weights(tmp_path):
+    narrow = _federation(tmp_path, "w1", "2,2", "--fault_tolerance.sync_width", "1",
+                         "--training.batch_size", "4")
+    wide = _federation(tmp_path, "w2", "2,2", "--fault_tolerance.sync_width", "2",
+                       "--training.batch_size", "4")
+    for fed in (narrow, wide):  # the hash covers the chunks of one width, so compare within one
+        assert fed["global_hash_agree"], fed["islands"]
+    a, b = _final_weights(tmp_path / "w1" / "island-1"), _final_weights(tmp_path / "w2" / "island-1")
+    assert a.keys() == b.keys() and len(a) > 10
+    for name in a:  # the bridge changes who sends what, not the arithmetic
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+
+
+def test_sync_width_above_an_islands_rank_count_is_refused():
+    from archipelago.config import ConfigError, load_config, validate_for_island
+
+    cfg = load_config(["--fault_tolerance.enable", "--fault_tolerance.sync_width", "2"])
+    validate_for_island(cfg, 2)
+    with pytest.raises(ConfigError, match="sync_width = 2 exceeds this island's 1 rank"):
+        validate_for_island(cfg, 1)
+
+
+# ---- islands started one by one ----------------------------------------------------
+
+
+class Islands:
+    """Island subprocesses sharing one token, so that every process can be killed."""
+
+    def __init__(self, lighthouse: str) -> None:
+        self.token, self.lighthouse = uuid.uuid4().hex, lighthouse
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, run_dir: Path, island: int, nproc: int, *args: str, fault: str | None = None,
+              log: Path | None = None) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k != "ARCHIPELAGO_FAULT"}
+        env.update(PYTHONUNBUFFERED="1", ARCHIPELAGO_TEST_TOKEN=self.token)
+        if fault:
+            env["ARCHIPELAGO_FAULT"] = fault
+        cmd = [sys.executable, "-m", "archipelago.launch.cli", "train", "--nproc", str(nproc), *TINY,
+               *ROUND, "--fault_tolerance.enable", f"--fault_tolerance.replica_id={island}",
+               "--fault_tolerance.group_size=2", "--fault_tolerance.lighthouse", self.lighthouse,
+               "--job.run_dir", str(run_dir / f"island-{island}"), *args]
+        out = open(log or run_dir / f"island-{island}.log", "a")  # noqa: SIM115 - closed by the child's exit
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        kill_started_processes(self.token)
+        for p in self.procs:
+            p.wait(timeout=30)
+        assert not pids_with_token(self.token)
+
+
+@pytest.fixture
+def islands():
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=60000,
+                                  heartbeat_timeout_ms=2000)
+    group = Islands(lighthouse.address())
+    try:
+        yield group
+    finally:
+        group.close()
+        lighthouse.shutdown()
+
+
+def _records(island_dir: Path, event: str) -> list[dict]:
+    lines = (island_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == event]
+
+
+@pytest.mark.timeout(600)
+def test_killed_island_recovers_from_a_live_peer_and_all_end_equal(islands, tmp_path):
+    steps = ["--training.steps", "60", "--data.seq_len", "128"]
+    survivor = islands.start(tmp_path, 0, 2, *steps)
+    victim = islands.start(tmp_path, 1, 1, *steps, fault="crash@18")  # mid-round (rounds end at 4k)
+    assert victim.wait(timeout=300) != 0
+    restarted = islands.start(tmp_path, 1, 1, *steps)
+    assert restarted.wait(timeout=400) == 0, (tmp_path / "island-1.log").read_text()[-3000:]
+    assert survivor.wait(timeout=400) == 0, (tmp_path / "island-0.log").read_text()[-3000:]
+    alone = [r for r in _records(tmp_path / "island-0", "outer_step")
+             if r["committed"] and r["participants"] == 1]
+    assert alone, "the survivor never committed an outer step on its own"
+    healed = [r for r in _records(tmp_path / "island-1", "outer_step") if r["healed"]]
+    assert healed and healed[0]["committed"], "the restarted island did not recover from its peer"
+    leave = [_records(tmp_path / f"island-{k}", "leave")[-1] for k in range(2)]
+    assert leave[0]["global_hash"] == leave[1]["global_hash"], leave
+    assert leave[0]["step"] == leave[1]["step"] == 60
+
+
+@pytest.mark.timeout(300)
+def test_a_different_model_is_refused_naming_both_islands(islands, tmp_path):
+    first = islands.start(tmp_path, 0, 1, "--training.steps", "8", "--fault_tolerance.join_wait_ms", "3000")
+    other = islands.start(tmp_path, 1, 1, "--training.steps", "8", "--model.name", "qwen3")
+    assert other.wait(timeout=240) == 2
+    assert first.wait(timeout=240) == 0
+    message = (tmp_path / "island-1.log").read_text()
+    assert "does not match" in message and "llama3/debug" in message and "qwen3/debug" in message
+    assert "island 0" in message and "island 1" in message
+
+
+@pytest.mark.timeout(120)
+def test_unreachable_lighthouse_is_a_clear_error_not_a_hang(tmp_path):
+    from test_island import _free_port
+
+    done = run_cli(["train", *TINY, "--training.steps", "4", "--job.run_dir", str(tmp_path / "run"),
+                    "--fault_tolerance.enable", "--fault_tolerance.lighthouse",
+                    f"http://127.0.0.1:{_free_port()}", "--fault_tolerance.connect_timeout_ms", "2000"],
+                   timeout=100)
+    assert done.returncode == 2, done.output[-3000:]
+    assert "cannot reach the lighthouse" in done.output and "archipelago lighthouse" in done.output
