@@ -7,7 +7,8 @@ TORCH_VERSION := 2.13.0
 # Marker files make setup idempotent: each step reruns only when its inputs change.
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow test-gpu bench docs clean
+
+.PHONY: setup demo demo-island test test-slow test-gpu bench bench-federation docs clean
 
 setup: $(STAMP) data
 
@@ -24,9 +25,16 @@ $(STAMP): $(BIN)/python pyproject.toml
 data: $(STAMP)
 	$(BIN)/archipelago data prepare
 
+# The main job: a federation of two islands (2 CPU ranks + 1 CPU rank) with a lighthouse,
+# island 1 killed after 45 s and restarted 10 s later; then a summary and a plot.
 demo: setup
-	$(BIN)/archipelago train --config configs/llama3/debug.toml --nproc 2 --job.run_dir runs/demo
+	$(BIN)/archipelago local --islands 2,1 --config configs/llama3/federation.toml --kill 1@45 --restart-after 10 --job.run_dir runs/demo
 	$(BIN)/archipelago report runs/demo
+
+# The single-island demo of the foundation: one torchrun job with 2 FSDP ranks.
+demo-island: setup
+	$(BIN)/archipelago train --config configs/llama3/debug.toml --nproc 2 --job.run_dir runs/demo-island
+	$(BIN)/archipelago report runs/demo-island
 
 test: setup
 	$(BIN)/python -m pytest -q
@@ -39,6 +47,10 @@ test-gpu: setup
 
 bench: setup
 	$(BIN)/python bench/throughput.py
+
+# Cross-island bytes (DiLoCo vs DDP, measured on the sockets) and the stall after a kill; a few minutes.
+bench-federation: setup
+	$(BIN)/python bench/federation.py
 
 docs: $(STAMP)
 	$(BIN)/archipelago config reference > docs/configuration.md

@@ -216,21 +216,39 @@ class Trainer:
 
     # ---- state ---------------------------------------------------------------------
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Everything a resumed run needs to continue bit-for-bit."""
-        return {
-            "train": ModelOptimizerState(self.model.module, self.optimizer),
-            "lr_scheduler": ObjectState(self.lr_scheduler.state_dict, self.lr_scheduler.load_state_dict),
+    def checkpoint_state(self, full: bool = True) -> dict[str, Any]:
+        """Everything a resumed run needs to continue bit-for-bit.
+
+        `full=False` (checkpoint.scope = "leader" on an island that does not lead) keeps
+        only this island's own position: a restart takes the model from a live peer.
+        """
+        own = {
             "data": ObjectState(self.train_loader.state_dict, self.train_loader.load_state_dict),
             "progress": ObjectState(self.progress.state_dict, self.progress.load_state_dict),
             "rng": RNGState(),
+        }
+        if not full:
+            return own
+        return {
+            "train": ModelOptimizerState(self.model.module, self.optimizer),
+            "lr_scheduler": ObjectState(self.lr_scheduler.state_dict, self.lr_scheduler.load_state_dict),
+            **own,
             **({"federation": self.outer} if self.outer is not None else {}),
         }
+
+    def saves_model(self) -> bool:
+        """Whether this island writes the model (always, unless checkpoint.scope = "leader")."""
+        return self.outer is None or self.cfg.checkpoint.scope == "island" or self.outer.leads
 
     def resume(self) -> None:
         if self.checkpointer is None or not self.cfg.checkpoint.resume:
             return
-        step = self.checkpointer.load_latest(self.checkpoint_state())
+        latest = self.checkpointer.latest_path()
+        full = latest is None or _has_model(latest)
+        if not full:
+            log.info("the newest checkpoint holds this island's data position only "
+                     "(checkpoint.scope = leader): the model comes from a live peer")
+        step = self.checkpointer.load_latest(self.checkpoint_state(full))
         if step is not None:
             # The checkpoint restores the optimizer's hyper-parameters too; the config of
             # this run wins, so a resumed run can change lr, betas or weight decay.
@@ -251,7 +269,7 @@ class Trainer:
             return
         self.check_finite()  # never write a checkpoint of weights that already diverged
         with self.metrics.untimed():
-            self.checkpointer.save(step, self.checkpoint_state())
+            self.checkpointer.save(step, self.checkpoint_state(self.saves_model()))
 
     # ---- the loop ------------------------------------------------------------------
 
@@ -608,6 +626,17 @@ def _resume_mismatch(saved_config: Path, cfg: Config) -> str | None:
     return (f"run directory {saved_config.parent} belongs to a run with other settings "
             f"({'; '.join(diffs)}); its checkpoints cannot be resumed with them. Use a new "
             "--job.run_dir, or the original settings to resume")
+
+
+def _has_model(checkpoint: Path) -> bool:
+    """Whether a DCP checkpoint holds the model (not just an island's data position)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - unreadable: let load_latest report it properly
+        return True
+    return any(k.startswith("train.") for k in keys)
 
 
 def _log_to_file(path: Path) -> None:

@@ -180,3 +180,25 @@ def test_unreachable_lighthouse_is_a_clear_error_not_a_hang(tmp_path):
                    timeout=100)
     assert done.returncode == 2, done.output[-3000:]
     assert "cannot reach the lighthouse" in done.output and "archipelago lighthouse" in done.output
+
+
+@pytest.mark.timeout(600)
+def test_leader_scope_lets_only_the_lowest_live_island_save_the_model(islands, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    fed = _federation(tmp_path, "leader", "1,1", "--checkpoint.scope", "leader")
+    assert fed["global_hash_agree"]
+
+    def keys(island: int) -> set[str]:
+        folder = tmp_path / "leader" / f"island-{island}" / "checkpoints"
+        latest = folder / (folder / "latest").read_text().strip()
+        return set(FileSystemReader(str(latest)).read_metadata().state_dict_metadata)
+
+    leader, other = keys(0), keys(1)
+    assert any(k.startswith("train.") for k in leader) and any(k.startswith("federation.") for k in leader)
+    assert not any(k.startswith(("train.", "federation.")) for k in other)
+    assert any(k.startswith("data.") for k in other)
+    # Resuming the non-leader (already at its last step) reads its data position only.
+    again = islands.start(tmp_path / "leader", 1, 1, "--training.steps", "8", "--checkpoint.scope", "leader")
+    assert again.wait(timeout=120) == 0
+    assert "data position only" in (tmp_path / "leader" / "island-1.log").read_text()

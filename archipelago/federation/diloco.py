@@ -149,6 +149,7 @@ class OuterLoop:
         self.pending: _Pending | None = None
         self.inner_step = 0       # the trainer's step count, sent to recovering peers
         self.healed = False       # the last quorum sent this island the global state
+        self.leads = True         # this island is the lowest live one (checkpoint.scope = "leader")
         self.peer_inner_step = 0  # the step count of the peer this island last recovered from
         self.quorum_id: int | None = None
         self.globals: list[nn.Parameter] = []
@@ -247,8 +248,10 @@ class OuterLoop:
         flags = self._island_max([float(self.manager.current_step()) if self.manager else 0.0,
                                   float(healed), float(blocked), float(error),
                                   float(self.peer_inner_step) if healed else 0.0,
-                                  float(self.manager.num_participants()) if self.manager else 0.0])
+                                  float(self.manager.num_participants()) if self.manager else 0.0,
+                                  float(_rank_or_none(self.manager) + 1) if self.manager else 0.0])
         self.step = int(flags[0])
+        self.leads = flags[6] == 1.0  # the lowest live island (replica rank 0 of the quorum)
         if self.step == 0 and flags[5] < need:
             return False
         self.healed = bool(flags[1])
@@ -424,6 +427,11 @@ class OuterLoop:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+def _rank_or_none(manager: Any) -> int:
+    rank = manager.participating_rank()
+    return -1 if rank is None else int(rank)
 
 
 def _tensor_state(opt: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -88,6 +88,12 @@ def _store_for_manager() -> tuple[str, int, TCPStore | None]:
 
 def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int) -> Any:
     """A torchft Manager for bridge rank `bridge_rank` of this island (state fns added later)."""
+    # torchft logs every quorum and commit at INFO (Rust and Python); our outer_step
+    # lines say the same once per round. RUST_LOG / --job.log_level debug bring them back.
+    os.environ.setdefault("RUST_LOG", "warn")
+    if not log.isEnabledFor(logging.DEBUG):
+        for name in ("torchft", "torchft_quorums", "torchft_commits"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     from torchft import Manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
