@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
+from archipelago.launch.cli import _pop_option  # one parser of --name VALUE for both commands
 from archipelago.metrics.islands import FEDERATION_FILE, federation_summary
 from archipelago.metrics.progress import format_count
 from archipelago.metrics.summary import write_json_atomic
@@ -95,21 +96,6 @@ def _kill_arg(text: str) -> tuple[int, float]:
     if result[0] < 0 or result[1] < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: expected ISLAND@SECONDS, e.g. 1@30")
     return result
-
-
-def _pop_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
-    """Remove `--name VALUE` / `--name=VALUE` from argv; returns (last value, rest)."""
-    rest, value, i = [], None, 0
-    while i < len(argv):
-        if argv[i] == name and i + 1 < len(argv):
-            value, i = argv[i + 1], i + 2
-            continue
-        if argv[i].startswith(name + "="):
-            value = argv[i].split("=", 1)[1]
-        else:
-            rest.append(argv[i])
-        i += 1
-    return value, rest
 
 
 def _parser() -> argparse.ArgumentParser:
