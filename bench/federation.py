@@ -9,15 +9,17 @@ Three runs on this machine, one after the other, all llama3 debug on Shakespeare
 3. kill drill: run 1 again with `--kill 1@T`, T mid-round after a couple of outer steps
    (taken from run 1's timing); island 0's metrics give the survivor's stall.
 
-Bytes are measured, not computed: the kernel's per-socket TCP counters (`ss -tinea`,
+Bytes are measured, not computed: the kernel's per-socket TCP counters (`ss -tinHea`,
 tcp_info bytes_sent, retransmissions included) of every process we started, polled every
---poll-s seconds keeping per-socket maxima, plus `ss -tinE`, which reports each socket's
-final counters as it closes, so the bytes after the last poll are not lost. A socket is
-attributed to a process by its inode in /proc/PID/fd, a process to a role by its environment
-(island token / torchrun RANK); only bytes between two different islands (two ranks for
-DDP) count, so lighthouse heartbeats/quorums and torchrun's store are left out (reported
-as `control`). Without `ss`, the loopback interface's tx counter (/proc/net/dev) is used,
-which includes everything on the machine; the JSON says which method was used.
+--poll-s seconds keeping per-socket maxima, plus `ss -tinHE`, which reports each socket's
+final counters as it closes, so the bytes after the last poll are not lost. Every
+--attribute-s seconds each socket of our processes (inode in /proc/PID/fd) is tied to its
+endpoints (a sock_diag netlink dump, as ss does), so even a connection that lives a few
+tens of milliseconds is attributed; a process gets its role from its environment (island
+token / torchrun RANK). Only bytes between two different islands (two ranks for DDP)
+count: lighthouse heartbeats/quorums and torchrun's store are left out (`control`).
+Without `ss`, the loopback interface's tx counter (/proc/net/dev) is used, which includes
+everything on the machine; the JSON says which method was used.
 
 Reported (table, ratio first, and JSON): bytes per token and per committed outer step over
 the whole run, and `steady_*` over rounds 2..n only (round 1 also carries the joining
@@ -32,12 +34,15 @@ one, next to run 1's median round and the time the survivor spent blocked in tha
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import statistics
+import struct
 import subprocess
 import sys
 import threading
@@ -69,14 +74,15 @@ def process_env(pid: int) -> dict[str, str] | None:
     return dict(item.split("=", 1) for item in raw.decode("utf-8", "replace").split("\0") if "=" in item)
 
 
-def pids_with_token(token: str) -> list[int]:
-    """Every live process carrying our run token (never matched by name)."""
-    found = []
+def processes_with_token(token: str) -> dict[int, str]:
+    """pid -> role of every live process carrying our run token (never matched by name).
+    Environments are read afresh each time: a process caught between fork and exec still
+    has its parent's."""
+    found = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            env = process_env(int(entry.name))
-            if env is not None and env.get(BENCH_TOKEN_ENV) == token:
-                found.append(int(entry.name))
+        env = process_env(int(entry.name)) if entry.name.isdigit() else None
+        if env is not None and env.get(BENCH_TOKEN_ENV) == token:
+            found[int(entry.name)] = role_of(env)
     return found
 
 
@@ -134,6 +140,50 @@ def port_of(text: str) -> str:
     return text.rsplit(":", 1)[-1]
 
 
+# sock_diag netlink (linux/inet_diag.h), what ss itself uses: a dump of every TCP socket's
+# endpoints and inode costs well under a millisecond, where reading /proc/net/tcp{,6}
+# takes several (the kernel formats the whole table as text).
+NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY = 4, 20
+NLM_F_REQUEST, NLM_F_DUMP, NLMSG_ERROR, NLMSG_DONE = 0x1, 0x300, 2, 3
+TCP_LISTEN = 10
+
+
+def _diag_endpoint(family: int, raw: bytes, port: int) -> str:
+    if family == socket.AF_INET:
+        return f"{ipaddress.IPv4Address(raw[:4])}:{port}"
+    v6 = ipaddress.IPv6Address(raw)
+    return f"{v6.ipv4_mapped}:{port}" if v6.ipv4_mapped else f"[{v6.compressed}]:{port}"
+
+
+def tcp_sockets() -> Iterator[tuple[str, str, bool, int]]:
+    """(local, peer, listening, inode) of every TCP socket in this network namespace."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
+            # inet_diag_req_v2: family, protocol, ext, pad, states (all), an empty sockid.
+            request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + bytes(48)
+            nl.sendto(struct.pack("=IHHII", 16 + len(request), SOCK_DIAG_BY_FAMILY,
+                                  NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + request, (0, 0))
+            while True:
+                data, offset = nl.recv(1 << 20), 0
+                while offset + 16 <= len(data):
+                    length, kind = struct.unpack_from("=IH", data, offset)
+                    if kind == NLMSG_DONE:
+                        break
+                    if kind == NLMSG_ERROR:
+                        raise OSError("sock_diag dump refused")
+                    m = offset + 16  # inet_diag_msg: family, state, timer, retrans, sockid, ...
+                    sport, dport = struct.unpack_from(">HH", data, m + 4)
+                    inode = struct.unpack_from("=I", data, m + 68)[0]
+                    if inode:
+                        yield (_diag_endpoint(data[m], data[m + 8:m + 24], sport),
+                               _diag_endpoint(data[m], data[m + 24:m + 40], dport),
+                               data[m + 1] == TCP_LISTEN, inode)
+                    offset += (length + 3) & ~3
+                else:
+                    continue  # this datagram ended without NLMSG_DONE: read the next one
+                break
+
+
 @dataclass
 class SsSocket:
     """One socket of `ss -tinHe[a]` / `ss -tinHE` output."""
@@ -168,23 +218,26 @@ def parse_ss(lines: Iterator[str]) -> Iterator[SsSocket]:
 class TrafficMonitor:
     """Per-socket TCP byte counters of the processes carrying `token`, while a run lasts.
 
-    Each poll maps our processes' socket inodes (/proc/PID/fd, only our few processes:
-    cheaper than `ss -p`, which reads every process's fds) to roles, then reads every
-    socket's counters with `ss -tinHea` and keeps per-socket maxima. Listening sockets
-    give the owners of server ports, so a connection to one is attributed even when it
-    opened and closed between two polls (seen only in a close event)."""
+    Every `attribute_s` the endpoints of our processes' sockets are mapped to roles; every
+    `poll_s` every socket's counters are read with `ss -tinHea` (per-socket maxima kept);
+    `ss -E` adds each socket's final counters when it closes. A connection seen only
+    closing is attributed by its endpoints (listening ports give servers' owners)."""
 
     method = "ss: per-socket tcp_info bytes_sent (polled maxima + final counters at close)"
 
-    def __init__(self, token: str, poll_s: float, max_s: float) -> None:
-        self.token, self.poll_s, self.max_s = token, poll_s, max_s
+    def __init__(self, token: str, poll_s: float, attribute_s: float, max_s: float) -> None:
+        self.token, self.poll_s, self.attribute_s, self.max_s = token, poll_s, attribute_s, max_s
         self.lock = threading.Lock()  # the poller and the close-event reader both write
         self.by_inode: dict[int, SocketStat] = {}
         self.open_by_pair: dict[tuple[str, str], SocketStat] = {}  # to match close events
         self.unpolled: list[SocketStat] = []  # opened and closed between two polls
         self.owner: dict[str, str] = {}  # "ip:port" of a connected end -> its process's role
         self.listeners: dict[str, str] = {}  # listening port -> role
-        self.polls = 0
+        self.inode_roles: dict[int, str] = {}  # socket inode -> role, every one ever seen
+        self.pids: dict[int, str] = {}  # our live processes -> role
+        self.polls = self.attribute_passes = 0
+        self.poll_times: list[float] = []  # wall-clock time of every counter poll
+        self.attribute_cpu_s = 0.0
         self.close_events = 0
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, daemon=True)
@@ -231,35 +284,55 @@ class TrafficMonitor:
     # -- polling
 
     def _poll_loop(self) -> None:
+        next_counters = 0.0
         while not self._stop.is_set():
-            self.poll()
-            self._stop.wait(self.poll_s)
-        self.poll()
+            if time.monotonic() >= next_counters:
+                self.pids = processes_with_token(self.token)
+                self.poll_counters()
+                next_counters = time.monotonic() + self.poll_s
+            else:
+                self.attribute()
+            self._stop.wait(self.attribute_s)
+        self.poll_counters()
 
-    def _our_socket_inodes(self) -> dict[int, str]:
-        """inode -> role for every socket open in one of our processes. Environments are
-        read afresh each time: a process seen between fork and exec has its parent's."""
+    def attribute(self) -> None:
+        """Map every socket of our processes to its role: inode -> role from /proc/PID/fd,
+        inode -> endpoints from a sock_diag dump. Cheap (only our few processes' fds, no
+        `ss -p`, which reads every process's), so it runs often and catches connections
+        that live a few tens of milliseconds (a joining island's state download)."""
+        started = time.perf_counter()
         inodes: dict[int, str] = {}
-        for entry in Path("/proc").iterdir():
-            env = process_env(int(entry.name)) if entry.name.isdigit() else None
-            if env is None or env.get(BENCH_TOKEN_ENV) != self.token:
-                continue
-            role = role_of(env)
+        for pid, role in self.pids.items():
             try:
-                fds = os.listdir(entry / "fd")
+                fds = os.listdir(f"/proc/{pid}/fd")
             except OSError:
                 continue
             for fd in fds:
                 try:
-                    link = os.readlink(entry / "fd" / fd)
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
                 except OSError:
                     continue
                 if link.startswith("socket:["):
                     inodes[int(link[8:-1])] = role
-        return inodes
+        try:
+            table = list(tcp_sockets())
+        except OSError:  # no sock_diag here: the `ss` polls alone map endpoints (less often)
+            table = []
+        with self.lock:
+            self.inode_roles.update(inodes)
+            for local, _peer, listening, inode in table:
+                role = inodes.get(inode)
+                if role is None:
+                    continue
+                if listening:
+                    self.listeners[port_of(local)] = role
+                else:
+                    self.owner[local] = role
+            self.attribute_passes += 1
+            self.attribute_cpu_s += time.perf_counter() - started
 
-    def poll(self) -> None:
-        inodes = self._our_socket_inodes()
+    def poll_counters(self) -> None:
+        self.attribute()
         try:
             out = subprocess.run(["ss", "-tinHea"], capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.TimeoutExpired):
@@ -267,10 +340,11 @@ class TrafficMonitor:
         now = time.time()
         with self.lock:
             self.polls += 1
+            self.poll_times.append(now)
             for sock in parse_ss(iter(out.splitlines())):
-                role = inodes.get(sock.inode)
+                role = self.inode_roles.get(sock.inode)
                 if role is None:
-                    continue  # not one of our processes (or no longer attached to one)
+                    continue  # not one of our processes' sockets
                 if sock.state == "LISTEN":
                     self.listeners[port_of(sock.local)] = role
                     continue
@@ -317,11 +391,14 @@ class TrafficMonitor:
             return "internal"
         return "peer" if is_worker(mine) and is_worker(theirs) else "unattributed"
 
-    def peer_bytes_at(self, when: float) -> int:
-        """Bytes sent between islands (ranks) up to wall-clock time `when`, as last seen then."""
+    def peer_bytes_after(self, when: float) -> int:
+        """Bytes sent between islands (ranks) as read by the first counter poll at or after
+        wall-clock time `when` (so everything sent before `when` is in)."""
         with self.lock:
             stats = [s for s in [*self.by_inode.values(), *self.unpolled] if self.category(s) == "peer"]
-        return sum(max((b for t, b in s.samples if t <= when), default=0) for s in stats)
+            later = [t for t in self.poll_times if t >= when]
+        until = later[0] if later else float("inf")
+        return sum(max((b for t, b in s.samples if t <= until), default=0) for s in stats)
 
     def summary(self) -> dict[str, Any]:
         with self.lock:
@@ -349,7 +426,8 @@ class TrafficMonitor:
                 "unattributed_bytes": totals.get("unattributed", 0),
                 "peer_bytes_by_sender": dict(sorted(by_role.items())),
                 "bytes_by_category": totals, "sockets_by_category": sockets, "listeners": listeners,
-                "polls": self.polls, "poll_s": self.poll_s,
+                "polls": self.polls, "poll_s": self.poll_s, "attribute_s": self.attribute_s,
+                "attribute_passes": self.attribute_passes, "attribute_cpu_s": round(self.attribute_cpu_s, 3),
                 "close_events": self.close_events if self.close_events_enabled else None,
                 "sockets": detail}
 
@@ -381,8 +459,8 @@ class LoopbackMonitor:
         return {"method": self.method, "peer_bytes": self.after - self.before}
 
 
-def make_monitor(token: str, poll_s: float, max_s: float) -> TrafficMonitor | LoopbackMonitor:
-    return TrafficMonitor(token, poll_s, max_s) if shutil.which("ss") else LoopbackMonitor()
+def make_monitor(token: str, poll_s: float, attribute_s: float, max_s: float) -> TrafficMonitor | LoopbackMonitor:
+    return TrafficMonitor(token, poll_s, attribute_s, max_s) if shutil.which("ss") else LoopbackMonitor()
 
 
 # ------------------------------------------------------------------- one run
@@ -403,7 +481,7 @@ def kill_token(token: str, timeout_s: float = 10.0) -> None:
     """SIGKILL every process carrying our token until none is left."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        pids = pids_with_token(token)
+        pids = processes_with_token(token)
         if not pids:
             return
         for pid in pids:
@@ -426,12 +504,14 @@ class RunResult:
         return self.monitor.summary() if self.monitor is not None else {}
 
 
-def run_job(cmd: list[str], log_path: Path, timeout_s: float, poll_s: float | None) -> RunResult:
-    """Run `cmd` (traffic-monitored unless poll_s is None) with a hard timeout; whatever
-    happens (timeout, exception, Ctrl-C), every process it started is gone on return."""
+def run_job(cmd: list[str], log_path: Path, timeout_s: float,
+            polling: tuple[float, float] | None) -> RunResult:
+    """Run `cmd` with a hard timeout, its traffic monitored unless polling (counters and
+    attribution periods) is None; whatever happens (timeout, exception, Ctrl-C), every
+    process it started is gone on return."""
     token = uuid.uuid4().hex
     env = {**os.environ, BENCH_TOKEN_ENV: token}
-    monitor = make_monitor(token, poll_s, timeout_s + 60) if poll_s is not None else None
+    monitor = make_monitor(token, *polling, timeout_s + 60) if polling is not None else None
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"$ {' '.join(cmd)}\n  (output: {log_path})", flush=True)
     proc = None
@@ -500,8 +580,9 @@ def round_intervals(records: list[dict[str, Any]]) -> list[float]:
 def steady_federation_bytes(monitor: Any, islands: list[Path]) -> float | None:
     """Measured bytes per outer step over rounds 2..n. The first round also carries one-off
     traffic (a joining island's copy of the global state, connection set-up). A round's
-    bytes are all sent just before its outer_step records (the sync ends the round), so
-    counters read a little after the first and the last committed round bracket the rest."""
+    bytes are all sent before its outer_step records (the sync ends the round) and the next
+    round's only seconds later, so counters read just after the first and the last
+    committed round's records bracket the rounds in between."""
     if not isinstance(monitor, TrafficMonitor):
         return None
     ends: dict[int, float] = {}
@@ -512,23 +593,25 @@ def steady_federation_bytes(monitor: Any, islands: list[Path]) -> float | None:
     times = [ends[k] for k in sorted(ends)]
     if len(times) < 2:
         return None
-    margin = min(2.0, 0.5 * min(b - a for a, b in zip(times, times[1:])))
-    return (monitor.peer_bytes_at(times[-1] + margin) - monitor.peer_bytes_at(times[0] + margin)) / (len(times) - 1)
+    return (monitor.peer_bytes_after(times[-1]) - monitor.peer_bytes_after(times[0])) / (len(times) - 1)
 
 
 def steady_ddp_bytes(monitor: Any, run_dir: Path) -> tuple[float, int] | None:
     """Measured (bytes, steps) between the first and the last step record: leaves out the
     start (DDP's initial broadcast of the weights, connection set-up). A record is written
-    after its step's all-reduce, and the next step's begins only in its backward pass, so
-    counters read a quarter step after each record (a poll must have come by then) bracket
-    whole steps."""
+    after its step's all-reduce and the next step's starts only in its backward pass, so
+    counters read just after the records bracket whole steps (up to a fraction of a step
+    when a poll comes late, at both ends alike)."""
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "event" not in r and "time" in r]
     if not isinstance(monitor, TrafficMonitor) or len(records) < 2:
         return None
     first, last = records[0], records[-1]
-    steps = last["step"] - first["step"]
-    margin = 0.25 * (last["time"] - first["time"]) / steps
-    return monitor.peer_bytes_at(last["time"] + margin) - monitor.peer_bytes_at(first["time"] + margin), steps
+    sent = monitor.peer_bytes_after(last["time"]) - monitor.peer_bytes_after(first["time"])
+    return sent, last["step"] - first["step"]
+
+
+def polling(args: argparse.Namespace) -> tuple[float, float]:
+    return args.poll_s, args.attribute_s
 
 
 def train_args(args: argparse.Namespace, steps: int) -> list[str]:
@@ -553,7 +636,7 @@ def ddp_cmd(args: argparse.Namespace, run_dir: Path) -> list[str]:
 
 def measure_federation(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     run_dir = root / "federation"
-    run = run_job(federation_cmd(args, run_dir), root / "federation.log", args.timeout, args.poll_s)
+    run = run_job(federation_cmd(args, run_dir), root / "federation.log", args.timeout, polling(args))
     if run.exit_code != 0:
         raise RuntimeError(f"federation run failed (exit code {run.exit_code}); see {root / 'federation.log'}")
     fed = json.loads((run_dir / "federation.json").read_text())
@@ -583,7 +666,7 @@ def measure_federation(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 def measure_ddp(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     run_dir = root / "ddp"
-    run = run_job(ddp_cmd(args, run_dir), root / "ddp.log", args.timeout, args.poll_s)
+    run = run_job(ddp_cmd(args, run_dir), root / "ddp.log", args.timeout, polling(args))
     if run.exit_code != 0:
         raise RuntimeError(f"DDP run failed (exit code {run.exit_code}); see {root / 'ddp.log'}")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -653,7 +736,7 @@ def kill_drill(args: argparse.Namespace, root: Path, federation: dict[str, Any],
     attempts: list[dict[str, Any]] = []
     for attempt in range(1 + retries):
         result = measure_stall(args, root, kill_at, attempt)
-        attempts.append({k: result.get(k) for k in ("kill_at_s", "kill_into_round_s", "stall_s")})
+        attempts.append({k: result.get(k) for k in ("kill_at_s", "kill_into_round_s", "stall_s", "cmd")})
         into = result.get("kill_into_round_s")
         if into is None or median_round is None or 0.2 <= into / median_round <= 0.8:
             break
@@ -709,7 +792,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kill-at", type=float, default=None, help="kill island 1 at this many seconds instead")
     p.add_argument("--kill-retries", type=int, default=1,
                    help="rerun the kill drill this many times when the kill missed the middle of a round")
-    p.add_argument("--poll-s", type=float, default=0.1, help="socket counter polling period")
+    p.add_argument("--poll-s", type=float, default=0.2, help="socket counter polling period (ss)")
+    p.add_argument("--attribute-s", type=float, default=0.05,
+                   help="period of mapping sockets to processes (/proc/PID/fd + sock_diag, cheap)")
     p.add_argument("--timeout", type=float, default=600, help="hard limit per run, seconds")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="run directories (default: a new /tmp/bench-fed-* folder)")
@@ -752,7 +837,7 @@ def main() -> None:
         "steps": args.steps, "sync_steps": args.sync_steps, "ddp_steps": args.ddp_steps,
         "batch_size": args.batch_size, "seq_len": seq_len, "config": str(args.config),
         "measurement": fed["traffic"]["method"], "work_dir": str(root),
-        "commands": [fed["cmd"], ddp["cmd"], kill["cmd"]],  # the kill run: its last attempt
+        "commands": [fed["cmd"], ddp["cmd"], *(a["cmd"] for a in kill["attempts"])],
         "federation": fed, "ddp": ddp, "kill": kill,
     }
     print_tables(result)
