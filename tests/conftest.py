@@ -70,16 +70,21 @@ def run_cli(args: list[str], timeout: float = 240, env: dict[str, str] | None = 
     full_env.update(PYTHONUNBUFFERED="1", ARCHIPELAGO_TEST_TOKEN=token, **(env or {}))
     proc = subprocess.Popen([sys.executable, "-m", "archipelago.launch.cli", *args], cwd=ROOT,
                             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return finish_started(proc, token, f"archipelago {' '.join(args)}", timeout)
+
+
+def finish_started(proc: subprocess.Popen, token: str, what: str, timeout: float) -> Finished:
+    """Wait for `proc`; on timeout, and always at the end, kill every process carrying `token`."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_started_processes(token)
         out, _ = proc.communicate()
-        pytest.fail(f"archipelago {' '.join(args)} timed out after {timeout}s:\n{out[-4000:]}")
+        pytest.fail(f"{what} timed out after {timeout}s:\n{out[-4000:]}")
     finally:
         leftovers = pids_with_token(token)
         kill_started_processes(token)
-    assert not leftovers, f"processes outlived `archipelago {' '.join(args)}`: {leftovers}\n{out[-3000:]}"
+    assert not leftovers, f"processes outlived `{what}`: {leftovers}\n{out[-3000:]}"
     return Finished(proc.returncode, out)
 
 

@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Finished, kill_started_processes, pids_with_token, run_cli
+from conftest import ROOT, Finished, finish_started, run_cli
 
 from archipelago.launch import local
 from archipelago.metrics import write_report
@@ -42,18 +42,7 @@ def start_local(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
 
 def finish(proc: subprocess.Popen[str], env: dict[str, str], timeout: float) -> Finished:
     """Wait for the launcher; at the end kill (and report) anything of ours still alive."""
-    token = env["ARCHIPELAGO_TEST_TOKEN"]
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_started_processes(token)
-        out, _ = proc.communicate()
-        pytest.fail(f"archipelago local timed out after {timeout}s:\n{out[-4000:]}")
-    finally:
-        leftovers = pids_with_token(token)
-        kill_started_processes(token)
-    assert not leftovers, f"processes outlived `archipelago local`: {leftovers}\n{out[-3000:]}"
-    return Finished(proc.returncode, out)
+    return finish_started(proc, env["ARCHIPELAGO_TEST_TOKEN"], "archipelago local", timeout)
 
 
 def run_local(args: list[str], timeout: float = 40, **extra_env: str) -> Finished:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -129,16 +130,9 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
     outer = (f"{ft.outer_optimizer}(lr={ft.outer_lr}, momentum={ft.outer_momentum}, "
              f"nesterov={ft.outer_nesterov}) alpha={ft.fragment_update_alpha}")
     return {"island": ft.replica_id, "ranks": ranks, "model": model_name,
-            "params": sum(_numel(s) for _, s in named_shapes), "shapes": shapes,
+            "params": sum(math.prod(s) for _, s in named_shapes), "shapes": shapes,
             "sync_width": ft.sync_width, "num_fragments": ft.num_fragments,
             "semi_sync_method": ft.semi_sync_method, "outer": outer}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def describe(fp: dict[str, Any]) -> str:
