@@ -24,16 +24,24 @@ from conftest import ROOT
 def start(args: list[str], **kwargs) -> tuple[subprocess.Popen, queue.Queue]:
     """Start `archipelago ARGS`; a thread feeds its output lines into the returned queue."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Separate pipes: torchft's Rust logger writes partial lines to stderr from its own
+    # thread; merged into one pipe they can land in the middle of one of our stdout lines.
     proc = subprocess.Popen([sys.executable, "-m", "archipelago.launch.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
     lines: queue.Queue = queue.Queue()
+    open_pipes = [2]
+    lock = threading.Lock()
 
-    def pump() -> None:
-        for line in proc.stdout:
+    def pump(pipe) -> None:
+        for line in pipe:
             lines.put(line)
-        lines.put(None)
+        with lock:  # one None, after both pipes are drained
+            open_pipes[0] -= 1
+            if open_pipes[0] == 0:
+                lines.put(None)
 
-    threading.Thread(target=pump, daemon=True).start()
+    for pipe in (proc.stdout, proc.stderr):
+        threading.Thread(target=pump, args=(pipe,), daemon=True).start()
     return proc, lines
 
 

@@ -140,6 +140,29 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _banner(args: argparse.Namespace, url: str, local_url: str | None) -> str:
+    """What the lighthouse prints once it listens, as one string.
+
+    Printed with one write, so that torchft's logger (another thread, on stderr) cannot
+    split its lines when a user merges the two streams with 2>&1.
+    """
+    host, _ = split_bind(args.bind)
+    port = url.rsplit(":", 1)[1]
+    where = " (all interfaces)" if local_url else ""
+    lines = [f"lighthouse listening on {_url_host(host)}:{port}{where}; min_replicas {args.min_replicas}, "
+             f"join_timeout_ms {args.join_timeout_ms}, quorum_tick_ms {args.quorum_tick_ms}, "
+             f"heartbeat_timeout_ms {args.heartbeat_timeout_ms}",
+             f"address: {url}"]
+    if local_url:
+        lines.append(f"  {url} uses this host's name: other hosts must resolve it to this host, else give "
+                     f"them this host's IP; on this host {local_url} works too")
+    lines += ["give islands either of:", f"  export TORCHFT_LIGHTHOUSE={url}",
+              f"  --fault_tolerance.lighthouse {url}",
+              f"dashboard: {url} (no authentication: keep it on a private network); "
+              "Ctrl-C or SIGTERM stops the lighthouse"]
+    return "\n".join(lines) + "\n"
+
+
 def cmd_lighthouse(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     stop = threading.Event()
@@ -150,20 +173,7 @@ def cmd_lighthouse(argv: list[str]) -> int:
                                   args.quorum_tick_ms, args.heartbeat_timeout_ms)
         try:
             url, local_url = island_urls(args.bind, server)
-            host, _ = split_bind(args.bind)
-            port = url.rsplit(":", 1)[1]
-            where = " (all interfaces)" if local_url else ""
-            print(f"lighthouse listening on {_url_host(host)}:{port}{where}; min_replicas {args.min_replicas}, "
-                  f"join_timeout_ms {args.join_timeout_ms}, quorum_tick_ms {args.quorum_tick_ms}, "
-                  f"heartbeat_timeout_ms {args.heartbeat_timeout_ms}")
-            print(f"address: {url}")
-            if local_url:
-                print(f"  {url} uses this host's name: other hosts must resolve it to this host, else give "
-                      f"them this host's IP; on this host {local_url} works too")
-            print(f"give islands either of:\n  export TORCHFT_LIGHTHOUSE={url}\n"
-                  f"  --fault_tolerance.lighthouse {url}")
-            print(f"dashboard: {url} (no authentication: keep it on a private network); "
-                  "Ctrl-C or SIGTERM stops the lighthouse", flush=True)
+            print(_banner(args, url, local_url), end="", flush=True)
             while not stop.wait(0.5):
                 pass
         finally:
