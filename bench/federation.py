@@ -634,11 +634,17 @@ def ddp_cmd(args: argparse.Namespace, run_dir: Path) -> list[str]:
             "--training.batch_size", str(2 * args.batch_size), "--job.run_dir", str(run_dir)]
 
 
+def run_checked(cmd: list[str], root: Path, name: str, args: argparse.Namespace) -> RunResult:
+    """run_job with its log in ROOT/NAME.log; a failed run raises, naming the log."""
+    run = run_job(cmd, root / f"{name}.log", args.timeout, polling(args))
+    if run.exit_code != 0:
+        raise RuntimeError(f"{name} run failed (exit code {run.exit_code}); see {root / f'{name}.log'}")
+    return run
+
+
 def measure_federation(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     run_dir = root / "federation"
-    run = run_job(federation_cmd(args, run_dir), root / "federation.log", args.timeout, polling(args))
-    if run.exit_code != 0:
-        raise RuntimeError(f"federation run failed (exit code {run.exit_code}); see {root / 'federation.log'}")
+    run = run_checked(federation_cmd(args, run_dir), root, "federation", args)
     fed = json.loads((run_dir / "federation.json").read_text())
     committed = sum(1 for entry in fed["outer_steps"] if entry["islands"])
     islands = [run_dir / f"island-{i['id']}" for i in fed["islands"]]
@@ -666,9 +672,7 @@ def measure_federation(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 def measure_ddp(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     run_dir = root / "ddp"
-    run = run_job(ddp_cmd(args, run_dir), root / "ddp.log", args.timeout, polling(args))
-    if run.exit_code != 0:
-        raise RuntimeError(f"DDP run failed (exit code {run.exit_code}); see {root / 'ddp.log'}")
+    run = run_checked(ddp_cmd(args, run_dir), root, "ddp", args)
     summary = json.loads((run_dir / "summary.json").read_text())
     traffic = run.traffic
     sent, tokens, steps = traffic["peer_bytes"], int(summary["tokens"]), int(summary["steps"])

@@ -26,7 +26,7 @@ from archipelago.federation.membership import (FederationMismatch, LighthouseUnr
                                                mismatch, wait_for_lighthouse)
 from archipelago.island.device import IslandContext
 from archipelago.island.parallelize import parallelize
-from test_island import _free_port, tiny_model
+from test_island import _free_port, fsdp_on_two_ranks, tiny_model
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 _INIT = threading.Lock()  # model init seeds torch's global RNG: one thread at a time
@@ -154,20 +154,13 @@ def test_matches_torchft_diloco_on_homogeneous_islands(fragments, delay, alpha):
 
 
 def _layout_worker(rank: int, port: int, width: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        ctx = IslandContext(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"),
-                            backend="gloo")
-        module = parallelize(tiny_model("cpu", seed=5), ctx, "fsdp", "auto", seed=5).module
-        params = list(module.parameters())
+    with fsdp_on_two_ranks(rank, port, "cpu", seed=5) as parallel:
+        params = list(parallel.module.parameters())
         layout = FlatLayout(params, width, rank, 2)
         chunk = layout.gather()
         out[f"chunk{rank}"] = None if chunk is None else chunk.clone()
         layout.scatter(None if chunk is None else chunk * 2 + rank)  # marks which bridge wrote
         out[f"after{rank}"] = torch.cat([p.full_tensor().detach().flatten() for p in params])
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.timeout(120)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from archipelago.island.device import IslandContext, detect_device_type
-from archipelago.island.parallelize import compute_dtype, parallelize
+from archipelago.island.parallelize import ParallelModel, compute_dtype, parallelize
 from archipelago.models import build_model, get_model_args
 
 
@@ -74,20 +76,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _fsdp_worker(rank: int, port: int, meta: bool, out: dict) -> None:
+@contextmanager
+def fsdp_on_two_ranks(rank: int, port: int, device: str, seed: int) -> Iterator[ParallelModel]:
+    """Rank `rank` of a 2-rank gloo island on 127.0.0.1:`port`, holding tiny_model(device,
+    seed) sharded with FSDP2; the process group is destroyed on exit."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
         ctx = IslandContext(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"),
                             backend="gloo")
-        parallel = parallelize(tiny_model("meta" if meta else "cpu", seed=5), ctx, "fsdp", "auto", seed=5)
+        yield parallelize(tiny_model(device, seed=seed), ctx, "fsdp", "auto", seed=seed)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _fsdp_worker(rank: int, port: int, meta: bool, out: dict) -> None:
+    with fsdp_on_two_ranks(rank, port, "meta" if meta else "cpu", seed=5) as parallel:
         full = {n: p.full_tensor().detach().clone() for n, p in parallel.module.named_parameters()}
         local = {n: p.to_local().numel() for n, p in parallel.module.named_parameters()}
         tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
         parallel.module(tokens).sum().backward()
         out[rank] = (full, local, all(p.grad is not None for p in parallel.module.parameters()))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.timeout(120)

@@ -15,6 +15,7 @@ import math
 import os
 import socket
 import time
+import warnings
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -87,6 +88,10 @@ def _store_for_manager() -> tuple[str, int, TCPStore | None]:
     return host, store.port, store
 
 
+def _drop_flight_recorder_warning(record: logging.LogRecord) -> bool:
+    return "NCCL flight recorder" not in record.getMessage()
+
+
 def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int) -> Any:
     """A torchft Manager for bridge rank `bridge_rank` of this island (state fns added later)."""
     # torchft logs every quorum and commit at INFO (Rust and Python); our outer_step
@@ -95,6 +100,11 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int) -> Any
     if not log.isEnabledFor(logging.DEBUG):
         for name in ("torchft", "torchft_quorums", "torchft_commits"):
             logging.getLogger(name).setLevel(logging.WARNING)
+    if ft.process_group == "gloo":  # gloo has no NCCL flight recorder: torchft warns every quorum
+        logging.getLogger("torchft.manager").addFilter(_drop_flight_recorder_warning)
+    # Recovery deserialises the peer's state from a read-only HTTP buffer that is copied
+    # right away; torch warns about it once per process.
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
     from torchft import Manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 

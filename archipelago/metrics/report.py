@@ -75,32 +75,41 @@ def _series(history: MetricsHistory, key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
-def _plot_loss(history: MetricsHistory, name: str, path: Path) -> Path:
+def _new_axes(width: float, height: float) -> Any:
     # Figure + Agg canvas directly instead of pyplot: no global backend
     # switch, no GUI, safe in threads and headless servers.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7.0, 4.5))
+    fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    return fig.add_subplot(1, 1, 1)
+
+
+def _save_loss_plot(ax: Any, drawn: bool, xlabel: str, title: str, path: Path) -> Path:
+    """Legend (or a 'nothing logged' note), labels and grid; writes the figure to `path`."""
+    if drawn:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no loss values logged", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.figure.tight_layout()
+    ax.figure.savefig(path, dpi=120)
+    return path
+
+
+def _plot_loss(history: MetricsHistory, name: str, path: Path) -> Path:
+    ax = _new_axes(7.0, 4.5)
     train_x, train_y = _series(history, "loss")
     val_x, val_y = _series(history, "val_loss")
     if train_x:
         ax.plot(train_x, train_y, linewidth=1.0, label="train loss")
     if val_x:
         ax.plot(val_x, val_y, marker="o", linewidth=1.5, label="val loss")
-    if not (train_x or val_x):
-        ax.text(0.5, 0.5, "no loss values logged", ha="center", va="center", transform=ax.transAxes)
-    else:
-        ax.legend()
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(f"{name}: loss")
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return _save_loss_plot(ax, bool(train_x or val_x), "step", f"{name}: loss", path)
 
 
 def _markdown(name: str, history: MetricsHistory, summary: dict[str, Any], png_name: str) -> str:
@@ -197,12 +206,7 @@ def _timed(records: list[dict[str, Any]], key: str, t0: float) -> tuple[list[flo
 
 def _plot_federation(records: dict[int, list[dict[str, Any]]], federation: dict[str, Any],
                      t0: float, name: str, path: Path) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8.0, 4.8))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    ax = _new_axes(8.0, 4.8)
     drawn = False
     for index, (island, island_records_) in enumerate(records.items()):
         colour = f"C{index % 10}"
@@ -214,17 +218,7 @@ def _plot_federation(records: dict[int, list[dict[str, Any]]], federation: dict[
             ax.plot(vx, vy, color=colour, marker="o", linestyle="none", label=f"island {island} val")
         drawn = drawn or bool(xs or vx)
     _draw_markers(ax, federation.get("events", []), t0)
-    if drawn:
-        ax.legend(fontsize="small")
-    else:
-        ax.text(0.5, 0.5, "no loss values logged", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("wall-clock time since start (s)")
-    ax.set_ylabel("loss")
-    ax.set_title(f"{name}: loss per island")
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return _save_loss_plot(ax, drawn, "wall-clock time since start (s)", f"{name}: loss per island", path)
 
 
 def _gaps(island: int, records: list[dict[str, Any]], federation: dict[str, Any], t0: float) -> list[float]:
