@@ -224,3 +224,17 @@ def test_unreachable_lighthouse_fails_within_the_connect_timeout():
     port = _free_port()  # nothing listens there
     with pytest.raises(LighthouseUnreachable, match="archipelago lighthouse"):
         wait_for_lighthouse(f"http://127.0.0.1:{port}", timeout_s=1.0)
+
+
+def test_nccl_is_refused_where_it_would_be_handed_cpu_tensors():
+    from archipelago.config import ConfigError
+    from archipelago.federation import check_exchange_device
+
+    nccl = FaultToleranceConfig(enable=True, process_group="nccl")
+    with pytest.raises(ConfigError, match='use process_group = "gloo"'):
+        check_exchange_device(nccl, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="copy_pseudogradients_to_cpu = false"):
+        check_exchange_device(replace(nccl, copy_pseudogradients_to_cpu=True), torch.device("cuda"))
+    check_exchange_device(nccl, torch.device("cuda"))  # GPU buffers: fine
+    check_exchange_device(replace(nccl, process_group="gloo", copy_pseudogradients_to_cpu=True),
+                          torch.device("cpu"))

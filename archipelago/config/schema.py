@@ -173,7 +173,7 @@ class FaultToleranceConfig:
     rank0_synchronization_only: bool = False
     """Let only rank 0 of each island talk across islands (sync_width = 1)."""
     copy_pseudogradients_to_cpu: bool = False
-    """Move what crosses islands to CPU memory before sending it."""
+    """Build and send the pseudo-gradient in CPU memory instead of on the island's device (gloo only; the global weights stay on CPU either way)."""
     sync_width: int = 1
     """Bridge ranks per island: rank s of every island exchanges chunk s of the pseudo-gradient; at most the smallest island's rank count, equal on all islands."""
     outer_optimizer: Literal["sgd", "adamw"] = "sgd"

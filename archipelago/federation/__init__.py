@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.diloco import (FederationError, OuterLoop, OuterReport, report_record,
                                            split_fragments)
@@ -17,13 +19,26 @@ from archipelago.federation.membership import (FederationMismatch, LighthouseUnr
 log = logging.getLogger("archipelago.federation")
 
 __all__ = ["FederationError", "FederationMismatch", "LighthouseUnreachable", "OuterLoop",
-           "OuterReport", "build_outer_loop", "report_record", "split_fragments"]
+           "OuterReport", "build_outer_loop", "check_exchange_device", "report_record", "split_fragments"]
+
+
+def check_exchange_device(ft: FaultToleranceConfig, device: torch.device) -> None:
+    """NCCL only carries GPU tensors: refuse settings that would hand it CPU ones."""
+    if ft.process_group != "nccl":
+        return
+    if device.type == "cpu":
+        raise ConfigError("fault_tolerance.process_group = \"nccl\" on a CPU island: NCCL needs GPUs; "
+                          "use process_group = \"gloo\"")
+    if ft.copy_pseudogradients_to_cpu:
+        raise ConfigError("fault_tolerance.copy_pseudogradients_to_cpu = true sends CPU tensors, which NCCL "
+                          "cannot carry; use process_group = \"gloo\" or copy_pseudogradients_to_cpu = false")
 
 
 def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str, rank: int,
                      world_size: int) -> OuterLoop:
     """Join the federation: check the lighthouse, make the bridge ranks' managers, and
     take the current weights as the first global weights (a collective over the island)."""
+    check_exchange_device(ft, next(model.parameters()).device)
     url = lighthouse_address(ft)
     problem = None
     if rank == 0:

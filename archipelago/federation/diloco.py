@@ -315,12 +315,18 @@ class OuterLoop:
     # ---- pieces --------------------------------------------------------------------
 
     def _pseudo_gradient(self, fragment: int, local: torch.Tensor, contributes: bool) -> torch.Tensor:
-        """[weight * (global - local) ..., weight] on CPU: summed across islands, the last
-        element is the total weight that the average divides by."""
+        """[weight * (global - local) ..., weight]: summed across islands, the last element
+        is the total weight that the average divides by.
+
+        Built on the island's device, so NCCL can carry it, or on CPU with
+        `copy_pseudogradients_to_cpu` (the fragment then crosses PCIe before the exchange
+        instead of after it; the global weights live on CPU either way).
+        """
         g = self.globals[fragment].detach()
-        buffer = torch.empty(g.numel() + 1, dtype=g.dtype)
+        device = torch.device("cpu") if self.ft.copy_pseudogradients_to_cpu else local.device
+        buffer = torch.empty(g.numel() + 1, dtype=g.dtype, device=device)
         weight = 1.0 if contributes else 0.0
-        torch.sub(g, local.to(g.device), out=buffer[:-1])
+        torch.sub(g.to(device, non_blocking=True), local.to(device), out=buffer[:-1])
         if not contributes:
             buffer[:-1].zero_()
         buffer[-1] = weight
@@ -331,7 +337,7 @@ class OuterLoop:
             return
         g = self.globals[fragment]
         with torch.no_grad():
-            g.grad = buffer[:-1] / total
+            g.grad = (buffer[:-1] / total).to(g.device)  # from a GPU buffer: a device-to-host copy
             self.outer[fragment].step()
             self.outer[fragment].zero_grad(set_to_none=True)
 
