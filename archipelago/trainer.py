@@ -31,7 +31,8 @@ from archipelago.data import (PreparedDataset, TokenSequenceLoader, prepare_from
                               validation_batches)
 from archipelago.island.device import (IslandContext, all_reduce_, barrier, broadcast_object,
                                        close_island, init_island)
-from archipelago.island.optim import apply_optimizer_config, build_adamw, build_lr_scheduler
+from archipelago.island.optim import (apply_optimizer_config, build_adamw, build_lr_scheduler,
+                                     set_schedule_position)
 from archipelago.island.parallelize import ParallelModel, parallelize
 from archipelago.metrics import (MetricsLog, ProgressDisplay, TensorBoardLog, ThroughputMeter,
                                  peak_flops_per_s, write_json_atomic)
@@ -201,7 +202,7 @@ class Trainer:
         if not ft.enable:
             return None
         return build_outer_loop(ft, self.model.inner, f"{self.cfg.model.name}/{self.cfg.model.flavor}",
-                                self.ctx.rank, self.ctx.world_size)
+                                self.ctx.rank, self.ctx.world_size, self.tokens_per_step)
 
     def build_checkpointer(self) -> CheckpointManager | None:
         c = self.cfg.checkpoint
@@ -278,24 +279,74 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Train to `training.steps` and return the summary (also written to summary.json)."""
         self.resume()
-        total = self.cfg.training.steps
         self.metrics.start(self.progress)
         if self.progress.step == 0 and self.cfg.training.val_every:
             self.progress.val_loss = self.evaluate()
             self.metrics.log_validation(0, self.progress.val_loss)  # the "before" of the curve
-        elif self.progress.step >= total:
-            log.info("already trained to step %d of %d: nothing to do", self.progress.step, total)
-        if self.progress.step < total:
+        elif self.done():
+            log.info("already trained to step %d of %d: nothing to do", self.progress.step,
+                     self.cfg.training.steps)
+        if self.cfg.island.slowdown > 1:
+            log.warning("island.slowdown = %g: EMULATED slow island, each inner step waits %g x its "
+                        "compute time (an experiment setting, not a real speed)",
+                        self.cfg.island.slowdown, self.cfg.island.slowdown - 1)
+        if not self.done():
             self.join_federation()
-        while self.progress.step < total:
+        self._started = time.monotonic()
+        while not self.done():
+            started = time.perf_counter()
             result = self.train_step()
+            self.emulate_slowdown(time.perf_counter() - started)
             self.progress.step += 1
             self.progress.tokens += self.tokens_per_step
             self.progress.wall_s = self.metrics.wall_s()
             self.maybe_inject_fault()
-            self.after_inner_step()
-            self.after_step(result)
+            self.after_inner_step(time.perf_counter() - started)
+            self.after_step(result, final=self.done())
         return self.finish()
+
+    @property
+    def time_paced(self) -> bool:
+        ft = self.cfg.fault_tolerance
+        return ft.enable and ft.round_pacing == "time"
+
+    def done(self) -> bool:
+        """Trained enough? Islands of a time-paced federation run different step counts and
+        stop together, at the outer step where the federation has trained training.steps
+        x tokens per step x group_size tokens; otherwise at training.steps inner steps."""
+        if self.out_of_time():
+            return True
+        if self.time_paced:
+            return self.outer.federation_tokens >= self.federation_token_budget
+        return self.progress.step >= self.cfg.training.steps
+
+    _started = float("inf")  # monotonic time of joining (or of the first step); set in train()
+
+    def out_of_time(self) -> bool:
+        """training.time_budget_s is spent; a federation island stops only right after an
+        outer step, which all islands finish together, so they stop at the same one."""
+        budget = self.cfg.training.time_budget_s
+        if not budget or time.monotonic() - self._started < budget:
+            return False
+        return self.outer is None or self.outer.local_step == 0
+
+    @property
+    def federation_token_budget(self) -> int:
+        return self.cfg.training.steps * self.tokens_per_step * self.cfg.fault_tolerance.group_size
+
+    def federation_position(self) -> float:
+        """Where a time-paced federation stands, in inner steps of one island (the unit of
+        the learning-rate schedule): estimated federation tokens / (tokens per step x islands)."""
+        return self.outer.federation_tokens_estimate() / (self.tokens_per_step * self.cfg.fault_tolerance.group_size)
+
+    def emulate_slowdown(self, compute_s: float) -> None:
+        """island.slowdown: wait (slowdown - 1) x the step's compute time (an emulation)."""
+        factor = self.cfg.island.slowdown
+        if factor <= 1:
+            return
+        if self.ctx.device.type == "cuda":  # a CPU-GPU sync point; only under emulation
+            torch.cuda.synchronize(self.ctx.device)
+        time.sleep((factor - 1) * compute_s)
 
     def join_federation(self) -> None:
         """Enter the federation with a round of our own: receive the global weights (from a
@@ -307,21 +358,34 @@ class Trainer:
                            island=ft.replica_id)
         self.outer.inner_step = self.progress.step
         self.report_outer(self.outer.join(ft.group_size, ft.join_wait_ms / 1000))
+        self.follow_federation()
 
     def report_outer(self, report: OuterReport) -> None:
         if report.healed:
+            to_step = self.progress.step if self.time_paced else self.outer.aligned_inner_step()
             self.metrics.event("recovery", step=self.progress.step, outer_step=report.outer_step,
-                               to_step=self.outer.aligned_inner_step())
-            self.catch_up(self.outer.aligned_inner_step())
+                               to_step=to_step)
+            self.catch_up(to_step)
+        if report.rejected:
+            self.metrics.event("rejected", step=self.progress.step, outer_step=report.outer_step,
+                               island=self.cfg.fault_tolerance.replica_id, norm=report.norm,
+                               reason=report.rejected)
         self.metrics.outer_step(report_record(report))
 
-    def after_inner_step(self) -> None:
-        """Run the outer loop (a round ends every sync_steps / num_fragments steps)."""
+    def after_inner_step(self, compute_s: float) -> None:
+        """Run the outer loop (a round ends every sync_steps / num_fragments steps, or
+        after round_seconds under time pacing, when the schedule follows the federation)."""
         if self.outer is None:
             return
-        report = self.outer.after_inner_step(self.progress.step)
+        report = self.outer.after_inner_step(self.progress.step, self.tokens_per_step, compute_s)
         if report is not None:
             self.report_outer(report)
+        self.follow_federation()
+
+    def follow_federation(self) -> None:
+        """Time pacing: the learning-rate schedule follows the federation's progress."""
+        if self.time_paced:
+            set_schedule_position(self.lr_scheduler, self.federation_position())
 
     def catch_up(self, step: int) -> None:
         """After recovering from a peer, continue at the federation's inner step.
@@ -388,19 +452,19 @@ class Trainer:
             raise RuntimeError(f"ARCHIPELAGO_FAULT: injected failure at step {self.progress.step}")
         self.metrics.poison_next_loss = True
 
-    def after_step(self, result: StepResult) -> None:
+    def after_step(self, result: StepResult, final: bool) -> None:
         step, t = self.progress.step, self.cfg.training
         self.metrics.observe(step, result.loss)
         val_loss = None
-        if t.val_every and (step % t.val_every == 0 or step == t.steps):
+        if t.val_every and (step % t.val_every == 0 or final):
             with self.metrics.untimed():  # throughput counts training time only
                 val_loss = self.evaluate()
-        if step % self.cfg.metrics.log_every == 0 or val_loss is not None or step == t.steps:
+        if step % self.cfg.metrics.log_every == 0 or val_loss is not None or final:
             self.check_finite()
             self.progress.loss = self.metrics.log_step(step, result, self.progress.tokens, val_loss)
             if val_loss is not None:
                 self.progress.val_loss = val_loss
-        self.save_checkpoint(final=step == t.steps)
+        self.save_checkpoint(final=final)
 
     def check_finite(self) -> None:
         """Stop on a NaN/inf loss seen since the last check (a host sync point)."""
@@ -572,8 +636,11 @@ class RunMetrics:
         if self.display is not None:
             state = "committed" if record["committed"] else "NOT committed"
             extra = " (recovered from a peer)" if record["healed"] else ""
+            if record["rejected"]:
+                extra += f"; this island's update REJECTED ({record['rejected']})"
             self.display.message(f"outer step {record['outer_step']} {state} with "
-                                 f"{record['participants']} island(s){extra}, sync {record['sync_s']:.2f} s")
+                                 f"{record['participants']} island(s){extra}: {record['inner_steps']} inner "
+                                 f"steps in {record['compute_s']:.2f} s, waited {record['sync_s']:.2f} s")
 
     def event(self, name: str, **fields: Any) -> None:
         self.jsonl.log({"event": name, "time": time.time(), **fields})

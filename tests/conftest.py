@@ -66,7 +66,7 @@ def kill_started_processes(token: str) -> None:
 def run_cli(args: list[str], timeout: float = 240, env: dict[str, str] | None = None) -> Finished:
     """Run `archipelago ARGS`; on timeout, and always at the end, kill every process it started."""
     token = uuid.uuid4().hex
-    full_env = {k: v for k, v in os.environ.items() if k != "ARCHIPELAGO_FAULT"}
+    full_env = {k: v for k, v in os.environ.items() if k not in ("ARCHIPELAGO_FAULT", "ARCHIPELAGO_INJECT")}
     full_env.update(PYTHONUNBUFFERED="1", ARCHIPELAGO_TEST_TOKEN=token, **(env or {}))
     proc = subprocess.Popen([sys.executable, "-m", "archipelago.launch.cli", *args], cwd=ROOT,
                             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

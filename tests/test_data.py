@@ -303,6 +303,28 @@ def test_loader_disjoint_across_ranks_and_islands(token_file: Path) -> None:
     assert len(seen) == len(set(seen)) == 2 * 6 * 8  # 2 islands x 6 steps x 8 windows (52/51 per island)
 
 
+def test_uneven_islands_never_read_the_same_window_in_a_round(token_file: Path) -> None:
+    """Islands of 2 ranks and 1 rank, the first 3x as fast: in one round (here 12 and 4
+    steps, the fast island crossing into its second epoch) no window is read twice."""
+    logs: list[str] = []
+    fast = [_loader(token_file, rank=r, world_size=2, island=0, num_islands=2, log=logs.append)
+            for r in range(2)]
+    slow = _loader(token_file, rank=0, world_size=1, island=1, num_islands=2)
+    assert fast[0].steps_per_epoch == 6
+    round_ = [w for _ in range(4) for w in _windows(slow.next_batch())]
+    fast_windows: list[int] = []
+    for _ in range(6):  # the fast island's first epoch
+        fast_windows += [w for ld in fast for w in _windows(ld.next_batch())]
+    round_ += fast_windows
+    assert len(round_) == len(set(round_)) == 4 * 8 + 6 * 8
+    # Its next epoch: the same shard (a new order), still none of the slow island's windows.
+    again = [w for _ in range(6) for ld in fast for w in _windows(ld.next_batch())]
+    assert fast[0].epoch == 1 and again != fast_windows
+    assert len(set(again) | set(fast_windows)) <= 52  # both inside the island's shard (103 // 2 + 1)
+    assert not set(again) & set(round_[:32])
+    assert any("island 0 starts epoch 1 of its own shard" in line for line in logs)
+
+
 def test_loader_rank_union_equals_single_rank(token_file: Path) -> None:
     single = _loader(token_file, island=1, num_islands=2)
     ranks = [_loader(token_file, rank=r, world_size=4, island=1, num_islands=2) for r in range(4)]

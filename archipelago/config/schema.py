@@ -45,7 +45,9 @@ class TrainingConfig:
     """The inner training loop of one island."""
 
     steps: int = 300
-    """Number of optimizer steps to train for (in total, counting steps done before a resume)."""
+    """Number of optimizer steps to train for (in total, counting steps done before a resume). Under fault_tolerance.round_pacing = "time" it sets the federation's token budget: steps x batch_size x seq_len x group_size."""
+    time_budget_s: float = 0.0
+    """Also stop after this many seconds of training in this session (0 = no limit); in a federation, at the first outer step after it, counted from joining."""
     batch_size: int = 16
     """Global batch: sequences per optimizer step, summed over all ranks of the island."""
     micro_batch_size: int = 0
@@ -192,6 +194,26 @@ class FaultToleranceConfig:
     """Stop after this many consecutive outer steps that failed to commit."""
     join_wait_ms: int = 60000
     """A new federation (outer step 0) waits this long for all `group_size` islands before it starts with those present."""
+    outer_weighting: Literal["tokens", "equal"] = "tokens"
+    """How islands' pseudo-gradients are averaged: in proportion to the tokens each trained in the round (`tokens`), or equally (`equal`, plain DiLoCo)."""
+    round_pacing: Literal["steps", "time"] = "steps"
+    """When a round ends: after `sync_steps` inner steps on every island (`steps`), or after `round_seconds` of wall-clock time, each island running as many inner steps as fit (`time`)."""
+    round_seconds: float = 60.0
+    """Time pacing: wall-clock seconds of inner steps per round, counted from the end of the previous outer step."""
+    min_inner_steps: int = 1
+    """Time pacing: an island runs at least this many inner steps per round, however slow."""
+    max_inner_steps: int = 1000
+    """Time pacing: an island runs at most this many inner steps per round, however fast."""
+    outer_norm_limit: float = 10.0
+    """Reject an island's pseudo-gradient (it sends weight 0) when its norm exceeds this many times the running median of its accepted norms; 0 turns the norm guard off (non-finite values are always rejected)."""
+
+
+@dataclass
+class IslandConfig:
+    """This island's own settings (not shared with the federation)."""
+
+    slowdown: float = 1.0
+    """Emulation for experiments: make each inner step take this many times its measured compute time, by waiting after it (1 = off)."""
 
 
 @dataclass
@@ -219,4 +241,5 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    island: IslandConfig = field(default_factory=IslandConfig)
     job: JobConfig = field(default_factory=JobConfig)

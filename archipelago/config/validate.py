@@ -96,6 +96,21 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
     for key in ("connect_timeout_ms", "quorum_timeout_ms"):
         _require(getattr(ft, key) > 0, f"fault_tolerance.{key} = {getattr(ft, key)}: must be positive", p)
     _require(ft.max_retries >= 0, f"fault_tolerance.max_retries = {ft.max_retries}: must be >= 0", p)
+    _require(cfg.training.time_budget_s >= 0,
+             f"training.time_budget_s = {cfg.training.time_budget_s}: must be >= 0 (0 = no limit)", p)
+    _require(ft.round_seconds > 0, f"fault_tolerance.round_seconds = {ft.round_seconds}: must be positive", p)
+    _require(1 <= ft.min_inner_steps <= ft.max_inner_steps,
+             f"fault_tolerance.min_inner_steps = {ft.min_inner_steps}, max_inner_steps = {ft.max_inner_steps}: "
+             "need 1 <= min_inner_steps <= max_inner_steps", p)
+    _require(ft.round_pacing == "steps" or (ft.num_fragments == 1 and ft.fragment_sync_delay == 0),
+             f"fault_tolerance.round_pacing = \"time\" with num_fragments = {ft.num_fragments} and "
+             f"fragment_sync_delay = {ft.fragment_sync_delay}: time pacing syncs the whole model at once; "
+             "set num_fragments = 1 and fragment_sync_delay = 0, or use round_pacing = \"steps\"", p)
+    _require(ft.outer_norm_limit == 0 or ft.outer_norm_limit > 1,
+             f"fault_tolerance.outer_norm_limit = {ft.outer_norm_limit}: use a factor above 1 (e.g. 10), "
+             "or 0 to turn the norm guard off", p)
+    _require(cfg.island.slowdown >= 1, f"island.slowdown = {cfg.island.slowdown}: must be >= 1 "
+             "(1 = no emulated slowdown)", p)
     _require(not ft.should_quantize,
              "fault_tolerance.should_quantize = true: torchft's quantization needs Triton kernels on "
              "a GPU and fails or is silently ignored elsewhere; leave it off", p)

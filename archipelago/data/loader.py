@@ -2,8 +2,18 @@
 
 Window i is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``; inputs are its first
 seq_len tokens and targets the last seq_len (shifted by one). The visiting order is a
-pure function of (seed, epoch), so every rank and island computes it independently and
-no communication is needed to agree on who reads what.
+pure function of (seed, island, epoch), so every rank and island computes it
+independently and no communication is needed to agree on who reads what.
+
+Sharding across islands of different sizes and speeds: one permutation of all windows
+(from the seed) is dealt round-robin into `num_islands` fixed shards; island K owns
+shard K for the whole run, whatever its rank count. Each epoch an island visits its own
+shard (epoch 0 in shard order, later epochs reshuffled from (seed, island, epoch)), one
+global batch per step, rank r taking the r-th slice of it. So islands never read each
+other's windows, ranks of one island never overlap and leave no gap, and a fast island
+that finishes its shard starts its next epoch (logged) without touching a slow island's
+data. The shard is the island's index, not its ranks (the reference platform's
+`dp * replica_id + rank` overlaps when islands differ in size).
 """
 
 from __future__ import annotations
@@ -125,8 +135,10 @@ class TokenSequenceLoader:
     # ------------------------------------------------------------------ batches
 
     def _island_order(self, epoch: int) -> np.ndarray:
-        perm = np.random.default_rng((self.seed, epoch)).permutation(self._num_windows)
-        return perm[self.island::self.num_islands]
+        shard = np.random.default_rng((self.seed, 0)).permutation(self._num_windows)[self.island::self.num_islands]
+        if epoch == 0:
+            return shard
+        return shard[np.random.default_rng((self.seed, self.island, epoch)).permutation(len(shard))]
 
     def _start_epoch(self, epoch: int) -> None:
         self._epoch, self._cursor = epoch, 0
@@ -138,7 +150,7 @@ class TokenSequenceLoader:
             dropped = len(self._order) - self._cursor
             self._start_epoch(self._epoch + 1)
             if self._log is not None:
-                self._log(f"data: island {self.island} starts epoch {self._epoch} "
+                self._log(f"data: island {self.island} starts epoch {self._epoch} of its own shard "
                           f"(dropped {dropped} leftover windows)")
         lo = self._cursor + self.rank * self.local_batch_size
         windows = self._order[lo:lo + self.local_batch_size]

@@ -16,14 +16,23 @@ homogeneous islands both give the same weights:
 What differs, on purpose: the global weights and the outer optimizer live on the
 bridge ranks in the canonical flat layout (layout.py), so islands of any size meet
 and a recovering island can take them from any peer; each island's pseudo-gradient
-is sent with a weight (1, or 0 for an island that has just recovered and holds no
-valid local progress), and the average divides by the sum of weights.
+is sent with a weight (the tokens it trained since the fragment's last exchange, or 1
+with outer_weighting = "equal"; 0 for an island that has just recovered and holds no
+valid local progress, or whose update the guard rejected), and the average divides by
+the sum of weights. The weight and the island's token count travel as the last two
+elements of the same all-reduce, so weighting costs no extra round trip, and every
+island learns how many tokens the whole federation trained.
+
+Rounds end after `sync_steps` inner steps (round_pacing = "steps"), or after
+`round_seconds` of wall-clock time, each island running as many inner steps as fit
+(round_pacing = "time").
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -35,6 +44,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.guard import Poison, UpdateGuard
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.membership import (FederationMismatch, exchange_fingerprints,
                                                mismatch)
@@ -62,7 +72,14 @@ class OuterReport:
     fragment: int = 0
     healed: bool = False          # this island received the global state from a peer
     bytes_sent: int = 0           # payload this island handed to the cross-island all-reduce
-    sync_s: float = 0.0           # seconds spent blocked in the synchronisation
+    sync_s: float = 0.0           # seconds spent blocked in the synchronisation (waiting at the outer step)
+    inner_steps: int = 0          # inner steps this island ran in the round
+    tokens: int = 0               # tokens this island trained in the round
+    compute_s: float = 0.0        # seconds of those inner steps (emulated slowdown included)
+    weight: float = 0.0           # this island's weight in the average (0: sent no update)
+    federation_tokens: int = 0    # tokens trained by the whole federation, after this round
+    norm: float | None = None     # norm of this island's pseudo-gradient (None: not checked)
+    rejected: str | None = None   # why the guard kept this island's update out, if it did
     global_hash: str | None = None
 
 
@@ -125,8 +142,12 @@ class _Pending:
     fragment: int
     work: Any = None
     buffer: torch.Tensor | None = None
-    reset: bool = False      # this island recovered: discard its local progress
+    reset: bool = False      # this island recovered (or was rejected): discard its local progress
     prepare_s: float = 0.0   # seconds prepare() blocked (quorum, recovery, gather)
+    tokens: int = 0          # this island's tokens since the previous exchange
+    weight: float = 0.0
+    norm: float | None = None
+    rejected: str | None = None
 
 
 class OuterLoop:
@@ -134,8 +155,9 @@ class OuterLoop:
 
     def __init__(self, ft: FaultToleranceConfig, fragments: list[list[nn.Parameter]], rank: int,
                  world_size: int, manager: Any | None, fingerprint: dict[str, Any],
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, poison: Poison | None = None) -> None:
         self.ft, self.rank, self.world_size, self.group = ft, rank, world_size, group
+        self.poison = poison
         self.manager, self.fingerprint = manager, fingerprint
         self.per_fragment = ft.sync_steps // len(fragments)
         self.delay = ft.fragment_sync_delay
@@ -155,6 +177,13 @@ class OuterLoop:
         self.globals: list[nn.Parameter] = []
         self.outer: list[torch.optim.Optimizer] = []
         self._recovered: bool | None = None  # set by the recovery callback: None, or "contributes"
+        self.guard = UpdateGuard(ft.outer_norm_limit, len(fragments))
+        self.round_tokens = 0             # this island's tokens since the last exchange
+        self.fragment_tokens = [0] * len(fragments)  # ... since each fragment's last exchange
+        self.round_steps, self.round_compute_s = 0, 0.0
+        self.federation_tokens = 0        # tokens the whole federation trained (at the last outer step)
+        self.tokens_ratio = float(ft.group_size)  # federation tokens per own token, last round
+        self.round_start = self._last_step_end = time.monotonic()
         self.save_global()  # collective: the initial weights are the first global weights
         if manager is not None:
             manager.register_state_dict_fn("archipelago_outer", self._load_recovery, self._recovery_state)
@@ -166,16 +195,45 @@ class OuterLoop:
         """An exchange is in flight: the island's state cannot be checkpointed now."""
         return self.pending is not None
 
-    def after_inner_step(self, inner_step: int) -> OuterReport | None:
-        """Call after every inner optimizer step (on every rank); returns a report per round."""
+    def after_inner_step(self, inner_step: int, tokens: int = 0, compute_s: float = 0.0) -> OuterReport | None:
+        """Call after every inner optimizer step (on every rank) with the island's tokens
+        of that step and its compute seconds; returns a report when a round ends."""
         self.local_step += 1
         self.inner_step = inner_step
+        self.round_tokens += tokens
+        self.fragment_tokens = [t + tokens for t in self.fragment_tokens]
+        self.round_steps += 1
+        self.round_compute_s += compute_s
+        if self.ft.round_pacing == "time":
+            if not self._time_is_up():
+                return None
+            self.prepare()
+            self.local_step = 0
+            return self.perform(inner_step)
         if self.local_step == self.per_fragment - self.delay:
             self.prepare()
         if self.local_step < self.per_fragment:
             return None
         self.local_step = 0
         return self.perform(inner_step)
+
+    def federation_tokens_estimate(self) -> float:
+        """Tokens the whole federation has trained by now: the count at the last outer
+        step plus this island's tokens since, scaled by last round's federation/own ratio."""
+        return self.federation_tokens + self.round_tokens * self.tokens_ratio
+
+    def _time_is_up(self) -> bool:
+        """Time pacing: end the round now? Stops when the next step would end closer to
+        the budget's end than this one (the expected overrun is half a step, not one)."""
+        now = time.monotonic()
+        step_s, self._last_step_end = now - self._last_step_end, now
+        if self.local_step >= self.ft.max_inner_steps:
+            return True
+        if self.local_step < self.ft.min_inner_steps:
+            return False
+        up = now - self.round_start + step_s / 2 >= self.ft.round_seconds
+        # The ranks of an island must agree: a tiny all-reduce per inner step (multi-rank islands only).
+        return self._island_max([float(up)])[0] > 0
 
     def aligned_inner_step(self) -> int:
         """After a recovery: the inner step of the peer this island recovered from.
@@ -261,18 +319,44 @@ class OuterLoop:
             self.manager.report_error(FederationMismatch("a peer island does not match this one"))
         fragment = self.step % len(self.layouts)
         reset = bool(flags[2]) or (joining and self.healed)
+        contributes = not (reset or joining)
         local = self.layouts[fragment].gather()
-        buffer = None
-        if self.is_bridge:
-            buffer = self._pseudo_gradient(fragment, local, contributes=not (reset or joining))
-        # One bad island must not poison the others: non-finite progress is sent as zero weight.
-        if self._island_max([0.0 if buffer is None else float(not torch.isfinite(buffer).all())])[0]:
-            log.warning("non-finite pseudo-gradient at outer step %d: this island sends no update", self.step)
-            if buffer is not None:
-                buffer.zero_()
-        work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM) if self.is_bridge else None
-        self.pending = _Pending(fragment, work, buffer, reset, time.perf_counter() - began)
+        buffer = self._pseudo_gradient(fragment, local) if self.is_bridge else None
+        if buffer is not None and contributes and self.poison is not None and self.poison.round == self.step + 1:
+            log.warning("ARCHIPELAGO_INJECT: poisoning this island's update (%s) in outer step %d",
+                        self.poison.kind, self.step + 1)
+            self.poison.apply(buffer[:-2])
+        pending = _Pending(fragment, reset=reset, tokens=self.round_tokens)
+        if contributes:
+            self._guard(fragment, buffer, pending)
+        pending.weight = self._weight(fragment) if contributes and not pending.rejected else 0.0
+        self.round_tokens, self.fragment_tokens[fragment] = 0, 0
+        if buffer is not None:
+            if pending.weight:
+                buffer[:-2].mul_(pending.weight)
+            else:  # nothing of this island enters the average
+                buffer[:-2].zero_()
+            buffer[-2], buffer[-1] = float(pending.tokens), pending.weight
+        pending.work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM) if self.is_bridge else None
+        pending.buffer, pending.prepare_s = buffer, time.perf_counter() - began
+        self.pending = pending
         return True
+
+    def _guard(self, fragment: int, buffer: torch.Tensor | None, pending: _Pending) -> None:
+        """One bad island must not poison the others: check the update before it is sent."""
+        # The island's norm over its bridge chunks; a NaN/inf anywhere makes it non-finite.
+        sumsq = 0.0 if buffer is None else float(buffer[:-2].double().square().sum())  # a device sync
+        pending.norm = math.sqrt(self._island_sum(sumsq))
+        pending.rejected = self.guard.check(fragment, pending.norm)
+        if pending.rejected:
+            pending.reset = True  # it takes the global weights, like a recovered island
+            log.warning("rejected this island's update at outer step %d: %s; it sends weight 0 and "
+                        "takes the federation's weights", self.step + 1, pending.rejected)
+
+    def _weight(self, fragment: int) -> float:
+        if self.ft.outer_weighting == "equal":
+            return 1.0
+        return float(self.fragment_tokens[fragment])
 
     def perform(self, inner_step: int) -> OuterReport:
         """Finish the exchange, vote, and step (or restore) the fragment's global weights."""
@@ -280,14 +364,14 @@ class OuterLoop:
         assert p is not None, "perform() without prepare()"
         self.pending = None
         blocked_since = time.perf_counter()
-        committed, participants, total = False, 0, 0.0
+        committed, participants, total, tokens = False, 0, 0.0, 0.0
         if self.manager is not None:
             p.work.wait()
             committed = self._should_commit()
             participants = self.manager.num_participants()
-            total = float(p.buffer[-1])
-        flags = self._island_max([float(committed), float(participants), total])
-        committed, participants, total = bool(flags[0]), int(flags[1]), flags[2]
+            total, tokens = float(p.buffer[-1]), float(p.buffer[-2])
+        flags = self._island_max([float(committed), float(participants), total, tokens])
+        committed, participants, total, tokens = bool(flags[0]), int(flags[1]), flags[2], int(flags[3])
         merge = committed and not p.reset and self.ft.fragment_update_alpha > 0
         local = self.layouts[p.fragment].gather() if merge else None
         if self.manager is not None and committed:
@@ -302,21 +386,32 @@ class OuterLoop:
             for i, layout in enumerate(self.layouts):
                 if i != p.fragment:
                     layout.scatter(self.globals[i].detach() if self.is_bridge else None)
+            self.fragment_tokens = [0] * len(self.fragment_tokens)
         if committed:
             self.step += 1
+            self.federation_tokens += tokens
+            if p.tokens:
+                self.tokens_ratio = tokens / p.tokens
         report = OuterReport(step=inner_step, outer_step=self.step, committed=committed,
                              participants=participants, contributors=total, fragment=p.fragment,
                              healed=self.healed, bytes_sent=self._payload_bytes(p),
-                             sync_s=p.prepare_s + time.perf_counter() - blocked_since)
+                             sync_s=p.prepare_s + time.perf_counter() - blocked_since,
+                             inner_steps=self.round_steps, tokens=p.tokens, compute_s=self.round_compute_s,
+                             weight=p.weight, federation_tokens=self.federation_tokens, norm=p.norm,
+                             rejected=p.rejected)
+        self.round_steps, self.round_compute_s = 0, 0.0
         if self.numel <= HASH_EVERY_ROUND_MAX_NUMEL:
             report.global_hash = self.global_hash()
+        self.round_start = self._last_step_end = time.monotonic()
         return report
 
     # ---- pieces --------------------------------------------------------------------
 
-    def _pseudo_gradient(self, fragment: int, local: torch.Tensor, contributes: bool) -> torch.Tensor:
-        """[weight * (global - local) ..., weight]: summed across islands, the last element
-        is the total weight that the average divides by.
+    def _pseudo_gradient(self, fragment: int, local: torch.Tensor) -> torch.Tensor:
+        """[global - local ..., tokens, weight], the last two still 0 (prepare fills them).
+
+        Weighted and summed across islands, the last element is the total weight the
+        average divides by, the one before it the tokens the federation trained.
 
         Built on the island's device, so NCCL can carry it, or on CPU with
         `copy_pseudogradients_to_cpu` (the fragment then crosses PCIe before the exchange
@@ -324,12 +419,8 @@ class OuterLoop:
         """
         g = self.globals[fragment].detach()
         device = torch.device("cpu") if self.ft.copy_pseudogradients_to_cpu else local.device
-        buffer = torch.empty(g.numel() + 1, dtype=g.dtype, device=device)
-        weight = 1.0 if contributes else 0.0
-        torch.sub(g.to(device, non_blocking=True), local.to(device), out=buffer[:-1])
-        if not contributes:
-            buffer[:-1].zero_()
-        buffer[-1] = weight
+        buffer = torch.zeros(g.numel() + 2, dtype=g.dtype, device=device)
+        torch.sub(g.to(device, non_blocking=True), local.to(device), out=buffer[:-2])
         return buffer
 
     def _outer_step(self, fragment: int, buffer: torch.Tensor, total: float) -> None:
@@ -337,7 +428,7 @@ class OuterLoop:
             return
         g = self.globals[fragment]
         with torch.no_grad():
-            g.grad = (buffer[:-1] / total).to(g.device)  # from a GPU buffer: a device-to-host copy
+            g.grad = (buffer[:-2] / total).to(g.device)  # from a GPU buffer: a device-to-host copy
             self.outer[fragment].step()
             self.outer[fragment].zero_grad(set_to_none=True)
 
@@ -380,6 +471,7 @@ class OuterLoop:
 
     def _recovery_state(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "inner_step": self.inner_step,
+                "federation_tokens": self.federation_tokens, "guard": self.guard.state_tensor(),
                 "fragments": [{"global": g.detach().clone(), "outer": _tensor_state(o, g)}
                               for g, o in zip(self.globals, self.outer)]}
 
@@ -392,6 +484,8 @@ class OuterLoop:
         for g, o, f in zip(self.globals, self.outer, state["fragments"]):
             _load_tensor_state(o, g, f)
         self.peer_inner_step = int(state["inner_step"])
+        self.federation_tokens = int(state["federation_tokens"])
+        self.guard.load_state_tensor(state["guard"])
         self._recovered = same  # equal weights (a fresh federation): its progress still counts
         log.info("recovered the global weights from a peer island (federation step %d)",
                  self.manager.current_step())
@@ -399,7 +493,8 @@ class OuterLoop:
     # ---- checkpoint (DCP Stateful) -------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"local_step": self.local_step, "step": self.step}
+        state: dict[str, Any] = {"local_step": self.local_step, "step": self.step,
+                                 "federation_tokens": self.federation_tokens, "guard": self.guard.state_tensor()}
         if self.is_bridge:
             state[f"bridge{self.rank}"] = {f"fragment{i}": {"global": g.detach(), "outer": _tensor_state(o, g)}
                                           for i, (g, o) in enumerate(zip(self.globals, self.outer))}
@@ -407,6 +502,8 @@ class OuterLoop:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.local_step, self.step = int(state["local_step"]), int(state["step"])
+        self.federation_tokens = int(state["federation_tokens"])
+        self.guard.load_state_tensor(state["guard"])
         if self.is_bridge:
             for i, (g, o) in enumerate(zip(self.globals, self.outer)):
                 _load_tensor_state(o, g, state[f"bridge{self.rank}"][f"fragment{i}"])

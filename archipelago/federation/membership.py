@@ -130,25 +130,37 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int) -> Any
 
 # What every island must agree on; anything else (rank count, device) may differ.
 FINGERPRINT_KEYS = ("model", "params", "shapes", "sync_width", "num_fragments", "semi_sync_method",
-                    "outer")
+                    "outer", "pacing")
 
 
 def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]],
-                ft: FaultToleranceConfig, ranks: int) -> dict[str, Any]:
-    """A description of this island that peers compare at join time."""
+                ft: FaultToleranceConfig, ranks: int, tokens_per_step: int = 0) -> dict[str, Any]:
+    """A description of this island that peers compare at join time.
+
+    Under time pacing the round budget and the federation's token budget (training.steps
+    x this island's tokens per step x group_size) must agree: all islands end together
+    when the federation has trained that many tokens.
+    """
     shapes = hashlib.sha256(json.dumps(named_shapes).encode()).hexdigest()[:16]
     outer = (f"{ft.outer_optimizer}(lr={ft.outer_lr}, momentum={ft.outer_momentum}, "
              f"nesterov={ft.outer_nesterov}) alpha={ft.fragment_update_alpha}")
     return {"island": ft.replica_id, "ranks": ranks, "model": model_name,
             "params": sum(math.prod(s) for _, s in named_shapes), "shapes": shapes,
             "sync_width": ft.sync_width, "num_fragments": ft.num_fragments,
-            "semi_sync_method": ft.semi_sync_method, "outer": outer}
+            "semi_sync_method": ft.semi_sync_method, "outer": outer, "pacing": _pacing(ft, tokens_per_step)}
+
+
+def _pacing(ft: FaultToleranceConfig, tokens_per_step: int) -> str:
+    if ft.round_pacing == "steps":
+        return f"steps({ft.sync_steps}) {ft.outer_weighting}"
+    return (f"time({ft.round_seconds:g}s, {ft.min_inner_steps}-{ft.max_inner_steps} steps, "
+            f"{tokens_per_step} tokens/step) {ft.outer_weighting}")
 
 
 def describe(fp: dict[str, Any]) -> str:
     return (f"island {fp['island']} ({fp['ranks']} rank(s)): {fp['model']}, {fp['params']:,} parameters "
             f"(shapes {fp['shapes']}), sync_width {fp['sync_width']}, {fp['num_fragments']} fragment(s), "
-            f"{fp['semi_sync_method']} {fp['outer']}")
+            f"{fp['semi_sync_method']} {fp['outer']}, pacing {fp['pacing']}")
 
 
 def mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:

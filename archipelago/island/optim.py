@@ -63,6 +63,17 @@ def apply_optimizer_config(optimizer: torch.optim.Optimizer,
     for group, decay in zip(optimizer.param_groups, decays):
         group.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=decay, initial_lr=cfg.lr)
     scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
-    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        group["lr"] = cfg.lr * factor(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+    set_schedule_position(scheduler, scheduler.last_epoch)
+
+
+def set_schedule_position(scheduler: torch.optim.lr_scheduler.LambdaLR, step: float) -> None:
+    """Put the schedule at step `step` (may be fractional) and set the learning rates from it.
+
+    A time-paced federation places its islands on the schedule by the federation's
+    progress rather than by counting each island's own steps.
+    """
+    scheduler.last_epoch = int(step)
+    groups = scheduler.optimizer.param_groups
+    for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(step)
+    scheduler._last_lr = [group["lr"] for group in groups]  # what get_last_lr() reports

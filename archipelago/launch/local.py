@@ -13,6 +13,11 @@ status table on a terminal (a status line every 10 s elsewhere).
 Fault drills: `--kill 1@30` SIGKILLs every process of island 1 thirty seconds after the
 start; with `--restart-after 10` the island is started again ten seconds later with the
 same command, resumes from its own checkpoint and catches up from a live peer.
+
+Experiments (emulations, not real conditions): `--slowdown 1,3` makes island 1's inner
+steps take 3x their compute time (--island.slowdown); `--inject 1:nan@3` makes island 1
+send a poisoned update (NaN, or `scale1000`: 1000x) in outer step 3, which the update
+guard must reject.
 The lighthouse's own log is quiet (warnings only) unless RUST_LOG says otherwise.
 
 At the end RUN_DIR/federation.json holds per-island results, the outer steps with their
@@ -75,6 +80,8 @@ class Options:
     table: bool
     run_dir: Path
     passthrough: list[str]
+    slowdowns: list[float] = field(default_factory=list)
+    injections: dict[int, str] = field(default_factory=dict)  # island -> KIND@ROUND
 
 
 def _islands_arg(text: str) -> list[int]:
@@ -98,6 +105,30 @@ def _kill_arg(text: str) -> tuple[int, float]:
     return result
 
 
+def _slowdown_arg(text: str) -> list[float]:
+    try:
+        factors = [float(part) for part in text.split(",")]
+    except ValueError:
+        factors = []
+    if not factors or min(factors) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one factor >= 1 per island, e.g. 1,3")
+    return factors
+
+
+def _inject_arg(text: str) -> tuple[int, str]:
+    from archipelago.config import ConfigError
+    from archipelago.federation.guard import parse_poison
+
+    island, _, spec = text.partition(":")
+    try:
+        parse_poison(spec, where="--inject")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ISLAND:KIND@ROUND, e.g. 1:nan@3 ({exc})") from None
+    if not island.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ISLAND:KIND@ROUND, e.g. 1:nan@3")
+    return int(island), spec
+
+
 def _parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: a passed-through `--job.x` must never be taken for one of ours.
     p = argparse.ArgumentParser(prog="archipelago local", description=__doc__, allow_abbrev=False,
@@ -108,6 +139,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="SIGKILL every process of ISLAND this many seconds after the start (repeatable)")
     p.add_argument("--restart-after", type=float, metavar="SECONDS",
                    help="start a killed island again this many seconds after the kill")
+    p.add_argument("--slowdown", type=_slowdown_arg, metavar="F[,F...]",
+                   help="emulated slowdown of each island (>= 1; 1,3: island 1's steps take 3x as long); "
+                        "an experiment setting, passed as --island.slowdown")
+    p.add_argument("--inject", action="append", default=[], type=_inject_arg, metavar="ISLAND:KIND@ROUND",
+                   help="for tests and demos: ISLAND sends a poisoned update in outer step ROUND, KIND nan "
+                        "or scale1000 (repeatable)")
     p.add_argument("--lighthouse-bind", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="address of the in-process lighthouse (port 0: any free port)")
     p.add_argument("--min-replicas", type=int, default=1, help="islands needed for a quorum")
@@ -131,13 +168,20 @@ def parse_args(argv: list[str]) -> Options:
             parser.error(f"--kill {island}@...: there are only islands 0..{len(args.islands) - 1}")
     if args.restart_after is not None and args.restart_after < 0:
         parser.error("--restart-after: expected a number of seconds >= 0")
+    if args.slowdown is not None and len(args.slowdown) != len(args.islands):
+        parser.error(f"--slowdown: give one factor per island ({len(args.islands)}), e.g. "
+                     f"{','.join(['1'] * len(args.islands))}")
+    for island, _ in args.inject:
+        if island >= len(args.islands):
+            parser.error(f"--inject {island}:...: there are only islands 0..{len(args.islands) - 1}")
     run_dir, passthrough = _pop_option(passthrough, "--job.run_dir")
     return Options(
         islands=args.islands, kills=args.kill,
         restart_after=args.restart_after, lighthouse_bind=args.lighthouse_bind,
         min_replicas=args.min_replicas, join_timeout_ms=args.join_timeout_ms,
         quorum_tick_ms=args.quorum_tick_ms, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-        table=not args.no_table, passthrough=passthrough,
+        table=not args.no_table, passthrough=passthrough, slowdowns=args.slowdown or [],
+        injections=dict(args.inject),
         run_dir=Path(run_dir or f"runs/local-{datetime.now():%Y%m%d-%H%M%S}"))
 
 
@@ -163,6 +207,7 @@ def island_env(token: str, lighthouse: str, total_ranks: int,
                base: dict[str, str] | None = None) -> dict[str, str]:
     """The island's environment: ours (or `base`) plus its token, the lighthouse and threads."""
     env = dict(os.environ if base is None else base)
+    env.pop("ARCHIPELAGO_INJECT", None)  # --inject sets it for one island only
     env.update({TOKEN_ENV: token, "TORCHFT_LIGHTHOUSE": lighthouse,
                 "PYTHONUNBUFFERED": "1"})  # lines must reach us as they are written, not per 8 KiB
     # All islands share this machine's cores; torchrun would default every rank to 1 thread.
@@ -425,10 +470,14 @@ class LocalFederation:
         for k, ranks in enumerate(self.opts.islands):
             cmd = island_command(k, ranks, len(self.opts.islands), self.opts.passthrough,
                                  self.opts.run_dir, self.url)
+            if self.opts.slowdowns:
+                cmd += ["--island.slowdown", f"{self.opts.slowdowns[k]:g}"]
             token = f"{run_token}-island-{k}"
             folder = self.opts.run_dir / f"island-{k}"
-            self.islands.append(Island(k, ranks, cmd, island_env(token, self.url, total), folder, token,
-                                       MetricsTail(folder / "metrics.jsonl")))
+            env = island_env(token, self.url, total)
+            if k in self.opts.injections:
+                env["ARCHIPELAGO_INJECT"] = self.opts.injections[k]
+            self.islands.append(Island(k, ranks, cmd, env, folder, token, MetricsTail(folder / "metrics.jsonl")))
         for island in self.islands:
             self._launch(island)
             island.state = "running"

@@ -22,7 +22,7 @@ log = logging.getLogger("archipelago.metrics")
 FEDERATION_FILE = "federation.json"
 
 # Island events worth a line in the federation's story; per-step noise is left out.
-ISLAND_EVENTS = ("join", "leave", "recovery", "quorum", "resume")
+ISLAND_EVENTS = ("join", "leave", "recovery", "quorum", "resume", "rejected")
 
 _ISLAND_DIR = re.compile(r"island-(\d+)$")
 

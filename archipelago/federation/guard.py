@@ -1,0 +1,88 @@
+"""Guards against bad updates: what may not enter the federation's average.
+
+An island checks its own pseudo-gradient before it sends it. Non-finite values, or a
+norm above `outer_norm_limit` times the running median of the norms it sent before,
+make it send weight 0 for the round: the all-reduce still completes, the others
+average without it, and it takes the new global weights like everyone else.
+
+`ARCHIPELAGO_INJECT=KIND@ROUND` (set by `archipelago local --inject`, for tests and
+demos only) poisons this island's pseudo-gradient in outer step ROUND, to show that
+the guard catches it: KIND `nan` fills it with NaN, `scale1000` multiplies it by 1000.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from archipelago.config import ConfigError
+
+# The median needs a few accepted rounds before it means anything; until then only
+# non-finite updates are rejected. The window follows the norm as training goes on.
+MIN_HISTORY = 3
+HISTORY = 32
+
+INJECT_KINDS = ("nan", "scale1000")
+
+
+@dataclass(frozen=True)
+class Poison:
+    """A test-only corruption of one round's pseudo-gradient (see module doc)."""
+
+    kind: str
+    round: int
+
+    def apply(self, pseudo_gradient: torch.Tensor) -> None:
+        if self.kind == "nan":
+            pseudo_gradient.fill_(float("nan"))
+        else:
+            pseudo_gradient.mul_(1000.0)
+
+
+def parse_poison(spec: str, where: str = "ARCHIPELAGO_INJECT") -> Poison:
+    """`KIND@ROUND` -> Poison; ConfigError naming the expected form otherwise."""
+    kind, _, round_ = spec.partition("@")
+    if kind not in INJECT_KINDS or not round_.isdigit() or int(round_) < 1:
+        raise ConfigError(f"{where}={spec!r}: expected KIND@ROUND with KIND one of {', '.join(INJECT_KINDS)} "
+                          "and ROUND an outer step number from 1, e.g. nan@3")
+    return Poison(kind, int(round_))
+
+
+def poison_from_env() -> Poison | None:
+    spec = os.environ.get("ARCHIPELAGO_INJECT")
+    return parse_poison(spec) if spec else None
+
+
+class UpdateGuard:
+    """Accepts or rejects an island's pseudo-gradient norms, one history per fragment."""
+
+    def __init__(self, limit: float, fragments: int) -> None:
+        self.limit = limit
+        self.history: list[list[float]] = [[] for _ in range(fragments)]
+
+    def check(self, fragment: int, norm: float) -> str | None:
+        """None if the update may be sent (and remember its norm), else why not."""
+        if not math.isfinite(norm):
+            return "non-finite values"
+        accepted = self.history[fragment]
+        if self.limit > 0 and len(accepted) >= MIN_HISTORY:
+            median = statistics.median(accepted)
+            if norm > self.limit * median:
+                return f"norm {norm:.4g} is above {self.limit:g} x the running median {median:.4g}"
+        accepted.append(norm)
+        del accepted[:-HISTORY]
+        return None
+
+    def state_tensor(self) -> torch.Tensor:
+        """The histories as one fixed-shape tensor (NaN-padded): checkpoints need fixed shapes."""
+        table = torch.full((len(self.history), HISTORY), float("nan"), dtype=torch.float64)
+        for row, norms in zip(table, self.history):
+            row[:len(norms)] = torch.tensor(norms, dtype=torch.float64)
+        return table
+
+    def load_state_tensor(self, table: torch.Tensor) -> None:
+        self.history = [[float(v) for v in row if not math.isnan(float(v))] for row in table]

@@ -1,0 +1,195 @@
+"""Heterogeneous rounds: the weighted outer average and the update guard, on real islands.
+
+Each test runs one process per rank of every island (torch.multiprocessing), islands of
+different rank counts as separate gloo groups, each bridge rank with its own torchft
+Manager, and an in-process lighthouse. Local progress is set by hand (known deltas), so
+the expected global weights are computed here, independently of the outer loop.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from itertools import accumulate
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.diloco import OuterLoop
+from archipelago.federation.guard import Poison, UpdateGuard, parse_poison
+from archipelago.federation.membership import fingerprint
+
+ROUND = 2           # inner steps per round
+TOKENS = [100, 300, 50]  # tokens per inner step of island 0, 1, 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _delta(island: int, round_: int, numel: int) -> torch.Tensor:
+    """The local progress island `island` makes in round `round_` (known to the test)."""
+    return torch.randn(numel, generator=torch.Generator().manual_seed(100 * island + round_)) * 0.1
+
+
+def _set_flat(model: nn.Module, flat: torch.Tensor) -> None:
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(flat, model.parameters())
+
+
+def _manager(lighthouse: str, island: int, bridge: int, width: int, store_port: int):
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    return Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=30)), load_state_dict=None, state_dict=None,
+                   min_replica_size=2, use_async_quorum=False, timeout=timedelta(seconds=30),
+                   quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=10),
+                   rank=bridge, world_size=width, store_addr="127.0.0.1", store_port=store_port,
+                   lighthouse_addr=lighthouse, replica_id=f"island_{island}")
+
+
+def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, rounds: int,
+            lighthouse: str, store_ports: list[int], poisons: dict, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=proc, world_size=sum(sizes))
+    starts = [0, *accumulate(sizes)]
+    groups = [dist.new_group(list(range(a, a + n))) for a, n in zip(starts, sizes)]  # every process makes all
+    island = max(k for k, a in enumerate(starts[:-1]) if proc >= a)
+    rank = proc - starts[island]
+    manager = _manager(lighthouse, island, rank, width, store_ports[island]) if rank < width else None
+    try:
+        ft = FaultToleranceConfig(enable=True, group_size=len(sizes), min_replica_size=len(sizes),
+                                  replica_id=island, sync_steps=ROUND, semi_sync_method="local_sgd",
+                                  outer_weighting=weighting, sync_width=width)
+        model = _model()
+        fp = fingerprint("two-linears", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, sizes[island])
+        outer = OuterLoop(ft, [list(model.parameters())], rank, sizes[island], manager, fp, groups[island],
+                          poison=poisons.get(island))
+        step = 0
+        for round_ in range(1, rounds + 1):
+            start = _flat(model)
+            for _ in range(ROUND):
+                step += 1
+                _set_flat(model, start + _delta(island, round_, start.numel()))
+                report = outer.after_inner_step(step, TOKENS[island])
+            out[(proc, round_)] = (_flat(model), report.weight, report.rejected, report.committed,
+                                   report.federation_tokens)
+    finally:
+        if manager is not None:
+            manager.shutdown(wait=False)
+        dist.destroy_process_group()
+
+
+def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
+              poisons: dict[int, Poison] | None = None) -> dict:
+    from torch.distributed import TCPStore
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=len(sizes), join_timeout_ms=5000)
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in sizes]
+    try:
+        with mp.Manager() as manager:
+            out = manager.dict()
+            mp.spawn(_worker, nprocs=sum(sizes), join=True,
+                     args=(_free_port(), sizes, width, weighting, rounds, lighthouse.address(),
+                           [s.port for s in stores], poisons or {}, out))
+            return dict(out)
+    finally:
+        lighthouse.shutdown()
+
+
+def _expected(sizes: list[int], weights: list[float], rounds: int, skip: dict[int, int] | None = None) -> list:
+    """Global weights after each round: sum_k w_k * local_k / sum_k w_k, by hand.
+
+    `skip` maps island -> round in which its update must be left out (weight 0)."""
+    g = _flat(_model())
+    out = []
+    for round_ in range(1, rounds + 1):
+        w = [0.0 if (skip or {}).get(k) == round_ else weights[k] for k in range(len(sizes))]
+        g = sum(wk * (g + _delta(k, round_, g.numel())) for k, wk in enumerate(w)) / sum(w)
+        out.append(g)
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sizes,width,weighting", [([2, 1], 1, "tokens"), ([2, 2], 2, "tokens"),
+                                                   ([1, 2, 1], 1, "equal")],
+                         ids=["2+1-width1-tokens", "2+2-width2-tokens", "1+2+1-equal"])
+def test_outer_step_applies_the_weighted_mean_of_pseudo_gradients(sizes, width, weighting):
+    rounds = 2
+    out = _federate(sizes, width, weighting, rounds)
+    weights = [float(TOKENS[k] * ROUND) if weighting == "tokens" else 1.0 for k in range(len(sizes))]
+    expected = _expected(sizes, weights, rounds)
+    starts = [0, *accumulate(sizes)]
+    for proc in range(sum(sizes)):
+        island = max(k for k, a in enumerate(starts[:-1]) if proc >= a)
+        for round_ in range(1, rounds + 1):
+            flat, weight, rejected, committed, fed_tokens = out[(proc, round_)]
+            assert committed and rejected is None
+            assert weight == weights[island]
+            assert fed_tokens == round_ * ROUND * sum(TOKENS[:len(sizes)])  # every island's tokens, counted once
+            torch.testing.assert_close(flat, expected[round_ - 1], rtol=0, atol=1e-6,
+                                       msg=f"process {proc} (island {island}), round {round_}")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("poison,sizes", [(Poison("nan", 2), [1, 1]), (Poison("scale1000", 5), [2, 1])],
+                         ids=["nan", "scale1000"])
+def test_poisoned_updates_are_rejected_and_everyone_keeps_the_same_finite_weights(poison, sizes):
+    rounds = poison.round + 1
+    out = _federate(sizes, 1, "tokens", rounds, {1: poison})
+    weights = [float(TOKENS[k] * ROUND) for k in range(len(sizes))]
+    expected = _expected(sizes, weights, rounds, skip={1: poison.round})
+    for proc in range(sum(sizes)):
+        island = 0 if proc < sizes[0] else 1
+        for round_ in range(1, rounds + 1):
+            flat, weight, rejected, committed, _ = out[(proc, round_)]
+            poisoned = island == 1 and round_ == poison.round
+            assert committed and (rejected is not None) == poisoned, (proc, round_, rejected)
+            assert weight == (0.0 if poisoned else weights[island])
+            assert torch.isfinite(flat).all()
+            torch.testing.assert_close(flat, expected[round_ - 1], rtol=0, atol=1e-6,
+                                       msg=f"process {proc}, round {round_}")
+    reason = out[(sum(sizes) - 1, poison.round)][2]
+    assert ("non-finite" in reason) if poison.kind == "nan" else ("running median" in reason)
+
+
+def test_guard_uses_the_running_median_of_accepted_norms():
+    guard = UpdateGuard(limit=10.0, fragments=2)
+    assert guard.check(0, 1e6) is None  # no history yet: only non-finite values are refused
+    assert guard.check(0, float("nan")) == "non-finite values"
+    for norm in (1.0, 2.0, 3.0):
+        assert guard.check(1, norm) is None
+    assert "running median 2" in guard.check(1, 21.0)  # above 10 x the median of 1, 2, 3
+    assert guard.check(1, 15.0) is None and guard.check(1, 18.0) is None  # medians 2 and 2.5: below 10x
+    assert "running median 3" in guard.check(1, 31.0)  # median of 1, 2, 3, 15, 18
+    assert guard.history[1] == [1.0, 2.0, 3.0, 15.0, 18.0]  # rejected norms are not remembered
+    restored = UpdateGuard(limit=10.0, fragments=2)
+    restored.load_state_tensor(guard.state_tensor())
+    assert restored.history == guard.history
+    assert UpdateGuard(limit=0.0, fragments=1).check(0, 1e30) is None  # 0 turns the norm check off
+
+
+@pytest.mark.parametrize("spec", ["nan", "nan@0", "zero@3", "scale1000@x"])
+def test_a_malformed_injection_is_refused_with_the_expected_form(spec):
+    from archipelago.config import ConfigError
+
+    with pytest.raises(ConfigError, match="KIND@ROUND"):
+        parse_poison(spec)
+    assert parse_poison("scale1000@4") == Poison("scale1000", 4)
