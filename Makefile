@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.installed
 
 
-.PHONY: setup demo demo-island test test-slow test-gpu bench bench-federation docs clean
+.PHONY: setup demo demo-island test test-slow test-gpu bench bench-federation bench-heterogeneous docs clean
 
 setup: $(STAMP) data
 
@@ -55,6 +55,10 @@ bench: setup
 # Cross-island bytes (DiLoCo vs DDP, measured on the sockets) and the stall after a kill; a few minutes.
 bench-federation: setup
 	$(BIN)/python bench/federation.py
+
+# Fast and slow islands (emulated 1:3 and 1:1): fixed steps vs time pacing; about 10 minutes.
+bench-heterogeneous: setup
+	$(BIN)/python bench/heterogeneous.py
 
 docs: $(STAMP)
 	$(BIN)/archipelago config reference > docs/configuration.md

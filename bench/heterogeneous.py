@@ -29,7 +29,11 @@ the least utilised island, and the validation loss.
 
 Unless --round-seconds is given, time pacing uses the median round length of the slowest
 island in the same speed's first fixed-steps run (its compute_s per round), so both
-pacings synchronise about equally often. Run directories are kept under a new
+pacings synchronise about equally often. Under time pacing an island ends its round
+within about half a step of round_seconds, so the faster one still waits up to about one
+slow-island step per round: keep rounds many steps long (on a shared 2-core CPU a slowed
+step took ~2.6 s in our smoke run, so sync_steps 10 gives ~25 s rounds at 1:3 and ~95%
+utilisation at best). Run directories are kept under a new
 /tmp/bench-het-* folder (printed). Nothing here needs a network; islands talk over
 loopback to an in-process lighthouse.
 
@@ -186,20 +190,21 @@ def print_table(result: dict[str, Any]) -> None:
     c = result["config"]
     print(f"\nllama3 debug, 2 islands x 1 rank, batch {c['batch_size']} x {c['seq_len']} tokens per step, "
           f"budget {c['budget_s']:g} s per run, sync_steps {c['sync_steps']}; ratios vs {BASELINE} "
-          "at the same speed; per-island columns: island 0 / island 1 (island 1 the slowed one)\n")
+          "at the same speed; per-island columns: island 0 / island 1 (island 1 the slowed one); "
+          "train s: join to last outer step (the budget ends a run at the first outer step after it)\n")
     print("| min-utilisation ratio | val-loss ratio | speed | setting | val loss | utilisation "
-          "| tokens | inner steps | wait s | rounds | round s |")
-    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| tokens | inner steps | wait s | rounds | train s | round s |")
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for run in result["runs"]:
         if run.get("error"):
-            print(f"| - | - | {run['speed']} | {run['setting']} | FAILED: {run['error']} | | | | | | |")
+            print(f"| - | - | {run['speed']} | {run['setting']} | FAILED: {run['error']} | | | | | | | |")
             continue
         rounds = run["islands"][0]["rounds"] if run["islands"] else None
         print(f"| {num(run['min_utilisation_ratio'], '.2f')} | {num(run['val_loss_ratio'], '.3f')} "
               f"| {run['speed']} | {run['setting']} | {num(run['val_loss'], '.4f')} "
               f"| {per_island(run, 'utilisation', '.2f')} | {per_island(run, 'tokens', ',d')} "
               f"| {per_island(run, 'inner_steps', 'd')} | {per_island(run, 'wait_s', '.1f')} "
-              f"| {num(rounds, 'd')} | {num(run['round_seconds'], '.1f')} |")
+              f"| {num(rounds, 'd')} | {num(run['train_s'], '.1f')} | {num(run['round_seconds'], '.1f')} |")
 
 
 # ------------------------------------------------------------------ main

@@ -1,0 +1,65 @@
+"""Heterogeneous rounds through `archipelago local`: time pacing with an emulated slow
+island, and poisoned updates injected into a running federation."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, run_cli
+
+
+def _local(run_dir: Path, *extra: str, timeout: float = 300) -> dict:
+    done = run_cli(["local", "--islands", "1,1", "--no-table", *TINY, "--training.val_every", "0",
+                    "--checkpoint.no_enable", "--job.run_dir", str(run_dir), *extra], timeout=timeout)
+    assert done.returncode == 0, done.output[-4000:]
+    return json.loads((run_dir / "federation.json").read_text())
+
+
+def _rounds(island_dir: Path) -> list[dict]:
+    """The island's committed outer steps after its join round."""
+    records = [json.loads(line) for line in (island_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("event") == "outer_step" and r["committed"]]
+    return steps[1:]
+
+
+@pytest.mark.timeout(600)
+def test_time_pacing_lets_the_fast_island_run_more_steps_without_waiting(tmp_path):
+    # Federation budget: 36 steps x 512 tokens x 2 islands; rounds of 3 s.
+    fed = _local(tmp_path / "run", "--slowdown", "1,3", "--fault_tolerance.round_pacing", "time",
+                 "--fault_tolerance.round_seconds", "3", "--training.steps", "36")
+    assert fed["global_hash_agree"]
+    fast, slow = _rounds(tmp_path / "run" / "island-0"), _rounds(tmp_path / "run" / "island-1")
+    assert len(fast) == len(slow) >= 3
+    ratios = [f["inner_steps"] / s["inner_steps"] for f, s in zip(fast, slow)]
+    # The slow island's steps take 3x as long: about 3x fewer of them fit in a round.
+    assert 2.0 <= statistics.median(ratios) <= 4.5, ratios
+    for island in (fast, slow):
+        waits = [r["sync_s"] / (r["sync_s"] + r["compute_s"]) for r in island]
+        assert statistics.median(waits) < 0.35, waits  # fixed steps would leave the fast island ~2/3 idle
+    # Both stop at the same outer step, once the federation trained its token budget.
+    budget = 36 * 8 * 64 * 2
+    assert fast[-1]["federation_tokens"] == slow[-1]["federation_tokens"] >= budget
+    assert fast[-2]["federation_tokens"] < budget
+
+
+@pytest.mark.timeout(600)
+def test_injected_nan_and_scaled_updates_are_rejected_and_training_goes_on(tmp_path):
+    common = ["--fault_tolerance.sync_steps", "4", "--training.steps", "32", "--metrics.log_every", "4"]
+    clean = _local(tmp_path / "clean", *common)
+    poisoned = _local(tmp_path / "poisoned", *common, "--inject", "1:nan@3", "--inject", "0:scale1000@7")
+    rejected = [e for e in poisoned["events"] if e["event"] == "rejected"]
+    assert [(e["island"], e["outer_step"]) for e in rejected] == [(1, 3), (0, 7)], rejected
+    assert "non-finite" in rejected[0]["reason"] and "running median" in rejected[1]["reason"]
+    assert not [e for e in clean["events"] if e["event"] == "rejected"]
+    assert poisoned["global_hash_agree"]
+    for island in poisoned["islands"]:
+        assert island["outer_steps_committed"] == 9  # the join round and 8 rounds: none was lost
+    final = {run: [i["final_loss"] for i in fed["islands"]] for run, fed in (("clean", clean),
+                                                                           ("poisoned", poisoned))}
+    # Same trajectory class: finite and within 10% of the clean run (it lost two islands' rounds).
+    for clean_loss, poisoned_loss in zip(final["clean"], final["poisoned"]):
+        assert poisoned_loss == pytest.approx(clean_loss, rel=0.1), final
