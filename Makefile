@@ -56,7 +56,7 @@ bench: setup
 bench-federation: setup
 	$(BIN)/python bench/federation.py
 
-# Fast and slow islands (emulated 1:3 and 1:1): fixed steps vs time pacing; about 10 minutes.
+# Fast and slow islands (emulated 1:3 and 1:1): fixed steps vs time pacing; about 13 minutes.
 bench-heterogeneous: setup
 	$(BIN)/python bench/heterogeneous.py
 

@@ -562,7 +562,7 @@ class RunMetrics:
         """Begin this session's clock where the (possibly resumed) run stands."""
         self.display = ProgressDisplay(self.cfg.training.steps, start_step=progress.step,
                                        mode=self.cfg.metrics.progress, enabled=self.ctx.is_leader,
-                                       title=self.cfg.job.name)
+                                       title=self.cfg.job.name, time_limit_s=self.cfg.training.time_budget_s)
         self.started = self.window_start = time.perf_counter()
         self.start_step, self.wall_before = progress.step, progress.wall_s
         log.info("peak %.2f TFLOP/s per rank (%s) used for MFU", self.peak / 1e12, self.peak_source)

@@ -50,7 +50,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 # Inherited by every process a run starts (islands and torchrun ranks start sessions of
@@ -814,13 +814,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C (run_job's finally)
-
-
 def main() -> None:
     args = parse_args()
-    signal.signal(signal.SIGTERM, _terminate)
     root = args.work_dir or Path(f"/tmp/bench-fed-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
     root.mkdir(parents=True, exist_ok=True)
     fed = measure_federation(args, root)
@@ -850,9 +845,20 @@ def main() -> None:
     print(f"\nwrote {args.out}")
 
 
-if __name__ == "__main__":
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C (run_job's finally)
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """Run a benchmark's main; after Ctrl-C or SIGTERM (every started process already
+    stopped by run_job) say so and exit 130."""
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         main()
     except KeyboardInterrupt:
         print("\ninterrupted: every process this benchmark started has been stopped", file=sys.stderr)
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    run_main(main)

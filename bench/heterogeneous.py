@@ -31,15 +31,15 @@ Unless --round-seconds is given, time pacing uses the median round length of the
 island in the same speed's first fixed-steps run (its compute_s per round), so both
 pacings synchronise about equally often. Under time pacing an island ends its round
 within about half a step of round_seconds, so the faster one still waits up to about one
-slow-island step per round: keep rounds many steps long (on a shared 2-core CPU a slowed
-step took ~2.6 s in our smoke run, so sync_steps 10 gives ~25 s rounds at 1:3 and ~95%
-utilisation at best). Run directories are kept under a new
-/tmp/bench-het-* folder (printed). Nothing here needs a network; islands talk over
-loopback to an in-process lighthouse.
+slow-island step per round, and every round pays the exchange (~0.5 s for llama3 debug
+over loopback): keep rounds many steps long. The defaults (sync_steps 20, a 90 s budget)
+give rounds of ~11 s at 1:1 and ~20 s at 1:3 on a 2-core CPU. Run directories are kept
+under a new /tmp/bench-het-* folder (printed). Nothing here needs a network; islands
+talk over loopback to an in-process lighthouse.
 
-    python bench/heterogeneous.py [--budget 60] [--sync-steps 10] [--speeds 1:1,1:3] [--out FILE]
+    python bench/heterogeneous.py [--budget 90] [--sync-steps 20] [--speeds 1:1,1:3] [--out FILE]
 
-Defaults take about 8-10 minutes on a 2-core machine (6 runs of ~60 s training plus
+Defaults take about 13 minutes on a 2-core machine (6 runs of ~90 s training plus
 start-up and validation).
 """
 
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import sys
 import tempfile
@@ -59,7 +58,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Process handling shared with the federation benchmark: a unique token in every started
 # process's environment, everything carrying it killed by PID on timeout/error/Ctrl-C.
-from federation import REPO, outer_steps, run_job  # noqa: E402
+from federation import REPO, outer_steps, run_job, run_main  # noqa: E402
+
+from archipelago.metrics.islands import round_totals  # noqa: E402
 
 # setting -> (round_pacing, outer_weighting)
 SETTINGS: dict[str, tuple[str, str]] = {
@@ -107,12 +108,9 @@ def island_stats(island_dir: Path, island: int, slowdown: float) -> dict[str, An
     if len(records) < 2:
         raise RuntimeError(f"{island_dir}: fewer than two outer_step records (no round after the join)")
     join, rounds = records[0], records[1:]
-    window = rounds[-1]["time"] - join["time"]
-    compute = sum(r["compute_s"] for r in rounds)
     summary = read_summary(island_dir)
-    return {"id": island, "slowdown": slowdown, "utilisation": compute / window if window > 0 else None,
-            "tokens": sum(r["tokens"] for r in rounds), "inner_steps": sum(r["inner_steps"] for r in rounds),
-            "compute_s": compute, "wait_s": sum(r["sync_s"] for r in rounds), "window_s": window,
+    # utilisation, tokens, inner_steps, compute_s, wait_s, window_s: as in federation.json
+    return {"id": island, "slowdown": slowdown, **round_totals(records),
             "rounds": len(rounds), "committed": sum(1 for r in rounds if r.get("committed")),
             "join_inner_steps": join.get("inner_steps"), "round_compute_s": [r["compute_s"] for r in rounds],
             "val_loss": summary.get("val_loss"), "summary_tokens": summary.get("tokens"),
@@ -213,9 +211,9 @@ def print_table(result: dict[str, Any]) -> None:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=REPO / "configs/llama3/debug.toml")
-    p.add_argument("--budget", type=float, default=60.0,
+    p.add_argument("--budget", type=float, default=90.0,
                    help="wall-clock training budget of every run, seconds (--training.time_budget_s)")
-    p.add_argument("--sync-steps", type=int, default=10, help="inner steps per round under fixed-steps pacing")
+    p.add_argument("--sync-steps", type=int, default=20, help="inner steps per round under fixed-steps pacing")
     p.add_argument("--round-seconds", type=float, default=None,
                    help="round length under time pacing (default: the slow island's median round "
                         f"compute time in the same speed's fixed-steps run, else {FALLBACK_ROUND_S:g})")
@@ -262,13 +260,8 @@ def run_all(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
     return runs
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C (run_job's finally)
-
-
 def main() -> None:
     args = parse_args()
-    signal.signal(signal.SIGTERM, _terminate)
     root = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-het-"))
     root.mkdir(parents=True, exist_ok=True)
     print(f"run directories: {root}", flush=True)
@@ -290,8 +283,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("\ninterrupted: every process this benchmark started has been stopped", file=sys.stderr)
-        sys.exit(130)
+    run_main(main)

@@ -7,7 +7,6 @@ processes.
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import replace
 from datetime import timedelta
@@ -24,8 +23,6 @@ from archipelago.federation.diloco import OuterLoop
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.membership import (FederationMismatch, LighthouseUnreachable, fingerprint,
                                                mismatch, wait_for_lighthouse)
-from archipelago.island.device import IslandContext
-from archipelago.island.parallelize import parallelize
 from test_island import _free_port, fsdp_on_two_ranks, tiny_model
 
 VOCAB, SEQ, BATCH = 64, 16, 4

@@ -60,7 +60,6 @@ def test_islands_of_two_and_one_ranks_match_one_and_one(tmp_path):
     a, b = _final_weights(tmp_path / "mixed" / "island-0"), _final_weights(tmp_path / "even" / "island-0")
     c = _final_weights(tmp_path / "mixed" / "island-1")
     assert a.keys() == b.keys() and len(a) > 10
-    start = None
     for name in a:
         torch.testing.assert_close(a[name], c[name], rtol=0, atol=0, msg=name)  # one global model
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=2e-4, msg=name)  # FSDP vs 1 rank

@@ -324,3 +324,15 @@ def test_cli_has_local_and_report_commands(killed_run: tuple[Path, Finished]) ->
         pytest.skip("`archipelago local` is not registered in launch/cli.py yet")
     result = run_cli(["local", "--help"], timeout=30)
     assert result.returncode == 0 and "--restart-after" in result.output
+
+
+def test_round_totals_measure_utilisation_from_the_end_of_the_join_round():
+    from archipelago.metrics.islands import round_totals
+
+    records = [{"time": 100.0, "inner_steps": 0, "tokens": 0, "compute_s": 0.0, "sync_s": 5.0},  # join
+               {"time": 110.0, "inner_steps": 3, "tokens": 300, "compute_s": 9.0, "sync_s": 1.0},
+               {"time": 120.0, "inner_steps": 4, "tokens": 400, "compute_s": 7.0, "sync_s": 3.0}]
+    totals = round_totals(records)
+    assert totals == {"inner_steps": 7, "tokens": 700, "compute_s": 16.0, "wait_s": 4.0,
+                      "window_s": 20.0, "utilisation": 0.8}
+    assert round_totals(records[:1])["utilisation"] is None

@@ -125,6 +125,17 @@ def test_plain_progress_prints_one_line_per_update() -> None:
     assert len(lines) == 3
 
 
+def test_eta_is_capped_by_the_time_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr("archipelago.metrics.progress.time.monotonic", lambda: clock[0])
+    out = io.StringIO()
+    progress = ProgressDisplay(total_steps=100000, mode="plain", file=out, time_limit_s=90)
+    progress.update(1, {})
+    clock[0] += 10  # 10 s per step: 99,998 steps to go would take 11+ days
+    progress.update(2, {})
+    assert out.getvalue().splitlines()[-1].endswith("eta 1m20s")  # what is left of the 90 s budget
+
+
 def test_auto_mode_is_plain_for_non_tty_and_off_prints_nothing() -> None:
     out = io.StringIO()
     assert ProgressDisplay(10, mode="auto", file=out).mode == "plain"

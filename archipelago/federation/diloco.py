@@ -345,7 +345,7 @@ class OuterLoop:
     def _guard(self, fragment: int, buffer: torch.Tensor | None, pending: _Pending) -> None:
         """One bad island must not poison the others: check the update before it is sent."""
         # The island's norm over its bridge chunks; a NaN/inf anywhere makes it non-finite.
-        sumsq = 0.0 if buffer is None else float(buffer[:-2].double().square().sum())  # a device sync
+        sumsq = 0.0 if buffer is None else float(torch.linalg.vector_norm(buffer[:-2])) ** 2  # a device sync
         pending.norm = math.sqrt(self._island_sum(sumsq))
         pending.rejected = self.guard.check(fragment, pending.norm)
         if pending.rejected:

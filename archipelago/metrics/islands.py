@@ -78,7 +78,22 @@ def summarize_island(records: list[dict[str, Any]]) -> dict[str, Any]:
         "final_val_loss": val_losses[-1] if val_losses else None,
         "final_outer_step": outer[-1].get("outer_step") if outer else None,
         "global_hash": outer[-1].get("global_hash") if outer else None,
+        **round_totals(outer),
     }
+
+
+def round_totals(outer: list[dict[str, Any]]) -> dict[str, Any]:
+    """An island's rounds after its join round, summed: inner steps, tokens, compute and
+    waiting seconds, and its utilisation: compute seconds / wall seconds from the end of
+    the join round to the end of its last round (time killed or restarting counts as idle)."""
+    rounds = outer[1:]
+    window = rounds[-1]["time"] - outer[0]["time"] if rounds and all(
+        finite(r.get("time")) for r in (outer[0], rounds[-1])) else 0.0
+    compute = sum(float(r.get("compute_s") or 0.0) for r in rounds)
+    return {"inner_steps": sum(int(r.get("inner_steps") or 0) for r in rounds),
+            "tokens": sum(int(r.get("tokens") or 0) for r in rounds),
+            "compute_s": compute, "wait_s": sum(float(r.get("sync_s") or 0.0) for r in rounds),
+            "window_s": window, "utilisation": compute / window if window > 0 else None}
 
 
 def merge_outer_steps(records: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:

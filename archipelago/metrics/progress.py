@@ -34,11 +34,14 @@ class ProgressDisplay:
         enabled: bool = True,
         title: str = "train",
         file: TextIO | None = None,
+        time_limit_s: float = 0.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"progress mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.total_steps = total_steps
         self.start_step = start_step
+        # training.time_budget_s: the run ends by then whatever the step count says.
+        self.deadline = time.monotonic() + time_limit_s if time_limit_s > 0 else None
         self.title = title
         self.file = file if file is not None else sys.stdout
         self.mode = _resolve_mode(mode, self.file) if enabled else "off"
@@ -130,7 +133,8 @@ class ProgressDisplay:
         done, elapsed = step - first_step, now - first_time
         if done <= 0 or elapsed <= 0:
             return None
-        return max(0.0, (self.total_steps - step) * elapsed / done)
+        eta = max(0.0, (self.total_steps - step) * elapsed / done)
+        return eta if self.deadline is None else min(eta, max(0.0, self.deadline - now))
 
     def _write(self, line: str) -> None:
         try:
