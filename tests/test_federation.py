@@ -217,6 +217,20 @@ def test_fingerprint_mismatch_names_both_islands():
     assert issubclass(FederationMismatch, Exception)
 
 
+def test_time_paced_islands_must_agree_on_the_round_and_the_token_budget():
+    ft = FaultToleranceConfig(enable=True, group_size=2, round_pacing="time", round_seconds=30)
+    shapes = [("w", (4, 4))]
+    a = fingerprint("m", shapes, ft, 2, tokens_per_step=4096)
+    assert mismatch(a, fingerprint("m", shapes, replace(ft, replica_id=1), 1, tokens_per_step=4096)) is None
+    for other, tokens in ((replace(ft, round_seconds=20), 4096), (ft, 2048),
+                          (replace(ft, outer_weighting="equal"), 4096), (replace(ft, round_pacing="steps"), 4096)):
+        message = mismatch(a, fingerprint("m", shapes, replace(other, replica_id=1), 1, tokens_per_step=tokens))
+        assert message is not None and "pacing" in message, (other, tokens)
+    # Under step pacing an island's batch may differ: only the step count is shared.
+    steps = replace(ft, round_pacing="steps")
+    assert mismatch(fingerprint("m", shapes, steps, 2, 4096), fingerprint("m", shapes, steps, 1, 2048)) is None
+
+
 @pytest.mark.timeout(30)
 def test_unreachable_lighthouse_fails_within_the_connect_timeout():
     port = _free_port()  # nothing listens there
