@@ -167,7 +167,7 @@ class FaultToleranceConfig:
     fragment_update_alpha: float = 0.0
     """Streaming DiLoCo: weight of the local fragment blended into the global one after the outer step."""
     should_quantize: bool = False
-    """Compress pseudo-gradients to int8 before they cross islands."""
+    """The reference platform's switch for int8 pseudo-gradients: true means codec = "int8"."""
     process_group: Literal["gloo", "nccl"] = "gloo"
     """Backend of the cross-island process group."""
     process_group_timeout_ms: int = 10000
@@ -206,6 +206,14 @@ class FaultToleranceConfig:
     """Time pacing: an island runs at most this many inner steps per round, however fast."""
     outer_norm_limit: float = 10.0
     """Reject an island's pseudo-gradient (it sends weight 0) when its norm exceeds this many times the running median of its accepted norms; 0 turns the norm guard off (non-finite values are always rejected)."""
+    codec: Literal["fp32", "bf16", "int8", "topk"] = "fp32"
+    """Encoding of the pseudo-gradient across islands: `fp32` (none; one all-reduce), `bf16`, `int8` (blockwise scales) or `topk` (sparse, with error feedback); see docs/codecs.md."""
+    codec_block_size: int = 256
+    """int8 codec: values per block sharing one fp32 scale."""
+    topk_fraction: float = 0.01
+    """topk codec: fraction of each chunk's values sent per round (the largest magnitudes)."""
+    topk_bits: int = 2
+    """topk codec: bits per sent value (1, 2, 4 or 8), quantized against the chunk's largest sent magnitude."""
 
 
 @dataclass

@@ -111,9 +111,15 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
              "or 0 to turn the norm guard off", p)
     _require(cfg.island.slowdown >= 1, f"island.slowdown = {cfg.island.slowdown}: must be >= 1 "
              "(1 = no emulated slowdown)", p)
-    _require(not ft.should_quantize,
-             "fault_tolerance.should_quantize = true: torchft's quantization needs Triton kernels on "
-             "a GPU and fails or is silently ignored elsewhere; leave it off", p)
+    _require(not ft.should_quantize or ft.codec in ("fp32", "int8"),
+             f"fault_tolerance.should_quantize = true means codec = \"int8\", but codec = \"{ft.codec}\"; "
+             "drop should_quantize", p)
+    _require(ft.codec_block_size >= 1,
+             f"fault_tolerance.codec_block_size = {ft.codec_block_size}: must be >= 1", p)
+    _require(0 < ft.topk_fraction <= 1,
+             f"fault_tolerance.topk_fraction = {ft.topk_fraction}: must be in (0, 1], e.g. 0.01", p)
+    _require(ft.topk_bits in (1, 2, 4, 8),
+             f"fault_tolerance.topk_bits = {ft.topk_bits}: use 1, 2, 4 or 8", p)
 
 
 def validate(cfg: Config) -> Config:

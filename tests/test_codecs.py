@@ -1,0 +1,82 @@
+"""Codecs for pseudo-gradients: round trips within the stated bounds, top-k error feedback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.codecs import (Bf16Codec, Int8Codec, TopKCodec, _pack, _unpack, build_codec,
+                                           effective_codec)
+
+
+def _signal(numel: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Mixed magnitudes, like a pseudo-gradient: most values small, a few large.
+    return torch.randn(numel, generator=g) * torch.rand(numel, generator=g) ** 4
+
+
+@pytest.mark.parametrize("codec", [Bf16Codec(1000), Int8Codec(1000, 64), Int8Codec(1000, 1000)],
+                         ids=["bf16", "int8-block64", "int8-one-block"])
+def test_round_trip_is_within_the_stated_bound(codec):
+    x = _signal(1000)
+    payload = codec.encode(x)
+    assert payload.dtype == torch.uint8 and payload.numel() == codec.payload_bytes()
+    error = (codec.decode(payload) - x).abs().max().item()
+    bound = codec.error_bound(x)
+    assert 0 < error <= bound, (error, bound)
+    # An independent reference for bf16: torch's own rounding.
+    if isinstance(codec, Bf16Codec):
+        assert torch.equal(codec.decode(payload), x.to(torch.bfloat16).float())
+
+
+def test_int8_scales_each_block_by_its_own_largest_value():
+    x = torch.cat([torch.full((64,), 1e-3), torch.full((64,), 10.0)])
+    x[0], x[64] = 2e-3, 20.0
+    decoded = Int8Codec(128, 64).decode(Int8Codec(128, 64).encode(x))
+    # With one scale for both blocks, 1e-3 would round to 0 (20/127 per step).
+    assert (decoded[:64] - x[:64]).abs().max() <= 2e-3 / 254 * 1.001
+
+
+def test_payload_size_depends_only_on_the_length():
+    for codec in (Bf16Codec(777), Int8Codec(777, 100), TopKCodec(777, 0.05, 2)):
+        assert codec.encode(_signal(777, 1)).numel() == codec.encode(_signal(777, 2) * 1e6).numel()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_bit_packing_round_trips(bits):
+    codes = torch.randint(0, 2 ** bits, (1001,), dtype=torch.uint8)
+    packed = _pack(codes, bits)
+    assert packed.numel() == -(-1001 * bits // 8)
+    assert torch.equal(_unpack(packed, bits, 1001), codes)
+
+
+@pytest.mark.parametrize("bits", [2, 8])
+def test_topk_with_error_feedback_sends_the_whole_signal_over_rounds(bits):
+    numel, rounds = 2000, 300
+    sender, receiver = TopKCodec(numel, 0.02, bits), TopKCodec(numel, 0.02, bits)
+    inputs, sent = torch.zeros(numel), torch.zeros(numel)
+    for r in range(rounds):
+        x = _signal(numel, seed=r)
+        inputs += x
+        sent += receiver.decode(sender.encode(x))
+        # What is missing is exactly what the sender still holds back.
+        torch.testing.assert_close(inputs - sent, sender.error, rtol=0, atol=1e-3)
+    # The residue stays bounded while the sums grow: the relative gap shrinks with rounds.
+    assert (inputs - sent).norm() / inputs.norm() < 0.25
+    assert sender.payload_bytes() < 0.03 * 4 * numel  # ~2% of the values, plus their indices
+
+
+def test_topk_error_feedback_survives_a_state_round_trip():
+    a = TopKCodec(500, 0.1, 2)
+    a.encode(_signal(500))
+    b = TopKCodec(500, 0.1, 2)
+    b.load_state_dict(a.state_dict())
+    x = _signal(500, 3)
+    assert torch.equal(a.encode(x), b.encode(x))
+
+
+def test_should_quantize_means_int8():
+    assert effective_codec(FaultToleranceConfig(should_quantize=True)) == "int8"
+    assert isinstance(build_codec(FaultToleranceConfig(codec="topk"), 10), TopKCodec)
+    assert build_codec(FaultToleranceConfig(), 10).name == "fp32"
