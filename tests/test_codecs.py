@@ -80,3 +80,41 @@ def test_should_quantize_means_int8():
     assert effective_codec(FaultToleranceConfig(should_quantize=True)) == "int8"
     assert isinstance(build_codec(FaultToleranceConfig(codec="topk"), 10), TopKCodec)
     assert build_codec(FaultToleranceConfig(), 10).name == "fp32"
+
+
+class _FakeManager:
+    """Just what OuterLoop needs of a manager outside a round (state functions, step)."""
+
+    def register_state_dict_fn(self, *args: object) -> None:
+        pass
+
+    def current_step(self) -> int:
+        return 4
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+
+
+def _outer_loop(codec: str):
+    from torch import nn
+
+    from archipelago.federation.diloco import OuterLoop
+    from archipelago.federation.membership import fingerprint
+
+    torch.manual_seed(0)
+    model = nn.Linear(40, 10)
+    ft = FaultToleranceConfig(enable=True, codec=codec, topk_fraction=0.05)
+    fp = fingerprint("linear", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, 1)
+    return OuterLoop(ft, [list(model.parameters())], 0, 1, _FakeManager(), fp)
+
+
+def test_recovery_and_checkpoints_carry_the_error_feedback():
+    peer, restarted = _outer_loop("topk"), _outer_loop("topk")
+    peer.codecs[0].encode(_signal(peer.codecs[0].numel, 7))  # leaves a residue behind
+    assert peer.codecs[0].error.abs().sum() > 0
+    restarted._load_recovery(peer._recovery_state())  # what torchft's transport carries
+    assert torch.equal(restarted.codecs[0].error, peer.codecs[0].error)
+    resumed = _outer_loop("topk")
+    resumed.load_state_dict(peer.state_dict())  # what a checkpoint holds
+    assert torch.equal(resumed.codecs[0].error, peer.codecs[0].error)
+    assert "codec" not in _outer_loop("int8").state_dict()["bridge0"]["fragment0"]  # stateless

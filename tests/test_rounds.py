@@ -65,7 +65,7 @@ def _manager(lighthouse: str, island: int, bridge: int, width: int, store_port: 
 
 
 def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, rounds: int,
-            lighthouse: str, store_ports: list[int], poisons: dict, out: dict) -> None:
+            lighthouse: str, store_ports: list[int], poisons: dict, codec: str, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=proc, world_size=sum(sizes))
     starts = [0, *accumulate(sizes)]
@@ -76,7 +76,8 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
     try:
         ft = FaultToleranceConfig(enable=True, group_size=len(sizes), min_replica_size=len(sizes),
                                   replica_id=island, sync_steps=ROUND, semi_sync_method="local_sgd",
-                                  outer_weighting=weighting, sync_width=width)
+                                  outer_weighting=weighting, sync_width=width, codec=codec,
+                                  topk_fraction=0.1, codec_block_size=16)
         model = _model()
         fp = fingerprint("two-linears", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, sizes[island])
         outer = OuterLoop(ft, [list(model.parameters())], rank, sizes[island], manager, fp, groups[island],
@@ -97,7 +98,7 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
 
 
 def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
-              poisons: dict[int, Poison] | None = None) -> dict:
+              poisons: dict[int, Poison] | None = None, codec: str = "fp32") -> dict:
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
@@ -108,7 +109,7 @@ def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
             out = manager.dict()
             mp.spawn(_worker, nprocs=sum(sizes), join=True,
                      args=(_free_port(), sizes, width, weighting, rounds, lighthouse.address(),
-                           [s.port for s in stores], poisons or {}, out))
+                           [s.port for s in stores], poisons or {}, codec, out))
             return dict(out)
     finally:
         lighthouse.shutdown()
@@ -193,3 +194,19 @@ def test_a_malformed_injection_is_refused_with_the_expected_form(spec):
     with pytest.raises(ConfigError, match="KIND@ROUND"):
         parse_poison(spec)
     assert parse_poison("scale1000@4") == Poison("scale1000", 4)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("codec,atol", [("bf16", 2e-3), ("int8", 2e-3), ("topk", None)])
+def test_islands_with_a_codec_stay_bit_identical(codec, atol):
+    sizes, rounds = [2, 1], 3
+    out = _federate(sizes, 1, "tokens", rounds, codec=codec)
+    expected = _expected(sizes, [float(TOKENS[k] * ROUND) for k in range(len(sizes))], rounds)
+    start = _flat(_model())
+    for round_ in range(1, rounds + 1):
+        flats = [out[(proc, round_)][0] for proc in range(sum(sizes))]
+        for flat in flats[1:]:
+            assert torch.equal(flat, flats[0]), f"round {round_}: islands differ"  # every bit
+        assert torch.isfinite(flats[0]).all() and not torch.equal(flats[0], start)
+        if atol is not None:  # dense codecs: close to the exact average (top-k sends 10% per round)
+            torch.testing.assert_close(flats[0], expected[round_ - 1], rtol=0, atol=atol)

@@ -44,6 +44,8 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.codecs import Codec, build_codec, effective_codec
+from archipelago.federation.exchange import Gathered, finish_gather, start_gather
 from archipelago.federation.guard import Poison, UpdateGuard
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.membership import (FederationMismatch, exchange_fingerprints,
@@ -80,6 +82,12 @@ class OuterReport:
     federation_tokens: int = 0    # tokens trained by the whole federation, after this round
     norm: float | None = None     # norm of this island's pseudo-gradient (None: not checked)
     rejected: str | None = None   # why the guard kept this island's update out, if it did
+    codec: str = "fp32"
+    bytes_received: int = 0       # what this island got back from the other islands' exchange
+    encode_s: float = 0.0         # seconds encoding / decoding payloads (codecs other than fp32)
+    decode_s: float = 0.0
+    overlap_s: float = 0.0        # inner-step seconds that ran while the exchange was in flight
+    exposed_s: float = 0.0        # seconds the island then still waited for the exchange
     global_hash: str | None = None
 
 
@@ -148,6 +156,8 @@ class _Pending:
     weight: float = 0.0
     norm: float | None = None
     rejected: str | None = None
+    gathered: Gathered | None = None  # the all-gather of a codec other than fp32
+    started: float = 0.0              # perf_counter when the exchange was handed to the network
 
 
 class OuterLoop:
@@ -176,6 +186,8 @@ class OuterLoop:
         self.quorum_id: int | None = None
         self.globals: list[nn.Parameter] = []
         self.outer: list[torch.optim.Optimizer] = []
+        self.codec_name = effective_codec(ft)
+        self.codecs: list[Codec] = []  # one per fragment chunk, on bridge ranks
         self._recovered: bool | None = None  # set by the recovery callback: None, or "contributes"
         self.guard = UpdateGuard(ft.outer_norm_limit, len(fragments))
         self.round_tokens = 0             # this island's tokens since the last exchange
@@ -252,6 +264,8 @@ class OuterLoop:
         self.globals = [nn.Parameter(c.detach().to("cpu").clone().pin_memory() if pin
                                      else c.detach().to("cpu").clone()) for c in chunks]
         self.outer = [build_outer_optimizer(self.ft, g) for g in self.globals]
+        if len(self.codecs) != len(self.globals):  # codec state (error feedback) outlives a reset
+            self.codecs = [build_codec(self.ft, g.numel()) for g in self.globals]
 
     def global_hash(self) -> str:
         """SHA-256 over the global weights in canonical order (a collective)."""
@@ -332,13 +346,18 @@ class OuterLoop:
         pending.weight = self._weight(fragment) if contributes and not pending.rejected else 0.0
         self.round_tokens, self.fragment_tokens[fragment] = 0, 0
         if buffer is not None:
-            if pending.weight:
-                buffer[:-2].mul_(pending.weight)
-            else:  # nothing of this island enters the average
+            if not pending.weight:  # nothing of this island enters the average
                 buffer[:-2].zero_()
+            elif self.codec_name == "fp32":  # summed as sent; other codecs send the weight apart
+                buffer[:-2].mul_(pending.weight)
             buffer[-2], buffer[-1] = float(pending.tokens), pending.weight
-        pending.work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM) if self.is_bridge else None
+        if self.is_bridge and self.codec_name != "fp32":
+            pending.gathered = start_gather(self.manager, self.codecs[fragment], buffer[:-2], pending.tokens,
+                                            pending.weight)
+        elif self.is_bridge:
+            pending.work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM)
         pending.buffer, pending.prepare_s = buffer, time.perf_counter() - began
+        pending.started = time.perf_counter()
         self.pending = pending
         return True
 
@@ -365,8 +384,13 @@ class OuterLoop:
         self.pending = None
         blocked_since = time.perf_counter()
         committed, participants, total, tokens = False, 0, 0.0, 0.0
-        if self.manager is not None:
+        decode_s = 0.0
+        if p.gathered is not None:
+            decode_s = finish_gather(p.gathered, self.codecs[p.fragment], p.buffer)
+        elif self.manager is not None:
             p.work.wait()
+        exposed_s = time.perf_counter() - blocked_since
+        if self.manager is not None:
             committed = self._should_commit()
             participants = self.manager.num_participants()
             total, tokens = float(p.buffer[-1]), float(p.buffer[-2])
@@ -398,7 +422,9 @@ class OuterLoop:
                              sync_s=p.prepare_s + time.perf_counter() - blocked_since,
                              inner_steps=self.round_steps, tokens=p.tokens, compute_s=self.round_compute_s,
                              weight=p.weight, federation_tokens=self.federation_tokens, norm=p.norm,
-                             rejected=p.rejected)
+                             rejected=p.rejected, codec=self.codec_name, bytes_received=self._received_bytes(p),
+                             encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=decode_s,
+                             overlap_s=blocked_since - p.started, exposed_s=exposed_s)
         self.round_steps, self.round_compute_s = 0, 0.0
         if self.numel <= HASH_EVERY_ROUND_MAX_NUMEL:
             report.global_hash = self.global_hash()
@@ -464,7 +490,20 @@ class OuterLoop:
         return bool(refused)
 
     def _payload_bytes(self, p: _Pending) -> int:
-        mine = 0 if p.buffer is None else p.buffer.numel() * p.buffer.element_size()
+        """Bytes this island handed to the cross-island collectives (all its bridge ranks)."""
+        if p.gathered is not None:
+            mine = p.gathered.outputs[0].numel()  # every payload has the same size
+        else:
+            mine = 0 if p.buffer is None else p.buffer.numel() * p.buffer.element_size()
+        return int(self._island_sum(float(mine)))
+
+    def _received_bytes(self, p: _Pending) -> int:
+        """Bytes that came back from the other islands: their payloads (all-gather), or the
+        summed buffer (all-reduce)."""
+        if p.gathered is not None:
+            mine = sum(t.numel() for t in p.gathered.outputs[1:]) if len(p.gathered.outputs) > 1 else 0
+        else:
+            mine = 0 if p.buffer is None else p.buffer.numel() * p.buffer.element_size()
         return int(self._island_sum(float(mine)))
 
     # ---- recovery (torchft's checkpoint transport) ---------------------------------
@@ -472,8 +511,8 @@ class OuterLoop:
     def _recovery_state(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "inner_step": self.inner_step,
                 "federation_tokens": self.federation_tokens, "guard": self.guard.state_tensor(),
-                "fragments": [{"global": g.detach().clone(), "outer": _tensor_state(o, g)}
-                              for g, o in zip(self.globals, self.outer)]}
+                "fragments": [{"global": g.detach().clone(), "outer": _tensor_state(o, g), "codec": c.state_dict()}
+                              for g, o, c in zip(self.globals, self.outer, self.codecs)]}
 
     def _load_recovery(self, state: dict[str, Any]) -> None:
         problem = mismatch(self.fingerprint, state["fingerprint"])
@@ -481,8 +520,9 @@ class OuterLoop:
             raise FederationMismatch(f"refusing the state of a peer island: {problem}")
         same = all(torch.equal(g.detach(), f["global"].to(g.device))
                    for g, f in zip(self.globals, state["fragments"]))
-        for g, o, f in zip(self.globals, self.outer, state["fragments"]):
+        for g, o, c, f in zip(self.globals, self.outer, self.codecs, state["fragments"]):
             _load_tensor_state(o, g, f)
+            c.load_state_dict(f["codec"])
         self.peer_inner_step = int(state["inner_step"])
         self.federation_tokens = int(state["federation_tokens"])
         self.guard.load_state_tensor(state["guard"])
@@ -496,8 +536,9 @@ class OuterLoop:
         state: dict[str, Any] = {"local_step": self.local_step, "step": self.step,
                                  "federation_tokens": self.federation_tokens, "guard": self.guard.state_tensor()}
         if self.is_bridge:
-            state[f"bridge{self.rank}"] = {f"fragment{i}": {"global": g.detach(), "outer": _tensor_state(o, g)}
-                                          for i, (g, o) in enumerate(zip(self.globals, self.outer))}
+            state[f"bridge{self.rank}"] = {f"fragment{i}": {"global": g.detach(), "outer": _tensor_state(o, g),
+                                                           **_codec_state(c)}
+                                          for i, (g, o, c) in enumerate(zip(self.globals, self.outer, self.codecs))}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -505,8 +546,10 @@ class OuterLoop:
         self.federation_tokens = int(state["federation_tokens"])
         self.guard.load_state_tensor(state["guard"])
         if self.is_bridge:
-            for i, (g, o) in enumerate(zip(self.globals, self.outer)):
-                _load_tensor_state(o, g, state[f"bridge{self.rank}"][f"fragment{i}"])
+            for i, (g, o, c) in enumerate(zip(self.globals, self.outer, self.codecs)):
+                saved = state[f"bridge{self.rank}"][f"fragment{i}"]
+                _load_tensor_state(o, g, saved)
+                c.load_state_dict(saved.get("codec", {}))
         if self.manager is not None:
             self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
 
@@ -546,6 +589,12 @@ def _load_tensor_state(opt: torch.optim.Optimizer, param: nn.Parameter, state: d
         param.copy_(state["global"].to(param.device))
         for key, value in state["outer"].items():
             opt.state[param][key].copy_(value.to(opt.state[param][key].device))
+
+
+def _codec_state(codec: Codec) -> dict[str, Any]:
+    """The codec's state for a checkpoint, under "codec" (nothing for stateless codecs)."""
+    state = codec.state_dict()
+    return {"codec": state} if state else {}
 
 
 def report_record(report: OuterReport) -> dict[str, Any]:

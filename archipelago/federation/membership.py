@@ -25,6 +25,7 @@ from torch.distributed import ReduceOp, TCPStore
 
 from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.codecs import effective_codec
 
 log = logging.getLogger("archipelago.federation")
 
@@ -130,7 +131,7 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int) -> Any
 
 # What every island must agree on; anything else (rank count, device) may differ.
 FINGERPRINT_KEYS = ("model", "params", "shapes", "sync_width", "num_fragments", "semi_sync_method",
-                    "outer", "pacing")
+                    "outer", "pacing", "codec")
 
 
 def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]],
@@ -147,7 +148,17 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
     return {"island": ft.replica_id, "ranks": ranks, "model": model_name,
             "params": sum(math.prod(s) for _, s in named_shapes), "shapes": shapes,
             "sync_width": ft.sync_width, "num_fragments": ft.num_fragments,
-            "semi_sync_method": ft.semi_sync_method, "outer": outer, "pacing": _pacing(ft, tokens_per_step)}
+            "semi_sync_method": ft.semi_sync_method, "outer": outer, "pacing": _pacing(ft, tokens_per_step),
+            "codec": _codec(ft)}
+
+
+def _codec(ft: FaultToleranceConfig) -> str:
+    name = effective_codec(ft)
+    if name == "int8":
+        return f"int8(block {ft.codec_block_size})"
+    if name == "topk":
+        return f"topk({ft.topk_fraction:g}, {ft.topk_bits} bits)"
+    return name
 
 
 def _pacing(ft: FaultToleranceConfig, tokens_per_step: int) -> str:
@@ -160,7 +171,7 @@ def _pacing(ft: FaultToleranceConfig, tokens_per_step: int) -> str:
 def describe(fp: dict[str, Any]) -> str:
     return (f"island {fp['island']} ({fp['ranks']} rank(s)): {fp['model']}, {fp['params']:,} parameters "
             f"(shapes {fp['shapes']}), sync_width {fp['sync_width']}, {fp['num_fragments']} fragment(s), "
-            f"{fp['semi_sync_method']} {fp['outer']}, pacing {fp['pacing']}")
+            f"{fp['semi_sync_method']} {fp['outer']}, pacing {fp['pacing']}, codec {fp['codec']}")
 
 
 def mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:

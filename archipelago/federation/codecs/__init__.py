@@ -160,7 +160,8 @@ class TopKCodec(Codec):
         return {"error": self.error.detach().cpu()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.error = state["error"].detach().float().clone().to(self.error.device)
+        if "error" in state:  # absent: a checkpoint from another codec; start with no residue
+            self.error = state["error"].detach().float().clone().to(self.error.device)
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
