@@ -292,6 +292,8 @@ class Trainer:
                         self.cfg.island.slowdown, self.cfg.island.slowdown - 1)
         if not self.done():
             self.join_federation()
+            if self.done():  # caught up to the federation's end: its weights are this island's result
+                self.finish_after_catch_up()
         self._started = time.monotonic()
         while not self.done():
             started = time.perf_counter()
@@ -304,6 +306,13 @@ class Trainer:
             self.after_inner_step(time.perf_counter() - started)
             self.after_step(result, final=self.done())
         return self.finish()
+
+    def finish_after_catch_up(self) -> None:
+        """Evaluate and save the global weights an island received at the very end."""
+        if self.cfg.training.val_every:
+            self.progress.val_loss = self.evaluate()
+            self.metrics.log_validation(self.progress.step, self.progress.val_loss)
+        self.save_checkpoint(final=True)
 
     @property
     def time_paced(self) -> bool:
