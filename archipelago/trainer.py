@@ -36,6 +36,7 @@ from archipelago.island.optim import (apply_optimizer_config, build_adamw, build
 from archipelago.island.parallelize import ParallelModel, parallelize
 from archipelago.metrics import (MetricsLog, ProgressDisplay, TensorBoardLog, ThroughputMeter,
                                  peak_flops_per_s, write_json_atomic)
+from archipelago.metrics.progress import format_count
 from archipelago.models import build_model, get_model_args
 
 log = logging.getLogger("archipelago.trainer")
@@ -647,9 +648,13 @@ class RunMetrics:
             extra = " (recovered from a peer)" if record["healed"] else ""
             if record["rejected"]:
                 extra += f"; this island's update REJECTED ({record['rejected']})"
+            if record["overlap_s"] >= 0.01:  # streaming with fragment_sync_delay: the exchange ran behind steps
+                extra += (f"; exchange hidden behind {record['overlap_s']:.2f} s of inner steps, "
+                          f"then {record['exposed_s']:.2f} s exposed")
             self.display.message(f"outer step {record['outer_step']} {state} with "
                                  f"{record['participants']} island(s){extra}: {record['inner_steps']} inner "
-                                 f"steps in {record['compute_s']:.2f} s, waited {record['sync_s']:.2f} s")
+                                 f"steps in {record['compute_s']:.2f} s, waited {record['sync_s']:.2f} s, "
+                                 f"sent {format_count(record['bytes_sent'])}B ({record['codec']})")
 
     def event(self, name: str, **fields: Any) -> None:
         self.jsonl.log({"event": name, "time": time.time(), **fields})
