@@ -63,3 +63,25 @@ def test_injected_nan_and_scaled_updates_are_rejected_and_training_goes_on(tmp_p
     # Same trajectory class: finite and within 10% of the clean run (it lost two islands' rounds).
     for clean_loss, poisoned_loss in zip(final["clean"], final["poisoned"]):
         assert poisoned_loss == pytest.approx(clean_loss, rel=0.1), final
+
+
+@pytest.mark.timeout(600)
+def test_streaming_int8_islands_agree_send_a_quarter_and_hide_the_exchange(tmp_path):
+    run = tmp_path / "run"
+    done = run_cli(["local", "--islands", "2,1", "--no-table", *TINY, "--training.val_every", "0",
+                    "--checkpoint.no_enable", "--job.run_dir", str(run), "--training.steps", "16",
+                    "--fault_tolerance.codec", "int8", "--fault_tolerance.sync_steps", "8",
+                    "--fault_tolerance.num_fragments", "2", "--fault_tolerance.fragment_sync_delay", "2"],
+                   timeout=300)
+    assert done.returncode == 0, done.output[-4000:]
+    fed = json.loads((run / "federation.json").read_text())
+    assert fed["global_hash_agree"]
+    rounds = _rounds(run / "island-0")
+    assert len(rounds) == 4 and all(r["codec"] == "int8" for r in rounds)
+    params = 7_212_288  # llama3 debug; a fragment is about half of it
+    for r in rounds:
+        # int8: one byte per value + an fp32 scale per 256 values, vs 4 bytes in fp32.
+        assert 0.4 * params < r["bytes_sent"] < 0.6 * params * 1.02 + 1024, r["bytes_sent"]
+        assert r["bytes_received"] == r["bytes_sent"]  # two islands: the other's payload, same size
+        assert r["overlap_s"] > 0 and r["exposed_s"] >= 0  # two inner steps ran during the exchange
+    assert "exchange hidden behind" in done.output

@@ -1,0 +1,937 @@
+"""Training across a shaped WAN: DDP all-reduce vs DiLoCo (fp32, int8, top-k, streaming).
+
+Builds its own test hosts on this machine: one network namespace per island
+(`arch-wan-i0`, `arch-wan-i1`) and one for the lighthouse (`arch-wan-lh`), each joined by
+a veth pair to a Linux bridge that lives in a namespace of its own (`arch-wan-net`), so
+nothing is added to the host's own network. Each island's link is shaped in both
+directions with `tc ... tbf` (island-side egress = upload, bridge-side egress = download)
+to --rate-mbit (default 100 Mbit/s); the lighthouse link is not shaped. Only addresses of a
+private /24 (--subnet, default 10.77.0.0/24, checked to be unused on the host) are used.
+
+The same training (llama3 debug, 2 islands of 1 CPU rank, batch 8 x 128 tokens per island)
+runs for the same wall-clock budget (--budget, `training.time_budget_s`) in each setting:
+
+  a  DDP: one 2-rank job, one rank per island namespace (torchrun --nnodes 2, static
+     rendezvous), gradients all-reduced over the WAN every step, global batch 2 x 8
+  b  DiLoCo fp32          c  DiLoCo int8          d  DiLoCo top-k (1 %, 2 bits)
+  e  streaming DiLoCo, int8, 4 fragments, fragment_sync_delay 2 (exchange overlaps steps)
+
+Reported per setting (markdown table on stdout, ratio column first; JSON with --out):
+- bytes across the WAN per token trained: measured on the links, not taken from logs. The
+  bridge ports' counters (`ip -s -j link`) are read before and after each run and sampled
+  every --sample-s seconds during it. WAN bytes = what the islands sent into the bridge
+  minus what the bridge delivered to the lighthouse (its own veth), so each byte between
+  islands counts once, at its sender; lighthouse bytes are reported apart. The whole run is
+  counted (start-up, the join round's full-state exchange); `steady_bytes_per_token` is the
+  same over the rounds after the join round (DDP: between its first and last step record).
+- utilisation of each island: `archipelago.metrics.islands.round_totals` (compute seconds /
+  wall seconds from the end of the join round to the end of the last round). DDP logs no
+  compute time, so there it is estimated: steps x the no-network step time / wall seconds
+  between its first and last step record; the no-network step time is the median
+  compute_s per inner step of the DiLoCo islands of this run (same per-rank batch, same two
+  processes on the cores), or, when no DiLoCo setting runs, of two standalone islands
+  trained for a few steps (calibration).
+- tokens trained (summary.json of each island / of the DDP job) and the validation loss of
+  the final step (`training.val_every` larger than any run: the final step evaluates).
+
+Everything created (namespaces with their veths, bridge and qdiscs, processes) is removed
+at the end, also after Ctrl-C, SIGTERM, SIGHUP or an exception; leftovers of a crashed
+earlier run (namespaces named arch-wan-*, processes carrying an arch-wan-* token) are
+removed at the start. Needs root; as another user it prints why and exits 0.
+
+Reproduce (about 8 minutes at the defaults on a 2-core CPU machine; more at lower rates):
+
+    sudo .venv/bin/python bench/wan.py [--out runs/bench/wan.json]
+    sudo .venv/bin/python bench/wan.py --rate-mbit 20 --settings a,b,e
+    sudo .venv/bin/python bench/wan.py --budget 25 --settings b,d      # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+from federation import BENCH_TOKEN_ENV, process_env, read_jsonl, stop_process  # noqa: E402
+
+PREFIX = "arch-wan-"  # every namespace, and every process token, of this benchmark
+NET_NS = PREFIX + "net"  # holds the bridge and the bridge-side veth ends
+LH_NS = PREFIX + "lh"
+BRIDGE = "br0"
+WAN_IF = "wan0"  # the veth end inside each endpoint namespace (GLOO_SOCKET_IFNAME)
+LH_PORT = 29510
+DDP_PORT = 29600
+ISLANDS = 2
+LOCK_FILE = Path("/run/arch-wan.lock")
+TBF_LATENCY_MS = 400  # queue depth of the shaper, as time at the link rate
+STOP_GRACE_S = 5.0
+STATUS_EVERY_S = 20.0
+TOOLS = ("ip", "tc", "unshare", "hostname", "sh")
+# Inherited settings that would point a process at another job or address.
+STRIP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+             "TORCHELASTIC_RUN_ID", "TORCHFT_LIGHTHOUSE", "TORCHFT_MANAGER_PORT", "LOCAL_ADDR",
+             "GLOO_SOCKET_IFNAME", "ARCHIPELAGO_INJECT", "ARCHIPELAGO_FAULT", "NGPU", "CONFIG_FILE")
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    name: str
+    ddp: bool = False
+    args: tuple[str, ...] = ()
+
+
+SETTINGS = {s.key: s for s in (
+    Setting("a", "DDP all-reduce per step", ddp=True),
+    Setting("b", "DiLoCo fp32", args=("--fault_tolerance.codec", "fp32")),
+    Setting("c", "DiLoCo int8", args=("--fault_tolerance.codec", "int8")),
+    Setting("d", "DiLoCo top-k", args=("--fault_tolerance.codec", "topk")),
+    Setting("e", "streaming DiLoCo int8, overlap", args=(
+        "--fault_tolerance.codec", "int8", "--fault_tolerance.num_fragments", "4",
+        "--fault_tolerance.fragment_sync_delay", "2")),
+)}
+STREAM_FRAGMENTS, STREAM_DELAY = 4, 2
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM / SIGHUP, handled as Ctrl-C is."""
+
+
+# ------------------------------------------------------------------ commands
+
+
+def sh(cmd: list[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    """Run one short system command (ip, tc); with check, a failure raises with its stderr."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit code {done.returncode}): {done.stderr.strip()}")
+    return done
+
+
+def python_bin() -> str:
+    venv = REPO / ".venv/bin/python"
+    return str(venv) if venv.is_file() else sys.executable
+
+
+# ------------------------------------------------------------------ network
+
+
+@dataclass
+class Wan:
+    """The namespaces, veths, bridge and shapers; `up` builds them, `down` removes them."""
+
+    subnet: ipaddress.IPv4Network
+    rate_mbit: float
+    delay_ms: float = 0.0
+
+    @property
+    def lh_addr(self) -> str:
+        return str(self.subnet.network_address + 1)
+
+    def island_addr(self, k: int) -> str:
+        return str(self.subnet.network_address + 10 + k)
+
+    @staticmethod
+    def island_ns(k: int) -> str:
+        return f"{PREFIX}i{k}"
+
+    def endpoints(self) -> list[tuple[str, str, str]]:
+        """(namespace, address, bridge-side port name) of the lighthouse and every island."""
+        return [(LH_NS, self.lh_addr, "lh")] + [(self.island_ns(k), self.island_addr(k), f"i{k}")
+                                                for k in range(ISLANDS)]
+
+    def up(self) -> None:
+        sh(["ip", "netns", "add", NET_NS])
+        sh(["ip", "-n", NET_NS, "link", "set", "lo", "up"])
+        sh(["ip", "-n", NET_NS, "link", "add", BRIDGE, "type", "bridge"])
+        sh(["ip", "-n", NET_NS, "link", "set", BRIDGE, "up"])
+        for ns, addr, port in self.endpoints():
+            sh(["ip", "netns", "add", ns])
+            sh(["ip", "-n", ns, "link", "set", "lo", "up"])  # the island's own store is on its address
+            sh(["ip", "-n", NET_NS, "link", "add", port, "type", "veth", "peer", "name", WAN_IF, "netns", ns])
+            sh(["ip", "-n", NET_NS, "link", "set", port, "master", BRIDGE])
+            sh(["ip", "-n", NET_NS, "link", "set", port, "up"])
+            sh(["ip", "-n", ns, "addr", "add", f"{addr}/{self.subnet.prefixlen}", "dev", WAN_IF])
+            sh(["ip", "-n", ns, "link", "set", WAN_IF, "up"])
+        for k in range(ISLANDS):
+            self.shape(self.island_ns(k), WAN_IF)  # upload
+            self.shape(NET_NS, f"i{k}")  # download
+
+    def shape(self, ns: str, dev: str) -> None:
+        # tbf needs a bucket of at least one timer tick at the rate (4 ms at HZ 250) to reach
+        # it; 16 KB at least so that a full-size frame always fits.
+        burst = max(16384, int(self.rate_mbit * 1e6 / 8 * 0.004))
+        tbf = ["tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"]
+        if self.delay_ms <= 0:
+            sh(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *tbf])
+            return
+        done = sh(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "netem", "delay",
+                   f"{self.delay_ms:g}ms"], check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"--delay-ms needs the netem qdisc, which this kernel refused: "
+                               f"{done.stderr.strip()} (run without --delay-ms)")
+        sh(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "parent", "1:", "handle", "2:", *tbf])
+
+    def counters(self) -> dict[str, tuple[int, int]]:
+        """Bridge port -> (rx, tx) bytes. rx of port iK is what island K sent."""
+        links = json.loads(sh(["ip", "-n", NET_NS, "-s", "-j", "link", "show"]).stdout)
+        return {link["ifname"]: (int(link["stats64"]["rx"]["bytes"]), int(link["stats64"]["tx"]["bytes"]))
+                for link in links if "stats64" in link}
+
+
+def our_namespaces() -> list[str]:
+    done = sh(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.startswith(PREFIX)]
+
+
+def subnet_in_use(subnet: ipaddress.IPv4Network) -> list[str]:
+    """Host addresses and routes (root namespace) that overlap `subnet`."""
+    clashes = []
+    for entry in json.loads(sh(["ip", "-j", "-4", "addr", "show"]).stdout):
+        for info in entry.get("addr_info", []):
+            net = ipaddress.ip_interface(f"{info['local']}/{info['prefixlen']}").network
+            if net.overlaps(subnet):
+                clashes.append(f"address {info['local']}/{info['prefixlen']} on {entry['ifname']}")
+    for route in json.loads(sh(["ip", "-j", "-4", "route", "show", "table", "all"]).stdout):
+        dst = route.get("dst", "default")
+        if dst == "default":
+            continue
+        try:
+            net = ipaddress.ip_network(dst, strict=False)
+        except ValueError:
+            continue
+        if net.overlaps(subnet):
+            clashes.append(f"route {dst} via {route.get('dev', '?')} (table {route.get('table', 'main')})")
+    return clashes
+
+
+# ------------------------------------------------------------------ processes
+
+
+def pids_with_token_prefix(prefix: str) -> list[int]:
+    """Live processes whose benchmark token starts with `prefix` (found by environment, never
+    by name: torchrun's workers start sessions of their own)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        env = process_env(int(entry.name)) if entry.name.isdigit() else None
+        if env is not None and env.get(BENCH_TOKEN_ENV, "").startswith(prefix) and int(entry.name) != os.getpid():
+            found.append(int(entry.name))
+    return found
+
+
+def pids_in_namespace(ns: str) -> list[int]:
+    done = sh(["ip", "netns", "pids", ns], check=False)
+    return [int(p) for p in done.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+
+
+def kill_pids(find: Callable[[], list[int]], timeout_s: float = 10.0) -> int:
+    """SIGKILL what `find` returns until it returns nothing (a dying parent may still fork)."""
+    hit, deadline = 0, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = find()
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                hit += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.1)
+    return hit
+
+
+def teardown(token_prefix: str) -> list[str]:
+    """Kill our processes and delete our namespaces (their veths, bridge and qdiscs go with
+    them). Idempotent; returns what it removed, for the log."""
+    removed = []
+    count = kill_pids(lambda: pids_with_token_prefix(token_prefix))
+    for ns in our_namespaces():
+        count += kill_pids(lambda ns=ns: pids_in_namespace(ns))  # what runs in our namespaces is ours
+    if count:
+        removed.append(f"{count} processes")
+    for ns in our_namespaces():
+        if sh(["ip", "netns", "del", ns], check=False).returncode == 0:
+            removed.append(ns)
+    return removed
+
+
+def in_namespace(ns: str, addr: str, cmd: list[str]) -> list[str]:
+    """`cmd` inside `ns`, in a UTS namespace of its own whose host name is `addr`.
+
+    torchft's checkpoint transport (recovery) advertises gethostname(); in a namespace the
+    host's real name resolves to an address the other namespaces cannot reach. An IP literal
+    as host name resolves to itself, with no /etc/hosts to write. `ip netns exec`, unshare
+    and sh all exec, so the pid we start is the program's own.
+    """
+    return ["ip", "netns", "exec", ns, "unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"',
+            addr, *cmd]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def code(self) -> int | None:
+        return self.popen.poll()
+
+
+def base_env(token: str, threads: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in STRIP_ENV}
+    env.update({BENCH_TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads),
+                "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
+    return env
+
+
+def start(name: str, cmd: list[str], env: dict[str, str], log: Path) -> Proc:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        # Own session: a terminal Ctrl-C reaches only us; we stop everything in order.
+        popen = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    return Proc(name, popen, log)
+
+
+def stop_all(procs: list[Proc], token: str) -> None:
+    """SIGTERM then SIGKILL every process we started, then anything carrying the token."""
+    for proc in procs:
+        if proc.code is None:
+            proc.popen.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline and any(p.code is None for p in procs):
+        time.sleep(0.1)
+    for proc in procs:
+        stop_process(proc.popen)
+    kill_pids(lambda: pids_with_token_prefix(token))
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+def wait_for_line(proc: Proc, needle: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if needle in proc.log.read_text(errors="replace"):
+            return
+        if proc.code is not None:
+            break
+        time.sleep(0.2)
+    raise RuntimeError(f"{proc.name} did not report {needle!r} (exit code {proc.code}); log {proc.log}:\n"
+                       f"{log_tail(proc.log)}")
+
+
+# ------------------------------------------------------------------ counters
+
+
+@dataclass
+class Sample:
+    time: float
+    ports: dict[str, tuple[int, int]]
+
+
+def wan_bytes(ports: dict[str, tuple[int, int]]) -> int:
+    """Bytes between islands: sent by islands into the bridge, less what reached the lighthouse."""
+    return sum(ports[f"i{k}"][0] for k in range(ISLANDS)) - ports["lh"][1]
+
+
+class Sampler:
+    """Reads the bridge counters every period_s in a thread, so that windows inside a run
+    (the rounds after the join round) can be measured afterwards."""
+
+    def __init__(self, wan: Wan, period_s: float) -> None:
+        self.wan, self.period_s = wan, period_s
+        self.samples: list[Sample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def take(self) -> Sample:
+        sample = Sample(time.time(), self.wan.counters())
+        self.samples.append(sample)
+        return sample
+
+    def __enter__(self) -> "Sampler":
+        self.take()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        try:
+            self.take()
+        except Exception:  # noqa: BLE001 - interrupted mid-teardown: keep what we have
+            pass
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.take()
+            except Exception:  # noqa: BLE001 - a late read during teardown
+                return
+
+    def wan_at(self, t: float) -> float | None:
+        """WAN bytes at time t, interpolated between the samples around it."""
+        points = sorted((s.time, wan_bytes(s.ports)) for s in self.samples)
+        if not points or t < points[0][0] or t > points[-1][0]:
+            return None
+        for (t0, b0), (t1, b1) in zip(points, points[1:]):
+            if t0 <= t <= t1:
+                return b0 + (b1 - b0) * ((t - t0) / (t1 - t0) if t1 > t0 else 1.0)
+        return float(points[-1][1])
+
+    def totals(self) -> dict[str, Any]:
+        first, last = self.samples[0].ports, self.samples[-1].ports
+        delta = {port: (last[port][0] - first[port][0], last[port][1] - first[port][1]) for port in last}
+        return {"wan_bytes": wan_bytes(last) - wan_bytes(first),
+                "island_bytes_sent": [delta[f"i{k}"][0] for k in range(ISLANDS)],
+                "island_bytes_received": [delta[f"i{k}"][1] for k in range(ISLANDS)],
+                "lighthouse_bytes": delta["lh"][0] + delta["lh"][1]}
+
+
+# ------------------------------------------------------------------ one run
+
+
+def train_args(args: argparse.Namespace, run_dir: Path, batch: int, steps: int | None = None) -> list[str]:
+    """What every setting shares: the same model, data, per-island batch and time budget.
+    Without `steps` the step count is out of reach, so the budget ends the run, and so is
+    val_every, so only the start and the final step evaluate (the final step always does)."""
+    if steps is not None:  # calibration: a fixed short run, no evaluation
+        limits = ["--training.steps", str(steps), "--training.val_every", "0", "--lr_scheduler.warmup_steps", "2"]
+    else:
+        limits = ["--training.steps", "1000000", "--training.time_budget_s", f"{args.budget:g}",
+                  "--training.val_every", "1000000"]
+    return ["--config", str(args.config), "--job.run_dir", str(run_dir), *limits,
+            "--training.batch_size", str(batch), "--checkpoint.no_enable", "--metrics.no_tensorboard",
+            "--metrics.progress", "plain"]
+
+
+def exchange_timeout_ms(args: argparse.Namespace) -> int:
+    """A collective must outlast an fp32 exchange at the link rate (29 MB each way takes 12 s
+    at 20 Mbit/s; the default 10 s would fail every round): 4x that, plus slack."""
+    fp32_s = 2 * 4 * args.params * 8 / (args.rate_mbit * 1e6)
+    return int(1000 * (4 * fp32_s + 30))
+
+
+def run_federation(setting: Setting, args: argparse.Namespace, wan: Wan, run_dir: Path,
+                   token: str) -> tuple[list[Proc], list[Proc]]:
+    """Start the lighthouse, then both islands; returns (islands, helpers)."""
+    env = base_env(token, args.threads)
+    lighthouse = start("lighthouse", in_namespace(LH_NS, wan.lh_addr, [
+        python_bin(), "-m", "archipelago.launch.cli", "lighthouse", "--bind", f"{wan.lh_addr}:{LH_PORT}",
+        "--min-replicas", "1", "--join-timeout-ms", "60000"]), env, run_dir / "lighthouse.log")
+    wait_for_line(lighthouse, "lighthouse listening", 60)
+    url = f"http://{wan.lh_addr}:{LH_PORT}"
+    islands = []
+    for k in range(ISLANDS):
+        addr = wan.island_addr(k)
+        island_env = {**env, "LOCAL_ADDR": addr, "GLOO_SOCKET_IFNAME": WAN_IF, "TORCHFT_LIGHTHOUSE": url}
+        cmd = [python_bin(), "-m", "archipelago.launch.cli", "train", "--nproc", "1",
+               *train_args(args, run_dir / f"island-{k}", args.batch_size),
+               "--fault_tolerance.enable", "--fault_tolerance.replica_id", str(k),
+               "--fault_tolerance.group_size", str(ISLANDS), "--fault_tolerance.lighthouse", url,
+               "--fault_tolerance.sync_steps", str(args.sync_steps),
+               "--fault_tolerance.process_group_timeout_ms", str(exchange_timeout_ms(args)),
+               "--fault_tolerance.connect_timeout_ms", "60000", *setting.args, *args.extra]
+        islands.append(start(f"island-{k}", in_namespace(wan.island_ns(k), addr, cmd), island_env,
+                             run_dir / f"island-{k}.log"))
+    return islands, [lighthouse]
+
+
+def run_ddp(args: argparse.Namespace, wan: Wan, run_dir: Path, token: str,
+            steps: int | None = None) -> list[Proc]:
+    """One torchrun per island namespace, static rendezvous on island 0; with `steps`, two
+    standalone islands instead (the no-network calibration)."""
+    env = {**base_env(token, args.threads), "GLOO_SOCKET_IFNAME": WAN_IF}
+    procs = []
+    for k in range(ISLANDS):
+        addr = wan.island_addr(k)
+        if steps is None:
+            cmd = [python_bin(), "-m", "torch.distributed.run", "--nnodes", str(ISLANDS), "--node-rank", str(k),
+                   "--nproc-per-node", "1", "--master-addr", wan.island_addr(0), "--master-port", str(DDP_PORT),
+                   "--local-addr", addr, "-m", "archipelago.launch.cli", "train",
+                   *train_args(args, run_dir, ISLANDS * args.batch_size),
+                   "--parallelism.data_parallel", "ddp", "--metrics.log_every", "1", *args.extra]
+        else:
+            folder = run_dir / f"island-{k}"
+            cmd = [python_bin(), "-m", "archipelago.launch.cli", "train", "--nproc", "1",
+                   *train_args(args, folder, args.batch_size, steps), "--metrics.log_every", "1", *args.extra]
+        procs.append(start(f"rank-{k}" if steps is None else f"island-{k}",
+                           in_namespace(wan.island_ns(k), addr, cmd), {**env, "LOCAL_ADDR": addr},
+                           run_dir / (f"rank-{k}.log" if steps is None else f"island-{k}.log")))
+    return procs
+
+
+def last_step(folder: Path) -> Any:
+    steps = [r.get("step") for r in read_jsonl(folder / "metrics.jsonl") if "event" not in r]
+    return steps[-1] if steps else "-"
+
+
+def supervise(label: str, workers: list[Proc], timeout_s: float, sampler: Sampler,
+              folders: list[Path]) -> None:
+    """Wait for the workers with a hard timeout; one failing stops the rest (they would wait
+    for it at the next exchange until their own timeouts)."""
+    t0 = time.monotonic()
+    next_status = t0 + STATUS_EVERY_S
+    first = sampler.samples[0]
+    while any(p.code is None for p in workers):
+        failed = [p for p in workers if p.code not in (None, 0)]
+        if failed:
+            raise RuntimeError(f"{failed[0].name} failed (exit code {failed[0].code}); log {failed[0].log}:\n"
+                               f"{log_tail(failed[0].log)}")
+        now = time.monotonic()
+        if now - t0 > timeout_s:
+            raise RuntimeError(f"hard timeout: still running after {timeout_s:.0f} s (raise --timeout)")
+        if now >= next_status:
+            next_status = now + STATUS_EVERY_S
+            moved = wan_bytes(sampler.samples[-1].ports) - wan_bytes(first.ports)
+            steps = " ".join(f"{f.name} step {last_step(f)}" for f in folders)
+            print(f"  [{label}] {now - t0:4.0f} s: WAN {moved / 1e6:.1f} MB; {steps}", flush=True)
+        time.sleep(0.5)
+    failed = [p for p in workers if p.code != 0]
+    if failed:
+        raise RuntimeError(f"{failed[0].name} failed (exit code {failed[0].code}); log {failed[0].log}:\n"
+                           f"{log_tail(failed[0].log)}")
+
+
+def run_setting(setting: Setting, args: argparse.Namespace, wan: Wan, root: Path, run_id: str,
+                step_time_s: float | None) -> dict[str, Any]:
+    run_dir = root / setting.key
+    token = f"{PREFIX}{run_id}-{setting.key}"
+    label = f"{setting.key} {setting.name}"
+    print(f"[{label}] starting ({args.budget:g} s budget); logs in {run_dir}", flush=True)
+    procs: list[Proc] = []
+    t0 = time.monotonic()
+    sampler = Sampler(wan, args.sample_s)
+    try:
+        with sampler:
+            if setting.ddp:
+                workers = run_ddp(args, wan, run_dir, token)
+                procs, folders = list(workers), [run_dir]
+            else:
+                workers, helpers = run_federation(setting, args, wan, run_dir, token)
+                procs, folders = [*helpers, *workers], [run_dir / f"island-{k}" for k in range(ISLANDS)]
+            supervise(setting.key, workers, args.timeout, sampler, folders)
+    finally:
+        stop_all(procs, token)
+    traffic = sampler.totals()
+    wall = time.monotonic() - t0
+    result = (ddp_result(run_dir, sampler, step_time_s) if setting.ddp
+              else federation_result(run_dir, sampler))
+    tokens = result["tokens"]
+    result.update(setting=setting.key, name=setting.name, ok=True, wall_s=wall, run_dir=str(run_dir),
+                  bytes_per_token=traffic["wan_bytes"] / tokens if tokens else None, **traffic)
+    print(f"[{label}] done in {wall:.0f} s: {tokens:,} tokens, WAN {traffic['wan_bytes'] / 1e6:.1f} MB "
+          f"({fmt(result['bytes_per_token'], ',.0f')} B/token), utilisation "
+          f"{' / '.join(fmt(u, '.2f') for u in result['utilisation'])}, val loss {fmt(result['val_loss'], '.4f')}",
+          flush=True)
+    return result
+
+
+# ------------------------------------------------------------------ results
+
+
+def summary_of(folder: Path) -> dict[str, Any]:
+    path = folder / "summary.json"
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing: the run ended without its summary")
+    return json.loads(path.read_text())
+
+
+def final_val(folder: Path, summary: dict[str, Any]) -> tuple[float | None, bool]:
+    """The validation loss and whether it is the final step's (the trainer keeps the last one
+    it computed; one from step 0 would say nothing about training)."""
+    vals = [r for r in read_jsonl(folder / "metrics.jsonl") if "event" not in r and r.get("val_loss") is not None]
+    at_final = bool(vals) and vals[-1].get("step") == summary.get("steps")
+    return summary.get("val_loss"), at_final
+
+
+def federation_result(run_dir: Path, sampler: Sampler) -> dict[str, Any]:
+    from archipelago.metrics.islands import island_records, outer_records, round_totals
+
+    islands = []
+    for k in range(ISLANDS):
+        folder = run_dir / f"island-{k}"
+        summary = summary_of(folder)
+        outer = outer_records(island_records(folder))
+        totals = round_totals(outer)
+        val, at_final = final_val(folder, summary)
+        islands.append({"summary": summary, "outer": outer, "totals": totals, "val": val, "val_final": at_final})
+    steady = steady_window(sampler, [i["outer"] for i in islands])
+    window_tokens = sum(i["totals"]["tokens"] for i in islands)
+    vals = [i["val"] for i in islands if i["val"] is not None]
+    per_step = [i["totals"]["compute_s"] / i["totals"]["inner_steps"] for i in islands if i["totals"]["inner_steps"]]
+    return {
+        "tokens": sum(int(i["summary"]["tokens"]) for i in islands),
+        "tokens_per_island": [int(i["summary"]["tokens"]) for i in islands],
+        "val_loss": statistics.fmean(vals) if vals else None,
+        "val_loss_per_island": [i["val"] for i in islands],
+        "val_loss_at_final_step": all(i["val_final"] for i in islands),
+        "utilisation": [i["totals"]["utilisation"] for i in islands],
+        "rounds": max(len(i["outer"]) for i in islands) - 1,  # after the join round
+        "inner_steps": [int(i["summary"]["steps"]) for i in islands],
+        "compute_s_per_step": per_step,
+        "wait_s": [i["totals"]["wait_s"] for i in islands],
+        "overlap_s": [sum(float(r.get("overlap_s") or 0) for r in i["outer"]) for i in islands],
+        "exposed_s": [sum(float(r.get("exposed_s") or 0) for r in i["outer"]) for i in islands],
+        "payload_bytes_sent": [sum(int(r.get("bytes_sent") or 0) for r in i["outer"]) for i in islands],
+        "codec": islands[0]["outer"][-1].get("codec") if islands[0]["outer"] else None,
+        "steady_bytes": steady,
+        "steady_tokens": window_tokens,
+        "steady_bytes_per_token": steady / window_tokens if steady is not None and window_tokens else None,
+    }
+
+
+def steady_window(sampler: Sampler, outers: list[list[dict[str, Any]]]) -> float | None:
+    """WAN bytes from the end of the join round (the later island's) to the end of the last
+    round: the rounds whose tokens round_totals counts."""
+    if not all(len(o) >= 2 for o in outers):
+        return None
+    start_at = max(o[0]["time"] for o in outers)
+    end_at = max(o[-1]["time"] for o in outers)
+    a, b = sampler.wan_at(start_at), sampler.wan_at(end_at)
+    return b - a if a is not None and b is not None else None
+
+
+def ddp_result(run_dir: Path, sampler: Sampler, step_time_s: float | None) -> dict[str, Any]:
+    summary = summary_of(run_dir)
+    val, at_final = final_val(run_dir, summary)
+    steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "event" not in r and "time" in r]
+    tokens_per_step = int(summary["tokens"]) // max(int(summary["steps"]), 1)
+    # Window: first to second-to-last step record (the last one also carries the final
+    # evaluation); every step in it is one compute phase plus one all-reduce.
+    window = steps[:-1]
+    utilisation = steady = steady_tokens = step_wall = None
+    if len(window) >= 2:
+        seconds = window[-1]["time"] - window[0]["time"]
+        n = window[-1]["step"] - window[0]["step"]
+        step_wall = seconds / n if n else None
+        if step_time_s and seconds > 0:
+            utilisation = min(1.0, n * step_time_s / seconds)
+        a, b = sampler.wan_at(window[0]["time"]), sampler.wan_at(window[-1]["time"])
+        if a is not None and b is not None:
+            steady, steady_tokens = b - a, n * tokens_per_step
+    return {
+        "tokens": int(summary["tokens"]), "tokens_per_island": [int(summary["tokens"]) // ISLANDS] * ISLANDS,
+        "val_loss": val, "val_loss_per_island": [val] * ISLANDS, "val_loss_at_final_step": at_final,
+        "utilisation": [utilisation] * ISLANDS,
+        "utilisation_method": "estimate: steps x no-network step time / wall seconds between the first "
+                              "and the second-to-last step record",
+        "no_network_step_s": step_time_s, "step_wall_s": step_wall,
+        "rounds": int(summary["steps"]), "inner_steps": [int(summary["steps"])] * ISLANDS,
+        "steady_bytes": steady, "steady_tokens": steady_tokens,
+        "steady_bytes_per_token": steady / steady_tokens if steady is not None and steady_tokens else None,
+    }
+
+
+def calibrate(args: argparse.Namespace, wan: Wan, root: Path, run_id: str) -> float:
+    """No-network step time: two standalone islands side by side (as DDP's two ranks run)."""
+    run_dir, token = root / "calibration", f"{PREFIX}{run_id}-calibration"
+    print(f"[calibration] {args.calibration_steps} steps of two standalone islands (DDP's no-network "
+          f"step time); logs in {run_dir}", flush=True)
+    procs: list[Proc] = []
+    try:
+        procs = run_ddp(args, wan, run_dir, token, steps=args.calibration_steps)
+        with Sampler(wan, args.sample_s) as sampler:
+            supervise("calibration", procs, args.timeout, sampler,
+                      [run_dir / f"island-{k}" for k in range(ISLANDS)])
+    finally:
+        stop_all(procs, token)
+    per_step = []
+    for k in range(ISLANDS):
+        times = [r["time"] for r in read_jsonl(run_dir / f"island-{k}" / "metrics.jsonl")
+                 if "event" not in r and "time" in r][2:]  # the first steps warm up
+        per_step += [b - a for a, b in zip(times, times[1:])]
+    if not per_step:
+        raise RuntimeError("calibration logged too few steps (raise --calibration-steps)")
+    step_s = statistics.median(per_step)
+    print(f"[calibration] {step_s:.3f} s per step", flush=True)
+    return step_s
+
+
+# ------------------------------------------------------------------ link check
+
+
+PROBE_SERVER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); s.settimeout(30)
+c, _ = s.accept(); c.settimeout(30); n, want = 0, int(sys.argv[3])
+while n < want:
+    data = c.recv(1 << 16)
+    if not data: break
+    n += len(data)
+c.sendall(b"k"); c.close()
+"""
+PROBE_CLIENT = """
+import socket, sys, time
+want = int(sys.argv[3]); buf = b"x" * (1 << 16)
+for _ in range(100):
+    try:
+        c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30); break
+    except OSError: time.sleep(0.1)
+t = time.perf_counter(); sent = 0
+while sent < want:
+    sent += c.send(buf[:want - sent])
+c.recv(1); print(want * 8 / (time.perf_counter() - t) / 1e6)
+"""
+
+
+def link_check(wan: Wan, run_id: str, threads: int) -> float:
+    """Mbit/s of one TCP stream island 0 -> island 1 through both shapers (about 1 s of data)."""
+    size = int(wan.rate_mbit * 1e6 / 8)
+    token = f"{PREFIX}{run_id}-probe"
+    env = base_env(token, threads)
+    port = "5201"
+    server = subprocess.Popen(["ip", "netns", "exec", wan.island_ns(1), python_bin(), "-c", PROBE_SERVER,
+                               wan.island_addr(1), port, str(size)], env=env, stdin=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        done = subprocess.run(["ip", "netns", "exec", wan.island_ns(0), python_bin(), "-c", PROBE_CLIENT,
+                               wan.island_addr(1), port, str(size)], env=env, capture_output=True, text=True,
+                              timeout=60, stdin=subprocess.DEVNULL)
+        if done.returncode != 0:
+            raise RuntimeError(f"link check failed: {done.stderr.strip()}")
+        return float(done.stdout.strip())
+    finally:
+        stop_process(server)
+        kill_pids(lambda: pids_with_token_prefix(token))
+
+
+# ------------------------------------------------------------------ report
+
+
+def fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def print_table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> None:
+    ddp = results.get("a", {})
+    print(f"\n{meta['model']}, 2 islands x 1 CPU rank, batch {meta['batch_size']} x {meta['seq_len']} tokens "
+          f"per island (DDP: global batch {ISLANDS * meta['batch_size']}); {meta['budget_s']:g} s budget per "
+          f"setting; links shaped to {meta['rate_mbit']:g} Mbit/s each way (measured "
+          f"{fmt(meta['link_mbit'], '.1f')} Mbit/s){', +%g ms delay' % meta['delay_ms'] if meta['delay_ms'] else ''}; "
+          f"DiLoCo sync every {meta['sync_steps']} inner steps (streaming: {STREAM_FRAGMENTS} fragments, "
+          f"delay {STREAM_DELAY})\n")
+    print("| DDP bytes/token / this bytes/token | setting | WAN bytes/token | steady ratio | steady bytes/token "
+          "| WAN MB | utilisation i0 / i1 | tokens | val loss | rounds (DDP: steps) | lighthouse KB |")
+    print("|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    for key in sorted(results):
+        r = results[key]
+        label = f"{key} {r.get('name', SETTINGS[key].name)}"
+        if not r.get("ok"):
+            print(f"| - | {label} | failed: {r.get('error', '?').splitlines()[0]} | | | | | | | | |")
+            continue
+        val = fmt(r["val_loss"], ".4f") + ("" if r["val_loss_at_final_step"] else " (not final)")
+        print(f"| {fmt(ratio(ddp.get('bytes_per_token'), r['bytes_per_token']), '.1f')} | {label} "
+              f"| {fmt(r['bytes_per_token'], ',.0f')} "
+              f"| {fmt(ratio(ddp.get('steady_bytes_per_token'), r['steady_bytes_per_token']), '.1f')} "
+              f"| {fmt(r['steady_bytes_per_token'], ',.0f')} | {r['wan_bytes'] / 1e6:,.1f} "
+              f"| {' / '.join(fmt(u, '.2f') for u in r['utilisation'])} | {r['tokens']:,} | {val} "
+              f"| {r['rounds']} | {r['lighthouse_bytes'] / 1e3:,.0f} |")
+    if "a" in results and results["a"].get("ok"):
+        print(f"\nDDP utilisation is an estimate: steps x {fmt(results['a']['no_network_step_s'], '.3f')} s "
+              f"(no-network step time) / wall time; one DDP step took {fmt(results['a']['step_wall_s'], '.2f')} s.")
+    print("WAN bytes: counted on the bridge ports, each byte between islands once (at its sender), start-up "
+          "included; steady: rounds after the join round only. Utilisation: compute s / wall s after joining.")
+
+
+# ------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--settings", default="a,b,c,d,e",
+                   help="comma-separated subset of a (DDP), b (fp32), c (int8), d (top-k), e (streaming int8)")
+    p.add_argument("--budget", type=float, default=60.0, help="wall-clock seconds of training per setting")
+    p.add_argument("--rate-mbit", type=float, default=100.0, help="each island link's rate, both directions")
+    p.add_argument("--delay-ms", type=float, default=0.0,
+                   help="also add this one-way delay per shaped direction with netem (default off; needs netem)")
+    p.add_argument("--sync-steps", type=int, default=20, help="DiLoCo inner steps per round")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per island per step")
+    p.add_argument("--config", type=Path, default=REPO / "configs/llama3/debug.toml")
+    p.add_argument("--subnet", default="10.77.0.0/24", help="private /24 used inside the namespaces only")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // ISLANDS),
+                   help="OMP threads per island process (default: cores / islands)")
+    p.add_argument("--sample-s", type=float, default=0.5, help="link counter sampling period")
+    p.add_argument("--calibration-steps", type=int, default=12,
+                   help="steps of the no-network calibration (only when DDP runs without any DiLoCo setting)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="hard limit per setting in seconds (default: 2 x budget + 300)")
+    p.add_argument("--work-dir", type=Path, default=None, help="run directories (default: /tmp/bench-wan-*)")
+    p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                   help="anything after --extra goes to every `archipelago train` (e.g. --model.flavor ...)")
+    args = p.parse_args(argv)
+    keys = [k.strip() for k in args.settings.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in SETTINGS]
+    if unknown or not keys:
+        p.error(f"--settings {args.settings}: expected letters among {','.join(SETTINGS)}")
+    args.keys = sorted(set(keys))
+    try:
+        args.subnet = ipaddress.ip_network(args.subnet)
+    except ValueError as exc:
+        p.error(f"--subnet: {exc}")
+    if args.subnet.version != 4 or args.subnet.prefixlen > 24 or not args.subnet.is_private:
+        p.error("--subnet: expected a private IPv4 network of at least /24, e.g. 10.77.0.0/24")
+    if args.budget <= 0 or args.rate_mbit <= 0 or args.sync_steps < 1:
+        p.error("--budget, --rate-mbit and --sync-steps must be positive")
+    per_fragment = args.sync_steps // STREAM_FRAGMENTS
+    if "e" in args.keys and (args.sync_steps % STREAM_FRAGMENTS or STREAM_DELAY >= per_fragment):
+        p.error(f"--sync-steps {args.sync_steps}: streaming (e) needs a multiple of {STREAM_FRAGMENTS} above "
+                f"{STREAM_FRAGMENTS * STREAM_DELAY} (e.g. 20)")
+    if args.timeout is None:
+        args.timeout = 2 * args.budget + 300
+    return args
+
+
+def model_facts(config: Path, extra: list[str]) -> dict[str, Any]:
+    """Parameter count, model name and seq_len from the resolved config (no training)."""
+    from archipelago.config import load_config
+    from archipelago.models import get_model_args
+
+    cfg = load_config(["--config", str(config), *extra], prog="bench/wan.py")
+    model = get_model_args(cfg.model.name, cfg.model.flavor, vocab_size=cfg.data.vocab_size)
+    return {"params": model.num_params(), "model": f"{cfg.model.name} {cfg.model.flavor}",
+            "seq_len": cfg.data.seq_len}
+
+
+def preflight() -> str | None:
+    """Why this benchmark cannot run here (a skip, not a failure), or None."""
+    if os.geteuid() != 0:
+        return "needs root (it creates network namespaces, veth pairs, a bridge and tc qdiscs)"
+    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+    if missing:
+        return f"needs {', '.join(missing)} (iproute2, util-linux)"
+    return None
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise Interrupted(f"signal {signum}")
+
+
+def _set_signals(handler: Any) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def setup(args: argparse.Namespace, wan: Wan, run_id: str) -> None:
+    leftovers = teardown(PREFIX)  # a crashed earlier run: its processes, its namespaces
+    if leftovers:
+        print(f"removed leftovers of an earlier run: {', '.join(leftovers)}", flush=True)
+    clashes = subnet_in_use(args.subnet)
+    if clashes:
+        raise RuntimeError(f"--subnet {args.subnet} is in use on this host ({'; '.join(clashes)}); pick "
+                           "another private /24 with --subnet")
+    wan.up()
+    print(f"network: {', '.join(f'{ns} {addr}' for ns, addr, _ in wan.endpoints())} on bridge {BRIDGE} in "
+          f"{NET_NS}; island links tbf {args.rate_mbit:g} Mbit/s each way", flush=True)
+
+
+def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]:
+    facts = model_facts(args.config, args.extra)
+    args.params = facts["params"]
+    root = args.work_dir or Path(f"/tmp/bench-wan-{time.strftime('%Y%m%d-%H%M%S')}-{run_id}")
+    root.mkdir(parents=True, exist_ok=True)
+    subprocess.run([python_bin(), "-m", "archipelago.launch.cli", "data", "prepare", "--config", str(args.config),
+                    *args.extra], cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=600)
+    setup(args, wan, run_id)
+    link = link_check(wan, run_id, args.threads)
+    print(f"link check: island 0 -> island 1 at {link:.1f} Mbit/s (shaped to {args.rate_mbit:g})", flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    # DiLoCo first: DDP's utilisation estimate uses their measured no-network step time.
+    order = [k for k in args.keys if k != "a"] + (["a"] if "a" in args.keys else [])
+    step_time: float | None = None
+    for key in order:
+        if key == "a":
+            per_step = [s for r in results.values() if r.get("ok") for s in r.get("compute_s_per_step", [])]
+            step_time = statistics.median(per_step) if per_step else calibrate(args, wan, root, run_id)
+        try:
+            results[key] = run_setting(SETTINGS[key], args, wan, root, run_id, step_time)
+        except Interrupted:
+            raise
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one failed setting must not lose the others
+            print(f"[{key} {SETTINGS[key].name}] FAILED: {exc}", flush=True)
+            results[key] = {"setting": key, "name": SETTINGS[key].name, "ok": False, "error": str(exc)}
+    meta = {**facts, "batch_size": args.batch_size, "budget_s": args.budget, "rate_mbit": args.rate_mbit,
+            "delay_ms": args.delay_ms, "sync_steps": args.sync_steps, "link_mbit": link, "work_dir": str(root),
+            "subnet": str(args.subnet), "no_network_step_s": step_time}
+    return {**meta, "settings": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    reason = preflight()
+    if reason:
+        print(f"bench/wan.py: skipped: {reason}. Run it as root, e.g. `sudo .venv/bin/python bench/wan.py`.")
+        return 0
+    LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(LOCK_FILE, "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"bench/wan.py: another run holds {LOCK_FILE}; wait for it (its namespaces are {PREFIX}*)",
+              file=sys.stderr)
+        return 1
+    run_id = uuid.uuid4().hex[:8]
+    wan = Wan(args.subnet, args.rate_mbit, args.delay_ms)
+    # Per setting: start-up and the join round (about 90 MB: an exchange plus the recovering
+    # island's copy of weights and outer momentum) besides the budget; measured on 2 cores.
+    est = len(args.keys) * (args.budget + 30 + 90e6 * 8 / (args.rate_mbit * 1e6)) + 20
+    print(f"bench/wan.py: settings {','.join(args.keys)}, about {est / 60:.0f} minutes", flush=True)
+    _set_signals(_interrupt)
+    code = 0
+    try:
+        result = benchmark(args, wan, run_id)
+        print_table(result["settings"], result)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2))
+            print(f"\nwrote {args.out}")
+        code = 0 if all(r.get("ok") for r in result["settings"].values()) else 1
+    except KeyboardInterrupt:
+        print("\ninterrupted: removing every process and namespace this benchmark created", file=sys.stderr)
+        code = 130
+    except Exception as exc:  # noqa: BLE001 - cleanup below, then one line naming the cause
+        print(f"bench/wan.py: error: {exc}", file=sys.stderr)
+        code = 2
+    finally:
+        _set_signals(signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        removed = teardown(PREFIX)
+        print(f"cleaned up: {', '.join(removed) or 'nothing left'}", flush=True)
+        LOCK_FILE.unlink(missing_ok=True)
+        lock.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
