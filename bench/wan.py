@@ -39,7 +39,8 @@ at the end, also after Ctrl-C, SIGTERM, SIGHUP or an exception; leftovers of a c
 earlier run (namespaces named arch-wan-*, processes carrying an arch-wan-* token) are
 removed at the start. Needs root; as another user it prints why and exits 0.
 
-Reproduce (about 8 minutes at the defaults on a 2-core CPU machine; more at lower rates):
+Reproduce (measured on a 2-core CPU machine: about 7 minutes at the defaults, about 10 at
+20 Mbit/s; a run with --budget 25 took 4 minutes):
 
     sudo .venv/bin/python bench/wan.py [--out runs/bench/wan.json]
     sudo .venv/bin/python bench/wan.py --rate-mbit 20 --settings a,b,e
@@ -61,9 +62,9 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -842,7 +843,7 @@ def _set_signals(handler: Any) -> None:
         signal.signal(sig, handler)
 
 
-def setup(args: argparse.Namespace, wan: Wan, run_id: str) -> None:
+def setup(args: argparse.Namespace, wan: Wan) -> None:
     leftovers = teardown(PREFIX)  # a crashed earlier run: its processes, its namespaces
     if leftovers:
         print(f"removed leftovers of an earlier run: {', '.join(leftovers)}", flush=True)
@@ -862,7 +863,7 @@ def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]
     root.mkdir(parents=True, exist_ok=True)
     subprocess.run([python_bin(), "-m", "archipelago.launch.cli", "data", "prepare", "--config", str(args.config),
                     *args.extra], cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=600)
-    setup(args, wan, run_id)
+    setup(args, wan)
     link = link_check(wan, run_id, args.threads)
     print(f"link check: island 0 -> island 1 at {link:.1f} Mbit/s (shaped to {args.rate_mbit:g})", flush=True)
     results: dict[str, dict[str, Any]] = {}
@@ -875,9 +876,7 @@ def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]
             step_time = statistics.median(per_step) if per_step else calibrate(args, wan, root, run_id)
         try:
             results[key] = run_setting(SETTINGS[key], args, wan, root, run_id, step_time)
-        except Interrupted:
-            raise
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: stop the whole benchmark
             raise
         except Exception as exc:  # noqa: BLE001 - one failed setting must not lose the others
             print(f"[{key} {SETTINGS[key].name}] FAILED: {exc}", flush=True)

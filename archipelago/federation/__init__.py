@@ -10,8 +10,8 @@ from torch import nn
 
 from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.diloco import (FederationError, OuterLoop, OuterReport, report_record,
-                                           split_fragments)
+from archipelago.federation.diloco import FederationError, OuterLoop, OuterReport, report_record
+from archipelago.federation.fragments import split_fragments
 from archipelago.federation.guard import poison_from_env
 from archipelago.federation.membership import (FederationMismatch, LighthouseUnreachable,
                                                build_manager, fingerprint, lighthouse_address,

@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -47,6 +46,7 @@ from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.exchange import Gathered, finish_gather, start_gather
 from archipelago.federation.guard import Poison, UpdateGuard
+from archipelago.federation.fragments import build_outer_optimizer, load_tensor_state, tensor_state
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.membership import (FederationMismatch, exchange_fingerprints,
                                                mismatch)
@@ -89,58 +89,6 @@ class OuterReport:
     overlap_s: float = 0.0        # inner-step seconds that ran while the exchange was in flight
     exposed_s: float = 0.0        # seconds the island then still waited for the exchange
     global_hash: str | None = None
-
-
-def split_fragments(model: nn.Module, n: int) -> list[list[nn.Parameter]]:
-    """The model's parameters in model order, cut into `n` contiguous fragments by layer.
-
-    Parameters before the first layer (embeddings) go to the first fragment and those
-    after the last (final norm, output) to the last, as torchtitan's fragmenting does.
-    """
-    named = list(model.named_parameters())
-    layer_of = [_layer_index(name) for name, _ in named]
-    count = max([i for i in layer_of if i is not None], default=-1) + 1
-    if n > max(count, 1):
-        raise ValueError(f"fault_tolerance.num_fragments = {n} exceeds the model's {count} layers")
-    fragments: list[list[nn.Parameter]] = [[] for _ in range(n)]
-    seen_layer = False
-    for (name, p), layer in zip(named, layer_of):
-        if layer is None:
-            fragments[n - 1 if seen_layer else 0].append(p)
-        else:
-            seen_layer = True
-            fragments[min(layer * n // count, n - 1)].append(p)
-    return fragments
-
-
-def _layer_index(name: str) -> int | None:
-    match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-    return int(match.group(1)) if match else None
-
-
-def build_outer_optimizer(ft: FaultToleranceConfig, param: torch.Tensor) -> torch.optim.Optimizer:
-    """The outer optimizer of one fragment's global chunk (elementwise, so a chunk is enough)."""
-    if ft.semi_sync_method == "local_sgd":  # global <- global - mean(global - local) = mean(local)
-        opt: torch.optim.Optimizer = torch.optim.SGD([param], lr=1.0)
-    elif ft.outer_optimizer == "adamw":
-        opt = torch.optim.AdamW([param], lr=ft.outer_lr, betas=(ft.outer_momentum, 0.999),
-                                weight_decay=0.0)
-    else:
-        opt = torch.optim.SGD([param], lr=ft.outer_lr, momentum=ft.outer_momentum,
-                              nesterov=ft.outer_nesterov and ft.outer_momentum > 0)
-    _materialize(opt, param)
-    return opt
-
-
-def _materialize(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
-    """Create the optimizer state before the first step, so checkpoints and recovery
-    always carry it. A zero momentum buffer gives exactly SGD's first step (0*m + g)."""
-    state = opt.state[param]
-    if isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] > 0:
-        state["momentum_buffer"] = torch.zeros_like(param)
-    elif isinstance(opt, torch.optim.AdamW):
-        state.update(step=torch.zeros((), dtype=torch.float32),
-                     exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
 
 
 @dataclass
@@ -511,7 +459,7 @@ class OuterLoop:
     def _recovery_state(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "inner_step": self.inner_step,
                 "federation_tokens": self.federation_tokens, "guard": self.guard.state_tensor(),
-                "fragments": [{"global": g.detach().clone(), "outer": _tensor_state(o, g), "codec": c.state_dict()}
+                "fragments": [{"global": g.detach().clone(), "outer": tensor_state(o, g), "codec": c.state_dict()}
                               for g, o, c in zip(self.globals, self.outer, self.codecs)]}
 
     def _load_recovery(self, state: dict[str, Any]) -> None:
@@ -521,7 +469,7 @@ class OuterLoop:
         same = all(torch.equal(g.detach(), f["global"].to(g.device))
                    for g, f in zip(self.globals, state["fragments"]))
         for g, o, c, f in zip(self.globals, self.outer, self.codecs, state["fragments"]):
-            _load_tensor_state(o, g, f)
+            load_tensor_state(o, g, f)
             c.load_state_dict(f["codec"])
         self.peer_inner_step = int(state["inner_step"])
         self.federation_tokens = int(state["federation_tokens"])
@@ -536,7 +484,7 @@ class OuterLoop:
         state: dict[str, Any] = {"local_step": self.local_step, "step": self.step,
                                  "federation_tokens": self.federation_tokens, "guard": self.guard.state_tensor()}
         if self.is_bridge:
-            state[f"bridge{self.rank}"] = {f"fragment{i}": {"global": g.detach(), "outer": _tensor_state(o, g),
+            state[f"bridge{self.rank}"] = {f"fragment{i}": {"global": g.detach(), "outer": tensor_state(o, g),
                                                            **_codec_state(c)}
                                           for i, (g, o, c) in enumerate(zip(self.globals, self.outer, self.codecs))}
         return state
@@ -548,7 +496,7 @@ class OuterLoop:
         if self.is_bridge:
             for i, (g, o, c) in enumerate(zip(self.globals, self.outer, self.codecs)):
                 saved = state[f"bridge{self.rank}"][f"fragment{i}"]
-                _load_tensor_state(o, g, saved)
+                load_tensor_state(o, g, saved)
                 c.load_state_dict(saved.get("codec", {}))
         if self.manager is not None:
             self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
@@ -578,17 +526,6 @@ class OuterLoop:
 def _rank_or_none(manager: Any) -> int:
     rank = manager.participating_rank()
     return -1 if rank is None else int(rank)
-
-
-def _tensor_state(opt: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {k: v.detach() for k, v in opt.state[param].items() if isinstance(v, torch.Tensor)}
-
-
-def _load_tensor_state(opt: torch.optim.Optimizer, param: nn.Parameter, state: dict[str, Any]) -> None:
-    with torch.no_grad():
-        param.copy_(state["global"].to(param.device))
-        for key, value in state["outer"].items():
-            opt.state[param][key].copy_(value.to(opt.state[param][key].device))
 
 
 def _codec_state(codec: Codec) -> dict[str, Any]:

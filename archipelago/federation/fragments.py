@@ -1,0 +1,79 @@
+"""Fragments of the model and the outer optimizer of their global chunks.
+
+`split_fragments` cuts the model into the contiguous pieces streaming DiLoCo synchronises
+one at a time; each fragment's global weights (a flat chunk on a bridge rank) get their
+own outer optimizer, whose state is saved and sent to recovering peers as plain tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from archipelago.config.schema import FaultToleranceConfig
+
+
+def split_fragments(model: nn.Module, n: int) -> list[list[nn.Parameter]]:
+    """The model's parameters in model order, cut into `n` contiguous fragments by layer.
+
+    Parameters before the first layer (embeddings) go to the first fragment and those
+    after the last (final norm, output) to the last, as torchtitan's fragmenting does.
+    """
+    named = list(model.named_parameters())
+    layer_of = [_layer_index(name) for name, _ in named]
+    count = max([i for i in layer_of if i is not None], default=-1) + 1
+    if n > max(count, 1):
+        raise ValueError(f"fault_tolerance.num_fragments = {n} exceeds the model's {count} layers")
+    fragments: list[list[nn.Parameter]] = [[] for _ in range(n)]
+    seen_layer = False
+    for (name, p), layer in zip(named, layer_of):
+        if layer is None:
+            fragments[n - 1 if seen_layer else 0].append(p)
+        else:
+            seen_layer = True
+            fragments[min(layer * n // count, n - 1)].append(p)
+    return fragments
+
+
+def _layer_index(name: str) -> int | None:
+    match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+def build_outer_optimizer(ft: FaultToleranceConfig, param: torch.Tensor) -> torch.optim.Optimizer:
+    """The outer optimizer of one fragment's global chunk (elementwise, so a chunk is enough)."""
+    if ft.semi_sync_method == "local_sgd":  # global <- global - mean(global - local) = mean(local)
+        opt: torch.optim.Optimizer = torch.optim.SGD([param], lr=1.0)
+    elif ft.outer_optimizer == "adamw":
+        opt = torch.optim.AdamW([param], lr=ft.outer_lr, betas=(ft.outer_momentum, 0.999),
+                                weight_decay=0.0)
+    else:
+        opt = torch.optim.SGD([param], lr=ft.outer_lr, momentum=ft.outer_momentum,
+                              nesterov=ft.outer_nesterov and ft.outer_momentum > 0)
+    _materialize(opt, param)
+    return opt
+
+
+def _materialize(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
+    """Create the optimizer state before the first step, so checkpoints and recovery
+    always carry it. A zero momentum buffer gives exactly SGD's first step (0*m + g)."""
+    state = opt.state[param]
+    if isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] > 0:
+        state["momentum_buffer"] = torch.zeros_like(param)
+    elif isinstance(opt, torch.optim.AdamW):
+        state.update(step=torch.zeros((), dtype=torch.float32),
+                     exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+
+
+def tensor_state(opt: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in opt.state[param].items() if isinstance(v, torch.Tensor)}
+
+
+def load_tensor_state(opt: torch.optim.Optimizer, param: nn.Parameter, state: dict[str, Any]) -> None:
+    with torch.no_grad():
+        param.copy_(state["global"].to(param.device))
+        for key, value in state["outer"].items():
+            opt.state[param][key].copy_(value.to(opt.state[param][key].device))
