@@ -68,3 +68,17 @@ def test_pseudo_gradients_on_the_gpu_or_copied_to_cpu_give_the_same_federation(s
     assert a.keys() == b.keys() and len(a) > 10
     for name in a:  # bf16 inner steps on a GPU need not be bitwise reproducible
         torch.testing.assert_close(a[name], b[name], rtol=1e-2, atol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8", "topk"])
+def test_codecs_encode_the_same_bytes_on_gpu_and_cpu(name):
+    from archipelago.config.schema import FaultToleranceConfig
+    from archipelago.federation.codecs import build_codec
+
+    ft = FaultToleranceConfig(codec=name, topk_fraction=0.05)
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    on_cpu, on_gpu = build_codec(ft, x.numel()), build_codec(ft, x.numel())
+    for _ in range(3):  # top-k: the error feedback must evolve the same way too
+        a, b = on_cpu.encode(x), on_gpu.encode(x.cuda())
+        assert b.is_cuda and torch.equal(a, b.cpu())
+        assert torch.equal(on_cpu.decode(a), on_gpu.decode(b).cpu())
