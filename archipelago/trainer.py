@@ -296,7 +296,8 @@ class Trainer:
             if self.done():  # caught up to the federation's end: its weights are this island's result
                 self.finish_after_catch_up()
         self._started = time.monotonic()
-        while not self.done():
+        final = self.done()
+        while not final:
             started = time.perf_counter()
             result = self.train_step()
             self.emulate_slowdown(time.perf_counter() - started)
@@ -305,7 +306,8 @@ class Trainer:
             self.progress.wall_s = self.metrics.wall_s()
             self.maybe_inject_fault()
             self.after_inner_step(time.perf_counter() - started)
-            self.after_step(result, final=self.done())
+            final = self.done()  # once per step: the time budget must not flip between uses
+            self.after_step(result, final=final)
         return self.finish()
 
     def finish_after_catch_up(self) -> None:
@@ -336,9 +338,12 @@ class Trainer:
         """training.time_budget_s is spent; a federation island stops only right after an
         outer step, which all islands finish together, so they stop at the same one."""
         budget = self.cfg.training.time_budget_s
-        if not budget or time.monotonic() - self._started < budget:
+        if not budget or (self.outer is not None and self.outer.local_step != 0):
             return False
-        return self.outer is None or self.outer.local_step == 0
+        spent = float(time.monotonic() - self._started >= budget)
+        if self.ctx.world_size > 1:  # ranks' clocks differ: all must stop at the same step
+            spent = float(all_reduce_(torch.tensor(spent, device=self.ctx.device), self.ctx, op="max"))
+        return spent > 0
 
     @property
     def federation_token_budget(self) -> int:

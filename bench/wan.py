@@ -23,11 +23,13 @@ Reported per setting (markdown table on stdout, ratio column first; JSON with --
   minus what the bridge delivered to the lighthouse (its own veth), so each byte between
   islands counts once, at its sender; lighthouse bytes are reported apart. The whole run is
   counted (start-up, the join round's full-state exchange); `steady_bytes_per_token` is the
-  same over the rounds after the join round (DDP: between its first and last step record).
+  same over the rounds after the join round (DDP: between its first and second-to-last
+  step record).
 - utilisation of each island: `archipelago.metrics.islands.round_totals` (compute seconds /
   wall seconds from the end of the join round to the end of the last round). DDP logs no
   compute time, so there it is estimated: steps x the no-network step time / wall seconds
-  between its first and last step record; the no-network step time is the median
+  between its first and second-to-last step record (the last one also holds the final
+  evaluation; DDP logs every step here); the no-network step time is the median
   compute_s per inner step of the DiLoCo islands of this run (same per-rank batch, same two
   processes on the cores), or, when no DiLoCo setting runs, of two standalone islands
   trained for a few steps (calibration).
@@ -37,7 +39,12 @@ Reported per setting (markdown table on stdout, ratio column first; JSON with --
 Everything created (namespaces with their veths, bridge and qdiscs, processes) is removed
 at the end, also after Ctrl-C, SIGTERM, SIGHUP or an exception; leftovers of a crashed
 earlier run (namespaces named arch-wan-*, processes carrying an arch-wan-* token) are
-removed at the start. Needs root; as another user it prints why and exits 0.
+removed at the start; /run/arch-wan.lock keeps two runs apart. Run directories and logs
+stay in --work-dir. Needs root; as another user it prints why and exits 0.
+
+Every island gets LOCAL_ADDR (its namespace's address): islands advertise it to each
+other for the torchft manager and for recovery, since the host's name resolves to
+127.0.0.1 inside every namespace.
 
 Reproduce (measured on a 2-core CPU machine: about 7 minutes at the defaults, about 10 at
 20 Mbit/s; a run with --budget 25 took 4 minutes):
@@ -83,7 +90,7 @@ LOCK_FILE = Path("/run/arch-wan.lock")
 TBF_LATENCY_MS = 400  # queue depth of the shaper, as time at the link rate
 STOP_GRACE_S = 5.0
 STATUS_EVERY_S = 20.0
-TOOLS = ("ip", "tc", "unshare", "hostname", "sh")
+TOOLS = ("ip", "tc")
 # Inherited settings that would point a process at another job or address.
 STRIP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
              "TORCHELASTIC_RUN_ID", "TORCHFT_LIGHTHOUSE", "TORCHFT_MANAGER_PORT", "LOCAL_ADDR",
@@ -98,16 +105,16 @@ class Setting:
     args: tuple[str, ...] = ()
 
 
+STREAM_FRAGMENTS, STREAM_DELAY = 4, 2
 SETTINGS = {s.key: s for s in (
     Setting("a", "DDP all-reduce per step", ddp=True),
     Setting("b", "DiLoCo fp32", args=("--fault_tolerance.codec", "fp32")),
     Setting("c", "DiLoCo int8", args=("--fault_tolerance.codec", "int8")),
-    Setting("d", "DiLoCo top-k", args=("--fault_tolerance.codec", "topk")),
+    Setting("d", "DiLoCo top-k", args=("--fault_tolerance.codec", "topk")),  # 1 %, 2 bits (defaults)
     Setting("e", "streaming DiLoCo int8, overlap", args=(
-        "--fault_tolerance.codec", "int8", "--fault_tolerance.num_fragments", "4",
-        "--fault_tolerance.fragment_sync_delay", "2")),
+        "--fault_tolerance.codec", "int8", "--fault_tolerance.num_fragments", str(STREAM_FRAGMENTS),
+        "--fault_tolerance.fragment_sync_delay", str(STREAM_DELAY))),
 )}
-STREAM_FRAGMENTS, STREAM_DELAY = 4, 2
 
 
 class Interrupted(KeyboardInterrupt):
@@ -274,15 +281,10 @@ def teardown(token_prefix: str) -> list[str]:
 
 
 def in_namespace(ns: str, addr: str, cmd: list[str]) -> list[str]:
-    """`cmd` inside `ns`, in a UTS namespace of its own whose host name is `addr`.
-
-    torchft's checkpoint transport (recovery) advertises gethostname(); in a namespace the
-    host's real name resolves to an address the other namespaces cannot reach. An IP literal
-    as host name resolves to itself, with no /etc/hosts to write. `ip netns exec`, unshare
-    and sh all exec, so the pid we start is the program's own.
-    """
-    return ["ip", "netns", "exec", ns, "unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"',
-            addr, *cmd]
+    """`cmd` inside `ns`. Islands advertise `addr` to each other through LOCAL_ADDR (set in
+    their environment), also for recovery; `ip netns exec` execs, so the pid we start is
+    the program's own."""
+    return ["ip", "netns", "exec", ns, *cmd]
 
 
 @dataclass

@@ -250,3 +250,15 @@ def test_nccl_is_refused_where_it_would_be_handed_cpu_tensors():
     check_exchange_device(nccl, torch.device("cuda"))  # GPU buffers: fine
     check_exchange_device(replace(nccl, process_group="gloo", copy_pseudogradients_to_cpu=True),
                           torch.device("cpu"))
+
+
+@pytest.mark.parametrize("local_addr,host", [("10.77.0.11", "10.77.0.11"), ("fd00::11", "[fd00::11]")])
+def test_recovery_transport_advertises_local_addr(monkeypatch, local_addr, host):
+    from archipelago.federation.membership import _checkpoint_transport
+
+    monkeypatch.setenv("LOCAL_ADDR", local_addr)  # peers reach this island there, not by host name
+    transport = _checkpoint_transport(timedelta(seconds=5))
+    try:
+        assert transport.address().startswith(f"http://{host}:") and transport.address().endswith("/checkpoint/")
+    finally:
+        transport.shutdown(wait=False)

@@ -232,3 +232,15 @@ def test_resumed_run_follows_the_new_optimizer_settings(shakespeare, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["wall_s"] > 0
     assert summary["tokens_per_s"] == pytest.approx(summary["tokens"] / summary["wall_s"])
+
+
+@pytest.mark.timeout(300)
+def test_time_budget_stops_both_ranks_at_the_same_step_and_evaluates(shakespeare, tmp_path):
+    run = tmp_path / "run"
+    done = train(run, "--training.steps", "100000", "--training.time_budget_s", "4",
+                 "--training.val_every", "100000", "--checkpoint.interval", "100000", nproc=2)
+    assert done.returncode == 0, done.output[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0 < summary["steps"] < 100000 and summary["val_loss"] is not None  # the final step evaluated
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("step") == summary["steps"] and "val_loss" in r for r in records)

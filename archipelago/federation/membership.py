@@ -121,10 +121,31 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int) -> Any
         rank=bridge_rank, world_size=width, store_addr=host, store_port=port,
         lighthouse_addr=url, replica_id=f"island_{ft.replica_id}",
         hostname=os.environ.get("LOCAL_ADDR") or socket.gethostname(),
-        max_retries=ft.max_retries,
+        max_retries=ft.max_retries, checkpoint_transport=_checkpoint_transport(timeout),
     )
     manager._archipelago_store = store  # keep a self-hosted store alive as long as the manager
     return manager
+
+
+def _checkpoint_transport(timeout: timedelta) -> Any:
+    """torchft's HTTP transport for recovery, advertising LOCAL_ADDR when it is set.
+
+    torchft's own advertises this machine's host name, which peers on another network
+    (or in another network namespace) may not resolve to this island: a joining island
+    would then fail to fetch the global state, round after round.
+    """
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    advertised = os.environ.get("LOCAL_ADDR")
+
+    class AdvertisedHTTPTransport(HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            host = f"[{advertised}]" if ":" in advertised else advertised
+            return f"http://{host}:{port}/checkpoint/"
+
+    cls = AdvertisedHTTPTransport if advertised else HTTPTransport
+    return cls(timeout=timeout, num_chunks=0)
 
 
 # ---- fingerprints ------------------------------------------------------------------
