@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.installed
 
 
-.PHONY: setup demo demo-island test test-slow test-gpu bench bench-federation bench-heterogeneous docs clean
+.PHONY: setup demo demo-island test test-slow test-gpu bench bench-federation bench-heterogeneous bench-wan docs clean
 
 setup: $(STAMP) data
 
@@ -59,6 +59,10 @@ bench-federation: setup
 # Fast and slow islands (emulated 1:3 and 1:1): fixed steps vs time pacing; about 13 minutes.
 bench-heterogeneous: setup
 	$(BIN)/python bench/heterogeneous.py
+
+# DDP vs DiLoCo codecs over network namespaces with tbf-shaped links (needs root); about 7 minutes.
+bench-wan: setup
+	$(BIN)/python bench/wan.py
 
 docs: $(STAMP)
 	$(BIN)/archipelago config reference > docs/configuration.md
