@@ -313,7 +313,7 @@ class OuterLoop:
         """One bad island must not poison the others: check the update before it is sent."""
         # The island's norm over its bridge chunks; a NaN/inf anywhere makes it non-finite.
         sumsq = 0.0 if buffer is None else float(torch.linalg.vector_norm(buffer[:-2])) ** 2  # a device sync
-        pending.norm = math.sqrt(self._island_sum(sumsq))
+        pending.norm = math.sqrt(self._island_sums([sumsq])[0])
         pending.rejected = self.guard.check(fragment, pending.norm)
         if pending.rejected:
             pending.reset = True  # it takes the global weights, like a recovered island
@@ -364,13 +364,14 @@ class OuterLoop:
             self.federation_tokens += tokens
             if p.tokens:
                 self.tokens_ratio = tokens / p.tokens
+        sent, received = self._exchange_bytes(p)
         report = OuterReport(step=inner_step, outer_step=self.step, committed=committed,
                              participants=participants, contributors=total, fragment=p.fragment,
-                             healed=self.healed, bytes_sent=self._payload_bytes(p),
+                             healed=self.healed, bytes_sent=sent,
                              sync_s=p.prepare_s + time.perf_counter() - blocked_since,
                              inner_steps=self.round_steps, tokens=p.tokens, compute_s=self.round_compute_s,
                              weight=p.weight, federation_tokens=self.federation_tokens, norm=p.norm,
-                             rejected=p.rejected, codec=self.codec_name, bytes_received=self._received_bytes(p),
+                             rejected=p.rejected, codec=self.codec_name, bytes_received=received,
                              encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=decode_s,
                              overlap_s=blocked_since - p.started, exposed_s=exposed_s)
         self.round_steps, self.round_compute_s = 0, 0.0
@@ -437,22 +438,18 @@ class OuterLoop:
             log.error("refusing a peer island: %s", m)
         return bool(refused)
 
-    def _payload_bytes(self, p: _Pending) -> int:
-        """Bytes this island handed to the cross-island collectives (all its bridge ranks)."""
+    def _exchange_bytes(self, p: _Pending) -> tuple[int, int]:
+        """(sent, received) bytes of the island's bridge ranks in this exchange: what they
+        handed to the cross-island collective, and what came back from the other islands
+        (their payloads for an all-gather, the summed buffer for an all-reduce)."""
+        sent = received = 0
         if p.gathered is not None:
-            mine = p.gathered.outputs[0].numel()  # every payload has the same size
-        else:
-            mine = 0 if p.buffer is None else p.buffer.numel() * p.buffer.element_size()
-        return int(self._island_sum(float(mine)))
-
-    def _received_bytes(self, p: _Pending) -> int:
-        """Bytes that came back from the other islands: their payloads (all-gather), or the
-        summed buffer (all-reduce)."""
-        if p.gathered is not None:
-            mine = sum(t.numel() for t in p.gathered.outputs[1:]) if len(p.gathered.outputs) > 1 else 0
-        else:
-            mine = 0 if p.buffer is None else p.buffer.numel() * p.buffer.element_size()
-        return int(self._island_sum(float(mine)))
+            sent = p.gathered.outputs[0].numel()  # every payload has the same size
+            received = sent * (len(p.gathered.outputs) - 1)
+        elif p.buffer is not None:
+            sent = received = p.buffer.numel() * p.buffer.element_size()
+        totals = self._island_sums([float(sent), float(received)])
+        return int(totals[0]), int(totals[1])
 
     # ---- recovery (torchft's checkpoint transport) ---------------------------------
 
@@ -509,11 +506,11 @@ class OuterLoop:
             dist.all_reduce(t, op=ReduceOp.MAX, group=self.group)
         return t.tolist()
 
-    def _island_sum(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
+    def _island_sums(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(t, group=self.group)
-        return float(t[0])
+        return t.tolist()
 
     def _island_gather_objects(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
