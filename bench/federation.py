@@ -50,7 +50,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 # Inherited by every process a run starts (islands and torchrun ranks start sessions of
@@ -477,19 +477,27 @@ def stop_process(proc: subprocess.Popen[Any]) -> None:
             proc.wait(timeout=STOP_GRACE_S)
 
 
-def kill_token(token: str, timeout_s: float = 10.0) -> None:
-    """SIGKILL every process carrying our token until none is left."""
-    deadline = time.monotonic() + timeout_s
+def kill_until_gone(find: Callable[[], Iterable[int]], timeout_s: float = 10.0) -> int:
+    """SIGKILL what `find` returns until it returns nothing (a dying parent may still fork);
+    returns how many kills landed."""
+    hit, deadline = 0, time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        pids = processes_with_token(token)
+        pids = list(find())
         if not pids:
-            return
+            break
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
+                hit += 1
             except (ProcessLookupError, PermissionError):
                 pass
         time.sleep(0.1)
+    return hit
+
+
+def kill_token(token: str, timeout_s: float = 10.0) -> None:
+    """SIGKILL every process carrying our token until none is left."""
+    kill_until_gone(lambda: processes_with_token(token), timeout_s)
 
 
 @dataclass
@@ -752,12 +760,13 @@ def kill_drill(args: argparse.Namespace, root: Path, federation: dict[str, Any],
 # ------------------------------------------------------------------- report
 
 
+def num(value: float | None, fmt: str) -> str:
+    """`value` formatted for a table cell; "-" when there is none."""
+    return "-" if value is None else format(value, fmt)
+
+
 def print_tables(result: dict[str, Any]) -> None:
     fed, ddp, kill = result["federation"], result["ddp"], result["kill"]
-
-    def num(value: float | None, fmt: str) -> str:
-        return "-" if value is None else format(value, fmt)
-
     print(f"\nllama3 debug, {result['batch_size']} x {result['seq_len']} tokens per island (DDP rank) "
           f"per step; federation: 2 islands x 1 rank, {result['steps']} steps, sync every "
           f"{result['sync_steps']}; DDP: 2 ranks, {ddp['steps']} steps; bytes: {fed['traffic']['method']}\n")

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Process handling shared with the federation benchmark: a unique token in every started
 # process's environment, everything carrying it killed by PID on timeout/error/Ctrl-C.
-from federation import REPO, outer_steps, run_job, run_main  # noqa: E402
+from federation import REPO, num, outer_steps, ratio, run_job, run_main  # noqa: E402
 
 from archipelago.metrics.islands import round_totals  # noqa: E402
 
@@ -169,15 +169,7 @@ def min_util(run: dict[str, Any]) -> float | None:
     return min(utils) if utils else None
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 # ------------------------------------------------------------------ report
-
-
-def num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
 
 
 def per_island(run: dict[str, Any], key: str, fmt: str) -> str:

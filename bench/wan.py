@@ -71,12 +71,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
-from federation import BENCH_TOKEN_ENV, process_env, read_jsonl, stop_process  # noqa: E402
+from federation import (BENCH_TOKEN_ENV, kill_until_gone, num, process_env, ratio, read_jsonl,  # noqa: E402
+                        stop_process)
 
 PREFIX = "arch-wan-"  # every namespace, and every process token, of this benchmark
 NET_NS = PREFIX + "net"  # holds the bridge and the bridge-side veth ends
@@ -248,30 +249,13 @@ def pids_in_namespace(ns: str) -> list[int]:
     return [int(p) for p in done.stdout.split() if p.isdigit() and int(p) != os.getpid()]
 
 
-def kill_pids(find: Callable[[], list[int]], timeout_s: float = 10.0) -> int:
-    """SIGKILL what `find` returns until it returns nothing (a dying parent may still fork)."""
-    hit, deadline = 0, time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        pids = find()
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                hit += 1
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(0.1)
-    return hit
-
-
 def teardown(token_prefix: str) -> list[str]:
     """Kill our processes and delete our namespaces (their veths, bridge and qdiscs go with
     them). Idempotent; returns what it removed, for the log."""
     removed = []
-    count = kill_pids(lambda: pids_with_token_prefix(token_prefix))
+    count = kill_until_gone(lambda: pids_with_token_prefix(token_prefix))
     for ns in our_namespaces():
-        count += kill_pids(lambda ns=ns: pids_in_namespace(ns))  # what runs in our namespaces is ours
+        count += kill_until_gone(lambda ns=ns: pids_in_namespace(ns))  # what runs in our namespaces is ours
     if count:
         removed.append(f"{count} processes")
     for ns in our_namespaces():
@@ -324,7 +308,7 @@ def stop_all(procs: list[Proc], token: str) -> None:
         time.sleep(0.1)
     for proc in procs:
         stop_process(proc.popen)
-    kill_pids(lambda: pids_with_token_prefix(token))
+    kill_until_gone(lambda: pids_with_token_prefix(token))
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
@@ -548,8 +532,8 @@ def run_setting(setting: Setting, args: argparse.Namespace, wan: Wan, root: Path
     result.update(setting=setting.key, name=setting.name, ok=True, wall_s=wall, run_dir=str(run_dir),
                   bytes_per_token=traffic["wan_bytes"] / tokens if tokens else None, **traffic)
     print(f"[{label}] done in {wall:.0f} s: {tokens:,} tokens, WAN {traffic['wan_bytes'] / 1e6:.1f} MB "
-          f"({fmt(result['bytes_per_token'], ',.0f')} B/token), utilisation "
-          f"{' / '.join(fmt(u, '.2f') for u in result['utilisation'])}, val loss {fmt(result['val_loss'], '.4f')}",
+          f"({num(result['bytes_per_token'], ',.0f')} B/token), utilisation "
+          f"{' / '.join(num(u, '.2f') for u in result['utilisation'])}, val loss {num(result['val_loss'], '.4f')}",
           flush=True)
     return result
 
@@ -721,18 +705,10 @@ def link_check(wan: Wan, run_id: str, threads: int) -> float:
         return float(done.stdout.strip())
     finally:
         stop_process(server)
-        kill_pids(lambda: pids_with_token_prefix(token))
+        kill_until_gone(lambda: pids_with_token_prefix(token))
 
 
 # ------------------------------------------------------------------ report
-
-
-def fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def print_table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> None:
@@ -740,7 +716,7 @@ def print_table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Non
     print(f"\n{meta['model']}, 2 islands x 1 CPU rank, batch {meta['batch_size']} x {meta['seq_len']} tokens "
           f"per island (DDP: global batch {ISLANDS * meta['batch_size']}); {meta['budget_s']:g} s budget per "
           f"setting; links shaped to {meta['rate_mbit']:g} Mbit/s each way (measured "
-          f"{fmt(meta['link_mbit'], '.1f')} Mbit/s){', +%g ms delay' % meta['delay_ms'] if meta['delay_ms'] else ''}; "
+          f"{num(meta['link_mbit'], '.1f')} Mbit/s){', +%g ms delay' % meta['delay_ms'] if meta['delay_ms'] else ''}; "
           f"DiLoCo sync every {meta['sync_steps']} inner steps (streaming: {STREAM_FRAGMENTS} fragments, "
           f"delay {STREAM_DELAY})\n")
     print("| DDP bytes/token / this bytes/token | setting | WAN bytes/token | steady ratio | steady bytes/token "
@@ -752,16 +728,16 @@ def print_table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Non
         if not r.get("ok"):
             print(f"| - | {label} | failed: {r.get('error', '?').splitlines()[0]} | | | | | | | | |")
             continue
-        val = fmt(r["val_loss"], ".4f") + ("" if r["val_loss_at_final_step"] else " (not final)")
-        print(f"| {fmt(ratio(ddp.get('bytes_per_token'), r['bytes_per_token']), '.1f')} | {label} "
-              f"| {fmt(r['bytes_per_token'], ',.0f')} "
-              f"| {fmt(ratio(ddp.get('steady_bytes_per_token'), r['steady_bytes_per_token']), '.1f')} "
-              f"| {fmt(r['steady_bytes_per_token'], ',.0f')} | {r['wan_bytes'] / 1e6:,.1f} "
-              f"| {' / '.join(fmt(u, '.2f') for u in r['utilisation'])} | {r['tokens']:,} | {val} "
+        val = num(r["val_loss"], ".4f") + ("" if r["val_loss_at_final_step"] else " (not final)")
+        print(f"| {num(ratio(ddp.get('bytes_per_token'), r['bytes_per_token']), '.1f')} | {label} "
+              f"| {num(r['bytes_per_token'], ',.0f')} "
+              f"| {num(ratio(ddp.get('steady_bytes_per_token'), r['steady_bytes_per_token']), '.1f')} "
+              f"| {num(r['steady_bytes_per_token'], ',.0f')} | {r['wan_bytes'] / 1e6:,.1f} "
+              f"| {' / '.join(num(u, '.2f') for u in r['utilisation'])} | {r['tokens']:,} | {val} "
               f"| {r['rounds']} | {r['lighthouse_bytes'] / 1e3:,.0f} |")
     if "a" in results and results["a"].get("ok"):
-        print(f"\nDDP utilisation is an estimate: steps x {fmt(results['a']['no_network_step_s'], '.3f')} s "
-              f"(no-network step time) / wall time; one DDP step took {fmt(results['a']['step_wall_s'], '.2f')} s.")
+        print(f"\nDDP utilisation is an estimate: steps x {num(results['a']['no_network_step_s'], '.3f')} s "
+              f"(no-network step time) / wall time; one DDP step took {num(results['a']['step_wall_s'], '.2f')} s.")
     print("WAN bytes: counted on the bridge ports, each byte between islands once (at its sender), start-up "
           "included; steady: rounds after the join round only. Utilisation: compute s / wall s after joining.")
 
