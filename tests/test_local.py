@@ -181,8 +181,21 @@ def test_bad_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> N
     assert local.main(["--islands", "2,1", "--kill", "2@5"]) == 2
     assert local.main(["--islands", "1", "--kill", "zero@5"]) == 2
     assert "ISLAND@SECONDS" in capsys.readouterr().err
+    assert local.main(["--islands", "2,1", "--slowdown", "1"]) == 2  # one factor per island
+    assert "one factor per island" in capsys.readouterr().err
+    assert local.main(["--islands", "2,1", "--slowdown", "0.5,1"]) == 2
+    assert local.main(["--islands", "2,1", "--inject", "2:nan@3"]) == 2
+    assert local.main(["--islands", "2,1", "--inject", "1:zero@3"]) == 2
+    assert "ISLAND:KIND@ROUND" in capsys.readouterr().err
     assert local.main(["--help"]) == 0
     assert "--restart-after" in capsys.readouterr().out
+
+
+def test_slowdown_and_inject_reach_only_their_island(monkeypatch: pytest.MonkeyPatch) -> None:
+    opts = local.parse_args(["--islands", "2,1", "--slowdown", "1,3", "--inject", "1:scale1000@4"])
+    assert opts.slowdowns == [1.0, 3.0] and opts.injections == {1: "scale1000@4"}
+    monkeypatch.setenv("ARCHIPELAGO_INJECT", "nan@1")  # the launcher's own environment never leaks
+    assert "ARCHIPELAGO_INJECT" not in local.island_env("t", "http://h:1", 3)
 
 
 @pytest.mark.timeout(60)

@@ -9,7 +9,6 @@ the expected global weights are computed here, independently of the outer loop.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from itertools import accumulate
 
@@ -23,15 +22,10 @@ from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.diloco import OuterLoop
 from archipelago.federation.guard import Poison, UpdateGuard, parse_poison
 from archipelago.federation.membership import fingerprint
+from test_island import _free_port
 
 ROUND = 2           # inner steps per round
 TOKENS = [100, 300, 50]  # tokens per inner step of island 0, 1, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> nn.Module:

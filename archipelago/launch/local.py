@@ -84,14 +84,19 @@ class Options:
     injections: dict[int, str] = field(default_factory=dict)  # island -> KIND@ROUND
 
 
-def _islands_arg(text: str) -> list[int]:
+def _number_list(text: str, kind: type, least: float, expected: str) -> list:
+    """A comma-separated list of `kind` numbers, each at least `least` (argparse type)."""
     try:
-        counts = [int(part) for part in text.split(",")]
+        values = [kind(part) for part in text.split(",")]
     except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected rank counts like 2,1 (each at least 1)")
-    return counts
+        values = []
+    if not values or min(values) < least:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
+    return values
+
+
+def _islands_arg(text: str) -> list[int]:
+    return _number_list(text, int, 1, "rank counts like 2,1 (each at least 1)")
 
 
 def _kill_arg(text: str) -> tuple[int, float]:
@@ -106,13 +111,7 @@ def _kill_arg(text: str) -> tuple[int, float]:
 
 
 def _slowdown_arg(text: str) -> list[float]:
-    try:
-        factors = [float(part) for part in text.split(",")]
-    except ValueError:
-        factors = []
-    if not factors or min(factors) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected one factor >= 1 per island, e.g. 1,3")
-    return factors
+    return _number_list(text, float, 1, "one factor >= 1 per island, e.g. 1,3")
 
 
 def _inject_arg(text: str) -> tuple[int, str]:
