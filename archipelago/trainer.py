@@ -470,6 +470,7 @@ class Trainer:
     def after_step(self, result: StepResult, final: bool) -> None:
         step, t = self.progress.step, self.cfg.training
         self.metrics.observe(step, result.loss)
+        began = time.perf_counter()
         val_loss = None
         if t.val_every and (step % t.val_every == 0 or final):
             with self.metrics.untimed():  # throughput counts training time only
@@ -480,6 +481,8 @@ class Trainer:
             if val_loss is not None:
                 self.progress.val_loss = val_loss
         self.save_checkpoint(final=final)
+        if self.outer is not None:  # busy, but neither training nor waiting on other islands
+            self.outer.add_untimed(time.perf_counter() - began)
 
     def check_finite(self) -> None:
         """Stop on a NaN/inf loss seen since the last check (a host sync point)."""

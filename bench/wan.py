@@ -13,7 +13,8 @@ runs for the same wall-clock budget (--budget, `training.time_budget_s`) in each
 
   a  DDP: one 2-rank job, one rank per island namespace (torchrun --nnodes 2, static
      rendezvous), gradients all-reduced over the WAN every step, global batch 2 x 8
-  b  DiLoCo fp32          c  DiLoCo int8          d  DiLoCo top-k (1 %, 2 bits)
+  b  DiLoCo fp32          c  DiLoCo int8
+  d  DiLoCo top-k (5 % of every 256 values, 1 bit each; outer SGD without momentum)
   e  streaming DiLoCo, int8, 4 fragments, fragment_sync_delay 2 (exchange overlaps steps)
 
 Reported per setting (markdown table on stdout, ratio column first; JSON with --out):
@@ -22,7 +23,8 @@ Reported per setting (markdown table on stdout, ratio column first; JSON with --
   every --sample-s seconds during it. WAN bytes = what the islands sent into the bridge
   minus what the bridge delivered to the lighthouse (its own veth), so each byte between
   islands counts once, at its sender; lighthouse bytes are reported apart. The whole run is
-  counted (start-up, the join round's full-state exchange); `steady_bytes_per_token` is the
+  counted (start-up and the join round: DiLoCo islands start from the same seeded weights
+  with `init_sync = false`, DDP broadcasts rank 0's); `steady_bytes_per_token` is the
   same over the rounds after the join round (DDP: between its first and second-to-last
   step record).
 - utilisation of each island: `archipelago.metrics.islands.round_totals` (compute seconds /
@@ -111,7 +113,10 @@ SETTINGS = {s.key: s for s in (
     Setting("a", "DDP all-reduce per step", ddp=True),
     Setting("b", "DiLoCo fp32", args=("--fault_tolerance.codec", "fp32")),
     Setting("c", "DiLoCo int8", args=("--fault_tolerance.codec", "int8")),
-    Setting("d", "DiLoCo top-k", args=("--fault_tolerance.codec", "topk")),  # 1 %, 2 bits (defaults)
+    # top-k at its defaults (5 % of every 256 values, 1 bit each), with the plain outer SGD that
+    # suits error feedback (docs/codecs.md).
+    Setting("d", "DiLoCo top-k", args=("--fault_tolerance.codec", "topk", "--fault_tolerance.outer_momentum", "0",
+                                       "--fault_tolerance.outer_lr", "1.0", "--fault_tolerance.no_outer_nesterov")),
     Setting("e", "streaming DiLoCo int8, overlap", args=(
         "--fault_tolerance.codec", "int8", "--fault_tolerance.num_fragments", str(STREAM_FRAGMENTS),
         "--fault_tolerance.fragment_sync_delay", str(STREAM_DELAY))),
@@ -404,13 +409,14 @@ class Sampler:
 
 def train_args(args: argparse.Namespace, run_dir: Path, batch: int, steps: int | None = None) -> list[str]:
     """What every setting shares: the same model, data, per-island batch and time budget.
-    Without `steps` the step count is out of reach, so the budget ends the run, and so is
-    val_every, so only the start and the final step evaluate (the final step always does)."""
+    Without `steps` the step count is out of reach, so the budget ends the run; the
+    islands evaluate at the start, at --equal-steps (equal tokens in every DiLoCo setting)
+    and at their final step."""
     if steps is not None:  # calibration: a fixed short run, no evaluation
         limits = ["--training.steps", str(steps), "--training.val_every", "0", "--lr_scheduler.warmup_steps", "2"]
     else:
         limits = ["--training.steps", "1000000", "--training.time_budget_s", f"{args.budget:g}",
-                  "--training.val_every", "1000000"]
+                  "--training.val_every", str(args.equal_steps)]
     return ["--config", str(args.config), "--job.run_dir", str(run_dir), *limits,
             "--training.batch_size", str(batch), "--checkpoint.no_enable", "--metrics.no_tensorboard",
             "--metrics.progress", "plain"]
@@ -442,7 +448,10 @@ def run_federation(setting: Setting, args: argparse.Namespace, wan: Wan, run_dir
                "--fault_tolerance.group_size", str(ISLANDS), "--fault_tolerance.lighthouse", url,
                "--fault_tolerance.sync_steps", str(args.sync_steps),
                "--fault_tolerance.process_group_timeout_ms", str(exchange_timeout_ms(args)),
-               "--fault_tolerance.connect_timeout_ms", "60000", *setting.args, *args.extra]
+               "--fault_tolerance.connect_timeout_ms", "60000",
+               # Both islands initialise the same weights from the seed (checked at the join), so
+               # none downloads them at the start, as DDP ranks need not either (DDP broadcasts them).
+               "--fault_tolerance.no_init_sync", *setting.args, *args.extra]
         islands.append(start(f"island-{k}", in_namespace(wan.island_ns(k), addr, cmd), island_env,
                              run_dir / f"island-{k}.log"))
     return islands, [lighthouse]
@@ -527,7 +536,7 @@ def run_setting(setting: Setting, args: argparse.Namespace, wan: Wan, root: Path
     traffic = sampler.totals()
     wall = time.monotonic() - t0
     result = (ddp_result(run_dir, sampler, step_time_s) if setting.ddp
-              else federation_result(run_dir, sampler))
+              else federation_result(run_dir, sampler, args.equal_steps))
     tokens = result["tokens"]
     result.update(setting=setting.key, name=setting.name, ok=True, wall_s=wall, run_dir=str(run_dir),
                   bytes_per_token=traffic["wan_bytes"] / tokens if tokens else None, **traffic)
@@ -556,7 +565,15 @@ def final_val(folder: Path, summary: dict[str, Any]) -> tuple[float | None, bool
     return summary.get("val_loss"), at_final
 
 
-def federation_result(run_dir: Path, sampler: Sampler) -> dict[str, Any]:
+def val_at(folder: Path, step: int) -> float | None:
+    """The validation loss logged at `step`, if the run evaluated there."""
+    for r in read_jsonl(folder / "metrics.jsonl"):
+        if "event" not in r and r.get("step") == step and r.get("val_loss") is not None:
+            return float(r["val_loss"])
+    return None
+
+
+def federation_result(run_dir: Path, sampler: Sampler, equal_steps: int) -> dict[str, Any]:
     from archipelago.metrics.islands import island_records, outer_records, round_totals
 
     islands = []
@@ -566,7 +583,8 @@ def federation_result(run_dir: Path, sampler: Sampler) -> dict[str, Any]:
         outer = outer_records(island_records(folder))
         totals = round_totals(outer)
         val, at_final = final_val(folder, summary)
-        islands.append({"summary": summary, "outer": outer, "totals": totals, "val": val, "val_final": at_final})
+        islands.append({"summary": summary, "outer": outer, "totals": totals, "val": val, "val_final": at_final,
+                        "val_equal": val_at(folder, equal_steps)})
     steady = steady_window(sampler, [i["outer"] for i in islands])
     window_tokens = sum(i["totals"]["tokens"] for i in islands)
     vals = [i["val"] for i in islands if i["val"] is not None]
@@ -577,6 +595,10 @@ def federation_result(run_dir: Path, sampler: Sampler) -> dict[str, Any]:
         "val_loss": statistics.fmean(vals) if vals else None,
         "val_loss_per_island": [i["val"] for i in islands],
         "val_loss_at_final_step": all(i["val_final"] for i in islands),
+        "val_loss_equal_tokens": (statistics.fmean(i["val_equal"] for i in islands)
+                                  if all(i["val_equal"] is not None for i in islands) else None),
+        "equal_tokens": sum(equal_steps * int(i["summary"]["tokens"]) // max(int(i["summary"]["steps"]), 1)
+                            for i in islands),
         "utilisation": [i["totals"]["utilisation"] for i in islands],
         "rounds": max(len(i["outer"]) for i in islands) - 1,  # after the join round
         "inner_steps": [int(i["summary"]["steps"]) for i in islands],
@@ -719,14 +741,17 @@ def print_table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Non
           f"{num(meta['link_mbit'], '.1f')} Mbit/s){', +%g ms delay' % meta['delay_ms'] if meta['delay_ms'] else ''}; "
           f"DiLoCo sync every {meta['sync_steps']} inner steps (streaming: {STREAM_FRAGMENTS} fragments, "
           f"delay {STREAM_DELAY})\n")
+    fp32 = results.get("b", {}).get("val_loss_equal_tokens") if results.get("b", {}).get("ok") else None
+    equal = next((r["equal_tokens"] for r in results.values() if r.get("equal_tokens")), None)
     print("| DDP bytes/token / this bytes/token | setting | WAN bytes/token | steady ratio | steady bytes/token "
-          "| WAN MB | utilisation i0 / i1 | tokens | val loss | rounds (DDP: steps) | lighthouse KB |")
-    print("|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+          f"| WAN MB | utilisation i0 / i1 | tokens | val loss (final) | val loss at {num(equal, ',.0f')} tokens "
+          "| vs fp32 | rounds (DDP: steps) | lighthouse KB |")
+    print("|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for key in sorted(results):
         r = results[key]
         label = f"{key} {r.get('name', SETTINGS[key].name)}"
         if not r.get("ok"):
-            print(f"| - | {label} | failed: {r.get('error', '?').splitlines()[0]} | | | | | | | | |")
+            print(f"| - | {label} | failed: {r.get('error', '?').splitlines()[0]} | | | | | | | | | | |")
             continue
         val = num(r["val_loss"], ".4f") + ("" if r["val_loss_at_final_step"] else " (not final)")
         print(f"| {num(ratio(ddp.get('bytes_per_token'), r['bytes_per_token']), '.1f')} | {label} "
@@ -734,12 +759,22 @@ def print_table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Non
               f"| {num(ratio(ddp.get('steady_bytes_per_token'), r['steady_bytes_per_token']), '.1f')} "
               f"| {num(r['steady_bytes_per_token'], ',.0f')} | {r['wan_bytes'] / 1e6:,.1f} "
               f"| {' / '.join(num(u, '.2f') for u in r['utilisation'])} | {r['tokens']:,} | {val} "
+              f"| {num(r.get('val_loss_equal_tokens'), '.4f')} | {relative(r.get('val_loss_equal_tokens'), fp32)} "
               f"| {r['rounds']} | {r['lighthouse_bytes'] / 1e3:,.0f} |")
     if "a" in results and results["a"].get("ok"):
         print(f"\nDDP utilisation is an estimate: steps x {num(results['a']['no_network_step_s'], '.3f')} s "
               f"(no-network step time) / wall time; one DDP step took {num(results['a']['step_wall_s'], '.2f')} s.")
     print("WAN bytes: counted on the bridge ports, each byte between islands once (at its sender), start-up "
-          "included; steady: rounds after the join round only. Utilisation: compute s / wall s after joining.")
+          "included; steady: rounds after the join round only. Utilisation: compute s / (wall s after joining - "
+          "evaluation s). Equal tokens: every island's evaluation at the same step (--equal-steps); vs fp32: "
+          "that loss relative to DiLoCo fp32's.")
+
+
+def relative(value: float | None, reference: float | None) -> str:
+    """`value` against `reference` in percent, signed ('-' when either is missing)."""
+    if value is None or not reference:
+        return "-"
+    return f"{100 * (value / reference - 1):+.1f}%"
 
 
 # ------------------------------------------------------------------ main
@@ -749,7 +784,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", default="a,b,c,d,e",
                    help="comma-separated subset of a (DDP), b (fp32), c (int8), d (top-k), e (streaming int8)")
-    p.add_argument("--budget", type=float, default=60.0, help="wall-clock seconds of training per setting")
+    p.add_argument("--budget", type=float, default=90.0, help="wall-clock seconds of training per setting")
+    p.add_argument("--equal-steps", type=int, default=120,
+                   help="inner steps at which every setting evaluates, to compare validation loss at equal "
+                        "tokens (DiLoCo settings reach it within the default budget)")
     p.add_argument("--rate-mbit", type=float, default=100.0, help="each island link's rate, both directions")
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="also add this one-way delay per shaped direction with netem (default off; needs netem)")
@@ -780,8 +818,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--subnet: {exc}")
     if args.subnet.version != 4 or args.subnet.prefixlen > 24 or not args.subnet.is_private:
         p.error("--subnet: expected a private IPv4 network of at least /24, e.g. 10.77.0.0/24")
-    if args.budget <= 0 or args.rate_mbit <= 0 or args.sync_steps < 1:
-        p.error("--budget, --rate-mbit and --sync-steps must be positive")
+    if args.budget <= 0 or args.rate_mbit <= 0 or args.sync_steps < 1 or args.equal_steps < 1:
+        p.error("--budget, --rate-mbit, --sync-steps and --equal-steps must be positive")
     per_fragment = args.sync_steps // STREAM_FRAGMENTS
     if "e" in args.keys and (args.sync_steps % STREAM_FRAGMENTS or STREAM_DELAY >= per_fragment):
         p.error(f"--sync-steps {args.sync_steps}: streaming (e) needs a multiple of {STREAM_FRAGMENTS} above "
@@ -881,9 +919,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     run_id = uuid.uuid4().hex[:8]
     wan = Wan(args.subnet, args.rate_mbit, args.delay_ms)
-    # Per setting: start-up and the join round (about 90 MB: an exchange plus the recovering
-    # island's copy of weights and outer momentum) besides the budget; measured on 2 cores.
-    est = len(args.keys) * (args.budget + 30 + 90e6 * 8 / (args.rate_mbit * 1e6)) + 20
+    # Per setting: start-up, the join round and the final evaluation besides the budget;
+    # measured on 2 cores.
+    est = len(args.keys) * (args.budget + 40) + 20
     print(f"bench/wan.py: settings {','.join(args.keys)}, about {est / 60:.0f} minutes", flush=True)
     _set_signals(_interrupt)
     code = 0

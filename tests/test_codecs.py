@@ -43,18 +43,59 @@ def test_payload_size_depends_only_on_the_length():
         assert codec.encode(_signal(777, 1)).numel() == codec.encode(_signal(777, 2) * 1e6).numel()
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 7, 8, 12, 16])
 def test_bit_packing_round_trips(bits):
-    codes = torch.randint(0, 2 ** bits, (1001,), dtype=torch.uint8)
+    codes = torch.randint(0, 2 ** bits, (1001,), dtype=torch.int32)
     packed = _pack(codes, bits)
-    assert packed.numel() == -(-1001 * bits // 8)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-1001 * bits // 8)
     assert torch.equal(_unpack(packed, bits, 1001), codes)
+    if bits == 8:  # an independent reference: 8-bit codes are the bytes themselves
+        assert torch.equal(packed, codes.to(torch.uint8))
 
 
-@pytest.mark.parametrize("bits", [2, 8])
+def test_topk_payload_is_scales_indices_and_codes():
+    # 1000 values in chunks of 256: 4 chunks, 13 of 256 sent per chunk (5%), 8-bit indices.
+    codec = TopKCodec(1000, 0.05, 2, chunk=256)
+    assert (codec.chunks, codec.k, codec.index_bits) == (4, 13, 8)
+    assert codec.payload_bytes() == 4 * 4 + 4 * 13 * 8 // 8 + -(-4 * 13 * 2 // 8)
+
+
+def test_topk_sends_the_largest_values_of_every_chunk():
+    x = _signal(800, 5)
+    x[:400] *= 1e-3  # a quiet first half still sends its own largest values
+    codec = TopKCodec(800, 0.1, 8, chunk=200)
+    sent = codec.decode(codec.encode(x)).view(4, 200)
+    for c in range(4):
+        expected = set(torch.sort(x.view(4, 200)[c].abs(), descending=True).indices[:codec.k].tolist())
+        assert set(torch.nonzero(sent[c]).flatten().tolist()) == expected, f"chunk {c}"
+    picked = sent != 0
+    assert torch.equal(torch.sign(sent[picked]), torch.sign(x.view(4, 200)[picked]))
+
+
+def test_topk_magnitudes_stay_between_the_chunk_scales():
+    x = _signal(4096, 6)
+    codec = TopKCodec(4096, 0.05, 2, chunk=1024)
+    decoded = codec.decode(codec.encode(x)).view(4, 1024)
+    original = x.view(4, 1024)
+    for c in range(4):
+        sent = decoded[c] != 0
+        low, high = original[c][sent].abs().min(), original[c][sent].abs().max()
+        magnitudes = decoded[c][sent].abs()
+        # Two levels at 2 bits (one sign bit): the chunk's smallest and largest sent magnitude (bf16).
+        assert set(magnitudes.tolist()) <= {low.to(torch.bfloat16).item(), high.to(torch.bfloat16).item()}
+    signs = TopKCodec(4096, 0.05, 1, chunk=1024)  # 1 bit: the sign, times the chunk's mean sent magnitude
+    assert signs.payload_bytes() == 4 * 2 + -(-4 * 51 * 10 // 8) + -(-4 * 51 // 8)
+    decoded = signs.decode(signs.encode(x)).view(4, 1024)
+    for c in range(4):
+        sent = decoded[c] != 0
+        mean = original[c][sent].abs().mean().to(torch.bfloat16).item()
+        assert torch.equal(decoded[c][sent], torch.sign(original[c][sent]) * mean)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 8])
 def test_topk_with_error_feedback_sends_the_whole_signal_over_rounds(bits):
     numel, rounds = 2000, 300
-    sender, receiver = TopKCodec(numel, 0.02, bits), TopKCodec(numel, 0.02, bits)
+    sender, receiver = TopKCodec(numel, 0.02, bits, 512), TopKCodec(numel, 0.02, bits, 512)
     inputs, sent = torch.zeros(numel), torch.zeros(numel)
     for r in range(rounds):
         x = _signal(numel, seed=r)
@@ -64,7 +105,7 @@ def test_topk_with_error_feedback_sends_the_whole_signal_over_rounds(bits):
         torch.testing.assert_close(inputs - sent, sender.error, rtol=0, atol=1e-3)
     # The residue stays bounded while the sums grow: the relative gap shrinks with rounds.
     assert (inputs - sent).norm() / inputs.norm() < 0.25
-    assert sender.payload_bytes() < 0.03 * 4 * numel  # ~2% of the values, plus their indices
+    assert sender.payload_bytes() < 0.03 * 4 * numel  # a few % of the values at 2-14 bits each
 
 
 def test_topk_error_feedback_survives_a_state_round_trip():

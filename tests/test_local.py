@@ -346,6 +346,8 @@ def test_round_totals_measure_utilisation_from_the_end_of_the_join_round():
                {"time": 110.0, "inner_steps": 3, "tokens": 300, "compute_s": 9.0, "sync_s": 1.0},
                {"time": 120.0, "inner_steps": 4, "tokens": 400, "compute_s": 7.0, "sync_s": 3.0}]
     totals = round_totals(records)
-    assert totals == {"inner_steps": 7, "tokens": 700, "compute_s": 16.0, "wait_s": 4.0,
+    assert totals == {"inner_steps": 7, "tokens": 700, "compute_s": 16.0, "wait_s": 4.0, "untimed_s": 0.0,
                       "window_s": 20.0, "utilisation": 0.8}
     assert round_totals(records[:1])["utilisation"] is None
+    records[2]["untimed_s"] = 4.0  # an evaluation in the second round: neither compute nor waiting
+    assert round_totals(records)["utilisation"] == 16.0 / 16.0

@@ -47,7 +47,7 @@ def _set_flat(model: nn.Module, flat: torch.Tensor) -> None:
         torch.nn.utils.vector_to_parameters(flat, model.parameters())
 
 
-def _manager(lighthouse: str, island: int, bridge: int, width: int, store_port: int):
+def _manager(lighthouse: str, island: int, bridge: int, width: int, store_port: int, init_sync: bool = True):
     from torchft import Manager
     from torchft.process_group import ProcessGroupGloo
 
@@ -55,27 +55,31 @@ def _manager(lighthouse: str, island: int, bridge: int, width: int, store_port: 
                    min_replica_size=2, use_async_quorum=False, timeout=timedelta(seconds=30),
                    quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=10),
                    rank=bridge, world_size=width, store_addr="127.0.0.1", store_port=store_port,
-                   lighthouse_addr=lighthouse, replica_id=f"island_{island}")
+                   lighthouse_addr=lighthouse, replica_id=f"island_{island}", init_sync=init_sync)
 
 
 def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, rounds: int,
-            lighthouse: str, store_ports: list[int], poisons: dict, codec: str, out: dict) -> None:
+            lighthouse: str, store_ports: list[int], poisons: dict, codec: str, init_sync: bool,
+            out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=proc, world_size=sum(sizes))
     starts = [0, *accumulate(sizes)]
     groups = [dist.new_group(list(range(a, a + n))) for a, n in zip(starts, sizes)]  # every process makes all
     island = max(k for k, a in enumerate(starts[:-1]) if proc >= a)
     rank = proc - starts[island]
-    manager = _manager(lighthouse, island, rank, width, store_ports[island]) if rank < width else None
+    manager = _manager(lighthouse, island, rank, width, store_ports[island], init_sync) if rank < width else None
     try:
         ft = FaultToleranceConfig(enable=True, group_size=len(sizes), min_replica_size=len(sizes),
                                   replica_id=island, sync_steps=ROUND, semi_sync_method="local_sgd",
                                   outer_weighting=weighting, sync_width=width, codec=codec,
-                                  topk_fraction=0.1, codec_block_size=16)
+                                  topk_fraction=0.1, codec_block_size=16, init_sync=init_sync)
         model = _model()
         fp = fingerprint("two-linears", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, sizes[island])
         outer = OuterLoop(ft, [list(model.parameters())], rank, sizes[island], manager, fp, groups[island],
                           poison=poisons.get(island))
+        if not init_sync:  # as the trainer does: a join round first
+            joined = outer.join(len(sizes), 30)
+            out[(proc, 0)] = (_flat(model), joined.healed, joined.bytes_sent, joined.committed)
         step = 0
         for round_ in range(1, rounds + 1):
             start = _flat(model)
@@ -92,7 +96,7 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
 
 
 def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
-              poisons: dict[int, Poison] | None = None, codec: str = "fp32") -> dict:
+              poisons: dict[int, Poison] | None = None, codec: str = "fp32", init_sync: bool = True) -> dict:
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
@@ -103,7 +107,7 @@ def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
             out = manager.dict()
             mp.spawn(_worker, nprocs=sum(sizes), join=True,
                      args=(_free_port(), sizes, width, weighting, rounds, lighthouse.address(),
-                           [s.port for s in stores], poisons or {}, codec, out))
+                           [s.port for s in stores], poisons or {}, codec, init_sync, out))
             return dict(out)
     finally:
         lighthouse.shutdown()
@@ -204,3 +208,41 @@ def test_islands_with_a_codec_stay_bit_identical(codec, atol):
         assert torch.isfinite(flats[0]).all() and not torch.equal(flats[0], start)
         if atol is not None:  # dense codecs: close to the exact average (top-k sends 10% per round)
             torch.testing.assert_close(flats[0], expected[round_ - 1], rtol=0, atol=atol)
+
+
+@pytest.mark.timeout(240)
+def test_islands_that_start_from_their_own_weights_download_nothing_at_the_join():
+    sizes, rounds = [2, 1], 2
+    out = _federate(sizes, 1, "tokens", rounds, init_sync=False)
+    for proc in range(sum(sizes)):
+        flat, healed, bytes_sent, committed = out[(proc, 0)]
+        # No recovery and no exchange in the join round: every island kept its own start.
+        assert committed and not healed and bytes_sent == 0, (proc, healed, bytes_sent)
+        assert torch.equal(flat, _flat(_model()))
+    expected = _expected(sizes, [float(TOKENS[k] * ROUND) for k in range(len(sizes))], rounds)
+    for proc in range(sum(sizes)):
+        for round_ in range(1, rounds + 1):
+            torch.testing.assert_close(out[(proc, round_)][0], expected[round_ - 1], rtol=0, atol=1e-6)
+
+
+def test_islands_that_start_from_different_weights_are_refused():
+    from archipelago.federation.membership import mismatch
+
+    from test_codecs import _FakeManager
+
+    def loop(seed: int) -> OuterLoop:
+        model = _model()
+        if seed:
+            torch.manual_seed(seed)
+            nn.init.normal_(model[0].weight)
+        ft = FaultToleranceConfig(enable=True, init_sync=False)
+        fp = fingerprint("two-linears", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, 1)
+        return OuterLoop(ft, [list(model.parameters())], 0, 1, _FakeManager(), fp)
+
+    same = loop(0)
+    assert mismatch(same.fingerprint, loop(0).fingerprint) is None
+    problem = mismatch(same.fingerprint, loop(1).fingerprint)
+    assert problem is not None and "start" in problem and "own weights" in problem
+    synced = FaultToleranceConfig(enable=True)
+    fp = fingerprint("two-linears", [(n, tuple(p.shape)) for n, p in _model().named_parameters()], synced, 1)
+    assert "start" in mismatch(same.fingerprint, fp)  # init_sync must agree as well

@@ -192,6 +192,8 @@ class FaultToleranceConfig:
     """How long an island waits for a quorum of islands at an outer step."""
     max_retries: int = 10
     """Stop after this many consecutive outer steps that failed to commit."""
+    init_sync: bool = True
+    """At the start of a new federation, every island downloads the starting state from one peer. false: each island starts from its own initialisation, which must be the same on every island (same model, seed and init device; checked at the join, a mismatch is refused); saves one full-state download per island."""
     join_wait_ms: int = 60000
     """A new federation (outer step 0) waits this long for all `group_size` islands before it starts with those present."""
     outer_weighting: Literal["tokens", "equal"] = "tokens"
@@ -210,10 +212,12 @@ class FaultToleranceConfig:
     """Encoding of the pseudo-gradient across islands: `fp32` (none; one all-reduce), `bf16`, `int8` (blockwise scales) or `topk` (sparse, with error feedback); see docs/codecs.md."""
     codec_block_size: int = 256
     """int8 codec: values per block sharing one fp32 scale."""
-    topk_fraction: float = 0.01
+    topk_fraction: float = 0.05
     """topk codec: fraction of each chunk's values sent per round (the largest magnitudes)."""
-    topk_bits: int = 2
-    """topk codec: bits per sent value (1, 2, 4 or 8), quantized against the chunk's largest sent magnitude."""
+    topk_bits: int = 1
+    """topk codec: bits per sent value (1 to 8): its sign, then a magnitude level between the chunk's smallest and largest sent magnitude (1: the sign times the chunk's mean sent magnitude)."""
+    topk_chunk_size: int = 256
+    """topk codec: values per chunk; each chunk sends its own largest `topk_fraction`, with indices of log2(chunk size) bits."""
 
 
 @dataclass

@@ -88,6 +88,7 @@ class OuterReport:
     decode_s: float = 0.0
     overlap_s: float = 0.0        # inner-step seconds that ran while the exchange was in flight
     exposed_s: float = 0.0        # seconds the island then still waited for the exchange
+    untimed_s: float = 0.0        # seconds of evaluation and checkpointing in the round (busy, not training)
     global_hash: str | None = None
 
 
@@ -140,11 +141,13 @@ class OuterLoop:
         self.guard = UpdateGuard(ft.outer_norm_limit, len(fragments))
         self.round_tokens = 0             # this island's tokens since the last exchange
         self.fragment_tokens = [0] * len(fragments)  # ... since each fragment's last exchange
-        self.round_steps, self.round_compute_s = 0, 0.0
+        self.round_steps, self.round_compute_s, self.round_untimed_s = 0, 0.0, 0.0
         self.federation_tokens = 0        # tokens the whole federation trained (at the last outer step)
         self.tokens_ratio = float(ft.group_size)  # federation tokens per own token, last round
         self.round_start = self._last_step_end = time.monotonic()
         self.save_global()  # collective: the initial weights are the first global weights
+        if not ft.init_sync:  # islands start from their own weights: peers check they are the same
+            self.fingerprint = dict(fingerprint, start=f"own weights {self.global_hash()}")  # collective
         if manager is not None:
             manager.register_state_dict_fn("archipelago_outer", self._load_recovery, self._recovery_state)
 
@@ -176,6 +179,10 @@ class OuterLoop:
             return None
         self.local_step = 0
         return self.perform(inner_step)
+
+    def add_untimed(self, seconds: float) -> None:
+        """Count evaluation or checkpoint seconds of this round (reported as `untimed_s`)."""
+        self.round_untimed_s += seconds
 
     def federation_tokens_estimate(self) -> float:
         """Tokens the whole federation has trained by now: the count at the last outer
@@ -299,10 +306,14 @@ class OuterLoop:
             elif self.codec_name == "fp32":  # summed as sent; other codecs send the weight apart
                 buffer[:-2].mul_(pending.weight)
             buffer[-2], buffer[-1] = float(pending.tokens), pending.weight
-        if self.is_bridge and self.codec_name != "fp32":
+        # A join round at outer step 0: every island of the quorum is joining (the trainer
+        # joins first, and no outer step has committed yet) and sends weight 0, so the sum is
+        # known without the network (saves one model-sized exchange at start).
+        exchange = self.is_bridge and not (joining and self.step == 0)
+        if exchange and self.codec_name != "fp32":
             pending.gathered = start_gather(self.manager, self.codecs[fragment], buffer[:-2], pending.tokens,
                                             pending.weight)
-        elif self.is_bridge:
+        elif exchange:
             pending.work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM)
         pending.buffer, pending.prepare_s = buffer, time.perf_counter() - began
         pending.started = time.perf_counter()
@@ -335,7 +346,7 @@ class OuterLoop:
         decode_s = 0.0
         if p.gathered is not None:
             decode_s = finish_gather(p.gathered, self.codecs[p.fragment], p.buffer)
-        elif self.manager is not None:
+        elif p.work is not None:
             p.work.wait()
         exposed_s = time.perf_counter() - blocked_since
         if self.manager is not None:
@@ -373,8 +384,9 @@ class OuterLoop:
                              weight=p.weight, federation_tokens=self.federation_tokens, norm=p.norm,
                              rejected=p.rejected, codec=self.codec_name, bytes_received=received,
                              encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=decode_s,
-                             overlap_s=blocked_since - p.started, exposed_s=exposed_s)
-        self.round_steps, self.round_compute_s = 0, 0.0
+                             overlap_s=blocked_since - p.started, exposed_s=exposed_s,
+                             untimed_s=self.round_untimed_s)
+        self.round_steps, self.round_compute_s, self.round_untimed_s = 0, 0.0, 0.0
         if self.numel <= HASH_EVERY_ROUND_MAX_NUMEL:
             report.global_hash = self.global_hash()
         self.round_start = self._last_step_end = time.monotonic()
@@ -446,7 +458,7 @@ class OuterLoop:
         if p.gathered is not None:
             sent = p.gathered.outputs[0].numel()  # every payload has the same size
             received = sent * (len(p.gathered.outputs) - 1)
-        elif p.buffer is not None:
+        elif p.work is not None:
             sent = received = p.buffer.numel() * p.buffer.element_size()
         totals = self._island_sums([float(sent), float(received)])
         return int(totals[0]), int(totals[1])

@@ -122,6 +122,7 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int) -> Any
         lighthouse_addr=url, replica_id=f"island_{ft.replica_id}",
         hostname=os.environ.get("LOCAL_ADDR") or socket.gethostname(),
         max_retries=ft.max_retries, checkpoint_transport=_checkpoint_transport(timeout),
+        init_sync=ft.init_sync,
     )
     manager._archipelago_store = store  # keep a self-hosted store alive as long as the manager
     return manager
@@ -152,7 +153,7 @@ def _checkpoint_transport(timeout: timedelta) -> Any:
 
 # What every island must agree on; anything else (rank count, device) may differ.
 FINGERPRINT_KEYS = ("model", "params", "shapes", "sync_width", "num_fragments", "semi_sync_method",
-                    "outer", "pacing", "codec")
+                    "outer", "pacing", "codec", "start")
 
 
 def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]],
@@ -170,7 +171,7 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
             "params": sum(math.prod(s) for _, s in named_shapes), "shapes": shapes,
             "sync_width": ft.sync_width, "num_fragments": ft.num_fragments,
             "semi_sync_method": ft.semi_sync_method, "outer": outer, "pacing": _pacing(ft, tokens_per_step),
-            "codec": _codec(ft)}
+            "codec": _codec(ft), "start": "from a peer" if ft.init_sync else "own weights"}
 
 
 def _codec(ft: FaultToleranceConfig) -> str:
@@ -178,7 +179,7 @@ def _codec(ft: FaultToleranceConfig) -> str:
     if name == "int8":
         return f"int8(block {ft.codec_block_size})"
     if name == "topk":
-        return f"topk({ft.topk_fraction:g}, {ft.topk_bits} bits)"
+        return f"topk({ft.topk_fraction:g}, {ft.topk_bits} bits, chunk {ft.topk_chunk_size})"
     return name
 
 
@@ -192,7 +193,8 @@ def _pacing(ft: FaultToleranceConfig, tokens_per_step: int) -> str:
 def describe(fp: dict[str, Any]) -> str:
     return (f"island {fp['island']} ({fp['ranks']} rank(s)): {fp['model']}, {fp['params']:,} parameters "
             f"(shapes {fp['shapes']}), sync_width {fp['sync_width']}, {fp['num_fragments']} fragment(s), "
-            f"{fp['semi_sync_method']} {fp['outer']}, pacing {fp['pacing']}, codec {fp['codec']}")
+            f"{fp['semi_sync_method']} {fp['outer']}, pacing {fp['pacing']}, codec {fp['codec']}, "
+            f"start {fp.get('start', '?')}")
 
 
 def mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:

@@ -85,15 +85,19 @@ def summarize_island(records: list[dict[str, Any]]) -> dict[str, Any]:
 def round_totals(outer: list[dict[str, Any]]) -> dict[str, Any]:
     """An island's rounds after its join round, summed: inner steps, tokens, compute and
     waiting seconds, and its utilisation: compute seconds / wall seconds from the end of
-    the join round to the end of its last round (time killed or restarting counts as idle)."""
+    the join round to the end of its last round (time killed or restarting counts as idle),
+    leaving out the seconds it spent evaluating and checkpointing (`untimed_s`)."""
     rounds = outer[1:]
     window = rounds[-1]["time"] - outer[0]["time"] if rounds and all(
         finite(r.get("time")) for r in (outer[0], rounds[-1])) else 0.0
     compute = sum(float(r.get("compute_s") or 0.0) for r in rounds)
+    untimed = sum(float(r.get("untimed_s") or 0.0) for r in rounds)
+    busy_window = window - untimed
     return {"inner_steps": sum(int(r.get("inner_steps") or 0) for r in rounds),
             "tokens": sum(int(r.get("tokens") or 0) for r in rounds),
             "compute_s": compute, "wait_s": sum(float(r.get("sync_s") or 0.0) for r in rounds),
-            "window_s": window, "utilisation": compute / window if window > 0 else None}
+            "untimed_s": untimed, "window_s": window,
+            "utilisation": compute / busy_window if busy_window > 0 else None}
 
 
 def merge_outer_steps(records: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -6,8 +6,9 @@ Chosen by `[fault_tolerance] codec` (DESIGN: pure PyTorch, so CPU and GPU island
 * `bf16`: each value rounded to bfloat16 (2 bytes).
 * `int8`: blockwise: per block of `codec_block_size` values, one fp32 scale (the block's
   largest magnitude / 127) and one int8 per value; decoded and summed in fp32.
-* `topk`: the `topk_fraction` largest-magnitude values of the chunk, each quantized to
-  `topk_bits` bits against one fp32 scale, sent with their int32 indices. What is not
+* `topk`: per chunk of `topk_chunk_size` values, the `topk_fraction` largest magnitudes,
+  each sent as its index in the chunk (log2 of the chunk size in bits) and a `topk_bits`
+  code (its sign and a magnitude level between bf16 scales of the chunk). What is not
   sent (or lost to quantization) stays in an error-feedback buffer on the island and is
   added to the next round's pseudo-gradient, so over rounds the whole signal is sent.
 
@@ -112,49 +113,86 @@ class Int8Codec(Codec):
 
 
 class TopKCodec(Codec):
-    """The k largest magnitudes, `bits`-bit values against one scale, with error feedback."""
+    """Per chunk of `chunk` values, its `fraction` largest magnitudes, with error feedback.
+
+    Each sent value costs its index in the chunk (log2(chunk) bits) plus `bits` bits: its
+    sign and `bits - 1` bits choosing one of 2**(bits-1) magnitudes spaced evenly between
+    the chunk's smallest and largest sent magnitude (two bf16 scales per chunk). With
+    `bits = 1` a value is its sign times the chunk's mean sent magnitude (one bf16 scale).
+    Chunks spread what is sent over the whole tensor and keep the indices short. What is
+    not sent, or lost to quantization, stays in `error` and is added to the next round's
+    input.
+    """
 
     name = "topk"
 
-    def __init__(self, numel: int, fraction: float, bits: int) -> None:
+    def __init__(self, numel: int, fraction: float, bits: int, chunk: int = 256) -> None:
         super().__init__(numel)
-        self.k = max(1, min(numel, math.ceil(fraction * numel)))
+        self.chunk = max(1, min(chunk, numel))
+        self.chunks = max(1, math.ceil(numel / self.chunk))
+        self.k = max(1, min(self.chunk, round(fraction * self.chunk)))  # sent per chunk
         self.bits = bits
-        self.levels = 2 ** bits - 1  # steps between -scale and +scale
+        self.index_bits = max(1, (self.chunk - 1).bit_length())
+        self.magnitudes = 2 ** (bits - 1)
+        self.n_scales = 1 if self.magnitudes == 1 else 2  # bf16 per chunk: mean, or smallest and largest
         self.error = torch.zeros(numel, dtype=torch.float32)  # what was not sent yet
 
+    def _sizes(self) -> tuple[int, int, int]:
+        """Payload bytes of the scales, the indices and the codes."""
+        sent = self.chunks * self.k
+        return 2 * self.chunks * self.n_scales, math.ceil(sent * self.index_bits / 8), math.ceil(sent * self.bits / 8)
+
     def payload_bytes(self) -> int:
-        return 4 + 4 * self.k + math.ceil(self.k * self.bits / 8)
+        return sum(self._sizes())
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         self.error = self.error.to(x.device)
-        signal = x.detach().float() + self.error
-        index = signal.abs().topk(self.k, sorted=False).indices.sort().values
-        values = signal[index]
-        scale = values.abs().max().reshape(1) if self.k else torch.zeros(1, device=x.device)
-        codes = self._quantize(values, scale)
-        payload = torch.cat([scale.view(torch.uint8), index.to(torch.int32).view(torch.uint8),
+        chunks = torch.zeros(self.chunks * self.chunk, dtype=torch.float32, device=x.device)
+        chunks[:self.numel] = x.detach().float() + self.error
+        chunks = chunks.view(self.chunks, self.chunk)
+        index = chunks.abs().topk(self.k, dim=1, sorted=False).indices
+        values = chunks.gather(1, index)
+        magnitude = values.abs()
+        if self.n_scales == 1:  # sign only: the mean magnitude is the least-squares scale
+            scales = magnitude.mean(dim=1, keepdim=True).to(torch.bfloat16)
+        else:
+            scales = torch.stack([magnitude.amin(dim=1), magnitude.amax(dim=1)], dim=1).to(torch.bfloat16)
+        codes = self._quantize(values, scales.float())
+        payload = torch.cat([scales.flatten().view(torch.uint8), _pack(index, self.index_bits),
                              _pack(codes, self.bits)])
-        self.error = signal
-        self.error[index] -= self._dequantize(codes, scale)  # keep what quantization lost too
+        # Keep what was not sent, including what quantization lost of what was.
+        chunks.scatter_(1, index, values - self._dequantize(codes, scales.float()))
+        self.error = chunks.flatten()[:self.numel].clone()
         return payload
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
-        scale = payload[:4].view(torch.float32)
-        index = payload[4:4 + 4 * self.k].view(torch.int32).long()
-        codes = _unpack(payload[4 + 4 * self.k:], self.bits, self.k)
-        out = torch.zeros(self.numel, dtype=torch.float32, device=payload.device)
-        out[index] = self._dequantize(codes, scale)
-        return out
+        sent = self.chunks * self.k
+        head, index_bytes, _ = self._sizes()
+        scales = payload[:head].view(torch.bfloat16).float().view(self.chunks, self.n_scales)
+        index = _unpack(payload[head:head + index_bytes], self.index_bits, sent).long().view(self.chunks, self.k)
+        codes = _unpack(payload[head + index_bytes:], self.bits, sent).view(self.chunks, self.k)
+        out = torch.zeros(self.chunks, self.chunk, dtype=torch.float32, device=payload.device)
+        out.scatter_(1, index, self._dequantize(codes, scales))
+        return out.flatten()[:self.numel]
 
-    def _quantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if self.levels == 0 or float(scale) == 0.0:
-            return torch.zeros_like(values, dtype=torch.uint8)
-        unit = (values / scale + 1) / 2 * self.levels  # -scale .. +scale -> 0 .. levels
-        return torch.round(unit).clamp_(0, self.levels).to(torch.uint8)
+    def _quantize(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Code = magnitude level << 1 | sign; `scales` is (chunks, 2): low, high (1 bit: the mean)."""
+        sign = (values < 0).to(torch.int32)
+        if self.magnitudes == 1:
+            return sign
+        low = scales[:, :1]
+        span = (scales[:, 1:] - low).clamp_min(torch.finfo(torch.float32).tiny)
+        level = torch.round((values.abs() - low) / span * (self.magnitudes - 1)).clamp_(0, self.magnitudes - 1)
+        return level.to(torch.int32) << 1 | sign
 
-    def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return (codes.float() / self.levels * 2 - 1) * scale
+    def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        codes = codes.to(torch.int32)
+        if self.magnitudes == 1:
+            magnitude = scales[:, :1]
+        else:
+            low, high = scales[:, :1], scales[:, 1:]
+            magnitude = low + (high - low) * ((codes >> 1).float() / (self.magnitudes - 1))
+        return torch.where(codes & 1 == 1, -magnitude, magnitude)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"error": self.error.detach().cpu()}
@@ -165,20 +203,19 @@ class TopKCodec(Codec):
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes of `bits` bits each (bits divides 8), packed little-end first."""
-    per_byte = 8 // bits
-    padded = torch.zeros(math.ceil(codes.numel() / per_byte) * per_byte, dtype=torch.uint8, device=codes.device)
-    padded[:codes.numel()] = codes
-    lanes = padded.view(-1, per_byte).to(torch.int32)
-    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
-    return (lanes << shifts).sum(dim=1).to(torch.uint8)
+    """Non-negative integers below 2**bits, `bits` bits each, packed lowest bit first."""
+    shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
+    stream = ((codes.flatten().to(torch.int32)[:, None] >> shifts) & 1).to(torch.uint8).flatten()
+    stream = torch.nn.functional.pad(stream, (0, -stream.numel() % 8))
+    weights = 2 ** torch.arange(8, device=codes.device, dtype=torch.int32)
+    return (stream.view(-1, 8).to(torch.int32) * weights).sum(dim=1).to(torch.uint8)
 
 
 def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * bits
-    lanes = (packed.to(torch.int32)[:, None] >> shifts) & (2 ** bits - 1)
-    return lanes.flatten()[:count].to(torch.uint8)
+    """The `count` integers of `_pack`, as int32."""
+    stream = (packed.to(torch.int32)[:, None] >> torch.arange(8, device=packed.device, dtype=torch.int32)) & 1
+    lanes = stream.flatten()[:count * bits].view(count, bits)
+    return (lanes << torch.arange(bits, device=packed.device, dtype=torch.int32)).sum(dim=1, dtype=torch.int32)
 
 
 def build_codec(ft: FaultToleranceConfig, numel: int) -> Codec:
@@ -189,7 +226,7 @@ def build_codec(ft: FaultToleranceConfig, numel: int) -> Codec:
     if name == "int8":
         return Int8Codec(numel, ft.codec_block_size)
     if name == "topk":
-        return TopKCodec(numel, ft.topk_fraction, ft.topk_bits)
+        return TopKCodec(numel, ft.topk_fraction, ft.topk_bits, ft.topk_chunk_size)
     return Codec(numel)
 
 
