@@ -58,6 +58,9 @@ def test_topk_payload_is_scales_indices_and_codes():
     codec = TopKCodec(1000, 0.05, 2, chunk=256)
     assert (codec.chunks, codec.k, codec.index_bits) == (4, 13, 8)
     assert codec.payload_bytes() == 4 * 4 + 4 * 13 * 8 // 8 + -(-4 * 13 * 2 // 8)
+    payload = codec.encode(_signal(1000, 4))
+    index = _unpack(payload[16:16 + 52], 8, 52).view(4, 13)
+    assert torch.equal(index, index.sort(dim=1).values)  # canonical: ascending in each chunk
 
 
 def test_topk_sends_the_largest_values_of_every_chunk():

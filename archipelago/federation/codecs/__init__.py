@@ -150,7 +150,8 @@ class TopKCodec(Codec):
         chunks = torch.zeros(self.chunks * self.chunk, dtype=torch.float32, device=x.device)
         chunks[:self.numel] = x.detach().float() + self.error
         chunks = chunks.view(self.chunks, self.chunk)
-        index = chunks.abs().topk(self.k, dim=1, sorted=False).indices
+        # Ascending indices: one canonical payload whatever order the device's topk returns.
+        index = chunks.abs().topk(self.k, dim=1, sorted=False).indices.sort(dim=1).values
         values = chunks.gather(1, index)
         magnitude = values.abs()
         if self.n_scales == 1:  # sign only: the mean magnitude is the least-squares scale
