@@ -105,7 +105,7 @@ class _Pending:
     weight: float = 0.0
     norm: float | None = None
     rejected: str | None = None
-    gathered: Gathered | None = None  # the all-gather of a codec other than fp32
+    gathered: Gathered | None = None  # the exchange of a codec other than fp32
     started: float = 0.0              # perf_counter when the exchange was handed to the network
 
 
@@ -345,7 +345,7 @@ class OuterLoop:
         committed, participants, total, tokens = False, 0, 0.0, 0.0
         decode_s = 0.0
         if p.gathered is not None:
-            decode_s = finish_gather(p.gathered, self.codecs[p.fragment], p.buffer)
+            decode_s = finish_gather(p.gathered, self.codecs[p.fragment], p.buffer, self.manager)
         elif p.work is not None:
             p.work.wait()
         exposed_s = time.perf_counter() - blocked_since
@@ -456,8 +456,7 @@ class OuterLoop:
         (their payloads for an all-gather, the summed buffer for an all-reduce)."""
         sent = received = 0
         if p.gathered is not None:
-            sent = p.gathered.outputs[0].numel()  # every payload has the same size
-            received = sent * (len(p.gathered.outputs) - 1)
+            sent, received = p.gathered.sent, p.gathered.received
         elif p.work is not None:
             sent = received = p.buffer.numel() * p.buffer.element_size()
         totals = self._island_sums([float(sent), float(received)])

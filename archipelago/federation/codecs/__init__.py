@@ -32,6 +32,7 @@ class Codec:
     """Encodes one chunk of `numel` fp32 values into a fixed-size uint8 payload."""
 
     name = "fp32"
+    align = 0  # > 0: any run of whole blocks of `align` values encodes on its own (for_length)
 
     def __init__(self, numel: int) -> None:
         self.numel = numel
@@ -51,6 +52,16 @@ class Codec:
         """Largest |decode(encode(x)) - x| this codec promises for `x` (stateless codecs)."""
         return 0.0
 
+    def for_length(self, numel: int) -> "Codec":
+        """The same encoding for `numel` values (a segment of this chunk)."""
+        return type(self)(numel)
+
+    def segments(self, parts: int) -> list[tuple[int, int]]:
+        """`parts` (start, end) ranges covering the chunk, cut at multiples of `align`."""
+        blocks = math.ceil(self.numel / self.align)
+        cuts = [min(self.numel, (blocks * j // parts) * self.align) for j in range(parts + 1)]
+        return list(zip(cuts, cuts[1:]))
+
     # Error feedback (topk); stateless codecs have none.
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
@@ -61,6 +72,7 @@ class Codec:
 
 class Bf16Codec(Codec):
     name = "bf16"
+    align = 1
 
     def payload_bytes(self) -> int:
         return 2 * self.numel
@@ -83,8 +95,11 @@ class Int8Codec(Codec):
 
     def __init__(self, numel: int, block_size: int) -> None:
         super().__init__(numel)
-        self.block = block_size
+        self.block = self.align = block_size
         self.blocks = max(1, math.ceil(numel / block_size))
+
+    def for_length(self, numel: int) -> Codec:
+        return Int8Codec(numel, self.block)
 
     def payload_bytes(self) -> int:
         return 4 * self.blocks + self.blocks * self.block
