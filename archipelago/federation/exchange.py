@@ -53,6 +53,13 @@ def two_phase(codec: Codec, participants: int) -> bool:
     return codec.align > 0 and participants >= 3
 
 
+def _wire_device(manager: Any, device: torch.device) -> torch.device:
+    """Where payloads cross: the island's device for NCCL, host memory for gloo (its GPU
+    support covers all-reduce and broadcast, not the all-to-all; the payloads are small
+    next to the pseudo-gradient, so the copy is cheap)."""
+    return device if "NCCL" in type(manager._pg).__name__ else torch.device("cpu")
+
+
 def _frame(header: torch.Tensor, body: torch.Tensor, size: int) -> torch.Tensor:
     """`[header | body]` zero-padded to `size` bytes (equal sizes for the collectives)."""
     out = torch.zeros(size, dtype=torch.uint8, device=body.device)
@@ -88,6 +95,7 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
     began = time.perf_counter()
     participants = max(manager.num_participants(), 1)
     device = pseudo_gradient.device
+    wire = _wire_device(manager, device)
     header = torch.tensor([float(tokens), weight], dtype=torch.float32, device=device)
     if two_phase(codec, participants):
         segments = codec.segments(participants)
@@ -98,7 +106,7 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
             body = piece.encode(pseudo_gradient[start:end]) if weight else \
                 torch.zeros(piece.payload_bytes(), dtype=torch.uint8, device=device)
             rows.append(_frame(header, body, size))
-        send = torch.stack(rows)
+        send = torch.stack(rows).to(wire)
         received = torch.zeros_like(send)
         encode_s = time.perf_counter() - began
         work = _managed(manager, lambda: manager._pg.alltoall_base(received, send, [], [], AllToAllOptions()),
@@ -108,7 +116,7 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
                         rank=manager.participating_rank() or 0)
     body = codec.encode(pseudo_gradient) if weight else \
         torch.zeros(codec.payload_bytes(), dtype=torch.uint8, device=device)
-    payload = torch.cat([header.view(torch.uint8), body])
+    payload = torch.cat([header.view(torch.uint8), body]).to(wire)
     encode_s = time.perf_counter() - began
     outputs = [torch.zeros_like(payload) for _ in range(participants)]
     work = _managed(manager, lambda: manager._pg.allgather([outputs], [payload], AllgatherOptions()), outputs)
@@ -155,7 +163,7 @@ def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, mana
     total, tokens, weights = _weighted_sum(list(gathered.outputs[0]), mine, mine.numel, into.device)
     header = torch.tensor([tokens, weights], dtype=torch.float32, device=into.device)
     size = HEADER_BYTES + max(piece.payload_bytes() for piece in pieces)
-    payload = _frame(header, mine.encode(total), size)
+    payload = _frame(header, mine.encode(total), size).to(_wire_device(manager, into.device))
     outputs = [torch.zeros_like(payload) for _ in segments]
     _managed(manager, lambda: manager._pg.allgather([outputs], [payload], AllgatherOptions()), outputs).wait()
     gathered.sent += size
