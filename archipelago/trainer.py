@@ -470,19 +470,28 @@ class Trainer:
     def after_step(self, result: StepResult, final: bool) -> None:
         step, t = self.progress.step, self.cfg.training
         self.metrics.observe(step, result.loss)
-        began = time.perf_counter()
         val_loss = None
         if t.val_every and (step % t.val_every == 0 or final):
-            with self.metrics.untimed():  # throughput counts training time only
+            with self.metrics.untimed(), self.untimed_in_round():  # throughput counts training time only
                 val_loss = self.evaluate()
         if step % self.cfg.metrics.log_every == 0 or val_loss is not None or final:
             self.check_finite()
             self.progress.loss = self.metrics.log_step(step, result, self.progress.tokens, val_loss)
             if val_loss is not None:
                 self.progress.val_loss = val_loss
-        self.save_checkpoint(final=final)
-        if self.outer is not None:  # busy, but neither training nor waiting on other islands
-            self.outer.add_untimed(time.perf_counter() - began)
+        with self.untimed_in_round():
+            self.save_checkpoint(final=final)
+
+    @contextlib.contextmanager
+    def untimed_in_round(self) -> Iterator[None]:
+        """Evaluation or checkpointing: busy, but neither training nor waiting on other
+        islands; the round reports it as `untimed_s` (left out of utilisation)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.outer is not None:
+                self.outer.add_untimed(time.perf_counter() - began)
 
     def check_finite(self) -> None:
         """Stop on a NaN/inf loss seen since the last check (a host sync point)."""

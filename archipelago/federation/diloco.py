@@ -415,7 +415,9 @@ class OuterLoop:
             return
         g = self.globals[fragment]
         with torch.no_grad():
-            g.grad = (buffer[:-2] / total).to(g.device)  # from a GPU buffer: a device-to-host copy
+            # Divided on the globals' device (CPU) by every island: a GPU divides by multiplying
+            # with 1/total, which rounds differently. From a GPU buffer: a device-to-host copy.
+            g.grad = buffer[:-2].to(g.device) / total
             self.outer[fragment].step()
             self.outer[fragment].zero_grad(set_to_none=True)
 
@@ -465,10 +467,12 @@ class OuterLoop:
     # ---- recovery (torchft's checkpoint transport) ---------------------------------
 
     def _recovery_state(self) -> dict[str, Any]:
+        # Not the codec state: error feedback is this island's own unsent progress, which it
+        # still sends itself; a peer that took a copy would send it a second time.
         return {"fingerprint": self.fingerprint, "inner_step": self.inner_step,
                 "federation_tokens": self.federation_tokens, "guard": self.guard.state_tensor(),
-                "fragments": [{"global": g.detach().clone(), "outer": tensor_state(o, g), "codec": c.state_dict()}
-                              for g, o, c in zip(self.globals, self.outer, self.codecs)]}
+                "fragments": [{"global": g.detach().clone(), "outer": tensor_state(o, g)}
+                              for g, o in zip(self.globals, self.outer)]}
 
     def _load_recovery(self, state: dict[str, Any]) -> None:
         problem = mismatch(self.fingerprint, state["fingerprint"])
@@ -476,9 +480,8 @@ class OuterLoop:
             raise FederationMismatch(f"refusing the state of a peer island: {problem}")
         same = all(torch.equal(g.detach(), f["global"].to(g.device))
                    for g, f in zip(self.globals, state["fragments"]))
-        for g, o, c, f in zip(self.globals, self.outer, self.codecs, state["fragments"]):
-            load_tensor_state(o, g, f)
-            c.load_state_dict(f["codec"])
+        for g, o, f in zip(self.globals, self.outer, state["fragments"]):
+            load_tensor_state(o, g, f)  # the codecs keep this island's own error feedback
         self.peer_inner_step = int(state["inner_step"])
         self.federation_tokens = int(state["federation_tokens"])
         self.guard.load_state_tensor(state["guard"])

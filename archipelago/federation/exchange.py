@@ -60,6 +60,12 @@ def _wire_device(manager: Any, device: torch.device) -> torch.device:
     return device if "NCCL" in type(manager._pg).__name__ else torch.device("cpu")
 
 
+def _row_bytes(pieces: list[Codec]) -> int:
+    """Bytes per row of the reduce-scatter: header + the largest segment payload, rounded
+    up to 8 so that every row of a stacked buffer starts aligned for its fp32 views."""
+    return HEADER_BYTES + -(-max(piece.payload_bytes() for piece in pieces) // 8) * 8
+
+
 def _frame(header: torch.Tensor, body: torch.Tensor, size: int) -> torch.Tensor:
     """`[header | body]` zero-padded to `size` bytes (equal sizes for the collectives)."""
     out = torch.zeros(size, dtype=torch.uint8, device=body.device)
@@ -100,7 +106,7 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
     if two_phase(codec, participants):
         segments = codec.segments(participants)
         pieces = [codec.for_length(end - start) for start, end in segments]
-        size = HEADER_BYTES + max(piece.payload_bytes() for piece in pieces)
+        size = _row_bytes(pieces)
         rows = []
         for piece, (start, end) in zip(pieces, segments):
             body = piece.encode(pseudo_gradient[start:end]) if weight else \
@@ -109,11 +115,14 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
         send = torch.stack(rows).to(wire)
         received = torch.zeros_like(send)
         encode_s = time.perf_counter() - began
+        rank = manager.participating_rank()
+        if rank is None:  # not in the quorum after all: this round is lost (finish sees the error)
+            manager.report_error(RuntimeError("island is not a participant of the exchange's quorum"))
+            return Gathered(_Done(), [received], encode_s, segments=segments)
         work = _managed(manager, lambda: manager._pg.alltoall_base(received, send, [], [], AllToAllOptions()),
                         received)
         return Gathered(work, [received], encode_s, sent=(participants - 1) * size,
-                        received=(participants - 1) * size, segments=segments,
-                        rank=manager.participating_rank() or 0)
+                        received=(participants - 1) * size, segments=segments, rank=rank)
     body = codec.encode(pseudo_gradient) if weight else \
         torch.zeros(codec.payload_bytes(), dtype=torch.uint8, device=device)
     payload = torch.cat([header.view(torch.uint8), body]).to(wire)
@@ -128,6 +137,9 @@ def finish_gather(gathered: Gathered, codec: Codec, into: torch.Tensor, manager:
     the decode seconds (with reduce-scatter: also the second phase's)."""
     gathered.work.wait()
     began = time.perf_counter()
+    if manager is not None and manager.errored() is not None:  # the round will not commit
+        into.zero_()
+        return time.perf_counter() - began
     if gathered.segments is None:
         rows = gathered.outputs
         into[:-2], tokens, weights = _weighted_sum(rows, codec, into.numel() - 2, into.device)
@@ -140,8 +152,9 @@ def finish_gather(gathered: Gathered, codec: Codec, into: torch.Tensor, manager:
 
 def _weighted_sum(rows: list[torch.Tensor] | torch.Tensor, codec: Codec, numel: int,
                   device: torch.device) -> tuple[torch.Tensor, float, float]:
-    """sum_k w_k * decode(row_k) in fp32 in row (replica) order, sum tokens, sum weights."""
-    total = torch.zeros(numel, dtype=torch.float32, device=device)
+    """sum_k w_k * decode(row_k) in fp32 in row (replica) order, sum tokens, sum weights.
+    Summed where the rows are (host memory under gloo), then moved once to `device`."""
+    total = torch.zeros(numel, dtype=torch.float32, device=rows[0].device if len(rows) else device)
     tokens, weights = 0.0, 0.0
     for row in rows:
         head = row[:HEADER_BYTES].view(torch.float32)
@@ -149,8 +162,8 @@ def _weighted_sum(rows: list[torch.Tensor] | torch.Tensor, codec: Codec, numel: 
         weight = float(head[1])
         if weight:
             weights += weight
-            total += weight * codec.decode(row[HEADER_BYTES:HEADER_BYTES + codec.payload_bytes()]).to(device)
-    return total, tokens, weights
+            total += weight * codec.decode(row[HEADER_BYTES:HEADER_BYTES + codec.payload_bytes()])
+    return total.to(device), tokens, weights
 
 
 def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, manager: Any) -> None:
@@ -162,12 +175,15 @@ def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, mana
     mine = pieces[gathered.rank]
     total, tokens, weights = _weighted_sum(list(gathered.outputs[0]), mine, mine.numel, into.device)
     header = torch.tensor([tokens, weights], dtype=torch.float32, device=into.device)
-    size = HEADER_BYTES + max(piece.payload_bytes() for piece in pieces)
+    size = _row_bytes(pieces)
     payload = _frame(header, mine.encode(total), size).to(_wire_device(manager, into.device))
     outputs = [torch.zeros_like(payload) for _ in segments]
     _managed(manager, lambda: manager._pg.allgather([outputs], [payload], AllgatherOptions()), outputs).wait()
     gathered.sent += size
     gathered.received += size * (len(segments) - 1)
+    if manager.errored() is not None:  # the second phase failed: the round will not commit
+        into.zero_()
+        return
     # Every island decodes the same summed segments: the same bytes, the same result.
     for piece, (start, end), row in zip(pieces, segments, outputs):
         into[start:end] = piece.decode(row[HEADER_BYTES:HEADER_BYTES + piece.payload_bytes()]).to(into.device)
