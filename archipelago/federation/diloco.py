@@ -306,10 +306,12 @@ class OuterLoop:
             elif self.codec_name == "fp32":  # summed as sent; other codecs send the weight apart
                 buffer[:-2].mul_(pending.weight)
             buffer[-2], buffer[-1] = float(pending.tokens), pending.weight
-        # A join round at outer step 0: every island of the quorum is joining (the trainer
-        # joins first, and no outer step has committed yet) and sends weight 0, so the sum is
-        # known without the network (saves one model-sized exchange at start).
-        exchange = self.is_bridge and not (joining and self.step == 0)
+        # A join round at outer step 0 with init_sync off: every island of the quorum is
+        # joining (the trainer joins first, and no outer step has committed yet) and sends
+        # weight 0, so the sum is known without the network (saves one model-sized exchange
+        # at start). With init_sync on, the exchange stays: it also keeps the peers that
+        # serve the starting state to downloading islands until every bridge rank has it.
+        exchange = self.is_bridge and not (joining and self.step == 0 and not self.ft.init_sync)
         if exchange and self.codec_name != "fp32":
             pending.gathered = start_gather(self.manager, self.codecs[fragment], buffer[:-2], pending.tokens,
                                             pending.weight)
