@@ -167,3 +167,16 @@ def test_checkpoints_carry_the_error_feedback_and_recovery_keeps_the_islands_own
     assert torch.equal(restarted.codecs[0].error, own)
     assert torch.equal(restarted.globals[0].detach(), peer.globals[0].detach())
     assert "codec" not in _outer_loop("int8").state_dict()["bridge0"]["fragment0"]  # stateless
+
+
+@pytest.mark.parametrize("codec,parts", [(Int8Codec(1000, 64), 3), (Int8Codec(100, 64), 4), (Bf16Codec(10), 3)])
+def test_segments_cover_the_chunk_at_block_boundaries_and_encode_alone(codec, parts):
+    segments = codec.segments(parts)
+    assert len(segments) == parts and segments[0][0] == 0 and segments[-1][1] == codec.numel
+    assert all(a[1] == b[0] for a, b in zip(segments, segments[1:]))
+    assert all(start % codec.align == 0 for start, _ in segments)
+    x = _signal(codec.numel, 8)
+    whole = codec.decode(codec.encode(x))
+    pieces = [codec.for_length(end - start) for start, end in segments]
+    stitched = torch.cat([p.decode(p.encode(x[start:end])) for p, (start, end) in zip(pieces, segments)])
+    assert torch.equal(stitched, whole)  # cut at block boundaries, a segment encodes as in the whole
