@@ -140,3 +140,17 @@ def test_unknown_model_flavor_is_refused_before_training(tmp_path):
     assert out.returncode == 2
     assert "debug" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_codec_settings_out_of_range_name_the_fix():
+    cfg = Config()
+    cfg.fault_tolerance.codec = "topk"
+    cfg.fault_tolerance.topk_fraction = 0.0
+    cfg.fault_tolerance.topk_bits = 9
+    cfg.fault_tolerance.topk_chunk_size = 1
+    with pytest.raises(ConfigError) as exc:
+        validate(cfg)
+    message = str(exc.value)
+    assert "topk_fraction = 0.0: must be in (0, 1], e.g. 0.05" in message
+    assert "topk_bits = 9: use 1 to 8" in message
+    assert "topk_chunk_size = 1: must be in [2, 16777216], e.g. 256" in message
