@@ -74,6 +74,13 @@ def _frame(header: torch.Tensor, body: torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
+def _encoded(codec: Codec, x: torch.Tensor, weight: float) -> torch.Tensor:
+    """`codec`'s payload of `x`, or zeros (of the same size) for an island of weight 0."""
+    if weight:
+        return codec.encode(x)
+    return torch.zeros(codec.payload_bytes(), dtype=torch.uint8, device=x.device)
+
+
 def _managed(manager: Any, start: Any, outputs: Any) -> Any:
     """Start a collective on torchft's process group with Manager.allreduce's error
     handling (_ManagedWork): a failure is reported to the manager, so the round will not
@@ -107,12 +114,8 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
         segments = codec.segments(participants)
         pieces = [codec.for_length(end - start) for start, end in segments]
         size = _row_bytes(pieces)
-        rows = []
-        for piece, (start, end) in zip(pieces, segments):
-            body = piece.encode(pseudo_gradient[start:end]) if weight else \
-                torch.zeros(piece.payload_bytes(), dtype=torch.uint8, device=device)
-            rows.append(_frame(header, body, size))
-        send = torch.stack(rows).to(wire)
+        send = torch.stack([_frame(header, _encoded(piece, pseudo_gradient[start:end], weight), size)
+                            for piece, (start, end) in zip(pieces, segments)]).to(wire)
         received = torch.zeros_like(send)
         encode_s = time.perf_counter() - began
         rank = manager.participating_rank()
@@ -123,9 +126,7 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
                         received)
         return Gathered(work, [received], encode_s, sent=(participants - 1) * size,
                         received=(participants - 1) * size, segments=segments, rank=rank)
-    body = codec.encode(pseudo_gradient) if weight else \
-        torch.zeros(codec.payload_bytes(), dtype=torch.uint8, device=device)
-    payload = torch.cat([header.view(torch.uint8), body]).to(wire)
+    payload = torch.cat([header.view(torch.uint8), _encoded(codec, pseudo_gradient, weight)]).to(wire)
     encode_s = time.perf_counter() - began
     outputs = [torch.zeros_like(payload) for _ in range(participants)]
     work = _managed(manager, lambda: manager._pg.allgather([outputs], [payload], AllgatherOptions()), outputs)
@@ -141,12 +142,10 @@ def finish_gather(gathered: Gathered, codec: Codec, into: torch.Tensor, manager:
         into.zero_()
         return time.perf_counter() - began
     if gathered.segments is None:
-        rows = gathered.outputs
-        into[:-2], tokens, weights = _weighted_sum(rows, codec, into.numel() - 2, into.device)
+        into[:-2], tokens, weights = _weighted_sum(gathered.outputs, codec, into.numel() - 2, into.device)
+        into[-2], into[-1] = tokens, weights
     else:
         _finish_two_phase(gathered, codec, into, manager)
-        tokens, weights = float(into[-2]), float(into[-1])
-    into[-2], into[-1] = tokens, weights
     return time.perf_counter() - began
 
 
