@@ -79,14 +79,19 @@ def test_unknown_command_line_flag_suggests_the_closest(capsys):
     assert "--training.steps" in capsys.readouterr().err
 
 
+def _refusal(cfg: Config) -> str:
+    """The message validate() refuses `cfg` with (it must refuse it)."""
+    with pytest.raises(ConfigError) as exc:
+        validate(cfg)
+    return str(exc.value)
+
+
 def test_invalid_combinations_name_the_fix():
     cfg = Config()
     cfg.training.steps = 10
     cfg.lr_scheduler.warmup_steps = 10
     cfg.training.micro_batch_size = 99
-    with pytest.raises(ConfigError) as exc:
-        validate(cfg)
-    message = str(exc.value)
+    message = _refusal(cfg)
     assert "lr_scheduler.warmup_steps = 10: must be below training.steps (10)" in message
     assert "training.micro_batch_size = 99" in message  # every problem is listed at once
 
@@ -148,9 +153,7 @@ def test_codec_settings_out_of_range_name_the_fix():
     cfg.fault_tolerance.topk_fraction = 0.0
     cfg.fault_tolerance.topk_bits = 9
     cfg.fault_tolerance.topk_chunk_size = 1
-    with pytest.raises(ConfigError) as exc:
-        validate(cfg)
-    message = str(exc.value)
+    message = _refusal(cfg)
     assert "topk_fraction = 0.0: must be in (0, 1], e.g. 0.05" in message
     assert "topk_bits = 9: use 1 to 8" in message
     assert "topk_chunk_size = 1: must be in [2, 16777216], e.g. 256" in message

@@ -25,8 +25,6 @@ import torch
 
 from archipelago.config.schema import FaultToleranceConfig
 
-CODECS = ("fp32", "bf16", "int8", "topk")
-
 
 class Codec:
     """Encodes one chunk of `numel` fp32 values into a fixed-size uint8 payload."""
