@@ -6,6 +6,10 @@ and the two alternate for several repeats so drift in machine speed hits both. P
 a table (ratio first) and writes JSON with --out.
 
     python bench/throughput.py [--flavor debug] [--steps 30] [--repeats 3] [--out FILE]
+    python bench/throughput.py --device cuda --flavor small --batch-size 16   # on a GPU
+
+On CUDA both loops compute in bf16 (the trainer's `mixed_precision = "auto"`), the
+minimal one under `torch.autocast`; timing ends with a device synchronize.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ def bench_config(args: argparse.Namespace, run_dir: Path) -> Config:
     cfg.metrics.tensorboard = False
     cfg.metrics.log_every = args.steps  # one log line in the timed window, as a real run would
     cfg.job.run_dir = str(run_dir)
+    cfg.training.device = args.device
     return validate(cfg)
 
 
@@ -51,11 +56,18 @@ class TimedTrainer(Trainer):
     warmup = 0
     t0 = t1 = 0.0
 
-    def after_step(self, result: StepResult) -> None:
-        super().after_step(result)
+    def after_step(self, result: StepResult, **kwargs) -> None:
+        super().after_step(result, **kwargs)
         if self.progress.step == self.warmup:
+            _sync(self.cfg.training.device)  # a CPU-GPU sync point, outside the timed window
             self.t0 = time.perf_counter()
+        _sync(self.cfg.training.device)
         self.t1 = time.perf_counter()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def run_trainer(cfg: Config, warmup: int) -> float:
@@ -72,17 +84,22 @@ def run_minimal(cfg: Config, dataset_train: Path, vocab: int, dtype: str, warmup
     """The baseline: what one would write by hand, batches already in memory."""
     args = get_model_args(cfg.model.name, cfg.model.flavor, vocab_size=vocab)
     torch.manual_seed(cfg.training.seed)
-    model = build_model(args, device="cpu")
+    device = torch.device(cfg.training.device)
+    model = build_model(args, device="cpu").to(device)
+    bf16 = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, betas=(0.9, 0.95),
                             weight_decay=0.1, foreach=True)
     loader = TokenSequenceLoader(dataset_train, cfg.data.seq_len, cfg.training.batch_size, 0, 1,
                                  seed=0, dtype=dtype)
-    batches = [loader.next_batch() for _ in range(warmup + steps)]
+    batches = [tuple(t.to(device) for t in loader.next_batch()) for _ in range(warmup + steps)]
     t0 = 0.0
     for i, (x, y) in enumerate(batches):
         if i == warmup:
+            _sync(cfg.training.device)
             t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
@@ -100,6 +117,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 compute on cuda)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -122,10 +140,10 @@ def main() -> None:
         "ratio": ratio, "trainer_tokens_per_s": trainer_med, "minimal_tokens_per_s": minimal_med,
         "trainer_runs": trainer_tps, "minimal_runs": minimal_tps, "flavor": args.flavor,
         "seq_len": args.seq_len, "batch_size": args.batch_size, "steps": args.steps,
-        "repeats": args.repeats, "threads": args.threads, "torch": torch.__version__,
+        "repeats": args.repeats, "device": args.device, "threads": args.threads, "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
     }
-    print(f"\nllama3/{args.flavor}, batch {args.batch_size} x seq {args.seq_len}, {args.threads} threads, "
+    print(f"\nllama3/{args.flavor} on {args.device}, batch {args.batch_size} x seq {args.seq_len}, {args.threads} threads, "
           f"{args.steps} timed steps x {args.repeats} repeats (median)\n")
     print("| ratio (trainer / minimal) | trainer tokens/s | minimal loop tokens/s |")
     print("|---:|---:|---:|")

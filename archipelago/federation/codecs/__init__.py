@@ -109,7 +109,10 @@ class Int8Codec(Codec):
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         blocks = self._blocks(x)
-        scale = blocks.abs().amax(dim=1) / 127.0
+        # Divide by a tensor on x's device, not a Python float: CUDA turns division by a
+        # host scalar into multiplication by its reciprocal, which rounds differently from
+        # the CPU's true division, and islands on both devices must encode the same bytes.
+        scale = blocks.abs().amax(dim=1) / torch.full((), 127.0, device=x.device)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
         return torch.cat([scale.contiguous().view(torch.uint8), q.flatten().view(torch.uint8)])
