@@ -1,0 +1,223 @@
+"""DiLoCo across islands in one process: the same model, data, inner and outer optimizers.
+
+`simulate(cfg, islands)` trains `islands` 1-rank islands in lockstep in this process
+and runs the outer step between them exactly as a federation of 1-rank islands does
+(round schedule and fragments, token weights, codecs with error feedback, the outer
+optimizer, `fragment_update_alpha`), with no lighthouse, sockets or subprocesses. It is
+what makes a sweep over outer settings affordable: one run is one process, seconds on
+a GPU, and many run side by side. A test checks it against the real federation.
+
+Left out on purpose: faults and recovery, time pacing, the update guard (honest islands
+never trip it), multi-rank islands (an island's pseudo-gradient does not depend on how
+it is sharded). With `islands = 1` and fault tolerance off it is plain single-island
+training, the baseline of every comparison.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from archipelago.config import Config
+from archipelago.data import PreparedDataset, TokenSequenceLoader, prepare_from_config, validation_batches
+from archipelago.federation.codecs import Codec, build_codec, effective_codec
+from archipelago.federation.fragments import build_outer_optimizer, split_fragments
+from archipelago.island.optim import build_adamw, build_lr_scheduler
+from archipelago.island.parallelize import compute_dtype
+from archipelago.models import build_model, get_model_args
+
+
+@dataclass
+class SimPoint:
+    """One evaluation: after `step` inner steps of every island, `tokens` in all."""
+
+    step: int
+    tokens: int
+    val_loss: float
+
+
+@dataclass
+class SimResult:
+    points: list[SimPoint] = field(default_factory=list)
+    bytes_sent: int = 0  # payload bytes all islands handed to the exchange (as the meter counts)
+    models: list[nn.Module] = field(default_factory=list)  # the islands' models at the end
+
+    @property
+    def final(self) -> SimPoint:
+        return self.points[-1]
+
+
+class _Island:
+    """One 1-rank island: its model, inner optimizer, schedule and data shard."""
+
+    def __init__(self, cfg: Config, data: PreparedDataset, model: nn.Module, index: int, count: int,
+                 device: torch.device) -> None:
+        t = cfg.training
+        self.model = model
+        self.optimizer = build_adamw(model, cfg.optimizer, device)
+        self.scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
+        self.loader = TokenSequenceLoader(data.train_path, cfg.data.seq_len, t.batch_size, rank=0,
+                                          world_size=1, seed=t.seed, island=index, num_islands=count,
+                                          dtype=data.dtype)
+        self.device, self.max_norm = device, t.max_norm
+        self.dtype = compute_dtype(t.mixed_precision, device)
+        n = cfg.fault_tolerance.num_fragments if cfg.fault_tolerance.semi_sync_method == "diloco" else 1
+        self.fragments = split_fragments(model, n)
+        self.fragment_tokens = [0] * n
+        self.codecs: list[Codec] = []
+
+    def autocast(self):  # noqa: ANN201 - a context manager
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
+    def train_step(self) -> None:
+        """One inner step, as the trainer's `train_step` (one micro-batch)."""
+        x, y = (t.to(self.device) for t in self.loader.next_batch())
+        with self.autocast():
+            logits = self.model(x)
+        F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm or float("inf"), foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def flat(self, fragment: int) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self.fragments[fragment]])
+
+    @torch.no_grad()
+    def write(self, fragment: int, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.fragments[fragment]:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def _initial_model(cfg: Config, vocab_size: int, device: torch.device) -> nn.Module:
+    """The trainer's initialisation: built on meta, initialised on CPU from the seed."""
+    args = get_model_args(cfg.model.name, cfg.model.flavor, vocab_size=vocab_size)
+    torch.manual_seed(cfg.training.seed)
+    model = build_model(args, device="meta")
+    model.to_empty(device="cpu")
+    model.init_weights(seed=cfg.training.seed)
+    return model.to(device)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, cfg: Config, data: PreparedDataset, device: torch.device,
+             dtype: torch.dtype, windows: int) -> float:
+    """Mean token loss over the first `windows` held-out windows (the same for every run,
+    whatever its batch size: the trainer's val set is val_batches x batch_size windows)."""
+    model.eval()
+    loss_sum, count = 0.0, 0
+    for x, y in validation_batches(data.val_path, cfg.data.seq_len, min(windows, 32), 0, 1,
+                                   max(1, windows // 32), data.dtype):
+        x, y = x.to(device), y.to(device)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(x)
+        loss_sum += float(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum"))
+        count += y.numel()
+    model.train()
+    return loss_sum / count
+
+
+class _Outer:
+    """The outer loop between the simulated islands (OuterLoop's semantics, in lockstep)."""
+
+    def __init__(self, cfg: Config, islands: list[_Island]) -> None:
+        self.ft, self.islands = cfg.fault_tolerance, islands
+        n = len(islands[0].fragments)
+        self.globals = [nn.Parameter(islands[0].flat(f).clone()) for f in range(n)]
+        self.outer = [build_outer_optimizer(self.ft, g) for g in self.globals]
+        self.codec = effective_codec(self.ft)
+        for island in islands:
+            island.codecs = [build_codec(self.ft, g.numel()) for g in self.globals]
+        self.per_fragment = self.ft.sync_steps // n
+        self.local_step, self.step = 0, 0
+        self.pending: tuple[int, torch.Tensor, float] | None = None
+        self.bytes_sent = 0
+
+    def after_inner_step(self, tokens: int) -> None:
+        for island in self.islands:
+            island.fragment_tokens = [t + tokens for t in island.fragment_tokens]
+        self.local_step += 1
+        if self.local_step == self.per_fragment - self.ft.fragment_sync_delay:
+            self.prepare()
+        if self.local_step == self.per_fragment:
+            self.local_step = 0
+            self.perform()
+
+    def prepare(self) -> None:
+        """Each island's weighted pseudo-gradient, encoded and decoded, summed in island order."""
+        fragment = self.step % len(self.globals)
+        total = torch.zeros_like(self.globals[fragment])
+        weights = 0.0
+        for island in self.islands:
+            pseudo = self.globals[fragment].detach() - island.flat(fragment)
+            weight = 1.0 if self.ft.outer_weighting == "equal" else float(island.fragment_tokens[fragment])
+            island.fragment_tokens[fragment] = 0
+            if self.codec != "fp32":
+                codec = island.codecs[fragment]
+                pseudo = codec.decode(codec.encode(pseudo))
+                self.bytes_sent += codec.payload_bytes()
+            else:
+                self.bytes_sent += 4 * (pseudo.numel() + 2)
+            total += weight * pseudo
+            weights += weight
+        self.pending = (fragment, total, weights)
+
+    @torch.no_grad()
+    def perform(self) -> None:
+        fragment, total, weights = self.pending
+        self.pending = None
+        g = self.globals[fragment]
+        g.grad = total / weights
+        self.outer[fragment].step()
+        self.outer[fragment].zero_grad(set_to_none=True)
+        self.step += 1
+        for island in self.islands:
+            new = g.detach()
+            if self.ft.fragment_update_alpha > 0:
+                new = new.lerp(island.flat(fragment), self.ft.fragment_update_alpha)
+            island.write(fragment, new)
+
+
+def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval_windows: int = 256,
+             eval_every: int | None = None, log: Callable[[str], None] | None = None) -> SimResult:
+    """Train `islands` islands of `cfg` for `cfg.training.steps` inner steps each.
+
+    With `fault_tolerance.enable` they meet in outer steps; without it (one island) this
+    is plain training. Evaluates island 0 every `eval_every` steps (default
+    `training.val_every`) and at the end, on `eval_windows` held-out windows.
+    """
+    device = torch.device(device)
+    t = cfg.training
+    data = prepare_from_config(cfg.data, t.seed, log=lambda _m: None)
+    first = _initial_model(cfg, data.vocab_size, device)
+    models = [first] + [copy.deepcopy(first) for _ in range(islands - 1)]  # init_sync: one start
+    crew = [_Island(cfg, data, m, i, islands, device) for i, m in enumerate(models)]
+    outer = _Outer(cfg, crew) if cfg.fault_tolerance.enable else None
+    tokens_per_step = t.batch_size * cfg.data.seq_len
+    every = t.val_every if eval_every is None else eval_every
+    result = SimResult()
+
+    def point(step: int) -> None:
+        loss = evaluate(crew[0].model, cfg, data, device, crew[0].dtype, eval_windows)
+        result.points.append(SimPoint(step, step * tokens_per_step * islands, loss))
+        if log is not None:
+            log(f"step {step}: val loss {loss:.4f}")
+
+    point(0)
+    for step in range(1, t.steps + 1):
+        for island in crew:
+            island.train_step()
+        if outer is not None:
+            outer.after_inner_step(tokens_per_step)
+        if step == t.steps or (every and step % every == 0):
+            point(step)
+    result.bytes_sent = outer.bytes_sent if outer is not None else 0
+    result.models = [island.model for island in crew]
+    return result

@@ -1,0 +1,148 @@
+"""Sweep outer-loop settings with the in-process simulator (archipelago/simulation.py).
+
+Each setting trains N 1-rank islands in one process, in lockstep, with the federation's
+exact outer step (a test checks it bit for bit against `archipelago local`), over several
+seeds, and is compared in the same run with two baselines at equal inner steps: one island
+alone (the same wall-clock) and DDP (one island with N times the batch: the same tokens).
+Every run evaluates on the same held-out windows, whatever its batch size. Runs go to a
+pool of worker processes; on a GPU many fit side by side.
+
+    python bench/outer_sweep.py --steps 400 --seeds 0 1 2 \\
+        --grid fault_tolerance.outer_lr=0.7,1.0 fault_tolerance.outer_momentum=0,0.9
+    python bench/outer_sweep.py --device cuda --workers 12 --mixed-precision fp32 ...
+
+Prints a table (ratio to DDP first) and appends one JSON line per run to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def grid_settings(grid: list[str]) -> list[list[str]]:
+    """`key=v1,v2 key2=w1` -> every combination, as `--key value` override lists."""
+    axes = []
+    for item in grid:
+        key, _, values = item.partition("=")
+        if not values:
+            raise SystemExit(f"--grid {item!r}: expected section.key=value[,value...]")
+        axes.append([(key, v) for v in values.split(",")])
+    return [[f"--{k}={v}" for k, v in combo] for combo in itertools.product(*axes)] if axes else []
+
+
+def setting_name(overrides: list[str]) -> str:
+    return " ".join(o[2:].split(".", 1)[-1] for o in overrides) or "defaults"
+
+
+def build_jobs(args: argparse.Namespace) -> list[dict]:
+    common = [f"--training.steps={args.steps}", f"--training.batch_size={args.batch_size}",
+              f"--training.mixed_precision={args.mixed_precision}", *args.set]
+    baselines = [("single", 1, [*common, "--fault_tolerance.no_enable"]),
+                 ("ddp", 1, [*common, "--fault_tolerance.no_enable",
+                             f"--training.batch_size={args.batch_size * args.islands}"])]
+    federations = [(setting_name(g), args.islands, [*common, "--fault_tolerance.enable", *g])
+                   for g in grid_settings(args.grid) or [[]]]
+    if args.no_baselines:
+        baselines = []
+    # Seed-major: a sweep cut short by --time-limit still has every setting at some seeds.
+    return [{"setting": name, "islands": n, "overrides": o, "seed": seed}
+            for seed in args.seeds for name, n, o in baselines + federations]
+
+
+def run_job(job: dict, config: str, device: str, threads: int, eval_windows: int) -> dict:
+    import torch
+
+    from archipelago.config import load_toml, parse_overrides, validate
+    from archipelago.simulation import simulate
+
+    torch.set_num_threads(threads)
+    cfg = parse_overrides(load_toml(config), [*job["overrides"], f"--training.seed={job['seed']}"])
+    validate(cfg)
+    began = time.perf_counter()
+    result = simulate(cfg, job["islands"], device=device, eval_windows=eval_windows)
+    return {**job, "val_loss": result.final.val_loss, "tokens": result.final.tokens,
+            "bytes_sent": result.bytes_sent, "seconds": time.perf_counter() - began,
+            "curve": [[p.step, p.tokens, p.val_loss] for p in result.points]}
+
+
+def _worker(args: tuple) -> dict:
+    return run_job(*args)
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["setting"], []).append(r)
+    ref = {k: statistics.mean(r["val_loss"] for r in by[k]) for k in ("ddp", "single") if k in by}
+    table = []
+    for name, runs in by.items():
+        losses = [r["val_loss"] for r in runs]
+        mean = statistics.mean(losses)
+        table.append({"setting": name, "val_loss": mean, "spread": max(losses) - min(losses),
+                      "seeds": len(runs), "tokens": runs[0]["tokens"],
+                      "vs_ddp": mean / ref["ddp"] if "ddp" in ref else float("nan"),
+                      "vs_single": mean / ref["single"] if "single" in ref else float("nan")})
+    return sorted(table, key=lambda t: t["val_loss"])
+
+
+def print_table(table: list[dict]) -> None:
+    print("\n| val loss / DDP | val loss / single island | val loss (mean) | spread (max-min) | seeds | tokens | setting |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for t in table:
+        print(f"| {t['vs_ddp']:.4f} | {t['vs_single']:.4f} | {t['val_loss']:.4f} | {t['spread']:.4f} | "
+              f"{t['seeds']} | {t['tokens']:,} | {t['setting']} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "configs/llama3/federation.toml"))
+    p.add_argument("--islands", type=int, default=2)
+    p.add_argument("--steps", type=int, default=400, help="inner steps per island")
+    p.add_argument("--batch-size", type=int, default=8, help="per island; DDP gets islands x this")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--grid", nargs="*", default=[], help="section.key=v1,v2 ... (every combination)")
+    p.add_argument("--set", nargs="*", default=[], help="--section.key=value overrides for every run")
+    p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--mixed-precision", default="fp32", choices=["fp32", "bf16", "auto"])
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
+    p.add_argument("--eval-windows", type=int, default=256, help="held-out windows of seq_len tokens")
+    p.add_argument("--out", type=Path, default=None, help="append one JSON line per run here")
+    p.add_argument("--time-limit", type=float, default=0, help="start no run after this many seconds")
+    args = p.parse_args()
+    args.set = [s if s.startswith("--") else f"--{s}" for s in args.set]
+    jobs = build_jobs(args)
+    threads = args.threads or max(1, (mp.cpu_count() // args.workers))
+    began = time.monotonic()
+    rows = []
+    print(f"{len(jobs)} runs on {args.device} with {args.workers} worker(s)", flush=True)
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        pending = [(j, args.config, args.device, threads, args.eval_windows) for j in jobs]
+        for row in pool.imap_unordered(_worker, pending):
+            rows.append(row)
+            print(f"[{time.monotonic() - began:6.0f}s] {row['setting']} seed {row['seed']}: "
+                  f"{row['val_loss']:.4f} ({row['seconds']:.0f}s)", flush=True)
+            if args.out:
+                with args.out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+            if args.time_limit and time.monotonic() - began > args.time_limit:
+                pool.terminate()
+                print("time limit reached: stopping", flush=True)
+                break
+    print_table(summarize(rows))
+
+
+if __name__ == "__main__":
+    main()
