@@ -27,7 +27,7 @@ from archipelago.config import Config
 from archipelago.data import PreparedDataset, TokenSequenceLoader, prepare_from_config, validation_batches
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.fragments import build_outer_optimizer, split_fragments
-from archipelago.island.optim import build_adamw, build_lr_scheduler
+from archipelago.island.optim import build_optimizer, build_lr_scheduler
 from archipelago.island.parallelize import compute_dtype
 from archipelago.models import build_model, get_model_args
 
@@ -59,7 +59,7 @@ class _Island:
                  device: torch.device) -> None:
         t = cfg.training
         self.model = model
-        self.optimizer = build_adamw(model, cfg.optimizer, device)
+        self.optimizer = build_optimizer(model, cfg.optimizer, device)
         self.scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
         self.loader = TokenSequenceLoader(data.train_path, cfg.data.seq_len, t.batch_size, rank=0,
                                           world_size=1, seed=t.seed, island=index, num_islands=count,

@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
-from archipelago.config import Config, ConfigError, config_to_dict, validate_for_island
+from archipelago.config import Config, ConfigError, advice, config_to_dict, validate_for_island
 from archipelago.federation import OuterLoop, OuterReport, build_outer_loop, report_record
 from archipelago.data import (PreparedDataset, TokenSequenceLoader, prepare_from_config,
                               validation_batches)
 from archipelago.island.device import (IslandContext, all_reduce_, barrier, broadcast_object,
                                        close_island, init_island)
-from archipelago.island.optim import (apply_optimizer_config, build_adamw, build_lr_scheduler,
+from archipelago.island.optim import (apply_optimizer_config, build_optimizer, build_lr_scheduler,
                                      set_schedule_position)
 from archipelago.island.parallelize import ParallelModel, parallelize
 from archipelago.metrics import (MetricsLog, ProgressDisplay, TensorBoardLog, ThroughputMeter,
@@ -170,7 +170,7 @@ class Trainer:
         return parallel
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        return build_adamw(self.model.module, self.cfg.optimizer, self.ctx.device)
+        return build_optimizer(self.model.module, self.cfg.optimizer, self.ctx.device)
 
     def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
         return build_lr_scheduler(self.optimizer, self.cfg.training.steps, self.cfg.lr_scheduler)
@@ -287,10 +287,7 @@ class Trainer:
         elif self.done():
             log.info("already trained to step %d of %d: nothing to do", self.progress.step,
                      self.cfg.training.steps)
-        if self.cfg.island.slowdown > 1:
-            log.warning("island.slowdown = %g: EMULATED slow island, each inner step waits %g x its "
-                        "compute time (an experiment setting, not a real speed)",
-                        self.cfg.island.slowdown, self.cfg.island.slowdown - 1)
+        self.warn_about_settings()
         if not self.done():
             self.join_federation()
             if self.done():  # caught up to the federation's end: its weights are this island's result
@@ -309,6 +306,16 @@ class Trainer:
             final = self.done()  # once per step: the time budget must not flip between uses
             self.after_step(result, final=final)
         return self.finish()
+
+    def warn_about_settings(self) -> None:
+        """Settings that run but are emulations or known to train worse (config.advice)."""
+        if self.cfg.island.slowdown > 1:
+            log.warning("island.slowdown = %g: EMULATED slow island, each inner step waits %g x its "
+                        "compute time (an experiment setting, not a real speed)",
+                        self.cfg.island.slowdown, self.cfg.island.slowdown - 1)
+        if self.ctx.is_leader:
+            for message in advice(self.cfg):
+                log.warning("%s", message)
 
     def finish_after_catch_up(self) -> None:
         """Evaluate and save the global weights an island received at the very end."""

@@ -30,8 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def grid_settings(grid: list[str]) -> list[list[str]]:
-    """`key=v1,v2 key2=w1` -> every combination, as `--key value` override lists."""
+def grid_settings(grids: list[list[str]]) -> list[list[str]]:
+    """Each group `key=v1,v2 key2=w1` -> every combination, as `--key=value` override lists."""
+    settings: list[list[str]] = []
+    for group in grids:
+        for combo in _product(group):
+            if combo not in settings:
+                settings.append(combo)
+    return settings
+
+
+def _product(grid: list[str]) -> list[list[str]]:
     axes = []
     for item in grid:
         key, _, values = item.partition("=")
@@ -48,16 +57,30 @@ def setting_name(overrides: list[str]) -> str:
 def build_jobs(args: argparse.Namespace) -> list[dict]:
     common = [f"--training.steps={args.steps}", f"--training.batch_size={args.batch_size}",
               f"--training.mixed_precision={args.mixed_precision}", *args.set]
-    baselines = [("single", 1, [*common, "--fault_tolerance.no_enable"]),
-                 ("ddp", 1, [*common, "--fault_tolerance.no_enable",
-                             f"--training.batch_size={args.batch_size * args.islands}"])]
-    federations = [(setting_name(g), args.islands, [*common, "--fault_tolerance.enable", *g])
-                   for g in grid_settings(args.grid) or [[]]]
+    # Baselines take every combination of the grid's keys outside [fault_tolerance]
+    # (an inner learning rate, say), so each federation has its own at the same settings.
+    inner: list[list[str]] = []
+    for group in args.grid or [[]]:
+        for combo in _product([g for g in group if not g.startswith("fault_tolerance.")]) or [[]]:
+            if combo not in inner:
+                inner.append(combo)
+    baselines = []
+    for combo in inner:
+        tag = setting_name(combo) if combo else ""
+        baselines += [("single", tag, 1, [*common, "--fault_tolerance.no_enable", *combo]),
+                      ("ddp", tag, 1, [*common, "--fault_tolerance.no_enable", *combo,
+                                       f"--training.batch_size={args.batch_size * args.islands}"])]
+    federations = []
+    for g in grid_settings(args.grid) or [[]]:
+        tag = setting_name([o for o in g if not o.startswith("--fault_tolerance.")])
+        federations.append(("federation", tag if tag != "defaults" else "", args.islands,
+                            [*common, "--fault_tolerance.enable", *g]))
     if args.no_baselines:
         baselines = []
     # Seed-major: a sweep cut short by --time-limit still has every setting at some seeds.
-    return [{"setting": name, "islands": n, "overrides": o, "seed": seed}
-            for seed in args.seeds for name, n, o in baselines + federations]
+    return [{"setting": f"{kind} {setting_name(o[len(common) + 1:])}".strip() if kind == "federation"
+             else f"{kind} {tag}".strip(), "kind": kind, "inner": tag, "islands": n, "overrides": o, "seed": seed}
+            for seed in args.seeds for kind, tag, n, o in baselines + federations]
 
 
 def run_job(job: dict, config: str, device: str, threads: int, eval_windows: int) -> dict:
@@ -81,27 +104,40 @@ def _worker(args: tuple) -> dict:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
+    """Mean over seeds of each setting's val loss, and of its ratio to the baselines of
+    the same seed and inner settings (paired: the seed moves every run the same way)."""
+    base = {(r["kind"], r["inner"], r["seed"]): r["val_loss"] for r in rows if r["kind"] != "federation"}
+    best_ddp = {}
+    for (kind, _inner, seed), loss in base.items():
+        if kind == "ddp":
+            best_ddp[seed] = min(loss, best_ddp.get(seed, loss))
     by: dict[str, list[dict]] = {}
     for r in rows:
         by.setdefault(r["setting"], []).append(r)
-    ref = {k: statistics.mean(r["val_loss"] for r in by[k]) for k in ("ddp", "single") if k in by}
     table = []
     for name, runs in by.items():
         losses = [r["val_loss"] for r in runs]
-        mean = statistics.mean(losses)
-        table.append({"setting": name, "val_loss": mean, "spread": max(losses) - min(losses),
-                      "seeds": len(runs), "tokens": runs[0]["tokens"],
-                      "vs_ddp": mean / ref["ddp"] if "ddp" in ref else float("nan"),
-                      "vs_single": mean / ref["single"] if "single" in ref else float("nan")})
-    return sorted(table, key=lambda t: t["val_loss"])
+
+        def ratio(kind: str, runs: list[dict] = runs) -> float:
+            pairs = [r["val_loss"] / base[(kind, r["inner"], r["seed"])] for r in runs
+                     if (kind, r["inner"], r["seed"]) in base]
+            return statistics.mean(pairs) if pairs else float("nan")
+
+        vs_best = [r["val_loss"] / best_ddp[r["seed"]] for r in runs if r["seed"] in best_ddp]
+        table.append({"setting": name, "val_loss": statistics.mean(losses), "spread": max(losses) - min(losses),
+                      "seeds": len(runs), "tokens": runs[0]["tokens"], "vs_ddp": ratio("ddp"),
+                      "vs_single": ratio("single"),
+                      "vs_best_ddp": statistics.mean(vs_best) if vs_best else float("nan")})
+    return sorted(table, key=lambda t: t["vs_best_ddp"])
 
 
 def print_table(table: list[dict]) -> None:
-    print("\n| val loss / DDP | val loss / single island | val loss (mean) | spread (max-min) | seeds | tokens | setting |")
-    print("|---:|---:|---:|---:|---:|---:|---|")
+    print("\n| val loss / DDP (same inner settings) | / best DDP | / single island | val loss (mean) "
+          "| spread (max-min) | seeds | tokens | setting |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
     for t in table:
-        print(f"| {t['vs_ddp']:.4f} | {t['vs_single']:.4f} | {t['val_loss']:.4f} | {t['spread']:.4f} | "
-              f"{t['seeds']} | {t['tokens']:,} | {t['setting']} |")
+        print(f"| {t['vs_ddp']:.4f} | {t['vs_best_ddp']:.4f} | {t['vs_single']:.4f} | {t['val_loss']:.4f} | "
+              f"{t['spread']:.4f} | {t['seeds']} | {t['tokens']:,} | {t['setting']} |")
 
 
 def main() -> None:
@@ -111,7 +147,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400, help="inner steps per island")
     p.add_argument("--batch-size", type=int, default=8, help="per island; DDP gets islands x this")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--grid", nargs="*", default=[], help="section.key=v1,v2 ... (every combination)")
+    p.add_argument("--grid", nargs="*", action="append", default=[],
+                   help="section.key=v1,v2 ... (every combination); repeat for more groups")
     p.add_argument("--set", nargs="*", default=[], help="--section.key=value overrides for every run")
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--device", default="cpu")

@@ -157,3 +157,44 @@ def test_codec_settings_out_of_range_name_the_fix():
     assert "topk_fraction = 0.0: must be in (0, 1], e.g. 0.05" in message
     assert "topk_bits = 9: use 1 to 8" in message
     assert "topk_chunk_size = 1: must be in [2, 16777216], e.g. 256" in message
+
+
+def _federation(**ft) -> Config:
+    cfg = Config()
+    cfg.training.steps = 400
+    cfg.fault_tolerance.enable = True
+    for key, value in ft.items():
+        setattr(cfg.fault_tolerance, key, value)
+    return cfg
+
+
+def test_outer_momentum_over_few_rounds_is_advised_against_with_the_fix():
+    from archipelago.config import advice
+
+    found = advice(_federation(outer_lr=0.7, outer_momentum=0.9, sync_steps=20))
+    assert len(found) == 1
+    assert "outer_momentum = 0.9 over 20 rounds" in found[0]
+    assert "set fault_tolerance.outer_momentum = 0 and fault_tolerance.outer_lr = 1.0" in found[0]
+    # Enough rounds (steps / sync_steps) and the advice is not given: it is about few rounds.
+    assert advice(_federation(outer_lr=0.7, outer_momentum=0.9, sync_steps=2)) == []
+
+
+def test_outer_lr_above_one_and_topk_with_momentum_are_advised_against():
+    from archipelago.config import advice
+
+    assert "set fault_tolerance.outer_lr = 1.0" in advice(_federation(outer_lr=1.5, outer_momentum=0.0))[0]
+    topk = advice(_federation(codec="topk", outer_lr=0.7, outer_momentum=0.9, sync_steps=2))
+    assert len(topk) == 1 and "error feedback already acts as momentum" in topk[0]
+
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED if "[fault_tolerance]" in p.read_text()],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_shipped_federation_configs_follow_the_measured_advice(path):
+    from archipelago.config import advice
+
+    cfg = load_config(["--config", str(path), "--fault_tolerance.enable"])
+    assert advice(cfg) == []
+    assert advice(Config()) == []  # nor do the defaults of a federation
+    cfg = Config()
+    cfg.fault_tolerance.enable = True
+    assert advice(cfg) == []

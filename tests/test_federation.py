@@ -136,6 +136,7 @@ def _run_islands(target, ft: FaultToleranceConfig, steps: int) -> dict:
 def test_matches_torchft_diloco_on_homogeneous_islands(fragments, delay, alpha):
     ft = FaultToleranceConfig(enable=True, group_size=2, min_replica_size=2, sync_steps=4,
                               outer_weighting="equal",  # plain DiLoCo, as torchft
+                              outer_lr=0.7, outer_momentum=0.9,  # torchft's examples: Nesterov momentum
                               num_fragments=fragments, fragment_sync_delay=delay,
                               fragment_update_alpha=alpha)
     steps = 12  # three rounds of every fragment

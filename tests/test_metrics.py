@@ -260,3 +260,38 @@ def test_report_without_summary_still_works(tmp_path: Path) -> None:
 def test_report_missing_metrics_gives_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="expected metrics.jsonl"):
         write_report(tmp_path)
+
+
+def _val_run(path: Path, val_losses: dict[int, float], tokens_per_step: int = 1024) -> Path:
+    with MetricsLog(path / "metrics.jsonl") as mlog:
+        mlog.log({"step": 0, "val_loss": 8.3, "tokens": 0})
+        for step, val in val_losses.items():
+            mlog.log({"step": step, "loss": val + 0.1, "val_loss": val, "tokens": step * tokens_per_step})
+    return path
+
+
+def test_report_puts_a_baseline_beside_a_federation(tmp_path: Path) -> None:
+    fed = tmp_path / "fed"
+    for island in (0, 1):  # both islands end on the same global weights
+        _val_run(fed / f"island-{island}", {100: 5.2, 200: 4.8})
+        with MetricsLog(fed / f"island-{island}" / "metrics.jsonl") as mlog:
+            mlog.log({"event": "outer_step", "step": 200, "outer_step": 10, "committed": True,
+                      "federation_tokens": 409600})
+    base = _val_run(tmp_path / "alone", {100: 5.3, 200: 5.0})
+    png, md = write_report(fed, baseline=base)
+    text = md.read_text()
+    assert "## Compared with a baseline" in text
+    assert "| fed | federation of 2 | 4.8000 | 200 | 409,600 | 0.9600 |" in text
+    assert "| alone | one island | 5.0000 | 200 | 204,800 | 1.0000 |" in text
+    assert "4.0% lower (better)" in text
+
+
+def test_report_baseline_without_validation_is_refused_by_the_cli(tmp_path: Path) -> None:
+    run = _val_run(tmp_path / "run", {10: 5.0})
+    bare = tmp_path / "bare"
+    with MetricsLog(bare / "metrics.jsonl") as mlog:
+        mlog.log({"step": 1, "loss": 6.0})
+    from archipelago.launch.cli import main
+
+    assert main(["report", str(run), "--baseline", str(bare)]) == 2
+    assert main(["report", str(run), "--baseline", str(tmp_path / "missing")]) == 2

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from archipelago.config import LRSchedulerConfig, OptimizerConfig
-from archipelago.island.optim import build_adamw, build_lr_scheduler, lr_factor
+from archipelago.island.optim import build_optimizer, build_lr_scheduler, lr_factor
 
 
 def test_warmup_is_linear_and_never_zero():
@@ -33,7 +33,7 @@ def test_no_decay_holds_the_peak():
 
 def test_scheduler_drives_the_optimizer_lr():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    opt = build_adamw(model, OptimizerConfig(lr=0.5), torch.device("cpu"))
+    opt = build_optimizer(model, OptimizerConfig(lr=0.5), torch.device("cpu"))
     sched = build_lr_scheduler(opt, 20, LRSchedulerConfig(warmup_steps=4))
     seen = []
     for _ in range(3):
@@ -45,7 +45,7 @@ def test_scheduler_drives_the_optimizer_lr():
 
 def test_weight_decay_applies_to_matrices_only():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    opt = build_adamw(model, OptimizerConfig(weight_decay=0.1), torch.device("cpu"))
+    opt = build_optimizer(model, OptimizerConfig(weight_decay=0.1), torch.device("cpu"))
     decayed, plain = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and [p.ndim for p in decayed["params"]] == [2]
     assert plain["weight_decay"] == 0.0 and all(p.ndim == 1 for p in plain["params"])

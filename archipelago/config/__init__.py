@@ -22,11 +22,11 @@ from archipelago.config.schema import (
     ParallelismConfig,
     TrainingConfig,
 )
-from archipelago.config.validate import validate, validate_for_island
+from archipelago.config.validate import advice, validate, validate_for_island
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FaultToleranceConfig", "JobConfig",
     "LRSchedulerConfig", "MetricsConfig", "ModelConfig", "OptimizerConfig", "ParallelismConfig",
     "TrainingConfig", "config_from_dict", "config_to_dict", "load_config", "load_toml",
-    "parse_overrides", "split_config_flag", "validate", "validate_for_island",
+    "parse_overrides", "split_config_flag", "advice", "validate", "validate_for_island",
 ]

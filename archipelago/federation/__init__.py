@@ -10,7 +10,6 @@ from torch import nn
 
 from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.codecs import effective_codec
 from archipelago.federation.diloco import FederationError, OuterLoop, OuterReport, report_record
 from archipelago.federation.fragments import split_fragments
 from archipelago.federation.guard import poison_from_env
@@ -64,10 +63,6 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str
         log.info("joining the federation at %s as island %d (%d rank(s), sync_width %d, %s, "
                  "sync every %d steps, %d fragment(s))", url, ft.replica_id, world_size, width,
                  ft.semi_sync_method, ft.sync_steps, len(fragments))
-    if rank == 0 and effective_codec(ft) == "topk" and ft.outer_optimizer == "sgd" and ft.outer_momentum > 0:
-        log.info("hint: codec topk with outer_momentum %g: error feedback already acts as momentum; "
-                 "outer_momentum = 0, outer_lr = 1, outer_nesterov = false trained better in our "
-                 "measurements (docs/codecs.md)", ft.outer_momentum)
     if poison is not None and rank == 0:
         log.warning("ARCHIPELAGO_INJECT=%s@%d: this island will send a poisoned update in outer step %d "
                     "(a test/demo of the update guard)", poison.kind, poison.round, poison.round)

@@ -10,18 +10,21 @@ from torch import nn
 from archipelago.config import LRSchedulerConfig, OptimizerConfig
 
 
-def build_adamw(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW (the default) or SGD, with weight decay on matrices only (norm gains and
+    biases are not decayed)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    # The fused kernel exists for accelerators; on CPU the foreach path is the fast one.
+    # The fused kernels exist for accelerators; on CPU the foreach path is the fast one.
     fused = device.type in ("cuda", "xpu")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             fused=fused, foreach=None if fused else True)
+    kernel = {"fused": fused, "foreach": None if fused else True}
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **kernel)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
 
 
 def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:
@@ -61,7 +64,11 @@ def apply_optimizer_config(optimizer: torch.optim.Optimizer,
     """
     decays = [cfg.weight_decay, 0.0]
     for group, decay in zip(optimizer.param_groups, decays):
-        group.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=decay, initial_lr=cfg.lr)
+        group.update(weight_decay=decay, initial_lr=cfg.lr)
+        if isinstance(optimizer, torch.optim.SGD):
+            group.update(momentum=cfg.momentum)
+        else:
+            group.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
     set_schedule_position(scheduler, scheduler.last_epoch)
 

@@ -31,7 +31,8 @@ commands:
                  island (--islands 2,1, --kill ISLAND@SECONDS, --restart-after SECONDS)
   data prepare   fetch the corpus, train the tokenizer, write token files (cached)
   models         list every model family and flavor with its parameter count
-  report RUN_DIR write a loss plot and a Markdown summary of a run (or a federation)
+  report RUN_DIR write a loss plot and a Markdown summary of a run (or a federation);
+                 --baseline RUN_DIR puts another run's final val loss beside it
   config         `config reference` prints the configuration reference;
                  `config show [--config FILE] [overrides]` prints the resolved config
 
@@ -248,13 +249,25 @@ def cmd_models(argv: list[str]) -> int:
 
 
 def cmd_report(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: archipelago report RUN_DIR\n\nWrite RUN_DIR/report/loss.png and "
-              "RUN_DIR/report/report.md from a run's metrics.jsonl and summary.json.", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="archipelago report",
+        description="Write RUN_DIR/report/loss.png and RUN_DIR/report/report.md from a run's "
+                    "metrics.jsonl and summary.json (or a federation's island-K/ folders), and print "
+                    "the report.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run or federation run directory")
+    parser.add_argument("--baseline", metavar="RUN_DIR", type=Path, default=None,
+                        help="another run (e.g. one island trained alone on the same config) whose "
+                             "final validation loss the report puts beside this run's")
+    args = parser.parse_args(argv)
     from archipelago.metrics import write_report
 
-    png, md = write_report(Path(argv[0]))
+    try:
+        png, md = write_report(args.run_dir, baseline=args.baseline)
+    except ValueError as exc:  # e.g. a baseline that logged no validation loss
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(md.read_text())
     print(f"wrote {png}\nwrote {md}")
     return 0

@@ -24,18 +24,24 @@ _PREFERRED_FIELDS = (
 )
 
 
-def write_report(run_dir: Path) -> tuple[Path, Path]:
+def write_report(run_dir: Path, baseline: Path | None = None) -> tuple[Path, Path]:
     """Write run_dir/report/loss.png and run_dir/report/report.md.
 
     Reads run_dir/metrics.jsonl (required) and run_dir/summary.json
     (optional); for a federation run directory (no metrics.jsonl of its own,
     federation.json or island-K/metrics.jsonl instead) see write_federation_report.
+    With `baseline` (another run directory, e.g. one island trained alone), the report
+    ends with both runs' final validation loss side by side.
     Returns (png_path, markdown_path).
     """
     run_dir = Path(run_dir)
+    compared = compare_with_baseline(run_dir, Path(baseline)) if baseline is not None else []
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.is_file() and is_federation_dir(run_dir):
-        return write_federation_report(run_dir)
+        png, md = write_federation_report(run_dir)
+        if compared:
+            md.write_text(md.read_text(encoding="utf-8") + "\n" + "\n".join(compared) + "\n", encoding="utf-8")
+        return png, md
     if not metrics_path.is_file():
         raise FileNotFoundError(
             f"is {run_dir} a run directory? expected metrics.jsonl at {metrics_path} "
@@ -48,9 +54,62 @@ def write_report(run_dir: Path) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     png = _plot_loss(history, name, out_dir / "loss.png")
     md = out_dir / "report.md"
-    md.write_text(_markdown(name, history, summary, png.name), encoding="utf-8")
+    text = _markdown(name, history, summary, png.name)
+    md.write_text(text + ("\n" + "\n".join(compared) + "\n" if compared else ""), encoding="utf-8")
     log.info("wrote report %s", md)
     return png, md
+
+
+def final_validation(run_dir: Path) -> dict[str, Any]:
+    """The last validation of a run: `val_loss`, the inner `step` it came after, and the
+    `tokens` trained by then (a federation: by all its islands, from its last outer step).
+
+    Raises FileNotFoundError when `run_dir` holds no run, ValueError when it logged no
+    validation loss.
+    """
+    run_dir = Path(run_dir)
+    if (run_dir / "metrics.jsonl").is_file():
+        islands = {0: read_metrics(run_dir / "metrics.jsonl").steps}
+        federation = False
+    elif is_federation_dir(run_dir):
+        islands = {i["id"]: island_records(run_dir / f"island-{i['id']}") for i in load_federation(run_dir)["islands"]}
+        federation = True
+    else:
+        raise FileNotFoundError(f"{run_dir} is not a run directory: expected metrics.jsonl or island-K/metrics.jsonl")
+    last = None
+    for records in islands.values():
+        for r in records:
+            if is_step_record(r) and finite(r.get("val_loss")) and (last is None or r["step"] >= last["step"]):
+                last = r
+    if last is None:
+        raise ValueError(f"{run_dir} logged no validation loss; train with --training.val_every > 0")
+    tokens = last.get("tokens") or 0
+    if federation:  # every island's tokens, as the federation counted them at its last outer step
+        outer = [r.get("federation_tokens") or 0 for rs in islands.values() for r in rs
+                 if r.get("event") == "outer_step" and r.get("committed")]
+        tokens = max(outer, default=tokens)
+    return {"val_loss": float(last["val_loss"]), "step": int(last["step"]), "tokens": int(tokens),
+            "kind": "federation" if federation else "one island", "islands": len(islands)}
+
+
+def compare_with_baseline(run_dir: Path, baseline: Path) -> list[str]:
+    """Markdown lines: the run's final validation loss beside a baseline run's."""
+    run, base = final_validation(run_dir), final_validation(baseline)
+    ratio = run["val_loss"] / base["val_loss"]
+    change = (ratio - 1.0) * 100
+    verdict = "lower (better)" if change < 0 else "higher (worse)"
+    lines = ["## Compared with a baseline", "",
+             "| run | kind | final val loss | inner steps | tokens | val loss / baseline's |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for path, v, r in ((run_dir, run, ratio), (baseline, base, 1.0)):
+        kind = f"federation of {v['islands']}" if v["kind"] == "federation" else v["kind"]
+        lines.append(f"| {Path(path).name} | {kind} | {v['val_loss']:.4f} | {v['step']} | "
+                     f"{v['tokens']:,} | {r:.4f} |")
+    lines += ["", f"Final validation loss {run['val_loss']:.4f} vs {base['val_loss']:.4f} for the baseline: "
+              f"{abs(change):.1f}% {verdict}."]
+    if run["step"] != base["step"]:
+        lines.append(f"Note: the runs ended at different inner steps ({run['step']} and {base['step']}).")
+    return lines
 
 
 def _read_summary(path: Path) -> dict[str, Any]:

@@ -1,0 +1,325 @@
+"""Model quality at equal tokens: federations against one island and against DDP.
+
+Every setting runs the real platform (`archipelago train` / `archipelago local`) on the
+same config, for several seeds, and is compared in the same run with two baselines:
+
+* single: one 1-rank island alone, `--steps` steps of `--batch-size` sequences: what one
+  island trains in the wall-clock time a federation island spends on the same steps;
+* ddp: one island of 2 ranks, per-step gradient all-reduce (`data_parallel = "ddp"`), the
+  islands' combined batch: the same tokens as a 2-island federation, the expensive way.
+
+Settings: diloco (2 x 1 rank, the config's outer step, sync_steps 20), int8, topk,
+streaming int8 (4 fragments, tau 2), sync_steps 5 / 50 / 100, and het-1:3 (a 2-rank and a
+1-rank island, the 1-rank one emulated 3x slower, time-paced rounds as long as the diloco
+run's median round, token-weighted): the same token budget, unequal steps. Its single-
+island baseline at equal wall-clock is the fast island alone for as many steps as it ran
+in the federation (`single-fast`, measured per seed).
+
+Ratios are paired: each seed's value over the baseline's at the same seed, then the
+mean over seeds (the seed moves every run the same way: init and data order). Every run
+evaluates the same 256 held-out windows (val_batches x batch_size), at the end and every
+quarter. Bytes are what the runs hand to the cross-island (cross-rank) collectives, as
+the outer-step meter counts them (`bytes_sent`); for DDP, 4 bytes per parameter per rank
+per step (its fp32 gradient all-reduce). Prints a table (ratio first), `--out` writes
+JSON (one object per setting), `--plot` a PNG of validation loss against tokens.
+
+    python bench/quality.py [--steps 200] [--seeds 0 1 2] [--settings single ddp diloco ...]
+    python bench/quality.py --flavor small --device cuda     # on a GPU machine
+
+Defaults take about 90 minutes on a 2-core CPU (11 settings x 3 seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from federation import REPO, num, outer_steps, read_jsonl, run_job, run_main  # noqa: E402
+
+from archipelago.metrics.report import final_validation  # noqa: E402
+
+EVAL_WINDOWS = 256
+STREAM = ("--fault_tolerance.codec", "int8", "--fault_tolerance.num_fragments", "4",
+          "--fault_tolerance.fragment_sync_delay", "2")
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    islands: str = "1,1"         # --islands of `archipelago local`; "" = one `archipelago train`
+    ranks: int = 1               # ranks of the one island (train only)
+    batch_factor: int = 1        # the island's batch = batch_factor x --batch-size
+    args: tuple[str, ...] = ()
+    slowdown: str = ""           # --slowdown of `archipelago local`
+    time_paced: bool = False
+
+
+SETTINGS = {s.name: s for s in (
+    Setting("single", islands=""),
+    Setting("ddp", islands="", ranks=2, batch_factor=2, args=("--parallelism.data_parallel", "ddp")),
+    Setting("diloco"),
+    Setting("het-1:3", islands="2,1", slowdown="1,3", time_paced=True),
+    Setting("single-fast", islands="", ranks=2),
+    Setting("int8", args=("--fault_tolerance.codec", "int8")),
+    Setting("topk", args=("--fault_tolerance.codec", "topk")),
+    Setting("streaming-int8", args=STREAM),
+    Setting("sync-5", args=("--fault_tolerance.sync_steps", "5")),
+    Setting("sync-50", args=("--fault_tolerance.sync_steps", "50")),
+    Setting("sync-100", args=("--fault_tolerance.sync_steps", "100")),
+)}
+
+
+@dataclass
+class Run:
+    setting: str
+    seed: int
+    val_loss: float
+    tokens: int
+    bytes_sent: int
+    steps: list[int] = field(default_factory=list)   # inner steps per island
+    curve: list[list[float]] = field(default_factory=list)  # [tokens, val loss]
+
+
+# ------------------------------------------------------------------ commands
+
+
+def sync_steps_of(args: argparse.Namespace, s: Setting) -> int:
+    from archipelago.config import load_toml
+
+    if "--fault_tolerance.sync_steps" in s.args:
+        return int(s.args[s.args.index("--fault_tolerance.sync_steps") + 1])
+    return load_toml(args.config).fault_tolerance.sync_steps
+
+
+def eval_every(args: argparse.Namespace, s: Setting, steps: int) -> int:
+    """About 4 evaluations per run, at round ends (global weights) where rounds are steps."""
+    sync = 1 if not s.islands or s.time_paced else sync_steps_of(args, s)
+    return sync * max(1, steps // (4 * sync))
+
+
+def base_args(args: argparse.Namespace, seed: int, steps: int, batch: int, every: int) -> list[str]:
+    return ["--config", str(args.config), "--model.flavor", args.flavor, "--training.device", args.device,
+            "--training.seed", str(seed), "--training.steps", str(steps), "--training.batch_size", str(batch),
+            "--training.val_every", str(every), "--training.val_batches", str(max(1, EVAL_WINDOWS // batch)),
+            "--checkpoint.no_enable", "--metrics.no_tensorboard", "--metrics.progress", "plain",
+            "--metrics.log_every", str(every)]
+
+
+def command(args: argparse.Namespace, s: Setting, seed: int, run_dir: Path, steps: int,
+            round_s: float | None) -> list[str]:
+    cli = [sys.executable, "-m", "archipelago.launch.cli"]
+    common = [*base_args(args, seed, steps, args.batch_size * s.batch_factor, eval_every(args, s, steps)),
+              "--job.run_dir", str(run_dir), *s.args]
+    if not s.islands:
+        return [*cli, "train", "--nproc", str(s.ranks), *common]
+    cmd = [*cli, "local", "--islands", s.islands, "--no-table", *common]
+    if s.slowdown:
+        cmd += ["--slowdown", s.slowdown]
+    if s.time_paced:
+        cmd += ["--fault_tolerance.round_pacing", "time", "--fault_tolerance.round_seconds", f"{round_s:.2f}"]
+    return cmd
+
+
+# ------------------------------------------------------------------ results
+
+
+def island_dirs(run_dir: Path) -> list[Path]:
+    found = sorted(run_dir.glob("island-*"), key=lambda p: int(p.name.split("-")[1]))
+    return found or [run_dir]
+
+
+def curve(run_dir: Path) -> list[list[float]]:
+    """[tokens of the whole run, val loss] at every evaluation of island 0. A federation's
+    tokens are those it had trained at island 0's last outer step before the evaluation
+    (exact when evaluations fall on round ends, as they do under step pacing here)."""
+    first = read_jsonl(island_dirs(run_dir)[0] / "metrics.jsonl")
+    rounds = [(r["step"], r.get("federation_tokens", 0)) for r in first
+              if r.get("event") == "outer_step" and r.get("committed")]
+    points = []
+    for r in first:
+        if "event" in r or not isinstance(r.get("val_loss"), (int, float)):
+            continue
+        if rounds:
+            tokens = max((t for step, t in rounds if step <= r["step"]), default=0)
+        else:
+            tokens = r.get("tokens", 0)
+        points.append([tokens, r["val_loss"]])
+    return points
+
+
+def collect(s: Setting, seed: int, run_dir: Path, params: int, args: argparse.Namespace, steps: int) -> Run:
+    final = final_validation(run_dir)
+    islands = island_dirs(run_dir)
+    if s.islands:
+        sent = sum(r.get("bytes_sent", 0) for d in islands for r in outer_steps(d))
+        inner = [max((r["step"] for r in read_jsonl(d / "metrics.jsonl") if "event" not in r and "step" in r),
+                     default=0) for d in islands]
+    else:  # DDP: one fp32 gradient all-reduce per step on every rank (none for one rank)
+        sent = 4 * params * s.ranks * steps if s.ranks > 1 else 0
+        inner = [final["step"]]
+    return Run(s.name, seed, final["val_loss"], final["tokens"], sent, inner, curve(run_dir))
+
+
+def params_of(run_dir: Path) -> int:
+    for d in island_dirs(run_dir):
+        summary = d / "summary.json"
+        if summary.is_file():
+            return int(json.loads(summary.read_text()).get("params", 0))
+    return 0
+
+
+def median_round_s(run_dir: Path) -> float | None:
+    """The median compute seconds of island 0's rounds (its join round left out)."""
+    rounds = [r["compute_s"] for r in outer_steps(run_dir / "island-0")[1:] if r.get("compute_s")]
+    return statistics.median(rounds) if rounds else None
+
+
+# ------------------------------------------------------------------ summary
+
+
+def summarize(runs: list[Run]) -> list[dict[str, Any]]:
+    by: dict[str, list[Run]] = {}
+    for r in runs:
+        by.setdefault(r.setting, []).append(r)
+    base = {(r.setting, r.seed): r for r in runs}
+
+    def paired(runs_: list[Run], ref: str, value) -> float | None:  # noqa: ANN001 - a getter
+        pairs = [value(r) / value(base[(ref, r.seed)]) for r in runs_
+                 if (ref, r.seed) in base and value(base[(ref, r.seed)])]
+        return statistics.fmean(pairs) if pairs else None
+
+    table = []
+    for name, group in by.items():
+        single = "single-fast" if name == "het-1:3" else "single"
+        losses = [r.val_loss for r in group]
+        table.append({
+            "setting": name, "tokens": int(statistics.fmean(r.tokens for r in group)),
+            "val_loss": statistics.fmean(losses), "val_loss_spread": max(losses) - min(losses),
+            "val_loss_ratio_vs_ddp": paired(group, "ddp", lambda r: r.val_loss),
+            "val_loss_ratio_vs_single": paired(group, single, lambda r: r.val_loss),
+            "bytes_per_token_ratio_vs_ddp": paired(group, "ddp", lambda r: r.bytes_sent / max(r.tokens, 1)),
+            "seeds": [r.seed for r in group], "val_losses": losses,
+            "inner_steps": [r.steps for r in group], "bytes_sent": [r.bytes_sent for r in group],
+            "curves": [r.curve for r in group],
+        })
+    return table
+
+
+def print_table(table: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(f"\nllama3 {args.flavor}, {args.steps} inner steps per island of {args.batch_size} sequences "
+          f"(ddp: {2 * args.batch_size}), seeds {' '.join(map(str, args.seeds))}; ratios paired by seed; "
+          f"het-1:3 compared with single-fast (its fast island alone, as long)\n")
+    print("| val loss / DDP's | val loss / single island's | bytes per token / DDP's | val loss (mean) "
+          "| spread (max-min) | tokens | inner steps per island (seed 0) | setting |")
+    print("|---:|---:|---:|---:|---:|---:|---|---|")
+    for t in table:
+        print(f"| {num(t['val_loss_ratio_vs_ddp'], '.4f')} | {num(t['val_loss_ratio_vs_single'], '.4f')} "
+              f"| {num(t['bytes_per_token_ratio_vs_ddp'], '.4f')} | {t['val_loss']:.4f} "
+              f"| {t['val_loss_spread']:.4f} | {t['tokens']:,} | {'/'.join(map(str, t['inner_steps'][0]))} "
+              f"| {t['setting']} |")
+
+
+def plot(table: list[dict[str, Any]], path: Path, title: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for t in table:
+        points = [p for p in zip(*t["curves"])]  # one tuple of [tokens, loss] per evaluation, over seeds
+        xs = [statistics.fmean(q[0] for q in pts) for pts in points]
+        ys = [statistics.fmean(q[1] for q in pts) for pts in points]
+        style = "--" if t["setting"] in ("single", "single-fast", "ddp") else "-"
+        ax.plot(xs[1:], ys[1:], style, marker="o", markersize=3, label=t["setting"])  # step 0 is the same for all
+    ax.set_xlabel("tokens trained (all islands)")
+    ax.set_ylabel("validation loss (mean over seeds)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ------------------------------------------------------------------ main
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=REPO / "configs/llama3/federation.toml")
+    p.add_argument("--flavor", default="debug", help="llama3 flavor (small on a GPU machine)")
+    p.add_argument("--device", default="cpu", help="training.device of every run")
+    p.add_argument("--steps", type=int, default=200, help="inner steps per island (demo: 200)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per island per step")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
+    p.add_argument("--work-dir", type=Path, default=None, help="run directories (default: a new /tmp folder)")
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--plot", type=Path, default=None, help="write validation loss vs tokens as PNG here")
+    args = p.parse_args()
+    if "het-1:3" in args.settings and "single-fast" not in args.settings:
+        args.settings.append("single-fast")  # het-1:3's baseline at equal wall-clock
+    return args
+
+
+def run_one(args: argparse.Namespace, root: Path, s: Setting, seed: int, steps: int,
+            round_s: float | None) -> tuple[Run, Path]:
+    run_dir = root / f"{s.name.replace(':', 'x')}-seed{seed}"
+    cmd = command(args, s, seed, run_dir, steps, round_s)
+    done = run_job(cmd, root / f"{run_dir.name}.log", args.timeout, None)
+    if done.exit_code != 0:
+        raise RuntimeError(f"{s.name} seed {seed}: exit code {done.exit_code}; see {root / f'{run_dir.name}.log'}")
+    run = collect(s, seed, run_dir, params_of(run_dir), args, steps)
+    print(f"  {s.name} seed {seed}: val loss {run.val_loss:.4f}, {run.tokens:,} tokens, "
+          f"steps {run.steps} ({done.wall_s:.0f} s)", flush=True)
+    return run, run_dir
+
+
+def main() -> None:
+    args = parse_args()
+    root = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-quality-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"run directories under {root}", flush=True)
+    began = time.monotonic()
+    runs: list[Run] = []
+    order = [n for n in SETTINGS if n in args.settings]  # diloco before het-1:3 before single-fast
+    for seed in args.seeds:
+        round_s, fast_steps = None, args.steps
+        for name in order:
+            s = SETTINGS[name]
+            if s.time_paced and round_s is None:
+                round_s = 5.0  # no diloco run to match: a short round
+            steps = fast_steps if name == "single-fast" else args.steps
+            run, run_dir = run_one(args, root, s, seed, steps, round_s)
+            runs.append(run)
+            if name == "diloco":
+                round_s = median_round_s(run_dir)
+            if name == "het-1:3":
+                fast_steps = run.steps[0]
+    table = summarize(runs)
+    print_table(table, args)
+    print(f"\n{len(runs)} runs in {time.monotonic() - began:.0f} s")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"flavor": args.flavor, "steps": args.steps, "batch_size": args.batch_size, "seeds": args.seeds,
+                "device": args.device, "config": str(args.config), "eval_windows": EVAL_WINDOWS}
+        args.out.write_text(json.dumps({"meta": meta, "settings": table}, indent=2))
+        print(f"wrote {args.out}")
+    if args.plot:
+        plot(table, args.plot, f"llama3 {args.flavor}: validation loss vs tokens ({len(args.seeds)} seeds)")
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    run_main(main)

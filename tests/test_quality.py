@@ -1,0 +1,108 @@
+"""The federation pays off: the outer step against references, and two islands against one.
+
+* The in-process simulator (archipelago/simulation.py, what bench/outer_sweep.py tunes
+  with) trains the same weights as `archipelago local`, bit for bit.
+* With inner SGD, one inner step per round and plain averaging (outer SGD, lr 1, no
+  momentum), a federation of two 1-rank islands is synchronous data parallelism: its
+  weights equal a 2-rank DDP run's on the same batches.
+* Slow: with the shipped defaults, two islands reach a lower validation loss than one
+  island in the same number of steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, run_cli
+from test_federation_e2e import _final_weights
+
+FEDERATION = ["--config", str(ROOT / "configs/llama3/federation.toml")]
+QUICK = ["--training.val_every", "0", "--metrics.log_every", "4", "--checkpoint.interval", "4"]
+
+
+def _model_weights(island_dir: Path) -> dict[str, torch.Tensor]:
+    """The checkpointed model weights, keyed by parameter name."""
+    return {k.split("model.", 1)[1]: v for k, v in _final_weights(island_dir).items() if "model." in k}
+
+
+@pytest.mark.timeout(300)
+def test_simulator_trains_the_same_weights_as_a_real_federation(tmp_path):
+    from archipelago.config import load_config
+    from archipelago.simulation import simulate
+
+    # The reference platform's outer step (Nesterov momentum): the optimizer state matters.
+    outer = ["--fault_tolerance.sync_steps", "4", "--fault_tolerance.outer_lr", "0.7",
+             "--fault_tolerance.outer_momentum", "0.9", "--training.steps", "8"]
+    done = run_cli(["local", "--islands", "1,1", "--no-table", *TINY, *QUICK, *outer,
+                    "--job.run_dir", str(tmp_path / "fed")], timeout=240)
+    assert done.returncode == 0, done.output[-3000:]
+    real = _model_weights(tmp_path / "fed" / "island-0")
+    cfg = load_config([*TINY, *QUICK, *outer, "--fault_tolerance.enable"])
+    simulated = simulate(cfg, islands=2).models[0].state_dict()
+    assert real.keys() == simulated.keys() and len(real) > 10
+    start = _model_weights_at_start()
+    assert all(not torch.equal(real[k], v) for k, v in start.items())  # the comparison can fail
+    for name, value in simulated.items():
+        assert torch.equal(real[name], value), name
+
+
+@pytest.mark.timeout(400)
+def test_one_step_rounds_of_plain_averaging_with_inner_sgd_are_data_parallelism(tmp_path):
+    # Inner SGD, no clipping (a per-island clip is not the clip of the averaged gradient).
+    sgd = ["--optimizer.name", "sgd", "--optimizer.lr", "0.1", "--optimizer.momentum", "0.5",
+           "--training.max_norm", "0", "--training.steps", "4"]
+    averaging = ["--fault_tolerance.sync_steps", "1", "--fault_tolerance.outer_lr", "1.0",
+                 "--fault_tolerance.outer_momentum", "0", "--fault_tolerance.outer_weighting", "tokens"]
+    fed = run_cli(["local", "--islands", "1,1", "--no-table", *TINY, *QUICK, *sgd, *averaging,
+                   "--job.run_dir", str(tmp_path / "fed")], timeout=300)
+    assert fed.returncode == 0, fed.output[-3000:]
+    # One island of 2 ranks, each rank one island's batch: island k reads the even (k=0) or
+    # odd (k=1) positions of the data order, and a 16-sequence step reads 16 consecutive
+    # positions, so every step sees the same 16 sequences in both runs.
+    ddp = run_cli(["train", "--nproc", "2", *TINY, *QUICK, *sgd, "--training.batch_size", "16",
+                   "--parallelism.data_parallel", "ddp", "--job.run_dir", str(tmp_path / "ddp")], timeout=300)
+    assert ddp.returncode == 0, ddp.output[-3000:]
+    a, b = _model_weights(tmp_path / "fed" / "island-0"), _model_weights(tmp_path / "ddp")
+    assert a.keys() == b.keys() and len(a) > 10
+    init = _model_weights_at_start()
+    for name in a:
+        moved = (b[name] - init[name]).abs().max()
+        assert moved > 1e-5, (name, moved)  # training moved the weights: the comparison can fail
+        # Equal up to float32 rounding: the federation computes global - (global - local)
+        # and DDP lr x gradient, the same value rounded at different places. Measured: at
+        # most 3 units in the last place of the tensor's largest weight after 4 steps.
+        ulps = 8 * torch.finfo(torch.float32).eps * b[name].abs().max()
+        assert (a[name] - b[name]).abs().max() <= ulps, name
+
+
+def _model_weights_at_start() -> dict[str, torch.Tensor]:
+    from archipelago.config import load_config
+    from archipelago.simulation import _initial_model
+
+    cfg = load_config([*TINY])
+    return {k: v.detach() for k, v in _initial_model(cfg, 4096, torch.device("cpu")).state_dict().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_islands_with_the_defaults_beat_one_island_in_the_same_steps(tmp_path):
+    from archipelago.metrics.report import final_validation
+
+    short = [*FEDERATION, "--data.seq_len", "64", "--training.steps", "120", "--training.val_every", "120",
+             "--training.val_batches", "32", "--checkpoint.no_enable", "--metrics.no_tensorboard",
+             "--metrics.progress", "plain"]
+    fed = run_cli(["local", "--islands", "1,1", "--no-table", *short, "--job.run_dir", str(tmp_path / "fed")],
+                  timeout=800)
+    assert fed.returncode == 0, fed.output[-3000:]
+    one = run_cli(["train", *short, "--job.run_dir", str(tmp_path / "one")], timeout=600)
+    assert one.returncode == 0, one.output[-3000:]
+    together, alone = final_validation(tmp_path / "fed"), final_validation(tmp_path / "one")
+    assert together["step"] == alone["step"] == 120
+    assert together["tokens"] == 2 * alone["tokens"]
+    # Measured on this run: 1.9% lower (5.767 vs 5.881, seed 0); bench/quality.py measures more
+    # on longer runs (docs/quality.md). Half of it is the margin: a federation that does not
+    # pay off fails, timing noise cannot (both runs are deterministic).
+    assert together["val_loss"] < 0.99 * alone["val_loss"], (together, alone)
