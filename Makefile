@@ -26,14 +26,18 @@ data: $(STAMP)
 	$(BIN)/archipelago data prepare
 
 # The main job: a federation of two islands (2 CPU ranks + 1 CPU rank) with a lighthouse,
-# island 1 killed after 45 s and restarted 10 s later; then a summary and a plot.
+# island 1 killed after 45 s and restarted 10 s later; then island 0 alone on the same
+# config (the baseline: what it trains without the federation in the same steps), and a
+# report that puts the two final validation losses side by side, with a plot.
 # A finished run would only resume and stop at once, so a rerun starts over; the previous
 # run is kept in runs/demo.previous (replacing the one before).
 demo: setup
 	@if [ -d runs/demo ]; then rm -rf runs/demo.previous && mv runs/demo runs/demo.previous && \
 		echo "moved the previous demo run to runs/demo.previous"; fi
+	rm -rf runs/demo-baseline
 	$(BIN)/archipelago local --islands 2,1 --config configs/llama3/federation.toml --kill 1@45 --restart-after 10 --job.run_dir runs/demo
-	$(BIN)/archipelago report runs/demo
+	$(BIN)/archipelago train --nproc 2 --config configs/llama3/federation.toml --job.run_dir runs/demo-baseline --metrics.progress plain
+	$(BIN)/archipelago report runs/demo --baseline runs/demo-baseline
 
 # The single-island demo of the foundation: one torchrun job with 2 FSDP ranks.
 demo-island: setup

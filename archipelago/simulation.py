@@ -127,8 +127,9 @@ def evaluate(model: nn.Module, cfg: Config, data: PreparedDataset, device: torch
 class _Outer:
     """The outer loop between the simulated islands (OuterLoop's semantics, in lockstep)."""
 
-    def __init__(self, cfg: Config, islands: list[_Island]) -> None:
+    def __init__(self, cfg: Config, islands: list[_Island], momentum_warmup_rounds: int = 0) -> None:
         self.ft, self.islands = cfg.fault_tolerance, islands
+        self.momentum_warmup_rounds = momentum_warmup_rounds
         n = len(islands[0].fragments)
         self.globals = [nn.Parameter(islands[0].flat(f).clone()) for f in range(n)]
         self.outer = [build_outer_optimizer(self.ft, g) for g in self.globals]
@@ -175,6 +176,10 @@ class _Outer:
         self.pending = None
         g = self.globals[fragment]
         g.grad = total / weights
+        if self.momentum_warmup_rounds:  # an experiment: outer momentum ramps up from 0
+            ramp = min(1.0, self.step / self.momentum_warmup_rounds)
+            for group in self.outer[fragment].param_groups:
+                group["momentum"] = self.ft.outer_momentum * ramp
         self.outer[fragment].step()
         self.outer[fragment].zero_grad(set_to_none=True)
         self.step += 1
@@ -186,12 +191,15 @@ class _Outer:
 
 
 def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval_windows: int = 256,
-             eval_every: int | None = None, log: Callable[[str], None] | None = None) -> SimResult:
+             eval_every: int | None = None, log: Callable[[str], None] | None = None,
+             momentum_warmup_rounds: int = 0) -> SimResult:
     """Train `islands` islands of `cfg` for `cfg.training.steps` inner steps each.
 
     With `fault_tolerance.enable` they meet in outer steps; without it (one island) this
     is plain training. Evaluates island 0 every `eval_every` steps (default
     `training.val_every`) and at the end, on `eval_windows` held-out windows.
+    `momentum_warmup_rounds` is an experiment the platform does not have: the outer
+    momentum grows linearly from 0 to `outer_momentum` over that many rounds.
     """
     device = torch.device(device)
     t = cfg.training
@@ -199,7 +207,7 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
     first = _initial_model(cfg, data.vocab_size, device)
     models = [first] + [copy.deepcopy(first) for _ in range(islands - 1)]  # init_sync: one start
     crew = [_Island(cfg, data, m, i, islands, device) for i, m in enumerate(models)]
-    outer = _Outer(cfg, crew) if cfg.fault_tolerance.enable else None
+    outer = _Outer(cfg, crew, momentum_warmup_rounds) if cfg.fault_tolerance.enable else None
     tokens_per_step = t.batch_size * cfg.data.seq_len
     every = t.val_every if eval_every is None else eval_every
     result = SimResult()

@@ -20,6 +20,7 @@ import argparse
 import itertools
 import json
 import multiprocessing as mp
+import signal
 import statistics
 import sys
 import time
@@ -28,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
+# Grid keys that only federations take (baselines are built without them).
+FEDERATION_KEYS = ("fault_tolerance.", "sim.")
 
 
 def grid_settings(grids: list[list[str]]) -> list[list[str]]:
@@ -61,7 +64,7 @@ def build_jobs(args: argparse.Namespace) -> list[dict]:
     # (an inner learning rate, say), so each federation has its own at the same settings.
     inner: list[list[str]] = []
     for group in args.grid or [[]]:
-        for combo in _product([g for g in group if not g.startswith("fault_tolerance.")]) or [[]]:
+        for combo in _product([g for g in group if not g.startswith(FEDERATION_KEYS)]) or [[]]:
             if combo not in inner:
                 inner.append(combo)
     baselines = []
@@ -72,7 +75,7 @@ def build_jobs(args: argparse.Namespace) -> list[dict]:
                                        f"--training.batch_size={args.batch_size * args.islands}"])]
     federations = []
     for g in grid_settings(args.grid) or [[]]:
-        tag = setting_name([o for o in g if not o.startswith("--fault_tolerance.")])
+        tag = setting_name([o for o in g if not o[2:].startswith(FEDERATION_KEYS)])
         federations.append(("federation", tag if tag != "defaults" else "", args.islands,
                             [*common, "--fault_tolerance.enable", *g]))
     if args.no_baselines:
@@ -90,10 +93,13 @@ def run_job(job: dict, config: str, device: str, threads: int, eval_windows: int
     from archipelago.simulation import simulate
 
     torch.set_num_threads(threads)
-    cfg = parse_overrides(load_toml(config), [*job["overrides"], f"--training.seed={job['seed']}"])
+    # `--sim.NAME=VALUE` entries are simulate() options (experiments), the rest config overrides.
+    options = {o[6:].split("=")[0]: int(o.split("=")[1]) for o in job["overrides"] if o.startswith("--sim.")}
+    overrides = [o for o in job["overrides"] if not o.startswith("--sim.")]
+    cfg = parse_overrides(load_toml(config), [*overrides, f"--training.seed={job['seed']}"])
     validate(cfg)
     began = time.perf_counter()
-    result = simulate(cfg, job["islands"], device=device, eval_windows=eval_windows)
+    result = simulate(cfg, job["islands"], device=device, eval_windows=eval_windows, **options)
     return {**job, "val_loss": result.final.val_loss, "tokens": result.final.tokens,
             "bytes_sent": result.bytes_sent, "seconds": time.perf_counter() - began,
             "curve": [[p.step, p.tokens, p.val_loss] for p in result.points]}
@@ -140,7 +146,12 @@ def print_table(table: list[dict]) -> None:
               f"{t['spread']:.4f} | {t['seeds']} | {t['tokens']:,} | {t['setting']} |")
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # leaves the Pool's with-block, which terminates the workers
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _terminate)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "configs/llama3/federation.toml"))
     p.add_argument("--islands", type=int, default=2)
@@ -158,7 +169,13 @@ def main() -> None:
     p.add_argument("--eval-windows", type=int, default=256, help="held-out windows of seq_len tokens")
     p.add_argument("--out", type=Path, default=None, help="append one JSON line per run here")
     p.add_argument("--time-limit", type=float, default=0, help="start no run after this many seconds")
+    p.add_argument("--summarize", type=Path, nargs="+", default=None,
+                   help="run nothing: print the table of earlier --out files")
     args = p.parse_args()
+    if args.summarize:
+        rows = [json.loads(line) for path in args.summarize for line in path.read_text().splitlines() if line]
+        print_table(summarize(rows))
+        return
     args.set = [s if s.startswith("--") else f"--{s}" for s in args.set]
     jobs = build_jobs(args)
     threads = args.threads or max(1, (mp.cpu_count() // args.workers))

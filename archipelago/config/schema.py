@@ -159,7 +159,7 @@ class FaultToleranceConfig:
     min_replica_size: int = 1
     """Fewest islands that may form a quorum and commit an outer step."""
     semi_sync_method: Literal["diloco", "local_sgd"] = "diloco"
-    """Outer algorithm: `diloco` (outer Nesterov SGD on pseudo-gradients) or `local_sgd` (plain averaging)."""
+    """Outer algorithm: `diloco` (the outer optimizer below steps the global weights with the averaged pseudo-gradient; its defaults make that plain averaging) or `local_sgd` (plain averaging, always)."""
     sync_steps: int = 20
     """Inner steps between outer synchronisations."""
     num_fragments: int = 1

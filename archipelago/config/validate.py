@@ -154,7 +154,7 @@ def advice(cfg: Config) -> list[str]:
         over = f"{rounds} rounds (training.steps / sync_steps)" if rounds is not None else "time-paced rounds"
         found.append(f"fault_tolerance.outer_momentum = {ft.outer_momentum} over {over}: outer momentum "
                      "trained worse than plain averaging at every setting measured (10 to 50 rounds; "
-                     "outer_lr 0.7 with momentum 0.9 cost 3-13% in validation loss, docs/quality.md); set "
+                     "outer_lr 0.7 with momentum 0.9 cost 4-13% in validation loss, docs/quality.md); set "
                      "fault_tolerance.outer_momentum = 0 and fault_tolerance.outer_lr = 1.0")
     elif ft.outer_optimizer == "sgd" and ft.outer_momentum > 0 and ft.codec == "topk":
         found.append(f"fault_tolerance.codec = topk with outer_momentum = {ft.outer_momentum}: error feedback "
@@ -162,7 +162,7 @@ def advice(cfg: Config) -> list[str]:
                      "(docs/codecs.md); set fault_tolerance.outer_momentum = 0 and fault_tolerance.outer_lr = 1.0")
     if ft.outer_optimizer == "sgd" and ft.outer_momentum == 0 and ft.outer_lr > 1.1:
         found.append(f"fault_tolerance.outer_lr = {ft.outer_lr} without momentum steps past the islands' "
-                     "average: outer_lr 1.3-1.6 cost 2-7% in validation loss against 1.0 (docs/quality.md); "
+                     "average: outer_lr 1.3-1.6 cost 1-6% in validation loss against 1.0 (docs/quality.md); "
                      "set fault_tolerance.outer_lr = 1.0")
     return found
 
