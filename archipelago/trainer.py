@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
 from archipelago.config import Config, ConfigError, advice, config_to_dict, validate_for_island
-from archipelago.federation import OuterLoop, OuterReport, build_outer_loop, report_record
+from archipelago.federation import Alone, build_federation
 from archipelago.data import (PreparedDataset, TokenSequenceLoader, prepare_from_config,
                               validation_batches)
 from archipelago.island.device import (IslandContext, all_reduce_, barrier, broadcast_object,
@@ -109,7 +109,7 @@ class Trainer:
         self.lr_scheduler = self.build_lr_scheduler()
         self.train_loader = self.build_train_loader()
         self.progress = Progress()
-        self.outer = self.build_outer_loop()
+        self.federation = self.build_federation()
         self.checkpointer = self.build_checkpointer()
         self.metrics = self.build_metrics()
         self.fault = _fault_injection(self.ctx.rank)
@@ -197,13 +197,12 @@ class Trainer:
                                   self.ctx.rank, self.ctx.world_size, t.val_batches,
                                   self.dataset.dtype)
 
-    def build_outer_loop(self) -> OuterLoop | None:
-        """Membership in a federation of islands (None when fault_tolerance is off)."""
-        ft = self.cfg.fault_tolerance
-        if not ft.enable:
-            return None
-        return build_outer_loop(ft, self.model.inner, f"{self.cfg.model.name}/{self.cfg.model.flavor}",
-                                self.ctx.rank, self.ctx.world_size, self.tokens_per_step)
+    def build_federation(self) -> Alone:
+        """The seam to the other islands: `Alone` when fault_tolerance is off, else a
+        federation member that has joined the lighthouse (it talks back through _Hooks)."""
+        return build_federation(self.cfg.fault_tolerance, self.cfg.training.steps, self.model.inner,
+                                f"{self.cfg.model.name}/{self.cfg.model.flavor}", self.ctx.rank,
+                                self.ctx.world_size, self.tokens_per_step, _Hooks(self))
 
     def build_checkpointer(self) -> CheckpointManager | None:
         c = self.cfg.checkpoint
@@ -235,12 +234,12 @@ class Trainer:
             "train": ModelOptimizerState(self.model.module, self.optimizer),
             "lr_scheduler": ObjectState(self.lr_scheduler.state_dict, self.lr_scheduler.load_state_dict),
             **own,
-            **({"federation": self.outer} if self.outer is not None else {}),
+            **self.federation.checkpoint_state(),
         }
 
     def saves_model(self) -> bool:
         """Whether this island writes the model (always, unless checkpoint.scope = "leader")."""
-        return self.outer is None or self.cfg.checkpoint.scope == "island" or self.outer.leads
+        return self.federation.saves_model(self.cfg.checkpoint.scope)
 
     def resume(self) -> None:
         if self.checkpointer is None or not self.cfg.checkpoint.resume:
@@ -266,7 +265,7 @@ class Trainer:
         if not due:
             return
         # Mid-exchange state (an all-reduce in flight) cannot be saved; save after the round.
-        self._checkpoint_deferred = self.outer is not None and self.outer.exchange_pending
+        self._checkpoint_deferred = self.federation.exchange_pending
         if self._checkpoint_deferred:
             return
         self.check_finite()  # never write a checkpoint of weights that already diverged
@@ -324,20 +323,10 @@ class Trainer:
             self.metrics.log_validation(self.progress.step, self.progress.val_loss)
         self.save_checkpoint(final=True)
 
-    @property
-    def time_paced(self) -> bool:
-        ft = self.cfg.fault_tolerance
-        return ft.enable and ft.round_pacing == "time"
-
     def done(self) -> bool:
-        """Trained enough? Islands of a time-paced federation run different step counts and
-        stop together, at the outer step where the federation has trained training.steps
-        x tokens per step x group_size tokens; otherwise at training.steps inner steps."""
-        if self.out_of_time():
-            return True
-        if self.time_paced:
-            return self.outer.federation_tokens >= self.federation_token_budget
-        return self.progress.step >= self.cfg.training.steps
+        """Trained enough? `training.steps` inner steps; in a time-paced federation, the
+        outer step where the federation has trained as many tokens (the seam decides)."""
+        return self.out_of_time() or self.federation.done(self.progress.step)
 
     _started = float("inf")  # monotonic time of joining (or of the first step); set in train()
 
@@ -345,21 +334,12 @@ class Trainer:
         """training.time_budget_s is spent; a federation island stops only right after an
         outer step, which all islands finish together, so they stop at the same one."""
         budget = self.cfg.training.time_budget_s
-        if not budget or (self.outer is not None and self.outer.local_step != 0):
+        if not budget or not self.federation.at_round_end:
             return False
         spent = float(time.monotonic() - self._started >= budget)
         if self.ctx.world_size > 1:  # ranks' clocks differ: all must stop at the same step
             spent = float(all_reduce_(torch.tensor(spent, device=self.ctx.device), self.ctx, op="max"))
         return spent > 0
-
-    @property
-    def federation_token_budget(self) -> int:
-        return self.cfg.training.steps * self.tokens_per_step * self.cfg.fault_tolerance.group_size
-
-    def federation_position(self) -> float:
-        """Where a time-paced federation stands, in inner steps of one island (the unit of
-        the learning-rate schedule): estimated federation tokens / (tokens per step x islands)."""
-        return self.outer.federation_tokens_estimate() / (self.tokens_per_step * self.cfg.fault_tolerance.group_size)
 
     def emulate_slowdown(self, compute_s: float) -> None:
         """island.slowdown: wait (slowdown - 1) x the step's compute time (an emulation)."""
@@ -373,41 +353,12 @@ class Trainer:
     def join_federation(self) -> None:
         """Enter the federation with a round of our own: receive the global weights (from a
         peer if the federation is running) and line up with its step count."""
-        if self.outer is None:
-            return
-        ft = self.cfg.fault_tolerance
-        self.metrics.event("join", step=self.progress.step, ranks=self.ctx.world_size,
-                           island=ft.replica_id)
-        self.outer.inner_step = self.progress.step
-        self.report_outer(self.outer.join(ft.group_size, ft.join_wait_ms / 1000))
-        self.follow_federation()
-
-    def report_outer(self, report: OuterReport) -> None:
-        if report.healed:
-            to_step = self.progress.step if self.time_paced else self.outer.aligned_inner_step()
-            self.metrics.event("recovery", step=self.progress.step, outer_step=report.outer_step,
-                               to_step=to_step)
-            self.catch_up(to_step)
-        if report.rejected:
-            self.metrics.event("rejected", step=self.progress.step, outer_step=report.outer_step,
-                               island=self.cfg.fault_tolerance.replica_id, norm=report.norm,
-                               reason=report.rejected)
-        self.metrics.outer_step(report_record(report))
+        self.federation.join(self.progress.step)
 
     def after_inner_step(self, compute_s: float) -> None:
-        """Run the outer loop (a round ends every sync_steps / num_fragments steps, or
-        after round_seconds under time pacing, when the schedule follows the federation)."""
-        if self.outer is None:
-            return
-        report = self.outer.after_inner_step(self.progress.step, self.tokens_per_step, compute_s)
-        if report is not None:
-            self.report_outer(report)
-        self.follow_federation()
-
-    def follow_federation(self) -> None:
-        """Time pacing: the learning-rate schedule follows the federation's progress."""
-        if self.time_paced:
-            set_schedule_position(self.lr_scheduler, self.federation_position())
+        """The federation's turn after every inner step (a round ends every sync_steps /
+        num_fragments steps, or after round_seconds under time pacing)."""
+        self.federation.after_step(self.progress.step, self.tokens_per_step, compute_s)
 
     def catch_up(self, step: int) -> None:
         """After recovering from a peer, continue at the federation's inner step.
@@ -497,8 +448,7 @@ class Trainer:
         try:
             yield
         finally:
-            if self.outer is not None:
-                self.outer.add_untimed(time.perf_counter() - began)
+            self.federation.add_untimed(time.perf_counter() - began)
 
     def check_finite(self) -> None:
         """Stop on a NaN/inf loss seen since the last check (a host sync point)."""
@@ -531,9 +481,7 @@ class Trainer:
         return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
 
     def finish(self) -> dict[str, Any]:
-        if self.outer is not None:
-            self.metrics.event("leave", step=self.progress.step, outer_step=self.outer.step,
-                               global_hash=self.outer.global_hash())
+        self.federation.leave()
         summary = self.metrics.finish(self.progress, self.model.inner.num_params())
         log.info("done: %d steps, %s tokens in %.1f s, final loss %.4f, val loss %s",
                  summary["steps"], f"{summary['tokens']:,}", summary["wall_s"], summary["final_loss"],
@@ -547,8 +495,7 @@ class Trainer:
         barrier here would hang the island; the process exits and torchrun stops the rest.
         """
         self.metrics.close()
-        if self.outer is not None:
-            self.outer.shutdown()
+        self.federation.shutdown()
 
     def close(self) -> None:
         """Release everything after a successful run, in an order that cannot deadlock.
@@ -559,14 +506,36 @@ class Trainer:
         free the model and optimizer while the group is alive, then destroy the group.
         """
         self.metrics.close()
-        if self.outer is not None:
-            self.outer.shutdown()
+        self.federation.shutdown()
         if self.ctx.is_distributed:
             barrier(self.ctx)
             time.sleep(0.05)  # releases the GIL so gloo's threads finish their clean-up
         self.model = self.optimizer = self.lr_scheduler = None  # type: ignore[assignment]
         gc.collect()
         close_island()
+
+
+class _Hooks:
+    """The trainer as the federation sees it (federation.seam.IslandHooks)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    @property
+    def step(self) -> int:
+        return self.trainer.progress.step
+
+    def event(self, name: str, **fields: Any) -> None:
+        self.trainer.metrics.event(name, **fields)
+
+    def outer_step(self, record: dict[str, Any]) -> None:
+        self.trainer.metrics.outer_step(record)
+
+    def catch_up(self, step: int) -> None:
+        self.trainer.catch_up(step)
+
+    def follow_schedule(self, position: float) -> None:
+        set_schedule_position(self.trainer.lr_scheduler, position)
 
 
 class RunMetrics:

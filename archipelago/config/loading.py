@@ -16,11 +16,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from archipelago.config.errors import ConfigError
 from archipelago.config.schema import Config
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key and the fix."""
 
 
 def closest(name: str, choices: typing.Iterable[str]) -> str | None:

@@ -6,7 +6,7 @@ checked where that is known: in the trainer's build hooks.
 
 from __future__ import annotations
 
-from archipelago.config.loading import ConfigError
+from archipelago.config.errors import ConfigError
 from archipelago.config.schema import Config
 
 

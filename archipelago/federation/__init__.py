@@ -16,11 +16,23 @@ from archipelago.federation.guard import poison_from_env
 from archipelago.federation.membership import (FederationMismatch, LighthouseUnreachable,
                                                build_manager, fingerprint, lighthouse_address,
                                                wait_for_lighthouse)
+from archipelago.federation.seam import Alone, IslandHooks, Member
 
 log = logging.getLogger("archipelago.federation")
 
-__all__ = ["FederationError", "FederationMismatch", "LighthouseUnreachable", "OuterLoop",
-           "OuterReport", "build_outer_loop", "check_exchange_device", "report_record", "split_fragments"]
+__all__ = ["Alone", "FederationError", "FederationMismatch", "IslandHooks", "LighthouseUnreachable", "Member",
+           "OuterLoop", "OuterReport", "build_federation", "build_outer_loop", "check_exchange_device",
+           "report_record", "split_fragments"]
+
+
+def build_federation(ft: FaultToleranceConfig, steps: int, model: nn.Module, model_name: str, rank: int,
+                     world_size: int, tokens_per_step: int, hooks: IslandHooks) -> Alone:
+    """The trainer's side of the seam: `Alone` without fault tolerance, else a `Member`
+    that has joined the lighthouse (a collective over the island; see build_outer_loop)."""
+    if not ft.enable:
+        return Alone(steps)
+    outer = build_outer_loop(ft, model, model_name, rank, world_size, tokens_per_step)
+    return Member(outer, ft, steps, tokens_per_step, world_size, hooks)
 
 
 def check_exchange_device(ft: FaultToleranceConfig, device: torch.device) -> None:

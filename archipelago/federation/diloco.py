@@ -50,6 +50,9 @@ from archipelago.federation.fragments import build_outer_optimizer, load_tensor_
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.membership import (FederationMismatch, exchange_fingerprints,
                                                mismatch)
+from archipelago.federation.policy import (Membership, RoundResult, Verdict, aligned_inner_step,
+                                           applies_outer_step, island_weight, merges_local, must_wait,
+                                           plan_round, reference_fingerprint, round_is_up, skips_exchange)
 
 log = logging.getLogger("archipelago.federation")
 
@@ -190,25 +193,20 @@ class OuterLoop:
         return self.federation_tokens + self.round_tokens * self.tokens_ratio
 
     def _time_is_up(self) -> bool:
-        """Time pacing: end the round now? Stops when the next step would end closer to
-        the budget's end than this one (the expected overrun is half a step, not one)."""
+        """Time pacing: end the round now? (policy.round_is_up; all ranks must agree)"""
         now = time.monotonic()
         step_s, self._last_step_end = now - self._last_step_end, now
-        if self.local_step >= self.ft.max_inner_steps:
-            return True
-        if self.local_step < self.ft.min_inner_steps:
-            return False
-        up = now - self.round_start + step_s / 2 >= self.ft.round_seconds
-        # The ranks of an island must agree: a tiny all-reduce per inner step (multi-rank islands only).
+        ft = self.ft
+        up = round_is_up(self.local_step, ft.min_inner_steps, ft.max_inner_steps, now - self.round_start,
+                         step_s, ft.round_seconds)
+        if self.local_step >= ft.max_inner_steps or self.local_step < ft.min_inner_steps:
+            return up  # decided by step counts alone: the same on every rank
+        # Clocks differ between ranks: a tiny all-reduce per inner step (multi-rank islands only).
         return self._island_max([float(up)])[0] > 0
 
     def aligned_inner_step(self) -> int:
-        """After a recovery: the inner step of the peer this island recovered from.
-
-        The peer sent its step at the start of the round; both have since trained the
-        same `fragment_sync_delay` steps of it.
-        """
-        return self.peer_inner_step + self.delay
+        """After a recovery: the inner step of the peer this island recovered from."""
+        return aligned_inner_step(self.peer_inner_step, self.delay)
 
     def save_global(self) -> None:
         """Take the island's current weights as the global weights (a collective)."""
@@ -265,40 +263,28 @@ class OuterLoop:
         same count and waits, so none is left alone in an all-reduce.
         """
         began = time.perf_counter()
-        healed, blocked, error = False, False, False
-        if self.manager is not None:
-            self._recovered = None
-            self.manager.start_quorum()  # blocks; a recovering island receives state here
-            healed = self._recovered is not None
-            blocked = healed and not self._recovered
-            error = self._check_members()
-        flags = self._island_max([float(self.manager.current_step()) if self.manager else 0.0,
-                                  float(healed), float(blocked), float(error),
-                                  float(self.peer_inner_step) if healed else 0.0,
-                                  float(self.manager.num_participants()) if self.manager else 0.0,
-                                  float(_rank_or_none(self.manager) + 1) if self.manager else 0.0])
-        self.step = int(flags[0])
-        self.leads = flags[6] == 1.0  # the lowest live island (replica rank 0 of the quorum)
-        if self.step == 0 and flags[5] < need:
+        m = self._island_membership(self._membership())
+        self.step = m.outer_step
+        self.leads = m.leads
+        if must_wait(m, need):
             return False
-        self.healed = bool(flags[1])
+        self.healed = m.healed
         if self.healed:
-            self.peer_inner_step = int(flags[4])
-        if flags[3] and self.manager is not None and self.manager.errored() is None:
+            self.peer_inner_step = m.peer_inner_step
+        if m.refuse_peer and self.manager is not None and self.manager.errored() is None:
             self.manager.report_error(FederationMismatch("a peer island does not match this one"))
-        fragment = self.step % len(self.layouts)
-        reset = bool(flags[2]) or (joining and self.healed)
-        contributes = not (reset or joining)
+        plan = plan_round(m, joining, len(self.layouts))
+        fragment = plan.fragment
         local = self.layouts[fragment].gather()
         buffer = self._pseudo_gradient(fragment, local) if self.is_bridge else None
-        if buffer is not None and contributes and self.poison is not None and self.poison.round == self.step + 1:
+        if buffer is not None and plan.contributes and self.poison is not None and self.poison.round == self.step + 1:
             log.warning("ARCHIPELAGO_INJECT: poisoning this island's update (%s) in outer step %d",
                         self.poison.kind, self.step + 1)
             self.poison.apply(buffer[:-2])
-        pending = _Pending(fragment, reset=reset, tokens=self.round_tokens)
-        if contributes:
-            self._guard(fragment, buffer, pending)
-        pending.weight = self._weight(fragment) if contributes and not pending.rejected else 0.0
+        pending = _Pending(fragment, reset=plan.reset, tokens=self.round_tokens)
+        verdict = self._guard(fragment, buffer, pending) if plan.contributes else Verdict(True)
+        pending.weight = island_weight(self.ft.outer_weighting, self.fragment_tokens[fragment],
+                                       plan.contributes, verdict)
         self.round_tokens, self.fragment_tokens[fragment] = 0, 0
         if buffer is not None:
             if not pending.weight:  # nothing of this island enters the average
@@ -306,12 +292,7 @@ class OuterLoop:
             elif self.codec_name == "fp32":  # summed as sent; other codecs send the weight apart
                 buffer[:-2].mul_(pending.weight)
             buffer[-2], buffer[-1] = float(pending.tokens), pending.weight
-        # A join round at outer step 0 with init_sync off: every island of the quorum is
-        # joining (the trainer joins first, and no outer step has committed yet) and sends
-        # weight 0, so the sum is known without the network (saves one model-sized exchange
-        # at start). With init_sync on, the exchange stays: it also keeps the peers that
-        # serve the starting state to downloading islands until every bridge rank has it.
-        exchange = self.is_bridge and not (joining and self.step == 0 and not self.ft.init_sync)
+        exchange = self.is_bridge and not skips_exchange(joining, self.step, self.ft.init_sync)
         if exchange and self.codec_name != "fp32":
             pending.gathered = start_gather(self.manager, self.codecs[fragment], buffer[:-2], pending.tokens,
                                             pending.weight)
@@ -322,7 +303,26 @@ class OuterLoop:
         self.pending = pending
         return True
 
-    def _guard(self, fragment: int, buffer: torch.Tensor | None, pending: _Pending) -> None:
+    def _membership(self) -> Membership:
+        """This rank's view of the quorum: a bridge rank joins it (blocking; a healing island
+        receives the state here); the other ranks know nothing yet."""
+        if self.manager is None:
+            return Membership()
+        self._recovered = None
+        self.manager.start_quorum()
+        healed = self._recovered is not None
+        refuse = self._check_members()
+        return Membership(outer_step=self.manager.current_step(), healed=healed,
+                          progress_void=healed and not self._recovered, refuse_peer=refuse,
+                          peer_inner_step=self.peer_inner_step if healed else 0,
+                          participants=self.manager.num_participants(),
+                          replica_rank=_rank_or_none(self.manager))
+
+    def _island_membership(self, mine: Membership) -> Membership:
+        """The island's view: the element-wise max of its ranks' views."""
+        return Membership.from_values(self._island_max(mine.to_values()))
+
+    def _guard(self, fragment: int, buffer: torch.Tensor | None, pending: _Pending) -> Verdict:
         """One bad island must not poison the others: check the update before it is sent."""
         # The island's norm over its bridge chunks; a NaN/inf anywhere makes it non-finite.
         sumsq = 0.0 if buffer is None else float(torch.linalg.vector_norm(buffer[:-2])) ** 2  # a device sync
@@ -332,11 +332,7 @@ class OuterLoop:
             pending.reset = True  # it takes the global weights, like a recovered island
             log.warning("rejected this island's update at outer step %d: %s; it sends weight 0 and "
                         "takes the federation's weights", self.step + 1, pending.rejected)
-
-    def _weight(self, fragment: int) -> float:
-        if self.ft.outer_weighting == "equal":
-            return 1.0
-        return float(self.fragment_tokens[fragment])
+        return Verdict(pending.rejected is None, pending.rejected)
 
     def perform(self, inner_step: int) -> OuterReport:
         """Finish the exchange, vote, and step (or restore) the fragment's global weights."""
@@ -344,22 +340,22 @@ class OuterLoop:
         assert p is not None, "perform() without prepare()"
         self.pending = None
         blocked_since = time.perf_counter()
-        committed, participants, total, tokens = False, 0, 0.0, 0.0
         decode_s = 0.0
         if p.gathered is not None:
             decode_s = finish_gather(p.gathered, self.codecs[p.fragment], p.buffer, self.manager)
         elif p.work is not None:
             p.work.wait()
         exposed_s = time.perf_counter() - blocked_since
+        mine = RoundResult()
         if self.manager is not None:
-            committed = self._should_commit()
-            participants = self.manager.num_participants()
-            total, tokens = float(p.buffer[-1]), float(p.buffer[-2])
-        flags = self._island_max([float(committed), float(participants), total, tokens])
-        committed, participants, total, tokens = bool(flags[0]), int(flags[1]), flags[2], int(flags[3])
-        merge = committed and not p.reset and self.ft.fragment_update_alpha > 0
+            mine = RoundResult(self._should_commit(), self.manager.num_participants(),
+                               float(p.buffer[-1]), int(float(p.buffer[-2])))
+        result = RoundResult.from_values(self._island_max(mine.to_values()))
+        committed, participants = result.committed, result.participants
+        total, tokens = result.total_weight, result.federation_tokens
+        merge = merges_local(result, p.reset, self.ft.fragment_update_alpha)
         local = self.layouts[p.fragment].gather() if merge else None
-        if self.manager is not None and committed:
+        if self.manager is not None and applies_outer_step(result):
             self._outer_step(p.fragment, p.buffer, total)
         new = None
         if self.is_bridge:
@@ -413,8 +409,6 @@ class OuterLoop:
         return buffer
 
     def _outer_step(self, fragment: int, buffer: torch.Tensor, total: float) -> None:
-        if total <= 0:  # nobody sent progress (e.g. every island just recovered)
-            return
         g = self.globals[fragment]
         with torch.no_grad():
             # Divided on the globals' device (CPU) by every island: a GPU divides by multiplying
@@ -444,7 +438,7 @@ class OuterLoop:
         if table is None:
             return False  # the collective failed; retried at the next membership change
         self.quorum_id = quorum_id
-        reference = max(table, key=lambda fp: (fp.get("step", 0), -int(fp.get("island", 0) or 0)))
+        reference = reference_fingerprint(table)
         problem = mismatch(mine, reference)
         if problem is not None:
             raise FederationMismatch(f"refusing to join the federation: {problem}")

@@ -14,17 +14,12 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 from dataclasses import dataclass
 
 import torch
 
 from archipelago.config import ConfigError
-
-# The median needs a few accepted rounds before it means anything; until then only
-# non-finite updates are rejected. The window follows the norm as training goes on.
-MIN_HISTORY = 3
-HISTORY = 32
+from archipelago.federation.policy import GUARD_HISTORY, judge_update, remember_norm
 
 INJECT_KINDS = ("nan", "scale1000")
 
@@ -66,20 +61,14 @@ class UpdateGuard:
 
     def check(self, fragment: int, norm: float) -> str | None:
         """None if the update may be sent (and remember its norm), else why not."""
-        if not math.isfinite(norm):
-            return "non-finite values"
-        accepted = self.history[fragment]
-        if self.limit > 0 and len(accepted) >= MIN_HISTORY:
-            median = statistics.median(accepted)
-            if norm > self.limit * median:
-                return f"norm {norm:.4g} is above {self.limit:g} x the running median {median:.4g}"
-        accepted.append(norm)
-        del accepted[:-HISTORY]
-        return None
+        verdict = judge_update(norm, self.history[fragment], self.limit)
+        if verdict.accepted:
+            remember_norm(self.history[fragment], norm)
+        return verdict.reason
 
     def state_tensor(self) -> torch.Tensor:
         """The histories as one fixed-shape tensor (NaN-padded): checkpoints need fixed shapes."""
-        table = torch.full((len(self.history), HISTORY), float("nan"), dtype=torch.float64)
+        table = torch.full((len(self.history), GUARD_HISTORY), float("nan"), dtype=torch.float64)
         for row, norms in zip(table, self.history):
             row[:len(norms)] = torch.tensor(norms, dtype=torch.float64)
         return table

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from archipelago.config import Config, ConfigError, config_to_dict, load_config, validate_for_island
+from archipelago.launch.args import pop_option
 
 USAGE = """\
 usage: archipelago COMMAND [ARGS]
@@ -55,21 +56,6 @@ def setup_logging(level: str = "info", rank: int = 0) -> None:
     logging.basicConfig(format=f"%(asctime)s {prefix}%(levelname)s %(message)s", datefmt="%H:%M:%S",
                         level=getattr(logging, level.upper()) if rank == 0 else logging.WARNING,
                         force=True)
-
-
-def _pop_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
-    """Remove `--name VALUE` / `--name=VALUE` from argv; returns (value, rest)."""
-    rest, value, i = [], None, 0
-    while i < len(argv):
-        if argv[i] == name and i + 1 < len(argv):
-            value, i = argv[i + 1], i + 2
-            continue
-        if argv[i].startswith(name + "="):
-            value = argv[i].split("=", 1)[1]
-        else:
-            rest.append(argv[i])
-        i += 1
-    return value, rest
 
 
 def _under_torchrun() -> bool:
@@ -161,7 +147,7 @@ def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config) -> int:
 
 
 def cmd_train(argv: list[str]) -> int:
-    nproc_arg, argv = _pop_option(argv, "--nproc")
+    nproc_arg, argv = pop_option(argv, "--nproc")
     nproc_text = nproc_arg or os.environ.get("NGPU") or "1"
     if not nproc_text.isdigit() or int(nproc_text) < 1:
         raise ConfigError(f"--nproc / NGPU = {nproc_text!r}: expected a positive whole number of ranks")

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
-from archipelago.launch.cli import _pop_option  # one parser of --name VALUE for both commands
+from archipelago.launch.args import pop_option  # one parser of --name VALUE for both commands
 from archipelago.metrics.islands import FEDERATION_FILE, federation_summary
 from archipelago.metrics.progress import format_count
 from archipelago.metrics.summary import write_json_atomic
@@ -173,7 +173,7 @@ def parse_args(argv: list[str]) -> Options:
     for island, _ in args.inject:
         if island >= len(args.islands):
             parser.error(f"--inject {island}:...: there are only islands 0..{len(args.islands) - 1}")
-    run_dir, passthrough = _pop_option(passthrough, "--job.run_dir")
+    run_dir, passthrough = pop_option(passthrough, "--job.run_dir")
     return Options(
         islands=args.islands, kills=args.kill,
         restart_after=args.restart_after, lighthouse_bind=args.lighthouse_bind,

@@ -1,0 +1,177 @@
+"""Every decision of a round, as pure functions of typed values.
+
+The outer loop (diloco.py) gathers facts with collectives and torchft, asks this module
+what they mean, and applies the answer. Nothing here talks to the network, torchft,
+torch.distributed or the operating system, so each decision is unit-tested in
+microseconds, and the simulator reuses them.
+
+A round of one island, in order:
+
+1. `Membership`: what the quorum told the island (its ranks combine their views with an
+   element-wise max, see `Membership.to_values`).
+2. `must_wait`: a new federation waits until enough islands are present.
+3. `plan_round`: which fragment, and whether the island's own progress counts.
+4. `judge_update`: whether the island's pseudo-gradient may enter the average.
+5. `island_weight`: its weight in the average.
+6. `skips_exchange`: whether the exchange can be left out altogether.
+7. `RoundResult` / `applies_outer_step`: after the exchange and the vote, what to do.
+
+Time-paced rounds end by `round_is_up`; a healed island continues at `aligned_inner_step`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+# The guard's median needs a few accepted rounds before it means anything; until then only
+# non-finite updates are rejected. The window follows the norm as training goes on.
+GUARD_MIN_HISTORY = 3
+GUARD_HISTORY = 32
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The island's view of the quorum at the start of a round (the same on every rank)."""
+
+    outer_step: int = 0         # the federation's outer step count before this round
+    healed: bool = False        # the island received the global state from a peer
+    progress_void: bool = False  # ...whose weights differed: its own progress since is void
+    refuse_peer: bool = False   # a peer island's fingerprint differs from this island's
+    peer_inner_step: int = 0    # the inner step of the peer it healed from (0 if not healed)
+    participants: int = 0       # islands in the quorum
+    replica_rank: int = -1      # this island's rank in the quorum (-1: not in it)
+
+    @property
+    def leads(self) -> bool:
+        """The lowest live island: the one that saves the model under checkpoint.scope = "leader"."""
+        return self.replica_rank == 0
+
+    def to_values(self) -> list[float]:
+        """Numbers whose element-wise max over the island's ranks is the island's view:
+        only bridge ranks know the quorum, the others send `Membership()` (all lowest)."""
+        return [float(self.outer_step), float(self.healed), float(self.progress_void), float(self.refuse_peer),
+                float(self.peer_inner_step if self.healed else 0), float(self.participants),
+                float(self.replica_rank + 1)]
+
+    @classmethod
+    def from_values(cls, values: Sequence[float]) -> "Membership":
+        step, healed, void, refuse, peer, participants, rank = values
+        return cls(int(step), bool(healed), bool(void), bool(refuse), int(peer) if healed else 0,
+                   int(participants), int(rank) - 1)
+
+
+def must_wait(m: Membership, need: int) -> bool:
+    """A new federation (outer step 0) waits for `need` islands; every island of the
+    quorum sees the same count, so none is left alone in an exchange."""
+    return m.outer_step == 0 and m.participants < need
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    fragment: int       # the fragment this round synchronises
+    reset: bool         # discard the island's local progress: take every fragment's global weights
+    contributes: bool   # the island's pseudo-gradient may enter the average (if the guard agrees)
+
+
+def plan_round(m: Membership, joining: bool, fragments: int) -> RoundPlan:
+    """A joining island only receives; a healed one whose own weights were stale, too."""
+    reset = m.progress_void or (joining and m.healed)
+    return RoundPlan(fragment=m.outer_step % fragments, reset=reset, contributes=not (reset or joining))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: bool
+    reason: str | None = None  # why not, when not
+
+
+def judge_update(norm: float, accepted_norms: Sequence[float], limit: float) -> Verdict:
+    """The guard: refuse a non-finite update, or one whose norm is above `limit` x the
+    median of the norms accepted before (once there are GUARD_MIN_HISTORY of them;
+    `limit` 0 turns the norm check off)."""
+    if not math.isfinite(norm):
+        return Verdict(False, "non-finite values")
+    if limit > 0 and len(accepted_norms) >= GUARD_MIN_HISTORY:
+        median = statistics.median(accepted_norms)
+        if norm > limit * median:
+            return Verdict(False, f"norm {norm:.4g} is above {limit:g} x the running median {median:.4g}")
+    return Verdict(True)
+
+
+def remember_norm(accepted_norms: list[float], norm: float) -> None:
+    """Add an accepted norm to the guard's window (the newest GUARD_HISTORY are kept)."""
+    accepted_norms.append(norm)
+    del accepted_norms[:-GUARD_HISTORY]
+
+
+def island_weight(weighting: str, tokens: int, contributes: bool, verdict: Verdict) -> float:
+    """The island's weight in the average: its tokens since the fragment's last exchange
+    (`tokens`), or 1 (`equal`); 0 when it sends no progress."""
+    if not contributes or not verdict.accepted:
+        return 0.0
+    return 1.0 if weighting == "equal" else float(tokens)
+
+
+def skips_exchange(joining: bool, outer_step: int, init_sync: bool) -> bool:
+    """The join round of a new federation with init_sync off: every island of the quorum
+    is joining and sends weight 0, so the sum is known without the network. With
+    init_sync on, the exchange stays: it keeps the serving peers up until every bridge
+    rank has downloaded the starting state."""
+    return joining and outer_step == 0 and not init_sync
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What the exchange and the vote gave (the same on every rank of the island)."""
+
+    committed: bool = False
+    participants: int = 0
+    total_weight: float = 0.0    # the sum of the weights of the islands that sent progress
+    federation_tokens: int = 0   # tokens the federation trained in the round
+
+    def to_values(self) -> list[float]:
+        return [float(self.committed), float(self.participants), self.total_weight, float(self.federation_tokens)]
+
+    @classmethod
+    def from_values(cls, values: Sequence[float]) -> "RoundResult":
+        committed, participants, total, tokens = values
+        return cls(bool(committed), int(participants), float(total), int(tokens))
+
+
+def applies_outer_step(result: RoundResult) -> bool:
+    """Step the global weights only after a commit, and only if somebody sent progress
+    (e.g. not when every island just healed)."""
+    return result.committed and result.total_weight > 0
+
+
+def merges_local(result: RoundResult, reset: bool, alpha: float) -> bool:
+    """Streaming DiLoCo's `fragment_update_alpha`: blend the island's own fragment into
+    the new global one, unless the round failed or its local progress is void."""
+    return result.committed and not reset and alpha > 0
+
+
+def round_is_up(local_step: int, min_inner_steps: int, max_inner_steps: int, elapsed_s: float,
+                step_s: float, round_seconds: float) -> bool:
+    """Time pacing: end the round now? At `max_inner_steps`, never before `min_inner_steps`,
+    else when the next step would end further past `round_seconds` than this one ends
+    before it (the expected overrun is half a step, not one)."""
+    if local_step >= max_inner_steps:
+        return True
+    if local_step < min_inner_steps:
+        return False
+    return elapsed_s + step_s / 2 >= round_seconds
+
+
+def aligned_inner_step(peer_inner_step: int, fragment_sync_delay: int) -> int:
+    """After healing: the peer's inner step. It sent it at the start of the round, and both
+    have since trained the round's `fragment_sync_delay` steps."""
+    return peer_inner_step + fragment_sync_delay
+
+
+def reference_fingerprint(table: Sequence[dict]) -> dict:
+    """The fingerprint a joining island must match: the island furthest ahead, then the
+    lowest island id."""
+    return max(table, key=lambda fp: (fp.get("step", 0), -int(fp.get("island", 0) or 0)))

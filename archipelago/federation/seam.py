@@ -1,0 +1,148 @@
+"""The one place where the trainer meets the federation.
+
+The trainer holds a `Federation`: `Alone` for an island on its own (every call does
+nothing), or `Member` for an island of a federation (the outer loop). It calls
+`join` once, `after_step` after every inner step, and asks `done`, `at_round_end`,
+`exchange_pending`, `saves_model`; the federation talks back through `IslandHooks`
+(metrics events, the outer-step record, catching up with the federation's step, the
+learning-rate schedule of a time-paced federation). So the training loop reads the
+same with or without a federation, and the federation's rules live here and in
+`diloco.py` / `policy.py`, not in the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.diloco import OuterLoop, OuterReport, report_record
+
+
+class IslandHooks(Protocol):
+    """What the federation may ask of the island's trainer."""
+
+    @property
+    def step(self) -> int:
+        """The island's inner step count."""
+
+    def event(self, name: str, **fields: Any) -> None:
+        """Log a metrics.jsonl event (join, recovery, rejected, leave)."""
+
+    def outer_step(self, record: dict[str, Any]) -> None:
+        """Log one outer step (its metrics.jsonl record and console line)."""
+
+    def catch_up(self, step: int) -> None:
+        """Continue at the federation's inner step `step` (after healing from a peer)."""
+
+    def follow_schedule(self, position: float) -> None:
+        """Put the learning-rate schedule at `position` inner steps (time-paced rounds)."""
+
+
+class Alone:
+    """An island on its own: no federation, every call does nothing."""
+
+    exchange_pending = False   # an exchange in flight: the island's state cannot be checkpointed
+    at_round_end = True        # the island may stop here (all islands stop at the same outer step)
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def join(self, step: int) -> None:
+        """Enter the federation (receive its weights, line up with its step)."""
+
+    def after_step(self, step: int, tokens: int, compute_s: float) -> None:
+        """After every inner step: maybe end a round (an outer step)."""
+
+    def done(self, step: int) -> bool:
+        """Trained enough: `training.steps` inner steps."""
+        return step >= self.steps
+
+    def saves_model(self, scope: str) -> bool:
+        """Whether this island writes the model in its checkpoints."""
+        return True
+
+    def add_untimed(self, seconds: float) -> None:
+        """Count evaluation or checkpoint seconds of the current round."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What the federation adds to the island's checkpoint."""
+        return {}
+
+    def leave(self) -> None:
+        """The run is over: say goodbye (a metrics event with the final global hash)."""
+
+    def shutdown(self) -> None:
+        """Release the federation's resources (no collective)."""
+
+
+class Member(Alone):
+    """An island of a federation: the outer loop behind the seam."""
+
+    def __init__(self, outer: OuterLoop, ft: FaultToleranceConfig, steps: int, tokens_per_step: int,
+                 ranks: int, hooks: IslandHooks) -> None:
+        super().__init__(steps)
+        self.outer, self.ft, self.hooks = outer, ft, hooks
+        self.tokens_per_step, self.ranks = tokens_per_step, ranks
+        self.time_paced = ft.round_pacing == "time"
+        # Time pacing: islands run different step counts and stop together, when the
+        # federation has trained what `steps` islands of this island's batch would.
+        self.token_budget = steps * tokens_per_step * ft.group_size
+
+    @property
+    def exchange_pending(self) -> bool:  # type: ignore[override]
+        return self.outer.exchange_pending
+
+    @property
+    def at_round_end(self) -> bool:  # type: ignore[override]
+        return self.outer.local_step == 0
+
+    def join(self, step: int) -> None:
+        self.hooks.event("join", step=step, ranks=self.ranks, island=self.ft.replica_id)
+        self.outer.inner_step = step
+        self._report(self.outer.join(self.ft.group_size, self.ft.join_wait_ms / 1000))
+        self._follow_schedule()
+
+    def after_step(self, step: int, tokens: int, compute_s: float) -> None:
+        report = self.outer.after_inner_step(step, tokens, compute_s)
+        if report is not None:
+            self._report(report)
+        self._follow_schedule()
+
+    def done(self, step: int) -> bool:
+        if self.time_paced:
+            return self.outer.federation_tokens >= self.token_budget
+        return super().done(step)
+
+    def saves_model(self, scope: str) -> bool:
+        return scope == "island" or self.outer.leads
+
+    def add_untimed(self, seconds: float) -> None:
+        self.outer.add_untimed(seconds)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"federation": self.outer}
+
+    def leave(self) -> None:
+        self.hooks.event("leave", step=self.hooks.step, outer_step=self.outer.step,
+                         global_hash=self.outer.global_hash())
+
+    def shutdown(self) -> None:
+        self.outer.shutdown()
+
+    def _report(self, report: OuterReport) -> None:
+        """Apply a round's outcome to the island: catch up after healing, log it."""
+        if report.healed:
+            to_step = self.hooks.step if self.time_paced else self.outer.aligned_inner_step()
+            self.hooks.event("recovery", step=self.hooks.step, outer_step=report.outer_step, to_step=to_step)
+            self.hooks.catch_up(to_step)
+        if report.rejected:
+            self.hooks.event("rejected", step=self.hooks.step, outer_step=report.outer_step,
+                             island=self.ft.replica_id, norm=report.norm, reason=report.rejected)
+        self.hooks.outer_step(report_record(report))
+
+    def _follow_schedule(self) -> None:
+        """Time pacing: the learning-rate schedule follows the federation's progress, in
+        inner steps of one island: estimated federation tokens / (tokens per step x islands)."""
+        if self.time_paced:
+            self.hooks.follow_schedule(self.outer.federation_tokens_estimate()
+                                       / (self.tokens_per_step * self.ft.group_size))

@@ -1,0 +1,111 @@
+"""The round's decisions (federation/policy.py), edge by edge; no processes, no network."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from archipelago.federation.policy import (GUARD_HISTORY, GUARD_MIN_HISTORY, Membership, RoundResult, Verdict,
+                                           aligned_inner_step, applies_outer_step, island_weight, judge_update,
+                                           merges_local, must_wait, plan_round, reference_fingerprint,
+                                           remember_norm, round_is_up, skips_exchange)
+
+
+def _island_view(*ranks: Membership) -> Membership:
+    """What the island all-reduce (element-wise max) makes of its ranks' views."""
+    return Membership.from_values([max(col) for col in zip(*(m.to_values() for m in ranks))])
+
+
+def test_membership_survives_the_island_max_whatever_the_ranks_know():
+    bridge = Membership(outer_step=7, healed=True, progress_void=True, refuse_peer=False, peer_inner_step=140,
+                        participants=3, replica_rank=0)
+    assert _island_view(bridge) == bridge
+    # Ranks without a bridge know nothing: the island's view is the bridge rank's.
+    assert _island_view(Membership(), bridge, Membership()) == bridge
+    assert bridge.leads and not Membership(replica_rank=1).leads and not Membership().leads
+    # Two bridge ranks (sync_width 2) of one island hold the same quorum; any refusal wins.
+    assert _island_view(bridge, Membership(**{**bridge.__dict__, "refuse_peer": True})).refuse_peer
+
+
+def test_the_peer_step_counts_only_when_the_island_healed():
+    assert Membership(peer_inner_step=99).to_values()[4] == 0
+    assert Membership.from_values(Membership(healed=True, peer_inner_step=99).to_values()).peer_inner_step == 99
+
+
+def test_first_round_waits_for_the_islands_and_later_rounds_do_not():
+    assert must_wait(Membership(outer_step=0, participants=1), need=2)
+    assert not must_wait(Membership(outer_step=0, participants=2), need=2)
+    assert not must_wait(Membership(outer_step=3, participants=1), need=2)  # one island left goes on
+
+
+@pytest.mark.parametrize("joining,healed,void,reset,contributes", [
+    (False, False, False, False, True),   # an ordinary round
+    (True, False, False, False, False),   # the first island of a new federation: nothing to send yet
+    (True, True, False, True, False),     # a late joiner or restarted island: takes the global state
+    (False, True, False, False, True),    # healed with the same weights (a new federation): still counts
+    (False, True, True, True, False),     # healed with different weights: its progress is void
+])
+def test_plan_round(joining, healed, void, reset, contributes):
+    plan = plan_round(Membership(outer_step=5, healed=healed, progress_void=void), joining, fragments=2)
+    assert (plan.reset, plan.contributes, plan.fragment) == (reset, contributes, 1)
+
+
+def test_guard_refuses_non_finite_and_outliers_only_once_it_has_a_history():
+    assert judge_update(math.nan, [], 10.0) == Verdict(False, "non-finite values")
+    assert not judge_update(math.inf, [1.0] * 5, 0.0).accepted  # even with the norm check off
+    assert judge_update(1e6, [1.0] * (GUARD_MIN_HISTORY - 1), 10.0).accepted  # too few to judge a norm
+    refused = judge_update(11.0, [1.0, 1.0, 2.0], 10.0)
+    assert not refused.accepted and "above 10 x the running median 1" in refused.reason
+    assert judge_update(10.0, [1.0, 1.0, 2.0], 10.0).accepted
+    assert judge_update(1e6, [1.0] * 5, 0.0).accepted  # limit 0: norm check off
+
+
+def test_guard_window_keeps_the_newest_norms():
+    norms: list[float] = []
+    for i in range(GUARD_HISTORY + 5):
+        remember_norm(norms, float(i))
+    assert norms == [float(i) for i in range(5, GUARD_HISTORY + 5)]
+
+
+def test_island_weight_edges():
+    ok, refused = Verdict(True), Verdict(False, "x")
+    assert island_weight("tokens", 4096, True, ok) == 4096.0
+    assert island_weight("equal", 4096, True, ok) == 1.0
+    assert island_weight("tokens", 0, True, ok) == 0.0      # zero tokens: nothing to weigh
+    assert island_weight("equal", 4096, False, ok) == 0.0   # not contributing (joining, void)
+    assert island_weight("tokens", 4096, True, refused) == 0.0
+
+
+def test_outer_step_only_after_a_commit_with_progress():
+    assert applies_outer_step(RoundResult(committed=True, participants=2, total_weight=2048.0))
+    assert not applies_outer_step(RoundResult(committed=True, participants=2, total_weight=0.0))  # all refused
+    assert not applies_outer_step(RoundResult(committed=False, participants=2, total_weight=2048.0))
+    result = RoundResult(True, 3, 1.5, 12288)
+    assert RoundResult.from_values(result.to_values()) == result
+
+
+def test_streaming_merge_and_exchange_skipping():
+    done = RoundResult(committed=True, total_weight=1.0)
+    assert merges_local(done, reset=False, alpha=0.5)
+    assert not merges_local(done, reset=True, alpha=0.5)
+    assert not merges_local(done, reset=False, alpha=0.0)
+    assert not merges_local(RoundResult(), reset=False, alpha=0.5)
+    assert skips_exchange(joining=True, outer_step=0, init_sync=False)
+    assert not skips_exchange(joining=True, outer_step=0, init_sync=True)
+    assert not skips_exchange(joining=True, outer_step=4, init_sync=False)  # a late joiner exchanges
+    assert not skips_exchange(joining=False, outer_step=0, init_sync=False)
+
+
+def test_time_paced_round_closes_at_the_half_step_and_within_the_step_bounds():
+    assert not round_is_up(3, 1, 100, elapsed_s=9.0, step_s=1.0, round_seconds=10.0)
+    assert round_is_up(3, 1, 100, elapsed_s=9.5, step_s=1.0, round_seconds=10.0)  # next step would overrun more
+    assert not round_is_up(1, 2, 100, elapsed_s=99.0, step_s=1.0, round_seconds=10.0)  # below min_inner_steps
+    assert round_is_up(100, 1, 100, elapsed_s=0.0, step_s=1.0, round_seconds=10.0)  # max_inner_steps
+
+
+def test_alignment_and_the_reference_fingerprint():
+    assert aligned_inner_step(140, 2) == 142
+    table = [{"island": 1, "step": 4}, {"island": 0, "step": 4}, {"island": 2, "step": 3}]
+    assert reference_fingerprint(table) == {"island": 0, "step": 4}
+    assert reference_fingerprint([{"island": 2, "step": 9}, {"island": 0, "step": 4}])["island"] == 2
