@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.installed
 
 
-.PHONY: setup demo demo-island test test-slow test-gpu bench bench-federation bench-heterogeneous bench-wan docs clean
+.PHONY: setup demo demo-island test test-slow test-gpu lint bench bench-federation bench-heterogeneous bench-wan docs clean
 
 setup: $(STAMP) data
 
@@ -45,7 +45,12 @@ demo-island: setup
 	$(BIN)/archipelago report runs/demo-island
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
+
+# ruff (lint rules in pyproject.toml) and mypy on the package; .ci/run runs it before the tests.
+lint: $(STAMP)
+	$(BIN)/ruff check archipelago
+	$(BIN)/mypy archipelago
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow

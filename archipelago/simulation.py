@@ -16,8 +16,8 @@ training, the baseline of every comparison.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from archipelago.config import Config
 from archipelago.data import PreparedDataset, TokenSequenceLoader, prepare_from_config, validation_batches
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.fragments import build_outer_optimizer, split_fragments
-from archipelago.island.optim import build_optimizer, build_lr_scheduler
+from archipelago.island.optim import build_lr_scheduler, build_optimizer
 from archipelago.island.parallelize import compute_dtype
 from archipelago.models import build_model, get_model_args
 
@@ -138,7 +138,7 @@ class _Outer:
             island.codecs = [build_codec(self.ft, g.numel()) for g in self.globals]
         self.per_fragment = self.ft.sync_steps // n
         self.local_step, self.step = 0, 0
-        self.pending: tuple[int, torch.Tensor, float] | None = None
+        self.pending: tuple[int, torch.Tensor, float] = (0, torch.zeros(0), 0.0)  # set by prepare()
         self.bytes_sent = 0
 
     def after_inner_step(self, tokens: int) -> None:
@@ -173,7 +173,6 @@ class _Outer:
     @torch.no_grad()
     def perform(self) -> None:
         fragment, total, weights = self.pending
-        self.pending = None
         g = self.globals[fragment]
         g.grad = total / weights
         if self.momentum_warmup_rounds:  # an experiment: outer momentum ramps up from 0

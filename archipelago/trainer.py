@@ -16,26 +16,30 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
 from archipelago.config import Config, ConfigError, advice, config_to_dict, validate_for_island
+from archipelago.data import PreparedDataset, TokenSequenceLoader, prepare_from_config, validation_batches
 from archipelago.federation import Alone, build_federation
-from archipelago.data import (PreparedDataset, TokenSequenceLoader, prepare_from_config,
-                              validation_batches)
-from archipelago.island.device import (IslandContext, all_reduce_, barrier, broadcast_object,
-                                       close_island, init_island)
-from archipelago.island.optim import (apply_optimizer_config, build_optimizer, build_lr_scheduler,
-                                     set_schedule_position)
+from archipelago.island.device import IslandContext, all_reduce_, barrier, broadcast_object, close_island, init_island
+from archipelago.island.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer, set_schedule_position
 from archipelago.island.parallelize import ParallelModel, parallelize
-from archipelago.metrics import (MetricsLog, ProgressDisplay, TensorBoardLog, ThroughputMeter,
-                                 peak_flops_per_s, write_json_atomic)
+from archipelago.metrics import (
+    MetricsLog,
+    ProgressDisplay,
+    TensorBoardLog,
+    ThroughputMeter,
+    peak_flops_per_s,
+    write_json_atomic,
+)
 from archipelago.metrics.progress import format_count
 from archipelago.models import build_model, get_model_args
 
@@ -172,7 +176,7 @@ class Trainer:
     def build_optimizer(self) -> torch.optim.Optimizer:
         return build_optimizer(self.model.module, self.cfg.optimizer, self.ctx.device)
 
-    def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+    def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
         return build_lr_scheduler(self.optimizer, self.cfg.training.steps, self.cfg.lr_scheduler)
 
     def build_train_loader(self) -> TokenSequenceLoader:
@@ -212,7 +216,7 @@ class Trainer:
         return CheckpointManager(folder, keep=c.keep, rank=self.ctx.rank,
                                  world_size=self.ctx.world_size, verify=c.verify)
 
-    def build_metrics(self) -> "RunMetrics":
+    def build_metrics(self) -> RunMetrics:
         return RunMetrics(self.cfg, self.ctx, self.run_dir, self.model)
 
     # ---- state ---------------------------------------------------------------------
@@ -455,10 +459,11 @@ class Trainer:
         bad_step = self.metrics.first_nonfinite_step()
         if bad_step is None:
             return
-        last = self.checkpointer.latest_step() if self.checkpointer else None
-        where = (f"the last good checkpoint is step {last} in {self.checkpointer.folder}; the run "
+        checkpoints = self.checkpointer
+        last = checkpoints.latest_step() if checkpoints is not None else None
+        where = (f"the last good checkpoint is step {last} in {checkpoints.folder}; the run "
                  "resumes from it when restarted with the same --job.run_dir"
-                 if last is not None else "no checkpoint was written before it")
+                 if checkpoints is not None and last is not None else "no checkpoint was written before it")
         message = (f"non-finite loss at step {bad_step}: training stopped; {where}. Lower "
                    "--optimizer.lr or --training.max_norm, or check the data.")
         self.metrics.event("nonfinite_loss", step=bad_step, last_checkpoint=last)
@@ -599,8 +604,8 @@ class RunMetrics:
         waiting in a collective.
         """
         never = 2**62
-        first = torch.where(self.first_bad < 0, torch.full_like(self.first_bad, never), self.first_bad)
-        first = int(all_reduce_(first.clone(), self.ctx, op="min"))
+        mine = torch.where(self.first_bad < 0, torch.full_like(self.first_bad, never), self.first_bad)
+        first = int(all_reduce_(mine.clone(), self.ctx, op="min"))
         return None if first >= never else first
 
     def log_step(self, step: int, result: StepResult, tokens: int, val_loss: float | None) -> float:
@@ -621,7 +626,8 @@ class RunMetrics:
             record["val_loss"] = val_loss
         self.jsonl.log(record)
         self.tensorboard.log(step, {k: v for k, v in record.items() if k != "step"})
-        self.display.update(step, record)
+        if self.display is not None:
+            self.display.update(step, record)
         return loss_avg
 
     def log_validation(self, step: int, val_loss: float) -> None:

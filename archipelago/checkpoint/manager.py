@@ -203,7 +203,7 @@ class CheckpointManager:
         write_text_atomic(path / COMPLETE_NAME, json.dumps(manifest, indent=1) + "\n")
         write_text_atomic(self.folder / LATEST_NAME, path.name + "\n")
         self._prune(step)
-        return sum(entry["size"] for entry in manifest["files"].values())
+        return sum(int(entry["size"]) for entry in files.values())
 
     @staticmethod
     def _list_files(path: Path) -> list[str]:
@@ -339,8 +339,8 @@ class CheckpointManager:
             name, files, problem = head
             if problem is None:
                 actual = self._hash_files(self.folder / name, sorted(files))
-                problem = self._on_rank0(lambda: self._compare(self.folder / name, files, actual),
-                                         "verifying checkpoint")
+                problem = self._on_rank0(  # called at once: the loop variables cannot change meanwhile
+                    lambda: self._compare(self.folder / name, files, actual), "verifying checkpoint")  # noqa: B023
             if problem is None:
                 return name
             if self.rank == 0:

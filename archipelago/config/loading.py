@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
+
+import tomllib
 
 from archipelago.config.errors import ConfigError
 from archipelago.config.schema import Config

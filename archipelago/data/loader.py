@@ -18,8 +18,8 @@ data. The shard is the island's index, not its ranks (the reference platform's
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import torch

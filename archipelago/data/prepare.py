@@ -13,9 +13,10 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -58,7 +59,7 @@ class PreparedDataset:
     source: str
 
     @classmethod
-    def load(cls, folder: str | Path) -> "PreparedDataset":
+    def load(cls, folder: str | Path) -> PreparedDataset:
         folder = Path(folder)
         meta_path = folder / _META
         if not meta_path.is_file():
@@ -263,7 +264,7 @@ def prepare_dataset(
 
 
 
-def prepare_from_config(data: "DataConfig", seed: int, log: Callable[[str], None] = print) -> PreparedDataset:
+def prepare_from_config(data: DataConfig, seed: int, log: Callable[[str], None] = print) -> PreparedDataset:
     """prepare_dataset for a run's `[data]` section; its mistakes become ConfigErrors.
 
     The one place the config is turned into a dataset: `archipelago data prepare`, the

@@ -13,9 +13,14 @@ from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.diloco import FederationError, OuterLoop, OuterReport, report_record
 from archipelago.federation.fragments import split_fragments
 from archipelago.federation.guard import poison_from_env
-from archipelago.federation.membership import (FederationMismatch, LighthouseUnreachable,
-                                               build_manager, fingerprint, lighthouse_address,
-                                               wait_for_lighthouse)
+from archipelago.federation.membership import (
+    FederationMismatch,
+    LighthouseUnreachable,
+    build_manager,
+    fingerprint,
+    lighthouse_address,
+    wait_for_lighthouse,
+)
 from archipelago.federation.seam import Alone, IslandHooks, Member
 
 log = logging.getLogger("archipelago.federation")

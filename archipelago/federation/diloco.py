@@ -45,14 +45,24 @@ from torch.distributed import ReduceOp
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.exchange import Gathered, finish_gather, start_gather
-from archipelago.federation.guard import Poison, UpdateGuard
 from archipelago.federation.fragments import build_outer_optimizer, load_tensor_state, tensor_state
+from archipelago.federation.guard import Poison, UpdateGuard
 from archipelago.federation.layout import FlatLayout
-from archipelago.federation.membership import (FederationMismatch, exchange_fingerprints,
-                                               mismatch)
-from archipelago.federation.policy import (Membership, RoundResult, Verdict, aligned_inner_step,
-                                           applies_outer_step, island_weight, merges_local, must_wait,
-                                           plan_round, reference_fingerprint, round_is_up, skips_exchange)
+from archipelago.federation.membership import FederationMismatch, exchange_fingerprints, mismatch
+from archipelago.federation.policy import (
+    Membership,
+    RoundResult,
+    Verdict,
+    aligned_inner_step,
+    applies_outer_step,
+    island_weight,
+    merges_local,
+    must_wait,
+    plan_round,
+    reference_fingerprint,
+    round_is_up,
+    skips_exchange,
+)
 
 log = logging.getLogger("archipelago.federation")
 
@@ -116,11 +126,11 @@ class OuterLoop:
     """Runs the outer synchronisation after each inner optimizer step (see module doc)."""
 
     def __init__(self, ft: FaultToleranceConfig, fragments: list[list[nn.Parameter]], rank: int,
-                 world_size: int, manager: Any | None, fingerprint: dict[str, Any],
+                 world_size: int, manager: Any, fingerprint: dict[str, Any],
                  group: dist.ProcessGroup | None = None, poison: Poison | None = None) -> None:
         self.ft, self.rank, self.world_size, self.group = ft, rank, world_size, group
         self.poison = poison
-        self.manager, self.fingerprint = manager, fingerprint
+        self.manager, self.fingerprint = manager, fingerprint  # torchft Manager on bridge ranks, else None
         self.per_fragment = ft.sync_steps // len(fragments)
         self.delay = ft.fragment_sync_delay
         self.layouts = [FlatLayout(params, ft.sync_width, rank, world_size, group) for params in fragments]
@@ -210,7 +220,8 @@ class OuterLoop:
 
     def save_global(self) -> None:
         """Take the island's current weights as the global weights (a collective)."""
-        chunks = [layout.gather() for layout in self.layouts]
+        gathered = [layout.gather() for layout in self.layouts]
+        chunks = [c for c in gathered if c is not None]  # all of them on a bridge rank, none elsewhere
         if not self.is_bridge:
             return
         pin = torch.cuda.is_available()
@@ -276,7 +287,7 @@ class OuterLoop:
         plan = plan_round(m, joining, len(self.layouts))
         fragment = plan.fragment
         local = self.layouts[fragment].gather()
-        buffer = self._pseudo_gradient(fragment, local) if self.is_bridge else None
+        buffer = self._pseudo_gradient(fragment, local) if local is not None else None  # bridge ranks
         if buffer is not None and plan.contributes and self.poison is not None and self.poison.round == self.step + 1:
             log.warning("ARCHIPELAGO_INJECT: poisoning this island's update (%s) in outer step %d",
                         self.poison.kind, self.step + 1)
@@ -292,8 +303,8 @@ class OuterLoop:
             elif self.codec_name == "fp32":  # summed as sent; other codecs send the weight apart
                 buffer[:-2].mul_(pending.weight)
             buffer[-2], buffer[-1] = float(pending.tokens), pending.weight
-        exchange = self.is_bridge and not skips_exchange(joining, self.step, self.ft.init_sync)
-        if exchange and self.codec_name != "fp32":
+        exchange = buffer is not None and not skips_exchange(joining, self.step, self.ft.init_sync)
+        if exchange and buffer is not None and self.codec_name != "fp32":
             pending.gathered = start_gather(self.manager, self.codecs[fragment], buffer[:-2], pending.tokens,
                                             pending.weight)
         elif exchange:
@@ -341,13 +352,13 @@ class OuterLoop:
         self.pending = None
         blocked_since = time.perf_counter()
         decode_s = 0.0
-        if p.gathered is not None:
+        if p.gathered is not None and p.buffer is not None:
             decode_s = finish_gather(p.gathered, self.codecs[p.fragment], p.buffer, self.manager)
         elif p.work is not None:
             p.work.wait()
         exposed_s = time.perf_counter() - blocked_since
         mine = RoundResult()
-        if self.manager is not None:
+        if self.manager is not None and p.buffer is not None:
             mine = RoundResult(self._should_commit(), self.manager.num_participants(),
                                float(p.buffer[-1]), int(float(p.buffer[-2])))
         result = RoundResult.from_values(self._island_max(mine.to_values()))
@@ -355,12 +366,12 @@ class OuterLoop:
         total, tokens = result.total_weight, result.federation_tokens
         merge = merges_local(result, p.reset, self.ft.fragment_update_alpha)
         local = self.layouts[p.fragment].gather() if merge else None
-        if self.manager is not None and applies_outer_step(result):
+        if p.buffer is not None and applies_outer_step(result):  # bridge ranks
             self._outer_step(p.fragment, p.buffer, total)
         new = None
         if self.is_bridge:
             new = self.globals[p.fragment].detach()
-            if merge:
+            if local is not None:  # merge
                 new = new.lerp(local.to(new.device), self.ft.fragment_update_alpha)
         self.layouts[p.fragment].scatter(new)
         if p.reset:  # a recovered island takes every fragment's global weights
@@ -455,7 +466,7 @@ class OuterLoop:
         sent = received = 0
         if p.gathered is not None:
             sent, received = p.gathered.sent, p.gathered.received
-        elif p.work is not None:
+        elif p.work is not None and p.buffer is not None:
             sent = received = p.buffer.numel() * p.buffer.element_size()
         totals = self._island_sums([float(sent), float(received)])
         return int(totals[0]), int(totals[1])

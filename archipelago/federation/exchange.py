@@ -170,6 +170,7 @@ def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, mana
     from torch.distributed.distributed_c10d import AllgatherOptions
 
     segments = gathered.segments
+    assert segments is not None, "a two-phase exchange always has segments"
     pieces = [codec.for_length(end - start) for start, end in segments]
     mine = pieces[gathered.rank]
     total, tokens, weights = _weighted_sum(list(gathered.outputs[0]), mine, mine.numel, into.device)

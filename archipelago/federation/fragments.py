@@ -29,7 +29,7 @@ def split_fragments(model: nn.Module, n: int) -> list[list[nn.Parameter]]:
         raise ValueError(f"fault_tolerance.num_fragments = {n} exceeds the model's {count} layers")
     fragments: list[list[nn.Parameter]] = [[] for _ in range(n)]
     seen_layer = False
-    for (name, p), layer in zip(named, layer_of):
+    for (_, p), layer in zip(named, layer_of):
         if layer is None:
             fragments[n - 1 if seen_layer else 0].append(p)
         else:

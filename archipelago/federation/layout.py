@@ -15,6 +15,7 @@ than its chunk, so a wide bridge never holds the whole model on one rank.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p._local_tensor if isinstance(p, DTensor) else p.data
 
 
-def _holdings(params: list[torch.Tensor]) -> list[tuple[Holding, int]]:
+def _holdings(params: Sequence[torch.Tensor]) -> list[tuple[Holding, int]]:
     """This rank's holdings and, for each, the flat index of its local tensor's element 0."""
     out, base = [], 0
     for i, p in enumerate(params):
@@ -70,7 +71,7 @@ def _holdings(params: list[torch.Tensor]) -> list[tuple[Holding, int]]:
 class FlatLayout:
     """Gather/scatter between an island's parameter shards and the bridge ranks' chunks."""
 
-    def __init__(self, params: list[torch.Tensor], width: int, rank: int, world_size: int,
+    def __init__(self, params: Sequence[torch.Tensor], width: int, rank: int, world_size: int,
                  group: dist.ProcessGroup | None = None) -> None:
         if not 1 <= width <= world_size:
             raise ValueError(f"sync_width {width} must be between 1 and the island's {world_size} rank(s)")
@@ -150,7 +151,7 @@ class FlatLayout:
         if chunk is not None:
             chunk = chunk.to(device)
         sends = [self._slice_chunk(self.scatter_plan[(self.rank, d)], chunk, lo, dtype, device)
-                 if self.is_bridge else torch.empty(0, dtype=dtype, device=device)
+                 if chunk is not None and self.is_bridge else torch.empty(0, dtype=dtype, device=device)
                  for d in range(self.world_size)]
         recv_plans = [self.scatter_plan[(src, self.rank)] if src < self.width else []
                       for src in range(self.world_size)]

@@ -81,7 +81,7 @@ def _store_for_manager() -> tuple[str, int, TCPStore | None]:
     The address is advertised to the other islands (their cross-island process groups
     rendezvous in the quorum leader's store), so LOCAL_ADDR wins over MASTER_ADDR.
     """
-    advertised = os.environ.get("LOCAL_ADDR")
+    advertised = os.environ.get("LOCAL_ADDR") or ""
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         return advertised or os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None
     host = advertised or "127.0.0.1"
@@ -137,7 +137,7 @@ def _checkpoint_transport(timeout: timedelta) -> Any:
     """
     from torchft.checkpointing.http_transport import HTTPTransport
 
-    advertised = os.environ.get("LOCAL_ADDR")
+    advertised = os.environ.get("LOCAL_ADDR") or ""
 
     class AdvertisedHTTPTransport(HTTPTransport):
         def address(self) -> str:

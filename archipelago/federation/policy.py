@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 # The guard's median needs a few accepted rounds before it means anything; until then only
 # non-finite updates are rejected. The window follows the norm as training goes on.
@@ -57,7 +57,7 @@ class Membership:
                 float(self.replica_rank + 1)]
 
     @classmethod
-    def from_values(cls, values: Sequence[float]) -> "Membership":
+    def from_values(cls, values: Sequence[float]) -> Membership:
         step, healed, void, refuse, peer, participants, rank = values
         return cls(int(step), bool(healed), bool(void), bool(refuse), int(peer) if healed else 0,
                    int(participants), int(rank) - 1)
@@ -136,7 +136,7 @@ class RoundResult:
         return [float(self.committed), float(self.participants), self.total_weight, float(self.federation_tokens)]
 
     @classmethod
-    def from_values(cls, values: Sequence[float]) -> "RoundResult":
+    def from_values(cls, values: Sequence[float]) -> RoundResult:
         committed, participants, total, tokens = values
         return cls(bool(committed), int(participants), float(total), int(tokens))
 

@@ -11,11 +11,14 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from archipelago.config import ConfigError
+
+T = TypeVar("T")
 
 log = logging.getLogger("archipelago.island")
 
@@ -102,7 +105,7 @@ def close_island() -> None:
         dist.destroy_process_group()
 
 
-def broadcast_object(value: object, ctx: IslandContext) -> object:
+def broadcast_object(value: T, ctx: IslandContext) -> T:
     """Rank 0's `value`, on every rank (a collective: every rank must call it)."""
     if not ctx.is_distributed:
         return value

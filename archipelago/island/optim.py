@@ -13,7 +13,8 @@ from archipelago.config import LRSchedulerConfig, OptimizerConfig
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW (the default) or SGD, with weight decay on matrices only (norm gains and
     biases are not decayed)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
@@ -21,10 +22,11 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
               {"params": no_decay, "weight_decay": 0.0}]
     # The fused kernels exist for accelerators; on CPU the foreach path is the fast one.
     fused = device.type in ("cuda", "xpu")
-    kernel = {"fused": fused, "foreach": None if fused else True}
+    foreach = None if fused else True
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **kernel)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused, foreach=foreach)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused,
+                             foreach=foreach)
 
 
 def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:
@@ -79,8 +81,8 @@ def set_schedule_position(scheduler: torch.optim.lr_scheduler.LambdaLR, step: fl
     A time-paced federation places its islands on the schedule by the federation's
     progress rather than by counting each island's own steps.
     """
-    scheduler.last_epoch = int(step)
+    scheduler.last_epoch = int(step)  # (a float position is fine for lr_lambdas: lr_factor takes any number)
     groups = scheduler.optimizer.param_groups
     for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base * factor(step)
+        group["lr"] = base * factor(step)  # type: ignore[arg-type,operator]
     scheduler._last_lr = [group["lr"] for group in groups]  # what get_last_lr() reports

@@ -9,7 +9,8 @@ first, then compile, then shard, so each FSDP unit is one (compiled) block.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from archipelago.island.device import IslandContext
 
+if TYPE_CHECKING:  # annotations only: island/ applies parallelism to any model of this shape
+    from archipelago.models import Transformer
+
 
 def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
     """bf16 on accelerators when `auto`; fp32 on CPU, where bf16 matmuls are slower."""
@@ -28,7 +32,7 @@ def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if mixed_precision == "bf16" else torch.float32
 
 
-def _wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile_blocks: bool) -> None:
+def _wrap_blocks(model: Transformer, activation_checkpointing: bool, compile_blocks: bool) -> None:
     for name, block in list(model.layers.named_children()):
         if activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
@@ -37,7 +41,7 @@ def _wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile_block
         model.layers.register_module(name, block)
 
 
-def _shard(model: nn.Module, ctx: IslandContext, dtype: torch.dtype) -> None:
+def _shard(model: Transformer, ctx: IslandContext, dtype: torch.dtype) -> None:
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp_shard",))
     # Gradients are reduced in fp32 even when compute is bf16: the reduction over many
     # ranks is where bf16 rounding would accumulate.
@@ -50,9 +54,11 @@ def _shard(model: nn.Module, ctx: IslandContext, dtype: torch.dtype) -> None:
 class ParallelModel:
     """The model as the trainer sees it: the wrapped module plus how to run it."""
 
-    def __init__(self, module: nn.Module, inner: nn.Module, ctx: IslandContext,
+    def __init__(self, module: nn.Module, inner: Transformer, ctx: IslandContext,
                  dtype: torch.dtype, strategy: str) -> None:
-        self.module = module          # what forward/backward and the optimizer use
+        # What forward/backward and the optimizer use: the model, or its FSDP / DDP wrapper
+        # (typed Any: the wrappers' methods come from classes mixed in at run time).
+        self.module: Any = module
         self.inner = inner            # the unwrapped model (args, flops, num_params)
         self.ctx = ctx
         self.dtype = dtype
@@ -77,7 +83,7 @@ class ParallelModel:
             yield
 
 
-def _materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+def _materialize(model: Transformer, device: torch.device, seed: int) -> None:
     """Allocate a meta-device model's (local) storage on `device` and initialise it."""
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
@@ -86,7 +92,7 @@ def _materialize(model: nn.Module, device: torch.device, seed: int) -> None:
         model.to(device)
 
 
-def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_precision: str,
+def parallelize(model: Transformer, ctx: IslandContext, data_parallel: str, mixed_precision: str,
                 activation_checkpointing: bool = False, compile_blocks: bool = False,
                 seed: int = 0) -> ParallelModel:
     """Wrap a model for this island and put it on the island's device.

@@ -13,9 +13,9 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Callable
 
 from archipelago.config import Config, ConfigError, config_to_dict, load_config, validate_for_island
 from archipelago.launch.args import pop_option

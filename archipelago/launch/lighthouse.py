@@ -71,7 +71,7 @@ def _url_host(host: str) -> str:
 def start_lighthouse(bind: str = DEFAULT_BIND, min_replicas: int = DEFAULT_MIN_REPLICAS,
                      join_timeout_ms: int = DEFAULT_JOIN_TIMEOUT_MS,
                      quorum_tick_ms: int = DEFAULT_QUORUM_TICK_MS,
-                     heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS) -> "LighthouseServer":
+                     heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS) -> LighthouseServer:
     """Start torchft's lighthouse on `bind` (HOST:PORT; port 0 picks a free one) and return it.
 
     `.address()` of the result is its URL (torchft writes this host's name into it);
@@ -107,7 +107,7 @@ def start_lighthouse(bind: str = DEFAULT_BIND, min_replicas: int = DEFAULT_MIN_R
         raise ConfigError(f"--bind {bind}: {reason}: {hint}") from None
 
 
-def island_urls(bind: str, server: "LighthouseServer") -> tuple[str, str | None]:
+def island_urls(bind: str, server: LighthouseServer) -> tuple[str, str | None]:
     """(URL to give islands, URL for islands on this host or None) of a started lighthouse.
 
     A lighthouse bound to one address is reached at that address. One bound to all

@@ -691,10 +691,7 @@ def _failure_message(island_dir: Path) -> str:
 
 def start_lighthouse_server(opts: Options) -> Any:
     """The in-process lighthouse (launch/lighthouse.py when present, else torchft's server)."""
-    try:
-        from archipelago.launch.lighthouse import start_lighthouse
-    except ImportError:
-        start_lighthouse = _torchft_lighthouse
+    from archipelago.launch.lighthouse import start_lighthouse
     # The lighthouse logs every quorum request straight to fd 2, mid-line into the island
     # lines and through the live table, while the islands' join/leave/quorum records say
     # the same. torchft reads RUST_LOG once, when its first server starts, so quietening it
@@ -709,12 +706,6 @@ def start_lighthouse_server(opts: Options) -> Any:
     finally:
         if user_setting is None:
             del os.environ["RUST_LOG"]
-
-
-def _torchft_lighthouse(**kwargs: Any) -> Any:
-    from torchft.coordination import LighthouseServer
-
-    return LighthouseServer(**kwargs)
 
 
 def reachable_url(address: str, bind: str) -> str:
@@ -738,7 +729,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 def _set_signals(handler: Any) -> dict[int, Any]:
-    previous = {}
+    previous: dict[int, Any] = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
             previous[sig] = signal.signal(sig, handler)

@@ -358,7 +358,7 @@ def _outer_step_table(outer_steps: list[dict[str, Any]]) -> list[str]:
     for entry in outer_steps:
         committed = ", ".join(map(str, entry.get("islands", []))) or "none"
         healed = ", ".join(map(str, entry.get("healed", []))) or "-"
-        same = {True: "yes", False: "NO"}.get(entry.get("hash_agree"), "n/a")
+        same = {True: "yes", False: "NO"}.get(bool(entry["hash_agree"]), "n/a") if "hash_agree" in entry else "n/a"
         lines.append(f"| {entry['outer_step']} | {entry.get('participants')} | {committed} | {healed} | {same} |")
     return lines
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from .args import ModelArgs
 from .registry import register_family
 
-_QWEN3 = dict(qk_norm=True, rope_theta=1_000_000.0, norm_eps=1e-6)
+_QWEN3: dict[str, Any] = dict(qk_norm=True, rope_theta=1_000_000.0, norm_eps=1e-6)
 
 QWEN3_FLAVORS: dict[str, ModelArgs] = {
     "debug": ModelArgs(

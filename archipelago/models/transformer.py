@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ class Transformer(nn.Module):
     Single-device code: parallelism wraps ``model.layers[i]`` from outside.
     Intended lifecycle: build on meta, ``to_empty(device=...)``, ``init_weights()``.
     """
+
+    rope_cos: torch.Tensor  # buffers, registered in __init__
+    rope_sin: torch.Tensor
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -49,7 +52,7 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
-    def _apply(self, fn: Any, recurse: bool = True) -> "Transformer":
+    def _apply(self, fn: Any, recurse: bool = True) -> Transformer:
         # nn.Module._apply (to_empty, .to across device types) converts the
         # shared Parameter once per owning module, silently untying it; re-tie.
         module = super()._apply(fn, recurse)
@@ -90,7 +93,7 @@ class Transformer(nn.Module):
         # stream's variance does not grow with depth (GPT-2 style).
         out_std = INIT_STD / math.sqrt(2 * self.args.n_layers)
         for layer in self.layers:
-            layer.init_weights(INIT_STD, out_std)
+            cast(TransformerBlock, layer).init_weights(INIT_STD, out_std)
         self.norm.init_weights()
         if not self.args.tie_embeddings:
             w = self.output.weight

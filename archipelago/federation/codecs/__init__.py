@@ -50,7 +50,7 @@ class Codec:
         """Largest |decode(encode(x)) - x| this codec promises for `x` (stateless codecs)."""
         return 0.0
 
-    def for_length(self, numel: int) -> "Codec":
+    def for_length(self, numel: int) -> Codec:
         """The same encoding for `numel` values (a segment of this chunk)."""
         return type(self)(numel)
 
