@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
 from archipelago.config import Config, ConfigError, advice, config_to_dict, validate_for_island
+from archipelago.config.faults import TRAINER_KINDS, faults_from_env
 from archipelago.data import PreparedDataset, TokenSequenceLoader, prepare_from_config, validation_batches
 from archipelago.federation import Alone, build_federation
 from archipelago.island.device import IslandContext, all_reduce_, barrier, broadcast_object, close_island, init_island
@@ -84,22 +85,6 @@ class StepResult:
     lr: float  # the learning rate this step used
 
 
-def _fault_injection(rank: int) -> tuple[str, int] | None:
-    """Test-only hook to exercise failure paths (docs/development.md).
-
-    ARCHIPELAGO_FAULT=KIND@STEP with KIND crash (SIGKILL), nan (the loss becomes NaN) or
-    error (an exception); ARCHIPELAGO_FAULT_RANK=R limits it to one rank.
-    """
-    spec = os.environ.get("ARCHIPELAGO_FAULT")
-    only_rank = os.environ.get("ARCHIPELAGO_FAULT_RANK")
-    if not spec or (only_rank is not None and int(only_rank) != rank):
-        return None
-    kind, _, step = spec.partition("@")
-    if kind not in ("crash", "nan", "error") or not step.isdigit():
-        raise ConfigError(f"ARCHIPELAGO_FAULT={spec!r}: expected crash@STEP, nan@STEP or error@STEP")
-    return kind, int(step)
-
-
 class Trainer:
     """Trains one model on one island; see the module docstring."""
 
@@ -116,7 +101,8 @@ class Trainer:
         self.federation = self.build_federation()
         self.checkpointer = self.build_checkpointer()
         self.metrics = self.build_metrics()
-        self.fault = _fault_injection(self.ctx.rank)
+        # Test-only faults (config/faults.py): crash, error or nan-loss at an inner step.
+        self.faults = faults_from_env(TRAINER_KINDS, self.ctx.rank)
 
     # ---- build hooks ---------------------------------------------------------------
 
@@ -419,15 +405,15 @@ class Trainer:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def maybe_inject_fault(self) -> None:
-        if self.fault is None or self.fault[1] != self.progress.step:
-            return
-        kind = self.fault[0]
-        if kind == "crash":
-            log.warning("ARCHIPELAGO_FAULT: crashing at step %d", self.progress.step)
-            os.kill(os.getpid(), 9)
-        if kind == "error":
-            raise RuntimeError(f"ARCHIPELAGO_FAULT: injected failure at step {self.progress.step}")
-        self.metrics.poison_next_loss = True
+        for fault in self.faults:
+            if fault.at != self.progress.step:
+                continue
+            if fault.kind == "crash":
+                log.warning("ARCHIPELAGO_FAULT: crashing at step %d", self.progress.step)
+                os.kill(os.getpid(), 9)
+            if fault.kind == "error":
+                raise RuntimeError(f"ARCHIPELAGO_FAULT: injected failure at step {self.progress.step}")
+            self.metrics.poison_next_loss = True  # nan-loss
 
     def after_step(self, result: StepResult, final: bool) -> None:
         step, t = self.progress.step, self.cfg.training

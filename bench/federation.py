@@ -50,9 +50,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from archipelago.launch.processes import kill_until_gone, process_env  # noqa: E402
+
 # Inherited by every process a run starts (islands and torchrun ranks start sessions of
 # their own, so neither our process group nor the process tree finds them all).
 BENCH_TOKEN_ENV = "ARCHIPELAGO_BENCH_TOKEN"
@@ -63,15 +67,6 @@ COMMON_OVERRIDES = ["--checkpoint.no_enable", "--training.val_every", "0", "--me
 
 
 # ------------------------------------------------------------------ processes
-
-
-def process_env(pid: int) -> dict[str, str] | None:
-    """The environment of a live process, or None when it is gone or not readable."""
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return None
-    return dict(item.split("=", 1) for item in raw.decode("utf-8", "replace").split("\0") if "=" in item)
 
 
 def processes_with_token(token: str) -> dict[int, str]:
@@ -475,24 +470,6 @@ def stop_process(proc: subprocess.Popen[Any]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=STOP_GRACE_S)
-
-
-def kill_until_gone(find: Callable[[], Iterable[int]], timeout_s: float = 10.0) -> int:
-    """SIGKILL what `find` returns until it returns nothing (a dying parent may still fork);
-    returns how many kills landed."""
-    hit, deadline = 0, time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        pids = list(find())
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                hit += 1
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(0.1)
-    return hit
 
 
 def kill_token(token: str, timeout_s: float = 10.0) -> None:

@@ -97,7 +97,7 @@ TOOLS = ("ip", "tc")
 # Inherited settings that would point a process at another job or address.
 STRIP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
              "TORCHELASTIC_RUN_ID", "TORCHFT_LIGHTHOUSE", "TORCHFT_MANAGER_PORT", "LOCAL_ADDR",
-             "GLOO_SOCKET_IFNAME", "ARCHIPELAGO_INJECT", "ARCHIPELAGO_FAULT", "NGPU", "CONFIG_FILE")
+             "GLOO_SOCKET_IFNAME", "ARCHIPELAGO_FAULT", "ARCHIPELAGO_FAULT_RANK", "NGPU", "CONFIG_FILE")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -12,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from archipelago.launch.processes import kill_until_gone, pids_with_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,36 +38,18 @@ class Finished:
 
 
 def pids_with_token(token: str) -> list[int]:
-    """PIDs of the processes whose environment carries `token` (the ones a test started).
-
-    torchrun starts each rank in a session of its own, so a rank that outlives
-    torchrun is in neither our process group nor our process tree; the token,
-    inherited by every descendant, still finds it.
-    """
-    found = []
-    needle = f"ARCHIPELAGO_TEST_TOKEN={token}".encode()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:  # exited meanwhile, or not ours to read
-                pass
-    return found
+    """PIDs of the live processes whose environment carries `token` (the ones a test started)."""
+    return pids_with_env("ARCHIPELAGO_TEST_TOKEN", token)
 
 
 def kill_started_processes(token: str) -> None:
-    for pid in pids_with_token(token):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_until_gone(lambda: pids_with_token(token))
 
 
 def run_cli(args: list[str], timeout: float = 240, env: dict[str, str] | None = None) -> Finished:
     """Run `archipelago ARGS`; on timeout, and always at the end, kill every process it started."""
     token = uuid.uuid4().hex
-    full_env = {k: v for k, v in os.environ.items() if k not in ("ARCHIPELAGO_FAULT", "ARCHIPELAGO_INJECT")}
+    full_env = {k: v for k, v in os.environ.items() if k not in ("ARCHIPELAGO_FAULT", "ARCHIPELAGO_FAULT_RANK")}
     full_env.update(PYTHONUNBUFFERED="1", ARCHIPELAGO_TEST_TOKEN=token, **(env or {}))
     proc = subprocess.Popen([sys.executable, "-m", "archipelago.launch.cli", *args], cwd=ROOT,
                             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -21,6 +21,7 @@ import pytest
 from conftest import ROOT, Finished, finish_started, run_cli
 
 from archipelago.launch import local
+from archipelago.launch.processes import pids_with_env
 from archipelago.metrics import write_report
 from archipelago.metrics.islands import load_federation
 
@@ -56,15 +57,7 @@ def starts(island_dir: Path) -> list[dict]:
 
 
 def pids_with_island_token(token: str) -> list[int]:
-    needle = f"{local.TOKEN_ENV}={token}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and needle in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:
-            pass
-    return found
+    return pids_with_env(local.TOKEN_ENV, token)
 
 
 @pytest.fixture(scope="module")
@@ -186,16 +179,22 @@ def test_bad_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> N
     assert local.main(["--islands", "2,1", "--slowdown", "0.5,1"]) == 2
     assert local.main(["--islands", "2,1", "--inject", "2:nan@3"]) == 2
     assert local.main(["--islands", "2,1", "--inject", "1:zero@3"]) == 2
-    assert "ISLAND:KIND@ROUND" in capsys.readouterr().err
+    assert "expected [ISLAND:]KIND@AT" in capsys.readouterr().err
+    assert local.main(["--islands", "2,1", "--inject", "1:kill@3"]) == 2  # kills go through --kill
+    assert local.main(["--islands", "2,1", "--inject", "nan@3"]) == 2  # which island?
     assert local.main(["--help"]) == 0
     assert "--restart-after" in capsys.readouterr().out
 
 
 def test_slowdown_and_inject_reach_only_their_island(monkeypatch: pytest.MonkeyPatch) -> None:
-    opts = local.parse_args(["--islands", "2,1", "--slowdown", "1,3", "--inject", "1:scale1000@4"])
-    assert opts.slowdowns == [1.0, 3.0] and opts.injections == {1: "scale1000@4"}
-    monkeypatch.setenv("ARCHIPELAGO_INJECT", "nan@1")  # the launcher's own environment never leaks
-    assert "ARCHIPELAGO_INJECT" not in local.island_env("t", "http://h:1", 3)
+    opts = local.parse_args(["--islands", "2,1", "--slowdown", "1,3", "--inject", "1:nan@2",
+                             "--inject", "1:scale1000@4", "--inject", "0:crash@7"])
+    assert opts.slowdowns == [1.0, 3.0]
+    # Repeated --inject for one island keeps every entry, in the island's environment value.
+    assert {k: local.fault_env_value(v) for k, v in opts.injections.items()} == {1: "nan@2,scale1000@4",
+                                                                               0: "crash@7"}
+    monkeypatch.setenv("ARCHIPELAGO_FAULT", "nan@1")  # the launcher's own environment never leaks
+    assert "ARCHIPELAGO_FAULT" not in local.island_env("t", "http://h:1", 3)
 
 
 @pytest.mark.timeout(60)

@@ -20,7 +20,7 @@ from torch import nn
 
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.diloco import OuterLoop
-from archipelago.federation.guard import Poison, UpdateGuard, parse_poison
+from archipelago.federation.guard import Poison, UpdateGuard, poisons_from_env
 from archipelago.federation.membership import fingerprint
 from test_island import _free_port
 
@@ -76,7 +76,7 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
         model = _model()
         fp = fingerprint("two-linears", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, sizes[island])
         outer = OuterLoop(ft, [list(model.parameters())], rank, sizes[island], manager, fp, groups[island],
-                          poison=poisons.get(island))
+                          poisons=[poisons[island]] if island in poisons else [])
         if not init_sync:  # as the trainer does: a join round first
             joined = outer.join(len(sizes), 30)
             out[(proc, 0)] = (_flat(model), joined.healed, joined.bytes_sent, joined.committed)
@@ -187,13 +187,18 @@ def test_guard_uses_the_running_median_of_accepted_norms():
     assert UpdateGuard(limit=0.0, fragments=1).check(0, 1e30) is None  # 0 turns the norm check off
 
 
-@pytest.mark.parametrize("spec", ["nan", "nan@0", "zero@3", "scale1000@x"])
-def test_a_malformed_injection_is_refused_with_the_expected_form(spec):
+@pytest.mark.parametrize("spec", ["nan", "nan@0", "zero@3", "scale1000@x", "crash@1.5", "1:nan@2"])
+def test_a_malformed_fault_is_refused_with_the_expected_form(spec, monkeypatch):
     from archipelago.config import ConfigError
 
-    with pytest.raises(ConfigError, match="KIND@ROUND"):
-        parse_poison(spec)
-    assert parse_poison("scale1000@4") == Poison("scale1000", 4)
+    monkeypatch.setenv("ARCHIPELAGO_FAULT", spec)
+    with pytest.raises(ConfigError, match=r"expected \[ISLAND:\]KIND@AT"):
+        poisons_from_env()
+
+
+def test_every_poisoned_round_of_an_island_is_kept(monkeypatch):
+    monkeypatch.setenv("ARCHIPELAGO_FAULT", "nan@2,crash@9,scale1000@4")
+    assert poisons_from_env() == [Poison("nan", 2), Poison("scale1000", 4)]  # crash is the trainer's
 
 
 @pytest.mark.timeout(240)

@@ -108,7 +108,7 @@ def test_corrupt_checkpoint_is_skipped_for_the_previous_one(shakespeare, tmp_pat
 def test_non_finite_loss_stops_with_step_and_last_checkpoint(shakespeare, tmp_path):
     run = tmp_path / "run"
     done = train(run, "--training.steps", "12", "--metrics.log_every", "4", "--training.val_every", "0",
-                 "--checkpoint.interval", "5", env={"ARCHIPELAGO_FAULT": "nan@7"})
+                 "--checkpoint.interval", "5", env={"ARCHIPELAGO_FAULT": "nan-loss@7"})
     assert done.returncode == 3, done.output[-3000:]
     assert "non-finite loss at step 7" in done.output
     assert "last good checkpoint is step 5" in done.output
@@ -209,7 +209,7 @@ def test_one_failing_rank_stops_the_island_with_its_message(shakespeare, tmp_pat
 def test_non_finite_loss_exit_code_survives_torchrun(shakespeare, tmp_path):
     done = train(tmp_path / "run", "--training.steps", "8", "--metrics.log_every", "2",
                  "--training.val_every", "0", "--checkpoint.no_enable", nproc=2,
-                 env={"ARCHIPELAGO_FAULT": "nan@3"})
+                 env={"ARCHIPELAGO_FAULT": "nan-loss@3"})
     assert done.returncode == 3, done.output[-3000:]
     assert "non-finite loss at step 3" in done.output
 

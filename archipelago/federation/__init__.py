@@ -12,7 +12,7 @@ from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.diloco import FederationError, OuterLoop, OuterReport, report_record
 from archipelago.federation.fragments import split_fragments
-from archipelago.federation.guard import poison_from_env
+from archipelago.federation.guard import poisons_from_env
 from archipelago.federation.membership import (
     FederationMismatch,
     LighthouseUnreachable,
@@ -72,7 +72,7 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str
         raise LighthouseUnreachable(problem)
     shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     fp = fingerprint(model_name, shapes, ft, world_size, tokens_per_step)
-    poison = poison_from_env()  # checked before joining: a typo fails here, not mid-run
+    poisons = poisons_from_env()  # checked before joining: a typo fails here, not mid-run
     width = 1 if ft.rank0_synchronization_only else ft.sync_width
     manager = build_manager(ft, rank, width) if rank < width else None
     fragments = split_fragments(model, ft.num_fragments if ft.semi_sync_method == "diloco" else 1)
@@ -80,7 +80,7 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str
         log.info("joining the federation at %s as island %d (%d rank(s), sync_width %d, %s, "
                  "sync every %d steps, %d fragment(s))", url, ft.replica_id, world_size, width,
                  ft.semi_sync_method, ft.sync_steps, len(fragments))
-    if poison is not None and rank == 0:
-        log.warning("ARCHIPELAGO_INJECT=%s@%d: this island will send a poisoned update in outer step %d "
+    for poison in poisons if rank == 0 else []:
+        log.warning("ARCHIPELAGO_FAULT %s@%d: this island will send a poisoned update in outer step %d "
                     "(a test/demo of the update guard)", poison.kind, poison.round, poison.round)
-    return OuterLoop(ft, fragments, rank, world_size, manager, fp, poison=poison)
+    return OuterLoop(ft, fragments, rank, world_size, manager, fp, poisons=poisons)

@@ -1,6 +1,6 @@
 """The outer loop across islands: DiLoCo, streaming DiLoCo and LocalSGD.
 
-Semantics follow torchft's `DiLoCo` where they overlap (DESIGN §1), so that on
+Semantics follow torchft's `DiLoCo` where they overlap (tests/test_federation.py checks it), so that on
 homogeneous islands both give the same weights:
 
 * fragment i of n is synchronised every `sync_steps / n` inner steps, in the order
@@ -127,9 +127,9 @@ class OuterLoop:
 
     def __init__(self, ft: FaultToleranceConfig, fragments: list[list[nn.Parameter]], rank: int,
                  world_size: int, manager: Any, fingerprint: dict[str, Any],
-                 group: dist.ProcessGroup | None = None, poison: Poison | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, poisons: list[Poison] | None = None) -> None:
         self.ft, self.rank, self.world_size, self.group = ft, rank, world_size, group
-        self.poison = poison
+        self.poisons = {p.round: p for p in poisons or []}  # test-only: outer step -> poison
         self.manager, self.fingerprint = manager, fingerprint  # torchft Manager on bridge ranks, else None
         self.per_fragment = ft.sync_steps // len(fragments)
         self.delay = ft.fragment_sync_delay
@@ -288,10 +288,11 @@ class OuterLoop:
         fragment = plan.fragment
         local = self.layouts[fragment].gather()
         buffer = self._pseudo_gradient(fragment, local) if local is not None else None  # bridge ranks
-        if buffer is not None and plan.contributes and self.poison is not None and self.poison.round == self.step + 1:
-            log.warning("ARCHIPELAGO_INJECT: poisoning this island's update (%s) in outer step %d",
-                        self.poison.kind, self.step + 1)
-            self.poison.apply(buffer[:-2])
+        poison = self.poisons.get(self.step + 1)
+        if buffer is not None and plan.contributes and poison is not None:
+            log.warning("ARCHIPELAGO_FAULT: poisoning this island's update (%s) in outer step %d",
+                        poison.kind, self.step + 1)
+            poison.apply(buffer[:-2])
         pending = _Pending(fragment, reset=plan.reset, tokens=self.round_tokens)
         verdict = self._guard(fragment, buffer, pending) if plan.contributes else Verdict(True)
         pending.weight = island_weight(self.ft.outer_weighting, self.fragment_tokens[fragment],

@@ -5,20 +5,20 @@ norm above `outer_norm_limit` times the running median of the norms it sent befo
 make it send weight 0 for the round: the all-reduce still completes, the others
 average without it, and it takes the new global weights like everyone else.
 
-`ARCHIPELAGO_INJECT=KIND@ROUND` (set by `archipelago local --inject`, for tests and
-demos only) poisons this island's pseudo-gradient in outer step ROUND, to show that
-the guard catches it: KIND `nan` fills it with NaN, `scale1000` multiplies it by 1000.
+`ARCHIPELAGO_FAULT=KIND@ROUND` with KIND `nan` or `scale1000` (set by `archipelago local
+--inject ISLAND:KIND@ROUND`, for tests and demos only; config/faults.py) poisons this
+island's pseudo-gradient in outer step ROUND, to show that the guard catches it: `nan`
+fills it with NaN, `scale1000` multiplies it by 1000.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
-from archipelago.config import ConfigError
+from archipelago.config.faults import UPDATE_KINDS, faults_from_env
 from archipelago.federation.policy import GUARD_HISTORY, judge_update, remember_norm
 
 INJECT_KINDS = ("nan", "scale1000")
@@ -38,18 +38,9 @@ class Poison:
             pseudo_gradient.mul_(1000.0)
 
 
-def parse_poison(spec: str, where: str = "ARCHIPELAGO_INJECT") -> Poison:
-    """`KIND@ROUND` -> Poison; ConfigError naming the expected form otherwise."""
-    kind, _, round_ = spec.partition("@")
-    if kind not in INJECT_KINDS or not round_.isdigit() or int(round_) < 1:
-        raise ConfigError(f"{where}={spec!r}: expected KIND@ROUND with KIND one of {', '.join(INJECT_KINDS)} "
-                          "and ROUND an outer step number from 1, e.g. nan@3")
-    return Poison(kind, int(round_))
-
-
-def poison_from_env() -> Poison | None:
-    spec = os.environ.get("ARCHIPELAGO_INJECT")
-    return parse_poison(spec) if spec else None
+def poisons_from_env() -> list[Poison]:
+    """This island's poisoned rounds from ARCHIPELAGO_FAULT (kinds nan and scale1000)."""
+    return [Poison(f.kind, int(f.at)) for f in faults_from_env(UPDATE_KINDS)]
 
 
 class UpdateGuard:

@@ -17,7 +17,8 @@ same command, resumes from its own checkpoint and catches up from a live peer.
 Experiments (emulations, not real conditions): `--slowdown 1,3` makes island 1's inner
 steps take 3x their compute time (--island.slowdown); `--inject 1:nan@3` makes island 1
 send a poisoned update (NaN, or `scale1000`: 1000x) in outer step 3, which the update
-guard must reject.
+guard must reject, and `--inject 1:crash@7` (or `error`, `nan-loss`) fails its trainer at
+inner step 7. Faults share one grammar, ISLAND:KIND@AT (docs/development.md).
 The lighthouse's own log is quiet (warnings only) unless RUST_LOG says otherwise.
 
 At the end RUN_DIR/federation.json holds per-island results, the outer steps with their
@@ -44,7 +45,13 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
+from archipelago.config.errors import ConfigError
+from archipelago.config.faults import ENV as FAULT_ENV
+from archipelago.config.faults import LAUNCHER_KINDS, TRAINER_KINDS, UPDATE_KINDS, Fault, parse_fault
+from archipelago.config.faults import RANK_ENV as FAULT_RANK_ENV
+from archipelago.config.faults import env_value as fault_env_value
 from archipelago.launch.args import pop_option  # one parser of --name VALUE for both commands
+from archipelago.launch.processes import kill_until_gone, pids_with_env, signal_pids
 from archipelago.metrics.islands import FEDERATION_FILE, federation_summary
 from archipelago.metrics.progress import format_count
 from archipelago.metrics.summary import write_json_atomic
@@ -81,7 +88,7 @@ class Options:
     run_dir: Path
     passthrough: list[str]
     slowdowns: list[float] = field(default_factory=list)
-    injections: dict[int, str] = field(default_factory=dict)  # island -> KIND@ROUND
+    injections: dict[int, list[Fault]] = field(default_factory=dict)  # island -> its --inject faults
 
 
 def _number_list(text: str, kind: type, least: float, expected: str) -> list:
@@ -100,32 +107,25 @@ def _islands_arg(text: str) -> list[int]:
 
 
 def _kill_arg(text: str) -> tuple[int, float]:
+    """`ISLAND@SECONDS`: the fault ISLAND:kill@SECONDS."""
     island, _, seconds = text.partition("@")
     try:
-        result = (int(island), float(seconds))
-    except ValueError:
-        result = (-1, -1.0)
-    if result[0] < 0 or result[1] < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected ISLAND@SECONDS, e.g. 1@30")
-    return result
+        fault = parse_fault(f"{island}:kill@{seconds}", where="--kill", kinds=LAUNCHER_KINDS, island=True)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ISLAND@SECONDS, e.g. 1@30") from None
+    return int(fault.island or 0), fault.at
 
 
 def _slowdown_arg(text: str) -> list[float]:
     return _number_list(text, float, 1, "one factor >= 1 per island, e.g. 1,3")
 
 
-def _inject_arg(text: str) -> tuple[int, str]:
-    from archipelago.config import ConfigError
-    from archipelago.federation.guard import parse_poison
-
-    island, _, spec = text.partition(":")
+def _inject_arg(text: str) -> Fault:
+    """`ISLAND:KIND@AT` with a trainer or update kind (config/faults.py)."""
     try:
-        parse_poison(spec, where="--inject")
+        return parse_fault(text, where="--inject", kinds=TRAINER_KINDS + UPDATE_KINDS, island=True)
     except ConfigError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected ISLAND:KIND@ROUND, e.g. 1:nan@3 ({exc})") from None
-    if not island.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: expected ISLAND:KIND@ROUND, e.g. 1:nan@3")
-    return int(island), spec
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -141,9 +141,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slowdown", type=_slowdown_arg, metavar="F[,F...]",
                    help="emulated slowdown of each island (>= 1; 1,3: island 1's steps take 3x as long); "
                         "an experiment setting, passed as --island.slowdown")
-    p.add_argument("--inject", action="append", default=[], type=_inject_arg, metavar="ISLAND:KIND@ROUND",
-                   help="for tests and demos: ISLAND sends a poisoned update in outer step ROUND, KIND nan "
-                        "or scale1000 (repeatable)")
+    p.add_argument("--inject", action="append", default=[], type=_inject_arg, metavar="ISLAND:KIND@AT",
+                   help="for tests and demos: ISLAND sends a poisoned update in outer step AT (KIND nan or "
+                        "scale1000), or its trainer fails at inner step AT (crash, error, nan-loss); "
+                        "repeatable, every entry is kept")
     p.add_argument("--lighthouse-bind", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="address of the in-process lighthouse (port 0: any free port)")
     p.add_argument("--min-replicas", type=int, default=1, help="islands needed for a quorum")
@@ -170,9 +171,12 @@ def parse_args(argv: list[str]) -> Options:
     if args.slowdown is not None and len(args.slowdown) != len(args.islands):
         parser.error(f"--slowdown: give one factor per island ({len(args.islands)}), e.g. "
                      f"{','.join(['1'] * len(args.islands))}")
-    for island, _ in args.inject:
+    injections: dict[int, list[Fault]] = {}
+    for fault in args.inject:
+        island = int(fault.island or 0)
         if island >= len(args.islands):
             parser.error(f"--inject {island}:...: there are only islands 0..{len(args.islands) - 1}")
+        injections.setdefault(island, []).append(fault)
     run_dir, passthrough = pop_option(passthrough, "--job.run_dir")
     return Options(
         islands=args.islands, kills=args.kill,
@@ -180,7 +184,7 @@ def parse_args(argv: list[str]) -> Options:
         min_replicas=args.min_replicas, join_timeout_ms=args.join_timeout_ms,
         quorum_tick_ms=args.quorum_tick_ms, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         table=not args.no_table, passthrough=passthrough, slowdowns=args.slowdown or [],
-        injections=dict(args.inject),
+        injections=injections,
         run_dir=Path(run_dir or f"runs/local-{datetime.now():%Y%m%d-%H%M%S}"))
 
 
@@ -206,7 +210,8 @@ def island_env(token: str, lighthouse: str, total_ranks: int,
                base: dict[str, str] | None = None) -> dict[str, str]:
     """The island's environment: ours (or `base`) plus its token, the lighthouse and threads."""
     env = dict(os.environ if base is None else base)
-    env.pop("ARCHIPELAGO_INJECT", None)  # --inject sets it for one island only
+    env.pop(FAULT_ENV, None)  # --inject sets it for one island only
+    env.pop(FAULT_RANK_ENV, None)
     env.update({TOKEN_ENV: token, "TORCHFT_LIGHTHOUSE": lighthouse,
                 "PYTHONUNBUFFERED": "1"})  # lines must reach us as they are written, not per 8 KiB
     # All islands share this machine's cores; torchrun would default every rank to 1 thread.
@@ -219,46 +224,17 @@ def island_env(token: str, lighthouse: str, total_ranks: int,
 
 def island_pids(token: str) -> list[int]:
     """Live processes whose environment carries this island token (never matched by name)."""
-    needle = f"{TOKEN_ENV}={token}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0") and not _is_zombie(entry):
-                found.append(int(entry.name))
-        except OSError:  # exited meanwhile, or not ours to read
-            pass
-    return found
-
-
-def _is_zombie(proc_dir: Path) -> bool:
-    # A zombie is already dead: signalling it again would only make kill loops spin.
-    stat = (proc_dir / "stat").read_text()
-    return stat[stat.rfind(")") + 2:].startswith("Z")
+    return pids_with_env(TOKEN_ENV, token)
 
 
 def signal_island(token: str, sig: int) -> int:
     """Send `sig` to every process of the island; returns how many were signalled."""
-    pids = island_pids(token)
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return len(pids)
+    return signal_pids(island_pids(token), sig)
 
 
 def kill_island(token: str, timeout_s: float = 5.0) -> int:
     """SIGKILL the island's processes until none is left (a dying parent may still fork)."""
-    hit, deadline = 0, time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        count = signal_island(token, signal.SIGKILL)
-        if count == 0:
-            break
-        hit += count
-        time.sleep(0.05)
-    return hit
+    return kill_until_gone(lambda: island_pids(token), timeout_s)
 
 
 def _exit_status(returncode: int) -> int:
@@ -475,7 +451,7 @@ class LocalFederation:
             folder = self.opts.run_dir / f"island-{k}"
             env = island_env(token, self.url, total)
             if k in self.opts.injections:
-                env["ARCHIPELAGO_INJECT"] = self.opts.injections[k]
+                env[FAULT_ENV] = fault_env_value(self.opts.injections[k])
             self.islands.append(Island(k, ranks, cmd, env, folder, token, MetricsTail(folder / "metrics.jsonl")))
         for island in self.islands:
             self._launch(island)

@@ -1,6 +1,6 @@
 """Codecs: how a pseudo-gradient chunk is encoded before it crosses islands.
 
-Chosen by `[fault_tolerance] codec` (DESIGN: pure PyTorch, so CPU and GPU islands alike):
+Chosen by `[fault_tolerance] codec`; pure PyTorch, so CPU and GPU islands encode alike:
 
 * `fp32`: no encoding; islands sum their weighted pseudo-gradients in one all-reduce.
 * `bf16`: each value rounded to bfloat16 (2 bytes).
