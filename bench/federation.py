@@ -56,6 +56,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from archipelago.launch.processes import kill_until_gone, process_env  # noqa: E402
+from archipelago.metrics.islands import island_records, outer_records  # noqa: E402
+from archipelago.metrics.jsonl import iter_records  # noqa: E402
 
 # Inherited by every process a run starts (islands and torchrun ranks start sessions of
 # their own, so neither our process group nor the process tree finds them all).
@@ -530,14 +532,8 @@ def run_job(cmd: list[str], log_path: Path, timeout_s: float,
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    records = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                pass  # a line cut short by a kill
-    return records
+    """Every record of a metrics.jsonl (the package's reader; a line cut by a kill is skipped)."""
+    return list(iter_records(path)) if path.is_file() else []
 
 
 def seq_len_of(run_dir: Path) -> int:
@@ -545,7 +541,7 @@ def seq_len_of(run_dir: Path) -> int:
 
 
 def outer_steps(island_dir: Path) -> list[dict[str, Any]]:
-    return [r for r in read_jsonl(island_dir / "metrics.jsonl") if r.get("event") == "outer_step"]
+    return outer_records(island_records(island_dir))
 
 
 def tokens_trained(run_dir: Path) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from archipelago.launch.processes import kill_until_gone, pids_with_env
+from archipelago.metrics.jsonl import iter_records, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,16 +71,15 @@ def finish_started(proc: subprocess.Popen, token: str, what: str, timeout: float
     return Finished(proc.returncode, out)
 
 
+def records(run_dir: Path) -> list[dict]:
+    """Every record of RUN_DIR/metrics.jsonl in file order (the package's one reader)."""
+    return list(iter_records(run_dir / "metrics.jsonl"))
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     """step -> loss from metrics.jsonl, the last record per step (a resumed run re-logs steps)."""
-    result: dict[int, float] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "step" in record and "loss" in record:
-            result[record["step"]] = record["loss"]
-    return result
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl").steps if "loss" in r}
 
 
 def events(run_dir: Path) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if "event" in r]
+    return [r for r in records(run_dir) if "event" in r]

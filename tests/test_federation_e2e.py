@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import ROOT, TINY, kill_started_processes, pids_with_token, run_cli
+from conftest import ROOT, TINY, kill_started_processes, pids_with_token, records, run_cli
 
 ROUND = ["--fault_tolerance.sync_steps", "4", "--training.val_every", "0", "--checkpoint.interval", "4",
          "--metrics.log_every", "4"]
@@ -135,8 +135,7 @@ def islands():
 
 
 def _records(island_dir: Path, event: str) -> list[dict]:
-    lines = (island_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("event") == event]
+    return [r for r in records(island_dir) if r.get("event") == event]
 
 
 @pytest.mark.timeout(600)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, run_cli
+from conftest import TINY, records, run_cli
 
 
 def _local(run_dir: Path, *extra: str, timeout: float = 300) -> dict:
@@ -21,8 +21,7 @@ def _local(run_dir: Path, *extra: str, timeout: float = 300) -> dict:
 
 def _rounds(island_dir: Path) -> list[dict]:
     """The island's committed outer steps after its join round."""
-    records = [json.loads(line) for line in (island_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r.get("event") == "outer_step" and r["committed"]]
+    steps = [r for r in records(island_dir) if r.get("event") == "outer_step" and r["committed"]]
     return steps[1:]
 
 

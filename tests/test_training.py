@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import TINY, events, losses, run_cli
+from conftest import TINY, events, losses, records, run_cli
 
 
 def train(run_dir, *extra, nproc=1, env=None, timeout=240):
@@ -23,16 +23,16 @@ def test_loss_falls_on_real_data_within_50_steps(shakespeare, tmp_path):
     first, last = curve[1], sum(curve[s] for s in range(46, 51)) / 5
     # A fresh model guesses about uniformly over 4096 tokens: ln(4096) = 8.3.
     assert first > 8.0 and last < first - 2.0, curve
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    by_step = {r["step"]: r for r in records if "loss" in r}
+    logged = records(run)
+    by_step = {r["step"]: r for r in logged if "loss" in r}
     # The logged lr is the one the step used: warmup of 2 starts at lr / 3.
     assert by_step[1]["lr"] == pytest.approx(3e-3 / 3) and by_step[3]["lr"] == pytest.approx(3e-3)
-    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    vals = [r["val_loss"] for r in logged if "val_loss" in r]
     # Held-out text too: evaluated before the first step (uniform guessing), then falling.
     assert len(vals) == 3 and vals[0] > 8.0 and vals[2] < vals[1] < vals[0] - 1.5, vals
     for key in ("step", "loss", "lr", "tokens_per_s", "mfu"):
-        assert key in records[-1]
-    assert records[-1]["tokens_per_s"] > 0 and 0 < records[-1]["mfu"] < 1
+        assert key in logged[-1]
+    assert logged[-1]["tokens_per_s"] > 0 and 0 < logged[-1]["mfu"] < 1
     summary = json.loads((run / "summary.json").read_text())
     for key in ("steps", "tokens", "wall_s", "final_loss", "val_loss", "params"):
         assert key in summary
@@ -224,11 +224,10 @@ def test_resumed_run_follows_the_new_optimizer_settings(shakespeare, tmp_path):
     assert first.returncode == 0, first.output[-3000:]
     again = train(run, "--training.steps", "8", "--optimizer.lr", "1e-4", *common)
     assert again.returncode == 0, again.output[-3000:]
-    records = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-               if "loss" in r}
+    by_step = {r["step"]: r for r in records(run) if "loss" in r}
     schedule = LRSchedulerConfig(warmup_steps=2)  # TINY's warmup; cosine to 0.1 over 8 steps
     for step in (5, 8):
-        assert records[step]["lr"] == pytest.approx(1e-4 * lr_factor(step - 1, 8, schedule)), step
+        assert by_step[step]["lr"] == pytest.approx(1e-4 * lr_factor(step - 1, 8, schedule)), step
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["wall_s"] > 0
     assert summary["tokens_per_s"] == pytest.approx(summary["tokens"] / summary["wall_s"])
@@ -242,5 +241,4 @@ def test_time_budget_stops_both_ranks_at_the_same_step_and_evaluates(shakespeare
     assert done.returncode == 0, done.output[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert 0 < summary["steps"] < 100000 and summary["val_loss"] is not None  # the final step evaluated
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert any(r.get("step") == summary["steps"] and "val_loss" in r for r in records)
+    assert any(r.get("step") == summary["steps"] and "val_loss" in r for r in records(run))
