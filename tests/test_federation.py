@@ -7,9 +7,12 @@ processes.
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,9 +75,12 @@ def _ours(ft: FaultToleranceConfig, lighthouse: str, replica: int, steps: int, o
         fp = fingerprint("tiny", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, 1)
         outer = OuterLoop(replace(ft, replica_id=replica), split_fragments(model, ft.num_fragments),
                           0, 1, manager, fp)
+        # Token weights need token counts: island r trains (r + 1) x 512 per step (equal
+        # weights ignore them), so the average is not the plain mean.
+        tokens = 512 * (replica + 1)
         for step in range(1, steps + 1):
             _inner_step(model, opt, replica, step)
-            outer.after_inner_step(step)
+            outer.after_inner_step(step, tokens)
         out[replica] = {n: p.detach().clone() for n, p in model.named_parameters()}
         out[f"step{replica}"] = outer.step
     finally:
@@ -263,3 +269,36 @@ def test_recovery_transport_advertises_local_addr(monkeypatch, local_addr, host)
         assert transport.address().startswith(f"http://{host}:") and transport.address().endswith("/checkpoint/")
     finally:
         transport.shutdown(wait=False)
+
+
+# ---- golden numbers: a few rounds of our own outer step, pinned --------------------------
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "diloco_rounds.json"
+REGENERATE = "ARCHIPELAGO_REGENERATE_GOLDEN"
+
+
+def _fingerprint_of(weights: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """Per parameter: its sum, its sum of squares and its first three values (float64)."""
+    return {name: [float(t.double().sum()), float(t.double().square().sum()), *map(float, t.flatten()[:3])]
+                   for name, t in sorted(weights.items())}
+
+
+@pytest.mark.timeout(240)
+def test_diloco_rounds_match_the_golden_numbers():
+    # Token weights, the default plain averaging, 3 rounds of 4 steps between two islands.
+    # Any change to what a round computes moves these numbers; if the change is intended,
+    # regenerate with ARCHIPELAGO_REGENERATE_GOLDEN=1 and say why in the commit.
+    ft = FaultToleranceConfig(enable=True, group_size=2, min_replica_size=2, sync_steps=4)
+    out = _run_islands(_ours, ft, 12)
+    got = {"island0": _fingerprint_of(out[0]), "island1": _fingerprint_of(out[1]), "outer_steps": out["step0"]}
+    if os.environ.get(REGENERATE):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(got, indent=1) + "\n")
+        pytest.skip(f"regenerated {GOLDEN}")
+    want = json.loads(GOLDEN.read_text())
+    assert got["outer_steps"] == want["outer_steps"] == 3
+    start = _fingerprint_of(dict(tiny_model("cpu", seed=3).named_parameters()))
+    assert all(got["island0"][name] != start[name] for name in start)  # every parameter moved
+    assert got["island0"] == got["island1"]  # both hold the global weights, bit for bit
+    for name, values in want["island0"].items():
+        assert got["island0"][name] == pytest.approx(values, rel=1e-6, abs=1e-9), name
