@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.installed
 
 
-.PHONY: setup demo demo-island test test-slow test-gpu lint bench bench-federation bench-heterogeneous bench-wan docs clean
+.PHONY: setup demo demo-island test test-slow test-gpu lint bench bench-federation bench-heterogeneous bench-wan bench-quality docs clean
 
 setup: $(STAMP) data
 
@@ -68,6 +68,10 @@ bench-federation: setup
 # Fast and slow islands (emulated 1:3 and 1:1): fixed steps vs time pacing; about 13 minutes.
 bench-heterogeneous: setup
 	$(BIN)/python bench/heterogeneous.py
+
+# Validation loss at equal tokens (3 seeds): one island, DDP, DiLoCo and its variants; about 2 hours.
+bench-quality: setup
+	$(BIN)/python bench/quality.py --out runs/quality.json --plot runs/quality.png
 
 # DDP vs DiLoCo codecs over network namespaces with tbf-shaped links (needs root); about 7 minutes.
 bench-wan: setup

@@ -827,6 +827,16 @@ def main() -> None:
     print(f"\nwrote {args.out}")
 
 
+def work_root(chosen: Path | None, prefix: str) -> Path:
+    """The folder for a benchmark's run directories: `chosen`, or a new one under /tmp."""
+    import tempfile
+
+    root = chosen or Path(tempfile.mkdtemp(prefix=prefix))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"run directories under {root}", flush=True)
+    return root
+
+
 def _terminate(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C (run_job's finally)
 

@@ -49,7 +49,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -58,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Process handling shared with the federation benchmark: a unique token in every started
 # process's environment, everything carrying it killed by PID on timeout/error/Ctrl-C.
-from federation import REPO, num, outer_steps, ratio, run_job, run_main  # noqa: E402
+from federation import REPO, num, outer_steps, ratio, run_job, run_main, work_root  # noqa: E402
 
 from archipelago.metrics.islands import round_totals  # noqa: E402
 
@@ -254,9 +253,7 @@ def run_all(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
 
 def main() -> None:
     args = parse_args()
-    root = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-het-"))
-    root.mkdir(parents=True, exist_ok=True)
-    print(f"run directories: {root}", flush=True)
+    root = work_root(args.work_dir, "bench-het-")
     started = time.time()
     runs = run_all(args, root)
     config = {"config": str(args.config), "budget_s": args.budget, "sync_steps": args.sync_steps,

@@ -37,7 +37,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from federation import REPO, num, outer_steps, read_jsonl, run_job, run_main  # noqa: E402
+from federation import REPO, num, outer_steps, read_jsonl, run_job, run_main, work_root  # noqa: E402
 
 from archipelago.metrics.report import final_validation  # noqa: E402
 
@@ -295,9 +294,7 @@ def run_one(args: argparse.Namespace, root: Path, s: Setting, seed: int, steps: 
 
 def main() -> None:
     args = parse_args()
-    root = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-quality-"))
-    root.mkdir(parents=True, exist_ok=True)
-    print(f"run directories under {root}", flush=True)
+    root = work_root(args.work_dir, "bench-quality-")
     began = time.monotonic()
     runs: list[Run] = []
     order = [n for n in SETTINGS if n in args.settings]  # diloco before het-1:3 before single-fast
