@@ -7,7 +7,7 @@ optimizer, `fragment_update_alpha`), with no lighthouse, sockets or subprocesses
 what makes a sweep over outer settings affordable: one run is one process, seconds on
 a GPU, and many run side by side. A test checks it against the real federation.
 
-Left out on purpose: faults and recovery, time pacing, the update guard (honest islands
+Left out on purpose: faults and healing, time pacing, the update guard (honest islands
 never trip it), multi-rank islands (an island's pseudo-gradient does not depend on how
 it is sharded). With `islands = 1` and fault tolerance off it is plain single-island
 training, the baseline of every comparison.

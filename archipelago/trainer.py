@@ -351,7 +351,7 @@ class Trainer:
         self.federation.after_step(self.progress.step, self.tokens_per_step, compute_s)
 
     def catch_up(self, step: int) -> None:
-        """After recovering from a peer, continue at the federation's inner step.
+        """After healing from a peer, continue at the federation's inner step.
 
         The island now holds the federation's weights; keeping its own (older) step
         count would make it train past the others and finish alone. Its data position
@@ -630,7 +630,7 @@ class RunMetrics:
                                               "outer/sync_s": record["sync_s"]})
         if self.display is not None:
             state = "committed" if record["committed"] else "NOT committed"
-            extra = " (recovered from a peer)" if record["healed"] else ""
+            extra = " (healed from a peer)" if record["healed"] else ""
             if record["rejected"]:
                 extra += f"; this island's update REJECTED ({record['rejected']})"
             if record["overlap_s"] >= 0.01:  # streaming with fragment_sync_delay: the exchange ran behind steps

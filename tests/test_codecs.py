@@ -152,7 +152,7 @@ def _outer_loop(codec: str):
     return OuterLoop(ft, [list(model.parameters())], 0, 1, _FakeManager(), fp)
 
 
-def test_checkpoints_carry_the_error_feedback_and_recovery_keeps_the_islands_own():
+def test_checkpoints_carry_the_error_feedback_and_healing_keeps_the_islands_own():
     peer, restarted = _outer_loop("topk"), _outer_loop("topk")
     peer.codecs[0].encode(_signal(peer.codecs[0].numel, 7))  # leaves a residue behind
     assert peer.codecs[0].error.abs().sum() > 0
@@ -163,7 +163,7 @@ def test_checkpoints_carry_the_error_feedback_and_recovery_keeps_the_islands_own
     # sends that itself, and a copy would enter the average twice.
     restarted.codecs[0].encode(_signal(restarted.codecs[0].numel, 8))
     own = restarted.codecs[0].error.clone()
-    restarted._load_recovery(peer._recovery_state())  # what torchft's transport carries
+    restarted._load_heal(peer._heal_state())  # what torchft's transport carries
     assert torch.equal(restarted.codecs[0].error, own)
     assert torch.equal(restarted.globals[0].detach(), peer.globals[0].detach())
     assert "codec" not in _outer_loop("int8").state_dict()["bridge0"]["fragment0"]  # stateless

@@ -260,7 +260,7 @@ def test_nccl_is_refused_where_it_would_be_handed_cpu_tensors():
 
 
 @pytest.mark.parametrize("local_addr,host", [("10.77.0.11", "10.77.0.11"), ("fd00::11", "[fd00::11]")])
-def test_recovery_transport_advertises_local_addr(monkeypatch, local_addr, host):
+def test_heal_transport_advertises_local_addr(monkeypatch, local_addr, host):
     from archipelago.federation.membership import _checkpoint_transport
 
     monkeypatch.setenv("LOCAL_ADDR", local_addr)  # peers reach this island there, not by host name

@@ -139,7 +139,7 @@ def _records(island_dir: Path, event: str) -> list[dict]:
 
 
 @pytest.mark.timeout(600)
-def test_killed_island_recovers_from_a_live_peer_and_all_end_equal(islands, tmp_path):
+def test_killed_island_heals_from_a_live_peer_and_all_end_equal(islands, tmp_path):
     steps = ["--training.steps", "60", "--data.seq_len", "128"]
     survivor = islands.start(tmp_path, 0, 2, *steps)
     victim = islands.start(tmp_path, 1, 1, *steps, fault="crash@18")  # mid-round (rounds end at 4k)
@@ -151,7 +151,7 @@ def test_killed_island_recovers_from_a_live_peer_and_all_end_equal(islands, tmp_
              if r["committed"] and r["participants"] == 1]
     assert alone, "the survivor never committed an outer step on its own"
     healed = [r for r in _records(tmp_path / "island-1", "outer_step") if r["healed"]]
-    assert healed and healed[0]["committed"], "the restarted island did not recover from its peer"
+    assert healed and healed[0]["committed"], "the restarted island did not heal from its peer"
     leave = [_records(tmp_path / f"island-{k}", "leave")[-1] for k in range(2)]
     assert leave[0]["global_hash"] == leave[1]["global_hash"], leave
     assert leave[0]["step"] == leave[1]["step"] == 60

@@ -237,7 +237,7 @@ def test_islands_that_start_from_their_own_weights_download_nothing_at_the_join(
     out = _federate(sizes, 1, "tokens", rounds, init_sync=False)
     for proc in range(sum(sizes)):
         flat, healed, bytes_sent, committed = out[(proc, 0)]
-        # No recovery and no exchange in the join round: every island kept its own start.
+        # No healing and no exchange in the join round: every island kept its own start.
         assert committed and not healed and bytes_sent == 0, (proc, healed, bytes_sent)
         assert torch.equal(flat, _flat(_model()))
     expected = _expected(sizes, [float(TOKENS[k] * ROUND) for k in range(len(sizes))], rounds)

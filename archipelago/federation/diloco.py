@@ -15,9 +15,9 @@ homogeneous islands both give the same weights:
 
 What differs, on purpose: the global weights and the outer optimizer live on the
 bridge ranks in the canonical flat layout (layout.py), so islands of any size meet
-and a recovering island can take them from any peer; each island's pseudo-gradient
+and a healing island can take them from any peer; each island's pseudo-gradient
 is sent with a weight (the tokens it trained since the fragment's last exchange, or 1
-with outer_weighting = "equal"; 0 for an island that has just recovered and holds no
+with outer_weighting = "equal"; 0 for an island that has just healed and holds no
 valid local progress, or whose update the guard rejected), and the average divides by
 the sum of weights. The weight and the island's token count travel as the last two
 elements of the same all-reduce, so weighting costs no extra round trip, and every
@@ -112,8 +112,8 @@ class _Pending:
     fragment: int
     work: Any = None
     buffer: torch.Tensor | None = None
-    reset: bool = False      # this island recovered (or was rejected): discard its local progress
-    prepare_s: float = 0.0   # seconds prepare() blocked (quorum, recovery, gather)
+    reset: bool = False      # this island healed (or was rejected): discard its local progress
+    prepare_s: float = 0.0   # seconds prepare() blocked (quorum, healing, gather)
     tokens: int = 0          # this island's tokens since the previous exchange
     weight: float = 0.0
     norm: float | None = None
@@ -141,16 +141,16 @@ class OuterLoop:
         self.local_step = 0       # inner steps since the last round ended
         self.step = 0             # the federation's step count (torchft's manager step)
         self.pending: _Pending | None = None
-        self.inner_step = 0       # the trainer's step count, sent to recovering peers
+        self.inner_step = 0       # the trainer's step count, sent to healing peers
         self.healed = False       # the last quorum sent this island the global state
         self.leads = True         # this island is the lowest live one (checkpoint.scope = "leader")
-        self.peer_inner_step = 0  # the step count of the peer this island last recovered from
+        self.peer_inner_step = 0  # the step count of the peer this island last healed from
         self.quorum_id: int | None = None
         self.globals: list[nn.Parameter] = []
         self.outer: list[torch.optim.Optimizer] = []
         self.codec_name = effective_codec(ft)
         self.codecs: list[Codec] = []  # one per fragment chunk, on bridge ranks
-        self._recovered: bool | None = None  # set by the recovery callback: None, or "contributes"
+        self._healed_same: bool | None = None  # set by the heal callback: None, or whether the weights were equal
         self.guard = UpdateGuard(ft.outer_norm_limit, len(fragments))
         self.round_tokens = 0             # this island's tokens since the last exchange
         self.fragment_tokens = [0] * len(fragments)  # ... since each fragment's last exchange
@@ -162,7 +162,7 @@ class OuterLoop:
         if not ft.init_sync:  # islands start from their own weights: peers check they are the same
             self.fingerprint = dict(fingerprint, start=f"own weights {self.global_hash()}")  # collective
         if manager is not None:
-            manager.register_state_dict_fn("archipelago_outer", self._load_recovery, self._recovery_state)
+            manager.register_state_dict_fn("archipelago_outer", self._load_heal, self._heal_state)
 
     # ---- public --------------------------------------------------------------------
 
@@ -215,7 +215,7 @@ class OuterLoop:
         return self._island_max([float(up)])[0] > 0
 
     def aligned_inner_step(self) -> int:
-        """After a recovery: the inner step of the peer this island recovered from."""
+        """After healing: the inner step of the peer this island healed from."""
         return aligned_inner_step(self.peer_inner_step, self.delay)
 
     def save_global(self) -> None:
@@ -251,7 +251,7 @@ class OuterLoop:
     def join(self, group_size: int, wait_s: float) -> OuterReport:
         """This island's first round: it sends no progress and receives the global state.
 
-        A running federation takes it in at its next round end (the island recovers
+        A running federation takes it in at its next round end (the island heals
         from a peer and catches up to its step). A new federation (outer step 0) first
         assembles: the islands wait, up to `wait_s`, until `group_size` of them are in
         one quorum, so that all start together from the same weights.
@@ -267,7 +267,7 @@ class OuterLoop:
             time.sleep(0.5)
 
     def prepare(self, joining: bool = False, need: int = 1) -> bool:
-        """Join the quorum (recovering if behind) and start averaging one fragment.
+        """Join the quorum (healing if behind) and start averaging one fragment.
 
         Returns False, having started nothing, when a new federation (outer step 0) has
         fewer than `need` islands in the quorum: every island of that quorum sees the
@@ -320,12 +320,12 @@ class OuterLoop:
         receives the state here); the other ranks know nothing yet."""
         if self.manager is None:
             return Membership()
-        self._recovered = None
+        self._healed_same = None
         self.manager.start_quorum()
-        healed = self._recovered is not None
+        healed = self._healed_same is not None
         refuse = self._check_members()
         return Membership(outer_step=self.manager.current_step(), healed=healed,
-                          progress_void=healed and not self._recovered, refuse_peer=refuse,
+                          progress_void=healed and not self._healed_same, refuse_peer=refuse,
                           peer_inner_step=self.peer_inner_step if healed else 0,
                           participants=self.manager.num_participants(),
                           replica_rank=_rank_or_none(self.manager))
@@ -341,7 +341,7 @@ class OuterLoop:
         pending.norm = math.sqrt(self._island_sums([sumsq])[0])
         pending.rejected = self.guard.check(fragment, pending.norm)
         if pending.rejected:
-            pending.reset = True  # it takes the global weights, like a recovered island
+            pending.reset = True  # it takes the global weights, like a healed island
             log.warning("rejected this island's update at outer step %d: %s; it sends weight 0 and "
                         "takes the federation's weights", self.step + 1, pending.rejected)
         return Verdict(pending.rejected is None, pending.rejected)
@@ -375,7 +375,7 @@ class OuterLoop:
             if local is not None:  # merge
                 new = new.lerp(local.to(new.device), self.ft.fragment_update_alpha)
         self.layouts[p.fragment].scatter(new)
-        if p.reset:  # a recovered island takes every fragment's global weights
+        if p.reset:  # a healed island takes every fragment's global weights
             for i, layout in enumerate(self.layouts):
                 if i != p.fragment:
                     layout.scatter(self.globals[i].detach() if self.is_bridge else None)
@@ -472,9 +472,9 @@ class OuterLoop:
         totals = self._island_sums([float(sent), float(received)])
         return int(totals[0]), int(totals[1])
 
-    # ---- recovery (torchft's checkpoint transport) ---------------------------------
+    # ---- healing (torchft's checkpoint transport) ----------------------------------
 
-    def _recovery_state(self) -> dict[str, Any]:
+    def _heal_state(self) -> dict[str, Any]:
         # Not the codec state: error feedback is this island's own unsent progress, which it
         # still sends itself; a peer that took a copy would send it a second time.
         return {"fingerprint": self.fingerprint, "inner_step": self.inner_step,
@@ -482,7 +482,7 @@ class OuterLoop:
                 "fragments": [{"global": g.detach().clone(), "outer": tensor_state(o, g)}
                               for g, o in zip(self.globals, self.outer)]}
 
-    def _load_recovery(self, state: dict[str, Any]) -> None:
+    def _load_heal(self, state: dict[str, Any]) -> None:
         problem = mismatch(self.fingerprint, state["fingerprint"])
         if problem is not None:
             raise FederationMismatch(f"refusing the state of a peer island: {problem}")
@@ -493,8 +493,8 @@ class OuterLoop:
         self.peer_inner_step = int(state["inner_step"])
         self.federation_tokens = int(state["federation_tokens"])
         self.guard.load_state_tensor(state["guard"])
-        self._recovered = same  # equal weights (a fresh federation): its progress still counts
-        log.info("recovered the global weights from a peer island (federation step %d)",
+        self._healed_same = same  # equal weights (a fresh federation): its progress still counts
+        log.info("healed: received the global weights from a peer island (federation step %d)",
                  self.manager.current_step())
 
     # ---- checkpoint (DCP Stateful) -------------------------------------------------

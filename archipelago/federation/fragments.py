@@ -2,7 +2,7 @@
 
 `split_fragments` cuts the model into the contiguous pieces streaming DiLoCo synchronises
 one at a time; each fragment's global weights (a flat chunk on a bridge rank) get their
-own outer optimizer, whose state is saved and sent to recovering peers as plain tensors.
+own outer optimizer, whose state is saved and sent to healing peers as plain tensors.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def build_outer_optimizer(ft: FaultToleranceConfig, param: torch.Tensor) -> torc
 
 
 def _materialize(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
-    """Create the optimizer state before the first step, so checkpoints and recovery
+    """Create the optimizer state before the first step, so checkpoints and healing peers
     always carry it. A zero momentum buffer gives exactly SGD's first step (0*m + g)."""
     state = opt.state[param]
     if isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] > 0:

@@ -129,7 +129,7 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int) -> Any
 
 
 def _checkpoint_transport(timeout: timedelta) -> Any:
-    """torchft's HTTP transport for recovery, advertising LOCAL_ADDR when it is set.
+    """torchft's HTTP transport for healing, advertising LOCAL_ADDR when it is set.
 
     torchft's own advertises this machine's host name, which peers on another network
     (or in another network namespace) may not resolve to this island: a joining island

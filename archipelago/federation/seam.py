@@ -26,7 +26,7 @@ class IslandHooks(Protocol):
         """The island's inner step count."""
 
     def event(self, name: str, **fields: Any) -> None:
-        """Log a metrics.jsonl event (join, recovery, rejected, leave)."""
+        """Log a metrics.jsonl event (join, heal, rejected, leave)."""
 
     def outer_step(self, record: dict[str, Any]) -> None:
         """Log one outer step (its metrics.jsonl record and console line)."""
@@ -133,7 +133,7 @@ class Member(Alone):
         """Apply a round's outcome to the island: catch up after healing, log it."""
         if report.healed:
             to_step = self.hooks.step if self.time_paced else self.outer.aligned_inner_step()
-            self.hooks.event("recovery", step=self.hooks.step, outer_step=report.outer_step, to_step=to_step)
+            self.hooks.event("heal", step=self.hooks.step, outer_step=report.outer_step, to_step=to_step)
             self.hooks.catch_up(to_step)
         if report.rejected:
             self.hooks.event("rejected", step=self.hooks.step, outer_step=report.outer_step,

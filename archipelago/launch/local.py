@@ -22,7 +22,7 @@ inner step 7. Faults share one grammar, ISLAND:KIND@AT (docs/development.md).
 The lighthouse's own log is quiet (warnings only) unless RUST_LOG says otherwise.
 
 At the end RUN_DIR/federation.json holds per-island results, the outer steps with their
-participants, and every join/leave/recovery/kill/restart event; `archipelago report
+participants, and every join/leave/heal/kill/restart event; `archipelago report
 RUN_DIR` plots it. The exit code is 0 when every island's last run exited 0, else the
 first failing island's code (130 after Ctrl-C).
 """

@@ -22,7 +22,8 @@ log = logging.getLogger("archipelago.metrics")
 FEDERATION_FILE = "federation.json"
 
 # Island events worth a line in the federation's story; per-step noise is left out.
-ISLAND_EVENTS = ("join", "leave", "recovery", "quorum", "resume", "rejected")
+# "recovery" is what older runs called a heal.
+ISLAND_EVENTS = ("join", "leave", "heal", "recovery", "quorum", "resume", "rejected")
 
 _ISLAND_DIR = re.compile(r"island-(\d+)$")
 
