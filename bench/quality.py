@@ -27,6 +27,7 @@ JSON (one object per setting), `--plot` a PNG of validation loss against tokens.
 
     python bench/quality.py [--steps 200] [--seeds 0 1 2] [--settings single ddp diloco ...]
     python bench/quality.py --flavor small --device cuda     # on a GPU machine
+    python bench/quality.py --work-dir DIR --resume         # go on after an interruption
 
 Defaults take about 2 hours on a 2-core CPU (13 settings x 3 seeds).
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -271,6 +273,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
     p.add_argument("--work-dir", type=Path, default=None, help="run directories (default: a new /tmp folder)")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse runs that finished in --work-dir (an interrupted benchmark goes on where it stopped)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="write validation loss vs tokens as PNG here")
     args = p.parse_args()
@@ -279,9 +283,20 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def finished(run_dir: Path) -> bool:
+    """Every island of the run wrote its summary: the run ended and its results are complete."""
+    return run_dir.is_dir() and all((d / "summary.json").is_file() for d in island_dirs(run_dir))
+
+
 def run_one(args: argparse.Namespace, root: Path, s: Setting, seed: int, steps: int,
             round_s: float | None) -> tuple[Run, Path]:
     run_dir = root / f"{s.name.replace(':', 'x')}-seed{seed}"
+    if args.resume and finished(run_dir):
+        run = collect(s, seed, run_dir, params_of(run_dir), args, steps)
+        print(f"  {s.name} seed {seed}: val loss {run.val_loss:.4f} (finished earlier, reused)", flush=True)
+        return run, run_dir
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # an interrupted run: start it again from nothing
     cmd = command(args, s, seed, run_dir, steps, round_s)
     done = run_job(cmd, root / f"{run_dir.name}.log", args.timeout, None)
     if done.exit_code != 0:
