@@ -34,523 +34,38 @@ one, next to run 1's median round and the time the survivor spent blocked in tha
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
-import os
-import re
-import shutil
-import signal
-import socket
 import statistics
-import struct
-import subprocess
 import sys
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from archipelago.launch.processes import kill_until_gone, process_env  # noqa: E402
-from archipelago.metrics.islands import island_records, outer_records  # noqa: E402
-from archipelago.metrics.jsonl import iter_records  # noqa: E402
+from harness import (  # noqa: E402
+    REPO,
+    Monitor,
+    RunResult,
+    num,
+    outer_steps,
+    ratio,
+    read_jsonl,
+    run_job,
+    run_main,
+    seq_len_of,
+    tokens_trained,
+    write_json,
+)
+from meter import TrafficMonitor, make_monitor  # noqa: E402
 
-# Inherited by every process a run starts (islands and torchrun ranks start sessions of
-# their own, so neither our process group nor the process tree finds them all).
-BENCH_TOKEN_ENV = "ARCHIPELAGO_BENCH_TOKEN"
-ISLAND_TOKEN_ENV = "ARCHIPELAGO_ISLAND_TOKEN"  # set by `archipelago local` (launch/local.py)
-STOP_GRACE_S = 5.0
 # The same switches for every run: no checkpoints, validation or TensorBoard traffic/IO.
 COMMON_OVERRIDES = ["--checkpoint.no_enable", "--training.val_every", "0", "--metrics.no_tensorboard"]
 
 
-# ------------------------------------------------------------------ processes
-
-
-def processes_with_token(token: str) -> dict[int, str]:
-    """pid -> role of every live process carrying our run token (never matched by name).
-    Environments are read afresh each time: a process caught between fork and exec still
-    has its parent's."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        env = process_env(int(entry.name)) if entry.name.isdigit() else None
-        if env is not None and env.get(BENCH_TOKEN_ENV) == token:
-            found[int(entry.name)] = role_of(env)
-    return found
-
-
-def role_of(env: dict[str, str]) -> str:
-    """island-K for a federation island, rank-R for a torchrun worker, else launcher
-    (`archipelago local` with its in-process lighthouse, or torchrun's agent with its store)."""
-    island = env.get(ISLAND_TOKEN_ENV)
-    if island:
-        return "island-" + island.rsplit("-island-", 1)[-1]
-    if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
-        return f"rank-{env['RANK']}"
-    return "launcher"
-
-
-def is_worker(role: str | None) -> bool:
-    return role is not None and role.startswith(("island-", "rank-"))
-
-
-# ----------------------------------------------------------- socket counters
-
-
-@dataclass
-class SocketStat:
-    """One TCP connection seen from one end; byte counters are maxima over all looks."""
-
-    local: str
-    peer: str
-    role: str | None  # of the process that owns this end (None: only seen closing)
-    bytes_sent: int = 0
-    bytes_acked: int = 0
-    bytes_retrans: int = 0
-    polled: bool = False  # seen alive at least once (else only in a close event)
-    closed: bool = False
-    samples: list[tuple[float, int]] = field(default_factory=list)  # (time, bytes_sent) when it grew
-
-    def absorb(self, counters: dict[str, int], when: float) -> None:
-        if counters.get("bytes_sent", 0) > self.bytes_sent:
-            self.bytes_sent = counters["bytes_sent"]
-            self.samples.append((when, self.bytes_sent))
-        self.bytes_acked = max(self.bytes_acked, counters.get("bytes_acked", 0))
-        self.bytes_retrans = max(self.bytes_retrans, counters.get("bytes_retrans", 0))
-
-
-_COUNTER = re.compile(r"\b(bytes_sent|bytes_acked|bytes_retrans):(\d+)")
-_V4_MAPPED = re.compile(r"^\[::ffff:(\d+\.\d+\.\d+\.\d+)\]")
-
-
-def endpoint(text: str) -> str:
-    """One spelling per address: a socket bound to :: shows its end as [::ffff:127.0.0.1]:P
-    while the other end says 127.0.0.1:P; both must name the same endpoint."""
-    return _V4_MAPPED.sub(r"\1", text)
-
-
-def port_of(text: str) -> str:
-    return text.rsplit(":", 1)[-1]
-
-
-# sock_diag netlink (linux/inet_diag.h), what ss itself uses: a dump of every TCP socket's
-# endpoints and inode costs well under a millisecond, where reading /proc/net/tcp{,6}
-# takes several (the kernel formats the whole table as text).
-NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY = 4, 20
-NLM_F_REQUEST, NLM_F_DUMP, NLMSG_ERROR, NLMSG_DONE = 0x1, 0x300, 2, 3
-TCP_LISTEN = 10
-
-
-def _diag_endpoint(family: int, raw: bytes, port: int) -> str:
-    if family == socket.AF_INET:
-        return f"{ipaddress.IPv4Address(raw[:4])}:{port}"
-    v6 = ipaddress.IPv6Address(raw)
-    return f"{v6.ipv4_mapped}:{port}" if v6.ipv4_mapped else f"[{v6.compressed}]:{port}"
-
-
-def tcp_sockets() -> Iterator[tuple[str, str, bool, int]]:
-    """(local, peer, listening, inode) of every TCP socket in this network namespace."""
-    for family in (socket.AF_INET, socket.AF_INET6):
-        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
-            # inet_diag_req_v2: family, protocol, ext, pad, states (all), an empty sockid.
-            request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + bytes(48)
-            nl.sendto(struct.pack("=IHHII", 16 + len(request), SOCK_DIAG_BY_FAMILY,
-                                  NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + request, (0, 0))
-            while True:
-                data, offset = nl.recv(1 << 20), 0
-                while offset + 16 <= len(data):
-                    length, kind = struct.unpack_from("=IH", data, offset)
-                    if kind == NLMSG_DONE:
-                        break
-                    if kind == NLMSG_ERROR:
-                        raise OSError("sock_diag dump refused")
-                    m = offset + 16  # inet_diag_msg: family, state, timer, retrans, sockid, ...
-                    sport, dport = struct.unpack_from(">HH", data, m + 4)
-                    inode = struct.unpack_from("=I", data, m + 68)[0]
-                    if inode:
-                        yield (_diag_endpoint(data[m], data[m + 8:m + 24], sport),
-                               _diag_endpoint(data[m], data[m + 24:m + 40], dport),
-                               data[m + 1] == TCP_LISTEN, inode)
-                    offset += (length + 3) & ~3
-                else:
-                    continue  # this datagram ended without NLMSG_DONE: read the next one
-                break
-
-
-@dataclass
-class SsSocket:
-    """One socket of `ss -tinHe[a]` / `ss -tinHE` output."""
-
-    state: str
-    local: str
-    peer: str
-    inode: int  # 0 in close events (the socket has no file any more)
-    counters: dict[str, int]
-
-
-def parse_ss(lines: Iterator[str]) -> Iterator[SsSocket]:
-    """The sockets of ss output: a header line per socket, then its tcp_info indented."""
-    header: list[str] | None = None
-    for line in lines:
-        if line.strip() and not line[0].isspace():
-            header = line.split()
-            if header[0] == "LISTEN":  # listeners print no tcp_info line worth waiting for
-                inode = re.search(r"\bino:(\d+)", line)
-                yield SsSocket("LISTEN", endpoint(header[3]), "", int(inode.group(1)) if inode else 0, {})
-                header = None
-            continue
-        if header is None or len(header) < 5:
-            continue
-        inode = re.search(r"\bino:(\d+)", " ".join(header[5:]))
-        yield SsSocket(header[0], endpoint(header[3]), endpoint(header[4]),
-                       int(inode.group(1)) if inode else 0,
-                       {k: int(v) for k, v in _COUNTER.findall(line)})
-        header = None
-
-
-class TrafficMonitor:
-    """Per-socket TCP byte counters of the processes carrying `token`, while a run lasts.
-
-    Every `attribute_s` the endpoints of our processes' sockets are mapped to roles; every
-    `poll_s` every socket's counters are read with `ss -tinHea` (per-socket maxima kept);
-    `ss -E` adds each socket's final counters when it closes. A connection seen only
-    closing is attributed by its endpoints (listening ports give servers' owners)."""
-
-    method = "ss: per-socket tcp_info bytes_sent (polled maxima + final counters at close)"
-
-    def __init__(self, token: str, poll_s: float, attribute_s: float, max_s: float) -> None:
-        self.token, self.poll_s, self.attribute_s, self.max_s = token, poll_s, attribute_s, max_s
-        self.lock = threading.Lock()  # the poller and the close-event reader both write
-        self.by_inode: dict[int, SocketStat] = {}
-        self.open_by_pair: dict[tuple[str, str], SocketStat] = {}  # to match close events
-        self.unpolled: list[SocketStat] = []  # opened and closed between two polls
-        self.owner: dict[str, str] = {}  # "ip:port" of a connected end -> its process's role
-        self.listeners: dict[str, str] = {}  # listening port -> role
-        self.inode_roles: dict[int, str] = {}  # socket inode -> role, every one ever seen
-        self.pids: dict[int, str] = {}  # our live processes -> role
-        self.polls = self.attribute_passes = 0
-        self.poll_times: list[float] = []  # wall-clock time of every counter poll
-        self.attribute_cpu_s = 0.0
-        self.close_events = 0
-        self._stop = threading.Event()
-        self._poller = threading.Thread(target=self._poll_loop, daemon=True)
-        self._events: subprocess.Popen[str] | None = None
-        self._reader: threading.Thread | None = None
-
-    # -- lifecycle
-
-    def start(self) -> None:
-        self._start_close_events()
-        self._poller.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._poller.join(timeout=10)
-        time.sleep(0.5)  # let the last close events of exiting processes arrive
-        if self._events is not None:
-            stop_process(self._events)
-        if self._reader is not None:
-            self._reader.join(timeout=5)
-
-    @property
-    def close_events_enabled(self) -> bool:
-        return self._events is not None
-
-    def _start_close_events(self) -> None:
-        """`ss -E` prints each socket's final tcp_info as the kernel destroys it (the kernel
-        may refuse these events to unprivileged users; polling alone is the fallback).
-        stdbuf: ss's stdout to a pipe would otherwise sit in an unflushed buffer."""
-        stdbuf = shutil.which("stdbuf")
-        if stdbuf is None or shutil.which("timeout") is None:
-            return
-        # `timeout`: even if we are SIGKILLed and never stop it, the monitor ends by itself.
-        proc = subprocess.Popen(["timeout", str(int(self.max_s)), stdbuf, "-oL", "ss", "-tinHE"],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                start_new_session=True)
-        time.sleep(0.3)
-        if proc.poll() is not None:  # not allowed here: go on with polling only
-            return
-        self._events = proc
-        self._reader = threading.Thread(target=self._read_close_events, daemon=True)
-        self._reader.start()
-
-    # -- polling
-
-    def _poll_loop(self) -> None:
-        next_counters = 0.0
-        while not self._stop.is_set():
-            if time.monotonic() >= next_counters:
-                self.pids = processes_with_token(self.token)
-                self.poll_counters()
-                next_counters = time.monotonic() + self.poll_s
-            else:
-                self.attribute()
-            self._stop.wait(self.attribute_s)
-        self.poll_counters()
-
-    def attribute(self) -> None:
-        """Map every socket of our processes to its role: inode -> role from /proc/PID/fd,
-        inode -> endpoints from a sock_diag dump. Cheap (only our few processes' fds, no
-        `ss -p`, which reads every process's), so it runs often and catches connections
-        that live a few tens of milliseconds (a joining island's state download)."""
-        started = time.perf_counter()
-        inodes: dict[int, str] = {}
-        for pid, role in self.pids.items():
-            try:
-                fds = os.listdir(f"/proc/{pid}/fd")
-            except OSError:
-                continue
-            for fd in fds:
-                try:
-                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if link.startswith("socket:["):
-                    inodes[int(link[8:-1])] = role
-        try:
-            table = list(tcp_sockets())
-        except OSError:  # no sock_diag here: the `ss` polls alone map endpoints (less often)
-            table = []
-        with self.lock:
-            self.inode_roles.update(inodes)
-            for local, _peer, listening, inode in table:
-                role = inodes.get(inode)
-                if role is None:
-                    continue
-                if listening:
-                    self.listeners[port_of(local)] = role
-                else:
-                    self.owner[local] = role
-            self.attribute_passes += 1
-            self.attribute_cpu_s += time.perf_counter() - started
-
-    def poll_counters(self) -> None:
-        self.attribute()
-        try:
-            out = subprocess.run(["ss", "-tinHea"], capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            return
-        now = time.time()
-        with self.lock:
-            self.polls += 1
-            self.poll_times.append(now)
-            for sock in parse_ss(iter(out.splitlines())):
-                role = self.inode_roles.get(sock.inode)
-                if role is None:
-                    continue  # not one of our processes' sockets
-                if sock.state == "LISTEN":
-                    self.listeners[port_of(sock.local)] = role
-                    continue
-                self.owner[sock.local] = role
-                stat = self.by_inode.get(sock.inode)
-                if stat is None:
-                    stat = self.by_inode[sock.inode] = SocketStat(sock.local, sock.peer, role, polled=True)
-                    self.open_by_pair[(sock.local, sock.peer)] = stat
-                stat.absorb(sock.counters, now)
-
-    # -- close events
-
-    def _read_close_events(self) -> None:
-        assert self._events is not None and self._events.stdout is not None
-        for sock in parse_ss(iter(self._events.stdout.readline, "")):
-            with self.lock:
-                self.close_events += 1
-                stat = self.open_by_pair.pop((sock.local, sock.peer), None)
-                if stat is None:  # never polled: attributed (if at all) by its endpoints later
-                    stat = SocketStat(sock.local, sock.peer, None)
-                    self.unpolled.append(stat)
-                stat.absorb(sock.counters, time.time())
-                stat.closed = True
-
-    # -- results
-
-    def role_at(self, end: str) -> str | None:
-        """The role of the process on this end: a connected end we polled, else the owner of
-        the listening port (the server side of a connection we only saw closing)."""
-        return self.owner.get(end) or self.listeners.get(port_of(end))
-
-    def category(self, stat: SocketStat) -> str:
-        """peer: between two different islands (ranks); control: to/from the launcher
-        (lighthouse, torchrun store); internal: within one role; else unattributed."""
-        mine = stat.role or self.role_at(stat.local)
-        theirs = self.role_at(stat.peer)
-        if mine is None and theirs is None:
-            return "foreign"  # not ours: some other socket that closed while we listened
-        if mine is None or theirs is None:
-            return "unattributed"  # one end ours, the other opened and closed between polls
-        if "launcher" in (mine, theirs):
-            return "control"
-        if mine == theirs:
-            return "internal"
-        return "peer" if is_worker(mine) and is_worker(theirs) else "unattributed"
-
-    def peer_bytes_after(self, when: float) -> int:
-        """Bytes sent between islands (ranks) as read by the first counter poll at or after
-        wall-clock time `when` (so everything sent before `when` is in)."""
-        with self.lock:
-            stats = [s for s in [*self.by_inode.values(), *self.unpolled] if self.category(s) == "peer"]
-            later = [t for t in self.poll_times if t >= when]
-        until = later[0] if later else float("inf")
-        return sum(max((b for t, b in s.samples if t <= until), default=0) for s in stats)
-
-    def summary(self) -> dict[str, Any]:
-        with self.lock:
-            stats = [(s, self.category(s)) for s in [*self.by_inode.values(), *self.unpolled]]
-            stats = [(s, kind) for s, kind in stats if kind != "foreign"]
-            listeners = dict(self.listeners)
-        totals: dict[str, int] = {}
-        sockets: dict[str, int] = {}
-        by_role: dict[str, int] = {}
-        for stat, kind in stats:
-            totals[kind] = totals.get(kind, 0) + stat.bytes_sent
-            sockets[kind] = sockets.get(kind, 0) + 1
-            if kind == "peer":
-                role = stat.role or self.role_at(stat.local) or "?"
-                by_role[role] = by_role.get(role, 0) + stat.bytes_sent
-        peer = [s for s, kind in stats if kind == "peer"]
-        # The sockets that carried data, for a reader who wants to check the attribution.
-        detail = [{"local": s.local, "peer": s.peer, "role": s.role or self.role_at(s.local),
-                   "peer_role": self.role_at(s.peer), "category": kind, "bytes_sent": s.bytes_sent,
-                   "polled": s.polled} for s, kind in sorted(stats, key=lambda x: -x[0].bytes_sent)
-                  if s.bytes_sent > 0]
-        return {"method": self.method, "peer_bytes": totals.get("peer", 0),
-                "peer_bytes_acked": sum(s.bytes_acked for s in peer),
-                "peer_bytes_retrans": sum(s.bytes_retrans for s in peer),
-                "unattributed_bytes": totals.get("unattributed", 0),
-                "peer_bytes_by_sender": dict(sorted(by_role.items())),
-                "bytes_by_category": totals, "sockets_by_category": sockets, "listeners": listeners,
-                "polls": self.polls, "poll_s": self.poll_s, "attribute_s": self.attribute_s,
-                "attribute_passes": self.attribute_passes, "attribute_cpu_s": round(self.attribute_cpu_s, 3),
-                "close_events": self.close_events if self.close_events_enabled else None,
-                "sockets": detail}
-
-
-class LoopbackMonitor:
-    """Fallback without `ss`: the loopback interface's tx byte counter over the run. Measured,
-    but an upper bound: it also counts control traffic and anything else on the machine."""
-
-    method = "/proc/net/dev lo tx_bytes delta (FALLBACK: includes all loopback traffic on the machine)"
-
-    def __init__(self) -> None:
-        self.before = self.after = 0
-
-    @staticmethod
-    def _lo_tx() -> int:
-        for line in Path("/proc/net/dev").read_text().splitlines():
-            name, _, data = line.partition(":")
-            if name.strip() == "lo":
-                return int(data.split()[8])
-        raise RuntimeError("no loopback interface in /proc/net/dev")
-
-    def start(self) -> None:
-        self.before = self._lo_tx()
-
-    def stop(self) -> None:
-        self.after = self._lo_tx()
-
-    def summary(self) -> dict[str, Any]:
-        return {"method": self.method, "peer_bytes": self.after - self.before}
-
-
-def make_monitor(token: str, poll_s: float, attribute_s: float, max_s: float) -> TrafficMonitor | LoopbackMonitor:
-    return TrafficMonitor(token, poll_s, attribute_s, max_s) if shutil.which("ss") else LoopbackMonitor()
-
-
-# ------------------------------------------------------------------- one run
-
-
-def stop_process(proc: subprocess.Popen[Any]) -> None:
-    """SIGTERM, then SIGKILL, one process we started (by its pid)."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=STOP_GRACE_S)
-
-
-def kill_token(token: str, timeout_s: float = 10.0) -> None:
-    """SIGKILL every process carrying our token until none is left."""
-    kill_until_gone(lambda: processes_with_token(token), timeout_s)
-
-
-@dataclass
-class RunResult:
-    cmd: list[str]
-    exit_code: int
-    wall_s: float
-    monitor: TrafficMonitor | LoopbackMonitor | None = None
-
-    @property
-    def traffic(self) -> dict[str, Any]:
-        return self.monitor.summary() if self.monitor is not None else {}
-
-
-def run_job(cmd: list[str], log_path: Path, timeout_s: float,
-            polling: tuple[float, float] | None) -> RunResult:
-    """Run `cmd` with a hard timeout, its traffic monitored unless polling (counters and
-    attribution periods) is None; whatever happens (timeout, exception, Ctrl-C), every
-    process it started is gone on return."""
-    token = uuid.uuid4().hex
-    env = {**os.environ, BENCH_TOKEN_ENV: token}
-    monitor = make_monitor(token, *polling, timeout_s + 60) if polling is not None else None
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"$ {' '.join(cmd)}\n  (output: {log_path})", flush=True)
-    proc = None
-    t0 = time.monotonic()
-    try:
-        if monitor is not None:
-            monitor.start()
-        with open(log_path, "wb") as log:
-            # Own session: our Ctrl-C does not reach it directly; we stop it in order below.
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                code = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"timed out after {timeout_s:.0f}s: {' '.join(cmd)} (see {log_path})")
-    finally:
-        # A second Ctrl-C must not cut the clean-up short and leave islands running.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            if proc is not None:
-                stop_process(proc)  # `archipelago local` stops its islands on SIGTERM
-            kill_token(token)  # and anything left over (ranks outliving torchrun, islands)
-            if monitor is not None:
-                monitor.stop()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-    return RunResult(cmd, code, time.monotonic() - t0, monitor)
-
-
 # ------------------------------------------------------------- run results
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every record of a metrics.jsonl (the package's reader; a line cut by a kill is skipped)."""
-    return list(iter_records(path)) if path.is_file() else []
-
-
-def seq_len_of(run_dir: Path) -> int:
-    return int(json.loads((run_dir / "config.json").read_text())["data"]["seq_len"])
-
-
-def outer_steps(island_dir: Path) -> list[dict[str, Any]]:
-    return outer_records(island_records(island_dir))
-
-
-def tokens_trained(run_dir: Path) -> int:
-    """Tokens of one island / job: summary.json, else its last step record."""
-    summary = run_dir / "summary.json"
-    if summary.is_file():
-        return int(json.loads(summary.read_text())["tokens"])
-    steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "event" not in r and "tokens" in r]
-    return int(steps[-1]["tokens"]) if steps else 0
 
 
 def round_intervals(records: list[dict[str, Any]]) -> list[float]:
@@ -591,8 +106,9 @@ def steady_ddp_bytes(monitor: Any, run_dir: Path) -> tuple[float, int] | None:
     return sent, last["step"] - first["step"]
 
 
-def polling(args: argparse.Namespace) -> tuple[float, float]:
-    return args.poll_s, args.attribute_s
+def metering(args: argparse.Namespace) -> Callable[[str, float], Monitor]:
+    """The traffic meter of one run (meter.py), at the periods given."""
+    return lambda token, max_s: make_monitor(token, args.poll_s, args.attribute_s, max_s)
 
 
 def train_args(args: argparse.Namespace, steps: int) -> list[str]:
@@ -617,7 +133,7 @@ def ddp_cmd(args: argparse.Namespace, run_dir: Path) -> list[str]:
 
 def run_checked(cmd: list[str], root: Path, name: str, args: argparse.Namespace) -> RunResult:
     """run_job with its log in ROOT/NAME.log; a failed run raises, naming the log."""
-    run = run_job(cmd, root / f"{name}.log", args.timeout, polling(args))
+    run = run_job(cmd, root / f"{name}.log", args.timeout, metering(args))
     if run.exit_code != 0:
         raise RuntimeError(f"{name} run failed (exit code {run.exit_code}); see {root / f'{name}.log'}")
     return run
@@ -733,11 +249,6 @@ def kill_drill(args: argparse.Namespace, root: Path, federation: dict[str, Any],
 # ------------------------------------------------------------------- report
 
 
-def num(value: float | None, fmt: str) -> str:
-    """`value` formatted for a table cell; "-" when there is none."""
-    return "-" if value is None else format(value, fmt)
-
-
 def print_tables(result: dict[str, Any]) -> None:
     fed, ddp, kill = result["federation"], result["ddp"], result["kill"]
     print(f"\nllama3 debug, {result['batch_size']} x {result['seq_len']} tokens per island (DDP rank) "
@@ -792,10 +303,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def main() -> None:
     args = parse_args()
     root = args.work_dir or Path(f"/tmp/bench-fed-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
@@ -822,34 +329,7 @@ def main() -> None:
         "federation": fed, "ddp": ddp, "kill": kill,
     }
     print_tables(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {args.out}")
-
-
-def work_root(chosen: Path | None, prefix: str) -> Path:
-    """The folder for a benchmark's run directories: `chosen`, or a new one under /tmp."""
-    import tempfile
-
-    root = chosen or Path(tempfile.mkdtemp(prefix=prefix))
-    root.mkdir(parents=True, exist_ok=True)
-    print(f"run directories under {root}", flush=True)
-    return root
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C (run_job's finally)
-
-
-def run_main(main: Callable[[], None]) -> None:
-    """Run a benchmark's main; after Ctrl-C or SIGTERM (every started process already
-    stopped by run_job) say so and exit 130."""
-    signal.signal(signal.SIGTERM, _terminate)
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("\ninterrupted: every process this benchmark started has been stopped", file=sys.stderr)
-        sys.exit(130)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

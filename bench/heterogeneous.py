@@ -46,7 +46,6 @@ start-up and validation).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -55,9 +54,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# Process handling shared with the federation benchmark: a unique token in every started
-# process's environment, everything carrying it killed by PID on timeout/error/Ctrl-C.
-from federation import REPO, num, outer_steps, ratio, run_job, run_main, work_root  # noqa: E402
+# Process handling shared by the benchmarks: a unique token in every started process's
+# environment, everything carrying it killed by PID on timeout/error/Ctrl-C.
+from harness import REPO, num, outer_steps, ratio, read_summary, run_job, run_main, work_root, write_json  # noqa: E402
 
 from archipelago.metrics.islands import round_totals  # noqa: E402
 
@@ -114,11 +113,6 @@ def island_stats(island_dir: Path, island: int, slowdown: float) -> dict[str, An
             "join_inner_steps": join.get("inner_steps"), "round_compute_s": [r["compute_s"] for r in rounds],
             "val_loss": summary.get("val_loss"), "summary_tokens": summary.get("tokens"),
             "summary_steps": summary.get("steps")}
-
-
-def read_summary(island_dir: Path) -> dict[str, Any]:
-    path = island_dir / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def measure(args: argparse.Namespace, root: Path, speed: str, setting: str, round_s: float) -> dict[str, Any]:
@@ -262,12 +256,9 @@ def main() -> None:
               "baseline": BASELINE, "work_dir": str(root), "total_wall_s": time.time() - started}
     result = {"config": config, "runs": runs}
     print_table(result)
-    text = json.dumps(result, indent=2)
-    (root / "results.json").write_text(text)
+    write_json(root / "results.json", result, announce=False)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-        print(f"\nwrote {args.out}")
+        write_json(args.out, result)
     print(f"run directories and results.json: {root}")
 
 

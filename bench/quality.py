@@ -47,7 +47,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from federation import REPO, num, outer_steps, read_jsonl, run_job, run_main, work_root  # noqa: E402
+from harness import REPO, num, outer_steps, read_jsonl, run_job, run_main, work_root  # noqa: E402
 
 from archipelago.metrics.report import final_validation  # noqa: E402
 

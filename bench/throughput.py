@@ -143,8 +143,8 @@ def main() -> None:
         "repeats": args.repeats, "device": args.device, "threads": args.threads, "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
     }
-    print(f"\nllama3/{args.flavor} on {args.device}, batch {args.batch_size} x seq {args.seq_len}, {args.threads} threads, "
-          f"{args.steps} timed steps x {args.repeats} repeats (median)\n")
+    print(f"\nllama3/{args.flavor} on {args.device}, batch {args.batch_size} x seq {args.seq_len}, "
+          f"{args.threads} threads, {args.steps} timed steps x {args.repeats} repeats (median)\n")
     print("| ratio (trainer / minimal) | trainer tokens/s | minimal loop tokens/s |")
     print("|---:|---:|---:|")
     print(f"| {ratio:.3f} | {trainer_med:,.0f} | {minimal_med:,.0f} |")

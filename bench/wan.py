@@ -61,43 +61,55 @@ from __future__ import annotations
 import argparse
 import fcntl
 import ipaddress
-import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO = BENCH_DIR.parent
-sys.path.insert(0, str(BENCH_DIR))
-from federation import (BENCH_TOKEN_ENV, kill_until_gone, num, process_env, ratio, read_jsonl,  # noqa: E402
-                        stop_process)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PREFIX = "arch-wan-"  # every namespace, and every process token, of this benchmark
-NET_NS = PREFIX + "net"  # holds the bridge and the bridge-side veth ends
-LH_NS = PREFIX + "lh"
-BRIDGE = "br0"
-WAN_IF = "wan0"  # the veth end inside each endpoint namespace (GLOO_SOCKET_IFNAME)
+from harness import (  # noqa: E402
+    REPO,
+    Proc,
+    base_env,
+    interrupt,
+    log_tail,
+    num,
+    python_bin,
+    ratio,
+    read_jsonl,
+    read_summary,
+    set_signals,
+    start,
+    stop_all,
+    wait_for_line,
+    write_json,
+)
+from netns import (  # noqa: E402
+    ISLANDS,
+    LH_NS,
+    PREFIX,
+    WAN_IF,
+    Sampler,
+    Wan,
+    in_namespace,
+    link_check,
+    preflight,
+    setup,
+    teardown,
+    wan_bytes,
+)
+
 LH_PORT = 29510
 DDP_PORT = 29600
-ISLANDS = 2
 LOCK_FILE = Path("/run/arch-wan.lock")
-TBF_LATENCY_MS = 400  # queue depth of the shaper, as time at the link rate
-STOP_GRACE_S = 5.0
 STATUS_EVERY_S = 20.0
-TOOLS = ("ip", "tc")
-# Inherited settings that would point a process at another job or address.
-STRIP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-             "TORCHELASTIC_RUN_ID", "TORCHFT_LIGHTHOUSE", "TORCHFT_MANAGER_PORT", "LOCAL_ADDR",
-             "GLOO_SOCKET_IFNAME", "ARCHIPELAGO_FAULT", "ARCHIPELAGO_FAULT_RANK", "NGPU", "CONFIG_FILE")
 
 
 @dataclass(frozen=True)
@@ -123,288 +135,6 @@ SETTINGS = {s.key: s for s in (
 )}
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM / SIGHUP, handled as Ctrl-C is."""
-
-
-# ------------------------------------------------------------------ commands
-
-
-def sh(cmd: list[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """Run one short system command (ip, tc); with check, a failure raises with its stderr."""
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit code {done.returncode}): {done.stderr.strip()}")
-    return done
-
-
-def python_bin() -> str:
-    venv = REPO / ".venv/bin/python"
-    return str(venv) if venv.is_file() else sys.executable
-
-
-# ------------------------------------------------------------------ network
-
-
-@dataclass
-class Wan:
-    """The namespaces, veths, bridge and shapers; `up` builds them, `down` removes them."""
-
-    subnet: ipaddress.IPv4Network
-    rate_mbit: float
-    delay_ms: float = 0.0
-
-    @property
-    def lh_addr(self) -> str:
-        return str(self.subnet.network_address + 1)
-
-    def island_addr(self, k: int) -> str:
-        return str(self.subnet.network_address + 10 + k)
-
-    @staticmethod
-    def island_ns(k: int) -> str:
-        return f"{PREFIX}i{k}"
-
-    def endpoints(self) -> list[tuple[str, str, str]]:
-        """(namespace, address, bridge-side port name) of the lighthouse and every island."""
-        return [(LH_NS, self.lh_addr, "lh")] + [(self.island_ns(k), self.island_addr(k), f"i{k}")
-                                                for k in range(ISLANDS)]
-
-    def up(self) -> None:
-        sh(["ip", "netns", "add", NET_NS])
-        sh(["ip", "-n", NET_NS, "link", "set", "lo", "up"])
-        sh(["ip", "-n", NET_NS, "link", "add", BRIDGE, "type", "bridge"])
-        sh(["ip", "-n", NET_NS, "link", "set", BRIDGE, "up"])
-        for ns, addr, port in self.endpoints():
-            sh(["ip", "netns", "add", ns])
-            sh(["ip", "-n", ns, "link", "set", "lo", "up"])  # the island's own store is on its address
-            sh(["ip", "-n", NET_NS, "link", "add", port, "type", "veth", "peer", "name", WAN_IF, "netns", ns])
-            sh(["ip", "-n", NET_NS, "link", "set", port, "master", BRIDGE])
-            sh(["ip", "-n", NET_NS, "link", "set", port, "up"])
-            sh(["ip", "-n", ns, "addr", "add", f"{addr}/{self.subnet.prefixlen}", "dev", WAN_IF])
-            sh(["ip", "-n", ns, "link", "set", WAN_IF, "up"])
-        for k in range(ISLANDS):
-            self.shape(self.island_ns(k), WAN_IF)  # upload
-            self.shape(NET_NS, f"i{k}")  # download
-
-    def shape(self, ns: str, dev: str) -> None:
-        # tbf needs a bucket of at least one timer tick at the rate (4 ms at HZ 250) to reach
-        # it; 16 KB at least so that a full-size frame always fits.
-        burst = max(16384, int(self.rate_mbit * 1e6 / 8 * 0.004))
-        tbf = ["tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"]
-        if self.delay_ms <= 0:
-            sh(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *tbf])
-            return
-        done = sh(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "netem", "delay",
-                   f"{self.delay_ms:g}ms"], check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"--delay-ms needs the netem qdisc, which this kernel refused: "
-                               f"{done.stderr.strip()} (run without --delay-ms)")
-        sh(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "parent", "1:", "handle", "2:", *tbf])
-
-    def counters(self) -> dict[str, tuple[int, int]]:
-        """Bridge port -> (rx, tx) bytes. rx of port iK is what island K sent."""
-        links = json.loads(sh(["ip", "-n", NET_NS, "-s", "-j", "link", "show"]).stdout)
-        return {link["ifname"]: (int(link["stats64"]["rx"]["bytes"]), int(link["stats64"]["tx"]["bytes"]))
-                for link in links if "stats64" in link}
-
-
-def our_namespaces() -> list[str]:
-    done = sh(["ip", "netns", "list"], check=False)
-    return [line.split()[0] for line in done.stdout.splitlines() if line.startswith(PREFIX)]
-
-
-def subnet_in_use(subnet: ipaddress.IPv4Network) -> list[str]:
-    """Host addresses and routes (root namespace) that overlap `subnet`."""
-    clashes = []
-    for entry in json.loads(sh(["ip", "-j", "-4", "addr", "show"]).stdout):
-        for info in entry.get("addr_info", []):
-            net = ipaddress.ip_interface(f"{info['local']}/{info['prefixlen']}").network
-            if net.overlaps(subnet):
-                clashes.append(f"address {info['local']}/{info['prefixlen']} on {entry['ifname']}")
-    for route in json.loads(sh(["ip", "-j", "-4", "route", "show", "table", "all"]).stdout):
-        dst = route.get("dst", "default")
-        if dst == "default":
-            continue
-        try:
-            net = ipaddress.ip_network(dst, strict=False)
-        except ValueError:
-            continue
-        if net.overlaps(subnet):
-            clashes.append(f"route {dst} via {route.get('dev', '?')} (table {route.get('table', 'main')})")
-    return clashes
-
-
-# ------------------------------------------------------------------ processes
-
-
-def pids_with_token_prefix(prefix: str) -> list[int]:
-    """Live processes whose benchmark token starts with `prefix` (found by environment, never
-    by name: torchrun's workers start sessions of their own)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        env = process_env(int(entry.name)) if entry.name.isdigit() else None
-        if env is not None and env.get(BENCH_TOKEN_ENV, "").startswith(prefix) and int(entry.name) != os.getpid():
-            found.append(int(entry.name))
-    return found
-
-
-def pids_in_namespace(ns: str) -> list[int]:
-    done = sh(["ip", "netns", "pids", ns], check=False)
-    return [int(p) for p in done.stdout.split() if p.isdigit() and int(p) != os.getpid()]
-
-
-def teardown(token_prefix: str) -> list[str]:
-    """Kill our processes and delete our namespaces (their veths, bridge and qdiscs go with
-    them). Idempotent; returns what it removed, for the log."""
-    removed = []
-    count = kill_until_gone(lambda: pids_with_token_prefix(token_prefix))
-    for ns in our_namespaces():
-        count += kill_until_gone(lambda ns=ns: pids_in_namespace(ns))  # what runs in our namespaces is ours
-    if count:
-        removed.append(f"{count} processes")
-    for ns in our_namespaces():
-        if sh(["ip", "netns", "del", ns], check=False).returncode == 0:
-            removed.append(ns)
-    return removed
-
-
-def in_namespace(ns: str, addr: str, cmd: list[str]) -> list[str]:
-    """`cmd` inside `ns`. Islands advertise `addr` to each other through LOCAL_ADDR (set in
-    their environment), also for recovery; `ip netns exec` execs, so the pid we start is
-    the program's own."""
-    return ["ip", "netns", "exec", ns, *cmd]
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def code(self) -> int | None:
-        return self.popen.poll()
-
-
-def base_env(token: str, threads: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in STRIP_ENV}
-    env.update({BENCH_TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads),
-                "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
-    return env
-
-
-def start(name: str, cmd: list[str], env: dict[str, str], log: Path) -> Proc:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
-        # Own session: a terminal Ctrl-C reaches only us; we stop everything in order.
-        popen = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
-    return Proc(name, popen, log)
-
-
-def stop_all(procs: list[Proc], token: str) -> None:
-    """SIGTERM then SIGKILL every process we started, then anything carrying the token."""
-    for proc in procs:
-        if proc.code is None:
-            proc.popen.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
-    while time.monotonic() < deadline and any(p.code is None for p in procs):
-        time.sleep(0.1)
-    for proc in procs:
-        stop_process(proc.popen)
-    kill_until_gone(lambda: pids_with_token_prefix(token))
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join("    " + line for line in text[-lines:])
-
-
-def wait_for_line(proc: Proc, needle: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if needle in proc.log.read_text(errors="replace"):
-            return
-        if proc.code is not None:
-            break
-        time.sleep(0.2)
-    raise RuntimeError(f"{proc.name} did not report {needle!r} (exit code {proc.code}); log {proc.log}:\n"
-                       f"{log_tail(proc.log)}")
-
-
-# ------------------------------------------------------------------ counters
-
-
-@dataclass
-class Sample:
-    time: float
-    ports: dict[str, tuple[int, int]]
-
-
-def wan_bytes(ports: dict[str, tuple[int, int]]) -> int:
-    """Bytes between islands: sent by islands into the bridge, less what reached the lighthouse."""
-    return sum(ports[f"i{k}"][0] for k in range(ISLANDS)) - ports["lh"][1]
-
-
-class Sampler:
-    """Reads the bridge counters every period_s in a thread, so that windows inside a run
-    (the rounds after the join round) can be measured afterwards."""
-
-    def __init__(self, wan: Wan, period_s: float) -> None:
-        self.wan, self.period_s = wan, period_s
-        self.samples: list[Sample] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def take(self) -> Sample:
-        sample = Sample(time.time(), self.wan.counters())
-        self.samples.append(sample)
-        return sample
-
-    def __enter__(self) -> "Sampler":
-        self.take()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        try:
-            self.take()
-        except Exception:  # noqa: BLE001 - interrupted mid-teardown: keep what we have
-            pass
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.period_s):
-            try:
-                self.take()
-            except Exception:  # noqa: BLE001 - a late read during teardown
-                return
-
-    def wan_at(self, t: float) -> float | None:
-        """WAN bytes at time t, interpolated between the samples around it."""
-        points = sorted((s.time, wan_bytes(s.ports)) for s in self.samples)
-        if not points or t < points[0][0] or t > points[-1][0]:
-            return None
-        for (t0, b0), (t1, b1) in zip(points, points[1:]):
-            if t0 <= t <= t1:
-                return b0 + (b1 - b0) * ((t - t0) / (t1 - t0) if t1 > t0 else 1.0)
-        return float(points[-1][1])
-
-    def totals(self) -> dict[str, Any]:
-        first, last = self.samples[0].ports, self.samples[-1].ports
-        delta = {port: (last[port][0] - first[port][0], last[port][1] - first[port][1]) for port in last}
-        return {"wan_bytes": wan_bytes(last) - wan_bytes(first),
-                "island_bytes_sent": [delta[f"i{k}"][0] for k in range(ISLANDS)],
-                "island_bytes_received": [delta[f"i{k}"][1] for k in range(ISLANDS)],
-                "lighthouse_bytes": delta["lh"][0] + delta["lh"][1]}
-
-
-# ------------------------------------------------------------------ one run
 
 
 def train_args(args: argparse.Namespace, run_dir: Path, batch: int, steps: int | None = None) -> list[str]:
@@ -550,13 +280,6 @@ def run_setting(setting: Setting, args: argparse.Namespace, wan: Wan, root: Path
 # ------------------------------------------------------------------ results
 
 
-def summary_of(folder: Path) -> dict[str, Any]:
-    path = folder / "summary.json"
-    if not path.is_file():
-        raise RuntimeError(f"{path} is missing: the run ended without its summary")
-    return json.loads(path.read_text())
-
-
 def final_val(folder: Path, summary: dict[str, Any]) -> tuple[float | None, bool]:
     """The validation loss and whether it is the final step's (the trainer keeps the last one
     it computed; one from step 0 would say nothing about training)."""
@@ -579,7 +302,7 @@ def federation_result(run_dir: Path, sampler: Sampler, equal_steps: int) -> dict
     islands = []
     for k in range(ISLANDS):
         folder = run_dir / f"island-{k}"
-        summary = summary_of(folder)
+        summary = read_summary(folder, required=True)
         outer = outer_records(island_records(folder))
         totals = round_totals(outer)
         val, at_final = final_val(folder, summary)
@@ -626,7 +349,7 @@ def steady_window(sampler: Sampler, outers: list[list[dict[str, Any]]]) -> float
 
 
 def ddp_result(run_dir: Path, sampler: Sampler, step_time_s: float | None) -> dict[str, Any]:
-    summary = summary_of(run_dir)
+    summary = read_summary(run_dir, required=True)
     val, at_final = final_val(run_dir, summary)
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "event" not in r and "time" in r]
     tokens_per_step = int(summary["tokens"]) // max(int(summary["steps"]), 1)
@@ -679,66 +402,16 @@ def calibrate(args: argparse.Namespace, wan: Wan, root: Path, run_id: str) -> fl
     step_s = statistics.median(per_step)
     print(f"[calibration] {step_s:.3f} s per step", flush=True)
     return step_s
-
-
-# ------------------------------------------------------------------ link check
-
-
-PROBE_SERVER = """
-import socket, sys
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); s.settimeout(30)
-c, _ = s.accept(); c.settimeout(30); n, want = 0, int(sys.argv[3])
-while n < want:
-    data = c.recv(1 << 16)
-    if not data: break
-    n += len(data)
-c.sendall(b"k"); c.close()
-"""
-PROBE_CLIENT = """
-import socket, sys, time
-want = int(sys.argv[3]); buf = b"x" * (1 << 16)
-for _ in range(100):
-    try:
-        c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30); break
-    except OSError: time.sleep(0.1)
-t = time.perf_counter(); sent = 0
-while sent < want:
-    sent += c.send(buf[:want - sent])
-c.recv(1); print(want * 8 / (time.perf_counter() - t) / 1e6)
-"""
-
-
-def link_check(wan: Wan, run_id: str, threads: int) -> float:
-    """Mbit/s of one TCP stream island 0 -> island 1 through both shapers (about 1 s of data)."""
-    size = int(wan.rate_mbit * 1e6 / 8)
-    token = f"{PREFIX}{run_id}-probe"
-    env = base_env(token, threads)
-    port = "5201"
-    server = subprocess.Popen(["ip", "netns", "exec", wan.island_ns(1), python_bin(), "-c", PROBE_SERVER,
-                               wan.island_addr(1), port, str(size)], env=env, stdin=subprocess.DEVNULL,
-                              start_new_session=True)
-    try:
-        done = subprocess.run(["ip", "netns", "exec", wan.island_ns(0), python_bin(), "-c", PROBE_CLIENT,
-                               wan.island_addr(1), port, str(size)], env=env, capture_output=True, text=True,
-                              timeout=60, stdin=subprocess.DEVNULL)
-        if done.returncode != 0:
-            raise RuntimeError(f"link check failed: {done.stderr.strip()}")
-        return float(done.stdout.strip())
-    finally:
-        stop_process(server)
-        kill_until_gone(lambda: pids_with_token_prefix(token))
-
-
 # ------------------------------------------------------------------ report
 
 
 def print_table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> None:
     ddp = results.get("a", {})
+    delay = f", +{meta['delay_ms']:g} ms delay" if meta["delay_ms"] else ""
     print(f"\n{meta['model']}, 2 islands x 1 CPU rank, batch {meta['batch_size']} x {meta['seq_len']} tokens "
           f"per island (DDP: global batch {ISLANDS * meta['batch_size']}); {meta['budget_s']:g} s budget per "
           f"setting; links shaped to {meta['rate_mbit']:g} Mbit/s each way (measured "
-          f"{num(meta['link_mbit'], '.1f')} Mbit/s){', +%g ms delay' % meta['delay_ms'] if meta['delay_ms'] else ''}; "
+          f"{num(meta['link_mbit'], '.1f')} Mbit/s){delay}; "
           f"DiLoCo sync every {meta['sync_steps']} inner steps (streaming: {STREAM_FRAGMENTS} fragments, "
           f"delay {STREAM_DELAY})\n")
     fp32 = results.get("b", {}).get("val_loss_equal_tokens") if results.get("b", {}).get("ok") else None
@@ -840,38 +513,6 @@ def model_facts(config: Path, extra: list[str]) -> dict[str, Any]:
             "seq_len": cfg.data.seq_len}
 
 
-def preflight() -> str | None:
-    """Why this benchmark cannot run here (a skip, not a failure), or None."""
-    if os.geteuid() != 0:
-        return "needs root (it creates network namespaces, veth pairs, a bridge and tc qdiscs)"
-    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
-    if missing:
-        return f"needs {', '.join(missing)} (iproute2, util-linux)"
-    return None
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise Interrupted(f"signal {signum}")
-
-
-def _set_signals(handler: Any) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, handler)
-
-
-def setup(args: argparse.Namespace, wan: Wan) -> None:
-    leftovers = teardown(PREFIX)  # a crashed earlier run: its processes, its namespaces
-    if leftovers:
-        print(f"removed leftovers of an earlier run: {', '.join(leftovers)}", flush=True)
-    clashes = subnet_in_use(args.subnet)
-    if clashes:
-        raise RuntimeError(f"--subnet {args.subnet} is in use on this host ({'; '.join(clashes)}); pick "
-                           "another private /24 with --subnet")
-    wan.up()
-    print(f"network: {', '.join(f'{ns} {addr}' for ns, addr, _ in wan.endpoints())} on bridge {BRIDGE} in "
-          f"{NET_NS}; island links tbf {args.rate_mbit:g} Mbit/s each way", flush=True)
-
-
 def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]:
     facts = model_facts(args.config, args.extra)
     args.params = facts["params"]
@@ -879,7 +520,7 @@ def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]
     root.mkdir(parents=True, exist_ok=True)
     subprocess.run([python_bin(), "-m", "archipelago.launch.cli", "data", "prepare", "--config", str(args.config),
                     *args.extra], cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=600)
-    setup(args, wan)
+    setup(wan)
     link = link_check(wan, run_id, args.threads)
     print(f"link check: island 0 -> island 1 at {link:.1f} Mbit/s (shaped to {args.rate_mbit:g})", flush=True)
     results: dict[str, dict[str, Any]] = {}
@@ -923,15 +564,13 @@ def main(argv: list[str] | None = None) -> int:
     # measured on 2 cores.
     est = len(args.keys) * (args.budget + 40) + 20
     print(f"bench/wan.py: settings {','.join(args.keys)}, about {est / 60:.0f} minutes", flush=True)
-    _set_signals(_interrupt)
+    set_signals(interrupt)
     code = 0
     try:
         result = benchmark(args, wan, run_id)
         print_table(result["settings"], result)
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2))
-            print(f"\nwrote {args.out}")
+            write_json(args.out, result)
         code = 0 if all(r.get("ok") for r in result["settings"].values()) else 1
     except KeyboardInterrupt:
         print("\ninterrupted: removing every process and namespace this benchmark created", file=sys.stderr)
@@ -940,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench/wan.py: error: {exc}", file=sys.stderr)
         code = 2
     finally:
-        _set_signals(signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        set_signals(signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         removed = teardown(PREFIX)
         print(f"cleaned up: {', '.join(removed) or 'nothing left'}", flush=True)
         LOCK_FILE.unlink(missing_ok=True)
