@@ -487,6 +487,7 @@ class Trainer:
         """
         self.metrics.close()
         self.federation.shutdown()
+        # train.log stays open: the caller logs the failure's reason into it next.
 
     def close(self) -> None:
         """Release everything after a successful run, in an order that cannot deadlock.
@@ -504,6 +505,7 @@ class Trainer:
         self.model = self.optimizer = self.lr_scheduler = None  # type: ignore[assignment]
         gc.collect()
         close_island()
+        _stop_logging_to_file()
 
 
 class _Hooks:
@@ -705,10 +707,24 @@ def _has_model(checkpoint: Path) -> bool:
     return any(k.startswith("train.") for k in keys)
 
 
+class _RunLog(logging.FileHandler):
+    """The run directory's train.log; one at a time per process."""
+
+
 def _log_to_file(path: Path) -> None:
-    handler = logging.FileHandler(path)
+    """Copy the platform's log lines into `path`, replacing an earlier run's train.log in
+    this process (trainers run one after another in tests, the simulator and benchmarks)."""
+    _stop_logging_to_file()
+    handler = _RunLog(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("archipelago").addHandler(handler)
+
+
+def _stop_logging_to_file() -> None:
+    logger = logging.getLogger("archipelago")
+    for handler in [h for h in logger.handlers if isinstance(h, _RunLog)]:
+        logger.removeHandler(handler)
+        handler.close()
 
 
 def run_training(cfg: Config) -> dict[str, Any]:

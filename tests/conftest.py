@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -54,6 +56,33 @@ def run_cli(args: list[str], timeout: float = 240, env: dict[str, str] | None = 
     proc = subprocess.Popen([sys.executable, "-m", "archipelago.launch.cli", *args], cwd=ROOT,
                             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return finish_started(proc, token, f"archipelago {' '.join(args)}", timeout)
+
+
+def run_cli_here(args: list[str], env: dict[str, str] | None = None) -> Finished:
+    """Run `archipelago ARGS` inside this process: the same code path as `run_cli` for the
+    commands that start no other process (a one-rank `train`, `report`), without the
+    seconds each new interpreter spends importing torch. Output is stdout and stderr
+    together, as `run_cli` gives it; the environment is restored afterwards."""
+    from archipelago.launch.cli import main
+
+    changes = {"ARCHIPELAGO_FAULT": None, "ARCHIPELAGO_FAULT_RANK": None, **(env or {})}
+    saved = {k: os.environ.get(k) for k in changes}
+    _set_env(changes)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = main(args)  # logging is set up inside, on the redirected stderr
+    finally:
+        _set_env(saved)
+    return Finished(code, out.getvalue())
+
+
+def _set_env(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def finish_started(proc: subprocess.Popen, token: str, what: str, timeout: float) -> Finished:

@@ -101,7 +101,8 @@ class Islands:
     def start(self, run_dir: Path, island: int, nproc: int, *args: str, fault: str | None = None,
               log: Path | None = None) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k != "ARCHIPELAGO_FAULT"}
-        env.update(PYTHONUNBUFFERED="1", ARCHIPELAGO_TEST_TOKEN=self.token)
+        # One thread per rank, as `archipelago local` sets: islands share the machine's cores.
+        env.update(PYTHONUNBUFFERED="1", ARCHIPELAGO_TEST_TOKEN=self.token, OMP_NUM_THREADS="1")
         if fault:
             env["ARCHIPELAGO_FAULT"] = fault
         cmd = [sys.executable, "-m", "archipelago.launch.cli", "train", "--nproc", str(nproc), *TINY,

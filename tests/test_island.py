@@ -80,6 +80,7 @@ def _free_port() -> int:
 def fsdp_on_two_ranks(rank: int, port: int, device: str, seed: int) -> Iterator[ParallelModel]:
     """Rank `rank` of a 2-rank gloo island on 127.0.0.1:`port`, holding tiny_model(device,
     seed) sharded with FSDP2; the process group is destroyed on exit."""
+    torch.set_num_threads(1)  # two ranks share two cores: more threads only wait for each other
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:

@@ -61,6 +61,7 @@ def _manager(lighthouse: str, island: int, bridge: int, width: int, store_port: 
 def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, rounds: int,
             lighthouse: str, store_ports: list[int], poisons: dict, codec: str, init_sync: bool,
             block: int, out: dict) -> None:
+    torch.set_num_threads(1)  # up to 4 processes on 2 cores: more threads only wait for each other
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=proc, world_size=sum(sizes))
     starts = [0, *accumulate(sizes)]
