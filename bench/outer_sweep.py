@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import multiprocessing as mp
 import signal
 import statistics
@@ -142,7 +143,8 @@ def print_table(table: list[dict]) -> None:
           "| spread (max-min) | seeds | tokens | setting |")
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
     for t in table:
-        print(f"| {t['vs_ddp']:.4f} | {t['vs_best_ddp']:.4f} | {t['vs_single']:.4f} | {t['val_loss']:.4f} | "
+        ratios = " | ".join("-" if math.isnan(t[k]) else f"{t[k]:.4f}" for k in ("vs_ddp", "vs_best_ddp", "vs_single"))
+        print(f"| {ratios} | {t['val_loss']:.4f} | "
               f"{t['spread']:.4f} | {t['seeds']} | {t['tokens']:,} | {t['setting']} |")
 
 
