@@ -26,7 +26,7 @@ from typing import Any, Protocol
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from archipelago.launch.processes import kill_until_gone, pids_with_env, process_env  # noqa: E402
+from archipelago.launch.processes import kill_until_gone, pids_with_env  # noqa: E402
 from archipelago.metrics.islands import island_records, outer_records  # noqa: E402
 from archipelago.metrics.jsonl import iter_records  # noqa: E402
 
@@ -54,13 +54,7 @@ def pids_with_token(token: str, prefix: bool = False) -> list[int]:
     starts with it (every run of one benchmark, a crashed earlier one's included)."""
     if not token:
         raise ValueError("an empty token would match every process")
-    if not prefix:
-        pids = pids_with_env(BENCH_TOKEN_ENV, token)
-    else:
-        # No exact value to look for: every environment, read afresh (a process caught
-        # between fork and exec still has its parent's).
-        pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
-        pids = [pid for pid in pids if (process_env(pid) or {}).get(BENCH_TOKEN_ENV, "").startswith(token)]
+    pids = pids_with_env(BENCH_TOKEN_ENV, token, prefix=prefix)
     return [pid for pid in pids if pid != os.getpid()]
 
 
@@ -227,9 +221,9 @@ def read_summary(run_dir: Path, required: bool = False) -> dict[str, Any]:
 
 def tokens_trained(run_dir: Path) -> int:
     """Tokens of one island / job: summary.json, else its last step record."""
-    summary = run_dir / "summary.json"
-    if summary.is_file():
-        return int(json.loads(summary.read_text())["tokens"])
+    summary = read_summary(run_dir)
+    if summary:
+        return int(summary["tokens"])
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "event" not in r and "tokens" in r]
     return int(steps[-1]["tokens"]) if steps else 0
 

@@ -47,7 +47,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import REPO, num, outer_steps, read_jsonl, run_job, run_main, work_root  # noqa: E402
+from harness import REPO, num, outer_steps, read_jsonl, read_summary, run_job, run_main, work_root  # noqa: E402
 
 from archipelago.metrics.report import final_validation  # noqa: E402
 
@@ -178,10 +178,11 @@ def collect(s: Setting, seed: int, run_dir: Path, params: int, args: argparse.Na
 
 
 def params_of(run_dir: Path) -> int:
+    """The model's parameter count, from the first island that wrote its summary."""
     for d in island_dirs(run_dir):
-        summary = d / "summary.json"
-        if summary.is_file():
-            return int(json.loads(summary.read_text()).get("params", 0))
+        summary = read_summary(d)
+        if summary:
+            return int(summary.get("params", 0))
     return 0
 
 

@@ -10,9 +10,11 @@ import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
+from archipelago.config import faults
 from archipelago.launch.processes import kill_until_gone, pids_with_env
 from archipelago.metrics.jsonl import iter_records, read_metrics
 
@@ -51,7 +53,7 @@ def kill_started_processes(token: str) -> None:
 def run_cli(args: list[str], timeout: float = 240, env: dict[str, str] | None = None) -> Finished:
     """Run `archipelago ARGS`; on timeout, and always at the end, kill every process it started."""
     token = uuid.uuid4().hex
-    full_env = {k: v for k, v in os.environ.items() if k not in ("ARCHIPELAGO_FAULT", "ARCHIPELAGO_FAULT_RANK")}
+    full_env = {k: v for k, v in os.environ.items() if k not in (faults.ENV, faults.RANK_ENV)}
     full_env.update(PYTHONUNBUFFERED="1", ARCHIPELAGO_TEST_TOKEN=token, **(env or {}))
     proc = subprocess.Popen([sys.executable, "-m", "archipelago.launch.cli", *args], cwd=ROOT,
                             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -65,24 +67,13 @@ def run_cli_here(args: list[str], env: dict[str, str] | None = None) -> Finished
     together, as `run_cli` gives it; the environment is restored afterwards."""
     from archipelago.launch.cli import main
 
-    changes = {"ARCHIPELAGO_FAULT": None, "ARCHIPELAGO_FAULT_RANK": None, **(env or {})}
-    saved = {k: os.environ.get(k) for k in changes}
-    _set_env(changes)
     out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            code = main(args)  # logging is set up inside, on the redirected stderr
-    finally:
-        _set_env(saved)
-    return Finished(code, out.getvalue())
-
-
-def _set_env(values: dict[str, str | None]) -> None:
-    for key, value in values.items():
-        if value is None:
+    with mock.patch.dict(os.environ), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        for key in (faults.ENV, faults.RANK_ENV):  # this process's own faults are not the run's
             os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+        os.environ.update(env or {})
+        code = main(args)  # logging is set up inside, on the redirected stderr
+    return Finished(code, out.getvalue())
 
 
 def finish_started(proc: subprocess.Popen, token: str, what: str, timeout: float) -> Finished:

@@ -350,3 +350,21 @@ def test_round_totals_measure_utilisation_from_the_end_of_the_join_round():
     assert round_totals(records[:1])["utilisation"] is None
     records[2]["untimed_s"] = 4.0  # an evaluation in the second round: neither compute nor waiting
     assert round_totals(records)["utilisation"] == 16.0 / 16.0
+
+
+@pytest.mark.timeout(30)
+def test_processes_are_found_by_exact_or_prefix_token_and_zombies_are_left_out() -> None:
+    name, token = "ARCHIPELAGO_TEST_PROBE", uuid.uuid4().hex
+    live = subprocess.Popen(["sleep", "30"], env={**os.environ, name: token + "-live"})
+    zombie = subprocess.Popen(["true"], env={**os.environ, name: token + "-done"})  # never waited for yet
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and zombie.pid in pids_with_env(name, token + "-done"):
+            time.sleep(0.05)  # `true` exits at once; until it is reaped it is a zombie
+        assert pids_with_env(name, token + "-live") == [live.pid]
+        assert pids_with_env(name, token) == []  # exact match: a prefix alone is not the value
+        assert pids_with_env(name, token, prefix=True) == [live.pid]  # the zombie is not signalled again
+    finally:
+        live.kill()
+        live.wait(timeout=10)
+        zombie.wait(timeout=10)

@@ -35,19 +35,22 @@ def _is_zombie(pid: int) -> bool:
     return stat[stat.rfind(")") + 2:].startswith("Z")
 
 
-def pids_with_env(name: str, value: str) -> list[int]:
-    """Live processes whose environment has `name=value` (read afresh: a process caught
-    between fork and exec still has its parent's)."""
+def pids_with_env(name: str, value: str, prefix: bool = False) -> list[int]:
+    """Live processes whose environment has `name=value`, or with `prefix` a value of
+    `name` that starts with `value` (read afresh: a process caught between fork and exec
+    still has its parent's)."""
     needle = f"{name}={value}".encode()
     found = []
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if needle in (entry / "environ").read_bytes().split(b"\0") and not _is_zombie(int(entry.name)):
-                found.append(int(entry.name))
+            items = (entry / "environ").read_bytes().split(b"\0")
         except OSError:  # exited meanwhile, or not ours to read
-            pass
+            continue
+        hit = any(i.startswith(needle) for i in items) if prefix else needle in items
+        if hit and not _is_zombie(int(entry.name)):
+            found.append(int(entry.name))
     return found
 
 
