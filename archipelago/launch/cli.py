@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from datetime import datetime
@@ -117,24 +116,25 @@ def _record_failure(cfg: Config, code: int, message: str) -> None:
 
 
 def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config) -> int:
-    """Re-run this command under torchrun with `nproc` local ranks; returns its exit code."""
+    """Run this command as `nproc` local ranks under torchrun's elastic agent; returns the
+    island's exit code.
+
+    The agent runs in this process (what `torchrun --standalone` would run in a process of
+    its own): one interpreter and one torch import fewer per launch, and the failure file
+    is read by the process that started the ranks.
+    """
     run_dir = cfg.job.run_dir or f"runs/{cfg.job.name}-{datetime.now():%Y%m%d-%H%M%S}"
     # Prepare once here, with progress on the terminal, so the ranks find it cached.
     from archipelago.data import prepare_from_config
 
     prepare_from_config(cfg.data, cfg.training.seed, log=log.info)
     (Path(run_dir) / FAILURE_FILE).unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "archipelago.launch.cli", "train", *argv,
-           f"--job.run_dir={run_dir}"]
-    env = dict(os.environ)
     # torchrun would set 1 with a warning; say it ourselves: cores / ranks threads each.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # The ranks inherit this process's environment.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     log.info("starting %d ranks under torchrun; run directory %s", nproc, run_dir)
-    try:
-        code = subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:  # torchrun forwards the signal to its workers
-        return 130
+    code = _run_elastic_agent(["--standalone", f"--nproc-per-node={nproc}", "-m", "archipelago.launch.cli",
+                               "train", *argv, f"--job.run_dir={run_dir}"])
     if code != 0:
         failure = Path(run_dir) / FAILURE_FILE
         if failure.is_file():  # the failing rank's own reason and exit code, not torchrun's
@@ -144,6 +144,27 @@ def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config) -> int:
         log.error("the island failed (exit code %d); it resumes from its last checkpoint when "
                   "restarted with --job.run_dir %s", code, run_dir)
     return code
+
+
+def _run_elastic_agent(torchrun_args: list[str]) -> int:
+    """`torchrun TORCHRUN_ARGS` inside this process; 0, 1 when a rank failed, or 128 + the
+    signal that stopped the agent (it stops the ranks first, as torchrun does)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(torchrun_args))
+    except ChildFailedError as exc:  # torchrun's own exit code for it: 1
+        rank, failure = exc.get_first_failure()
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        log.error("rank %s stopped first, with %s", rank, how)
+        return 1
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    except KeyboardInterrupt:
+        return 130
+    return 0
 
 
 def cmd_train(argv: list[str]) -> int:
