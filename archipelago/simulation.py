@@ -3,7 +3,7 @@
 `simulate(cfg, islands)` trains `islands` 1-rank islands in lockstep in this process
 and runs the outer step between them exactly as a federation of 1-rank islands does
 (round schedule and fragments, token weights, codecs with error feedback, the outer
-optimizer, `fragment_update_alpha`), with no lighthouse, sockets or subprocesses. It is
+optimizer, `fragment_update_alpha`, `average_optimizer_state`), with no lighthouse, sockets or subprocesses. It is
 what makes a sweep over outer settings affordable: one run is one process, seconds on
 a GPU, and many run side by side. A test checks it against the real federation.
 
@@ -27,6 +27,7 @@ from archipelago.config import Config
 from archipelago.data import PreparedDataset, TokenSequenceLoader, prepare_from_config, validation_batches
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.fragments import build_outer_optimizer, split_fragments
+from archipelago.federation.inner_state import state_keys
 from archipelago.island.optim import build_lr_scheduler, build_optimizer
 from archipelago.island.parallelize import compute_dtype
 from archipelago.models import build_model, get_model_args
@@ -88,6 +89,19 @@ class _Island:
     def flat(self, fragment: int) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self.fragments[fragment]])
 
+    def moments(self, fragment: int) -> list[torch.Tensor]:
+        """The fragment's optimizer moments, one flat vector per state key."""
+        return [torch.cat([self.optimizer.state[p][key].reshape(-1).float() for p in self.fragments[fragment]])
+                for key in state_keys(self.optimizer)]
+
+    @torch.no_grad()
+    def write_moments(self, fragment: int, flats: list[torch.Tensor]) -> None:
+        for key, flat in zip(state_keys(self.optimizer), flats):
+            offset = 0
+            for p in self.fragments[fragment]:
+                self.optimizer.state[p][key].copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
     @torch.no_grad()
     def write(self, fragment: int, flat: torch.Tensor) -> None:
         offset = 0
@@ -139,6 +153,7 @@ class _Outer:
         self.per_fragment = self.ft.sync_steps // n
         self.local_step, self.step = 0, 0
         self.pending: tuple[int, torch.Tensor, float] = (0, torch.zeros(0), 0.0)  # set by prepare()
+        self.pending_moments: list[torch.Tensor] = []  # average_optimizer_state: weighted sums
         self.bytes_sent = 0
 
     def after_inner_step(self, tokens: int) -> None:
@@ -168,6 +183,11 @@ class _Outer:
                 self.bytes_sent += 4 * (pseudo.numel() + 2)
             total += weight * pseudo
             weights += weight
+            if self.ft.average_optimizer_state:
+                moments = [m * weight for m in island.moments(fragment)]
+                self.pending_moments = (moments if island is self.islands[0] else
+                                        [a + b for a, b in zip(self.pending_moments, moments)])
+                self.bytes_sent += 4 * (sum(m.numel() for m in moments) + 1)
         self.pending = (fragment, total, weights)
 
     @torch.no_grad()
@@ -187,6 +207,9 @@ class _Outer:
             if self.ft.fragment_update_alpha > 0:
                 new = new.lerp(island.flat(fragment), self.ft.fragment_update_alpha)
             island.write(fragment, new)
+        if self.ft.average_optimizer_state and weights > 0:
+            for island in self.islands:
+                island.write_moments(fragment, [m / weights for m in self.pending_moments])
 
 
 def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval_windows: int = 256,

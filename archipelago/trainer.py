@@ -192,7 +192,7 @@ class Trainer:
         federation member that has joined the lighthouse (it talks back through _Hooks)."""
         return build_federation(self.cfg.fault_tolerance, self.cfg.training.steps, self.model.inner,
                                 f"{self.cfg.model.name}/{self.cfg.model.flavor}", self.ctx.rank,
-                                self.ctx.world_size, self.tokens_per_step, _Hooks(self))
+                                self.ctx.world_size, self.tokens_per_step, _Hooks(self), self.optimizer)
 
     def build_checkpointer(self) -> CheckpointManager | None:
         c = self.cfg.checkpoint

@@ -9,7 +9,8 @@ same config, for several seeds, and is compared in the same run with two baselin
   islands' combined batch: the same tokens as a 2-island federation, the expensive way.
 
 Settings: diloco (2 x 1 rank, the config's outer step, sync_steps 20), reference-outer (the
-reference platform's outer Nesterov SGD, lr 0.7, momentum 0.9), diloco-3 (3 x 1 rank: 1.5x
+reference platform's outer Nesterov SGD, lr 0.7, momentum 0.9), averaged-moments (diloco
+with the islands' AdamW moments averaged at each outer step), diloco-3 (3 x 1 rank: 1.5x
 DDP's tokens, so compared with one island only), int8, topk, streaming int8 (4 fragments,
 tau 2), sync_steps 5 / 50 / 100, and het-1:3 (a 2-rank and a
 1-rank island, the 1-rank one emulated 3x slower, time-paced rounds as long as the diloco
@@ -74,6 +75,7 @@ SETTINGS = {s.name: s for s in (
     Setting("ddp", islands="", ranks=2, batch_factor=2, args=("--parallelism.data_parallel", "ddp")),
     Setting("diloco"),
     Setting("reference-outer", args=("--fault_tolerance.outer_lr", "0.7", "--fault_tolerance.outer_momentum", "0.9")),
+    Setting("averaged-moments", args=("--fault_tolerance.average_optimizer_state",)),
     Setting("diloco-3", islands="1,1,1"),
     Setting("het-1:3", islands="2,1", slowdown="1,3", time_paced=True),
     Setting("single-fast", islands="", ranks=2),

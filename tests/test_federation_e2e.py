@@ -31,12 +31,15 @@ def _federation(tmp: Path, name: str, islands: str, *extra: str) -> dict:
     return json.loads((run_dir / "federation.json").read_text())
 
 
-def _final_weights(island_dir: Path) -> dict[str, torch.Tensor]:
+def _final_weights(island_dir: Path, part: str = ".model.") -> dict[str, torch.Tensor]:
+    """The last checkpoint's tensors whose key contains `part` (the model's weights, or
+    the optimizer's moments with part=".exp_avg")."""
     ckpt = island_dir / "checkpoints" / (island_dir / "checkpoints" / "latest").read_text().strip()
     out = island_dir / "final.pt"
-    dcp_to_torch_save(ckpt, out)
-    state = torch.load(out, weights_only=False)
-    return {k: v for k, v in _flatten(state).items() if ".model." in f".{k}" and torch.is_tensor(v)}
+    if not out.exists():
+        dcp_to_torch_save(ckpt, out)
+    state = torch.load(out, weights_only=False)  # this test's own checkpoint
+    return {k: v for k, v in _flatten(state).items() if part in f".{k}" and torch.is_tensor(v)}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -49,8 +52,11 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 @pytest.mark.timeout(900)
 def test_islands_of_two_and_one_ranks_match_one_and_one(tmp_path):
-    mixed = _federation(tmp_path, "mixed", "2,1")
-    even = _federation(tmp_path, "even", "1,1")
+    # With the inner optimizer's moments averaged too: they cross the 2-rank island's FSDP
+    # shards through the same flat layout as the weights.
+    averaged = ["--fault_tolerance.average_optimizer_state"]
+    mixed = _federation(tmp_path, "mixed", "2,1", *averaged)
+    even = _federation(tmp_path, "even", "1,1", *averaged)
     for fed in (mixed, even):
         assert fed["global_hash_agree"], fed["islands"]
         # The joining round (everyone sends nothing, receives the start weights), then two rounds.
@@ -63,6 +69,11 @@ def test_islands_of_two_and_one_ranks_match_one_and_one(tmp_path):
     for name in a:
         torch.testing.assert_close(a[name], c[name], rtol=0, atol=0, msg=name)  # one global model
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=2e-4, msg=name)  # FSDP vs 1 rank
+    # The run ends on an outer step: every island continues from the same averaged moments.
+    ma, mc = (_final_weights(tmp_path / "mixed" / island, ".exp_avg") for island in ("island-0", "island-1"))
+    assert ma.keys() == mc.keys() and len(ma) > 20
+    for name in ma:
+        torch.testing.assert_close(ma[name], mc[name], rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.slow  # the arithmetic of each width is checked in-process: test_rounds, test_federation

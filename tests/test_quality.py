@@ -1,7 +1,8 @@
 """The federation pays off: the outer step against references, and two islands against one.
 
 * The in-process simulator (archipelago/simulation.py, what bench/outer_sweep.py tunes
-  with) trains the same weights as `archipelago local`, bit for bit.
+  with) trains the same weights as `archipelago local`, bit for bit (with the inner
+  optimizer's moments averaged as well).
 * With inner SGD, one inner step per round and plain averaging (outer SGD, lr 1, no
   momentum), a federation of two 1-rank islands is synchronous data parallelism: its
   weights equal a 2-rank DDP run's on the same batches.
@@ -33,20 +34,25 @@ def test_simulator_trains_the_same_weights_as_a_real_federation(tmp_path):
     from archipelago.config import load_config
     from archipelago.simulation import simulate
 
-    # The reference platform's outer step (Nesterov momentum): the optimizer state matters.
+    # The reference platform's outer step (Nesterov momentum): the optimizer state matters;
+    # and the islands' inner AdamW moments averaged at each outer step.
     outer = ["--fault_tolerance.sync_steps", "4", "--fault_tolerance.outer_lr", "0.7",
-             "--fault_tolerance.outer_momentum", "0.9", "--training.steps", "8"]
+             "--fault_tolerance.outer_momentum", "0.9", "--training.steps", "8",
+             "--fault_tolerance.average_optimizer_state"]
     done = run_cli(["local", "--islands", "1,1", "--no-table", *TINY, *QUICK, *outer,
                     "--job.run_dir", str(tmp_path / "fed")], timeout=240)
     assert done.returncode == 0, done.output[-3000:]
     real = _model_weights(tmp_path / "fed" / "island-0")
     cfg = load_config([*TINY, *QUICK, *outer, "--fault_tolerance.enable"])
-    simulated = simulate(cfg, islands=2).models[0].state_dict()
+    simulated = simulate(cfg, islands=2, eval_windows=32).models[0].state_dict()  # few: only weights count
     assert real.keys() == simulated.keys() and len(real) > 10
     start = _model_weights_at_start()
     assert all(not torch.equal(real[k], v) for k, v in start.items())  # the comparison can fail
     for name, value in simulated.items():
         assert torch.equal(real[name], value), name
+    cfg.fault_tolerance.average_optimizer_state = False  # the moments' averaging changed the weights
+    own = simulate(cfg, islands=2, eval_windows=32).models[0].state_dict()
+    assert any(not torch.equal(real[name], value) for name, value in own.items())
 
 
 @pytest.mark.timeout(400)

@@ -60,7 +60,7 @@ def _manager(lighthouse: str, island: int, bridge: int, width: int, store_port: 
 
 def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, rounds: int,
             lighthouse: str, store_ports: list[int], poisons: dict, codec: str, init_sync: bool,
-            block: int, out: dict) -> None:
+            block: int, moments: bool, out: dict) -> None:
     torch.set_num_threads(1)  # up to 4 processes on 2 cores: more threads only wait for each other
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=proc, world_size=sum(sizes))
@@ -73,17 +73,21 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
         ft = FaultToleranceConfig(enable=True, group_size=len(sizes), min_replica_size=len(sizes),
                                   replica_id=island, sync_steps=ROUND, semi_sync_method="local_sgd",
                                   outer_weighting=weighting, sync_width=width, codec=codec,
-                                  topk_fraction=0.1, codec_block_size=block, init_sync=init_sync)
+                                  topk_fraction=0.1, codec_block_size=block, init_sync=init_sync,
+                                  average_optimizer_state=moments)
         model = _model()
+        optimizer = torch.optim.AdamW(model.parameters()) if moments else None
         fp = fingerprint("two-linears", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, sizes[island])
         outer = OuterLoop(ft, [list(model.parameters())], rank, sizes[island], manager, fp, groups[island],
-                          poisons=[poisons[island]] if island in poisons else [])
+                          poisons=[poisons[island]] if island in poisons else [], optimizer=optimizer)
         if not init_sync:  # as the trainer does: a join round first
             joined = outer.join(len(sizes), 30)
             out[(proc, 0)] = (_flat(model), joined.healed, joined.bytes_sent, joined.committed)
         step = 0
         for round_ in range(1, rounds + 1):
             start = _flat(model)
+            if optimizer is not None:  # known moments, as if the island had stepped
+                _set_moments(optimizer, model, island, round_)
             for _ in range(ROUND):
                 step += 1
                 _set_flat(model, start + _delta(island, round_, start.numel()))
@@ -91,15 +95,37 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
             out[(proc, round_)] = (_flat(model), report.weight, report.rejected, report.committed,
                                    report.federation_tokens)
             out[(proc, round_, "bytes")] = (report.bytes_sent, report.bytes_received)
+            if optimizer is not None:
+                out[(proc, round_, "moments")] = [_flat_moment(optimizer, model, key) for key in MOMENTS]
     finally:
         if manager is not None:
             manager.shutdown(wait=False)
         dist.destroy_process_group()
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _moment(island: int, round_: int, key: int, numel: int) -> torch.Tensor:
+    """The moments island `island` holds at the end of round `round_` (known to the test)."""
+    return _delta(island, 1000 * (key + 1) + round_, numel).abs() * (key + 1)
+
+
+def _set_moments(optimizer: torch.optim.Optimizer, model: nn.Module, island: int, round_: int) -> None:
+    numel = sum(p.numel() for p in model.parameters())
+    for key, name in enumerate(MOMENTS):
+        flat = _moment(island, round_, key, numel)
+        for p, value in zip(model.parameters(), flat.split([p.numel() for p in model.parameters()])):
+            optimizer.state[p][name] = value.view_as(p).clone()
+
+
+def _flat_moment(optimizer: torch.optim.Optimizer, model: nn.Module, name: str) -> torch.Tensor:
+    return torch.cat([optimizer.state[p][name].flatten() for p in model.parameters()])
+
+
 def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
               poisons: dict[int, Poison] | None = None, codec: str = "fp32", init_sync: bool = True,
-              block: int = 16) -> dict:
+              block: int = 16, moments: bool = False) -> dict:
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
@@ -110,7 +136,7 @@ def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
             out = manager.dict()
             mp.spawn(_worker, nprocs=sum(sizes), join=True,
                      args=(_free_port(), sizes, width, weighting, rounds, lighthouse.address(),
-                           [s.port for s in stores], poisons or {}, codec, init_sync, block, out))
+                           [s.port for s in stores], poisons or {}, codec, init_sync, block, moments, out))
             return dict(out)
     finally:
         lighthouse.shutdown()
@@ -135,7 +161,8 @@ def _expected(sizes: list[int], weights: list[float], rounds: int, skip: dict[in
                          ids=["2+1-width1-tokens", "2+2-width2-tokens", "1+2+1-equal"])
 def test_outer_step_applies_the_weighted_mean_of_pseudo_gradients(sizes, width, weighting):
     rounds = 2
-    out = _federate(sizes, width, weighting, rounds)
+    moments = width == 2  # and of the inner optimizer's moments (average_optimizer_state)
+    out = _federate(sizes, width, weighting, rounds, moments=moments)
     weights = [float(TOKENS[k] * ROUND) if weighting == "tokens" else 1.0 for k in range(len(sizes))]
     expected = _expected(sizes, weights, rounds)
     starts = [0, *accumulate(sizes)]
@@ -148,6 +175,11 @@ def test_outer_step_applies_the_weighted_mean_of_pseudo_gradients(sizes, width, 
             assert fed_tokens == round_ * ROUND * sum(TOKENS[:len(sizes)])  # every island's tokens, counted once
             torch.testing.assert_close(flat, expected[round_ - 1], rtol=0, atol=1e-6,
                                        msg=f"process {proc} (island {island}), round {round_}")
+            if moments:
+                numel = flat.numel()
+                for key, got in enumerate(out[(proc, round_, "moments")]):
+                    want = sum(w * _moment(k, round_, key, numel) for k, w in enumerate(weights)) / sum(weights)
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=f"{MOMENTS[key]}, process {proc}")
 
 
 @pytest.mark.timeout(240)

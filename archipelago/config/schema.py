@@ -198,6 +198,8 @@ class FaultToleranceConfig:
     """At the start of a new federation, every island downloads the starting state from one peer. false: each island starts from its own initialisation, which must be the same on every island (same model, seed and init device; checked at the join, a mismatch is refused); saves one full-state download per island."""
     join_wait_ms: int = 60000
     """A new federation (outer step 0) waits this long for all `group_size` islands before it starts with those present."""
+    average_optimizer_state: bool = False
+    """At each outer step also average the islands' inner optimizer moments (AdamW's first and second moments), weighted like the pseudo-gradients, and continue from the average: each island's AdamW otherwise normalises by its own, noisier second moment. Brings DiLoCo closer to DDP at equal tokens (docs/quality.md) for two more model-sized fp32 all-reduces per round (3x the bytes of fp32 DiLoCo); sent uncompressed whatever the codec."""
     outer_weighting: Literal["tokens", "equal"] = "tokens"
     """How islands' pseudo-gradients are averaged: in proportion to the tokens each trained in the round (`tokens`), or equally (`equal`, plain DiLoCo)."""
     round_pacing: Literal["steps", "time"] = "steps"

@@ -31,12 +31,13 @@ __all__ = ["Alone", "FederationError", "FederationMismatch", "IslandHooks", "Lig
 
 
 def build_federation(ft: FaultToleranceConfig, steps: int, model: nn.Module, model_name: str, rank: int,
-                     world_size: int, tokens_per_step: int, hooks: IslandHooks) -> Alone:
+                     world_size: int, tokens_per_step: int, hooks: IslandHooks,
+                     optimizer: torch.optim.Optimizer | None = None) -> Alone:
     """The trainer's side of the seam: `Alone` without fault tolerance, else a `Member`
     that has joined the lighthouse (a collective over the island; see build_outer_loop)."""
     if not ft.enable:
         return Alone(steps)
-    outer = build_outer_loop(ft, model, model_name, rank, world_size, tokens_per_step)
+    outer = build_outer_loop(ft, model, model_name, rank, world_size, tokens_per_step, optimizer)
     return Member(outer, ft, steps, tokens_per_step, world_size, hooks)
 
 
@@ -53,7 +54,8 @@ def check_exchange_device(ft: FaultToleranceConfig, device: torch.device) -> Non
 
 
 def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str, rank: int,
-                     world_size: int, tokens_per_step: int = 0) -> OuterLoop:
+                     world_size: int, tokens_per_step: int = 0,
+                     optimizer: torch.optim.Optimizer | None = None) -> OuterLoop:
     """Join the federation: check the lighthouse, make the bridge ranks' managers, and
     take the current weights as the first global weights (a collective over the island)."""
     check_exchange_device(ft, next(model.parameters()).device)
@@ -71,7 +73,8 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str
     if problem is not None:
         raise LighthouseUnreachable(problem)
     shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-    fp = fingerprint(model_name, shapes, ft, world_size, tokens_per_step)
+    fp = fingerprint(model_name, shapes, ft, world_size, tokens_per_step,
+                     type(optimizer).__name__ if optimizer is not None else "")
     poisons = poisons_from_env()  # checked before joining: a typo fails here, not mid-run
     width = 1 if ft.rank0_synchronization_only else ft.sync_width
     manager = build_manager(ft, rank, width) if rank < width else None
@@ -83,4 +86,4 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str
     for poison in poisons if rank == 0 else []:
         log.warning("ARCHIPELAGO_FAULT %s@%d: this island will send a poisoned update in outer step %d "
                     "(a test/demo of the update guard)", poison.kind, poison.round, poison.round)
-    return OuterLoop(ft, fragments, rank, world_size, manager, fp, poisons=poisons)
+    return OuterLoop(ft, fragments, rank, world_size, manager, fp, poisons=poisons, optimizer=optimizer)

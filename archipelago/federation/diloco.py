@@ -47,6 +47,7 @@ from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.exchange import Gathered, finish_gather, start_gather
 from archipelago.federation.fragments import build_outer_optimizer, load_tensor_state, tensor_state
 from archipelago.federation.guard import Poison, UpdateGuard
+from archipelago.federation.inner_state import InnerStateAverager, StateExchange
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.membership import FederationMismatch, exchange_fingerprints, mismatch
 from archipelago.federation.policy import (
@@ -119,6 +120,7 @@ class _Pending:
     norm: float | None = None
     rejected: str | None = None
     gathered: Gathered | None = None  # the exchange of a codec other than fp32
+    state: StateExchange | None = None  # the inner optimizer's moments (average_optimizer_state)
     started: float = 0.0              # perf_counter when the exchange was handed to the network
 
 
@@ -127,7 +129,8 @@ class OuterLoop:
 
     def __init__(self, ft: FaultToleranceConfig, fragments: list[list[nn.Parameter]], rank: int,
                  world_size: int, manager: Any, fingerprint: dict[str, Any],
-                 group: dist.ProcessGroup | None = None, poisons: list[Poison] | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, poisons: list[Poison] | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.ft, self.rank, self.world_size, self.group = ft, rank, world_size, group
         self.poisons = {p.round: p for p in poisons or []}  # test-only: outer step -> poison
         self.manager, self.fingerprint = manager, fingerprint  # torchft Manager on bridge ranks, else None
@@ -135,6 +138,10 @@ class OuterLoop:
         self.delay = ft.fragment_sync_delay
         self.layouts = [FlatLayout(params, ft.sync_width, rank, world_size, group) for params in fragments]
         self.is_bridge = self.layouts[0].is_bridge
+        if ft.average_optimizer_state and optimizer is None:
+            raise ValueError("average_optimizer_state needs the island's inner optimizer")
+        self.inner_state = (InnerStateAverager(optimizer, fragments, self.layouts)
+                            if ft.average_optimizer_state and optimizer is not None else None)
         if self.is_bridge != (manager is not None):
             raise ValueError("bridge ranks (and only they) need a torchft Manager")
         self.numel = sum(layout.numel for layout in self.layouts)
@@ -310,6 +317,10 @@ class OuterLoop:
                                             pending.weight)
         elif exchange:
             pending.work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM)
+        if self.inner_state is not None and not skips_exchange(joining, self.step, self.ft.init_sync):
+            device = torch.device("cpu") if self.ft.copy_pseudogradients_to_cpu else None
+            pending.state = self.inner_state.start(fragment, pending.weight, self.manager, self._island_all,
+                                                   device)
         pending.buffer, pending.prepare_s = buffer, time.perf_counter() - began
         pending.started = time.perf_counter()
         self.pending = pending
@@ -357,12 +368,16 @@ class OuterLoop:
             decode_s = finish_gather(p.gathered, self.codecs[p.fragment], p.buffer, self.manager)
         elif p.work is not None:
             p.work.wait()
+        if p.state is not None and self.inner_state is not None:
+            self.inner_state.wait(p.state)  # before the vote: a failed exchange votes no
         exposed_s = time.perf_counter() - blocked_since
         mine = RoundResult()
         if self.manager is not None and p.buffer is not None:
             mine = RoundResult(self._should_commit(), self.manager.num_participants(),
                                float(p.buffer[-1]), int(float(p.buffer[-2])))
-        result = RoundResult.from_values(self._island_max(mine.to_values()))
+        state_weight = InnerStateAverager.total_weight(p.state) if p.state is not None else 0.0
+        values = self._island_max([*mine.to_values(), state_weight])
+        result = RoundResult.from_values(values[:-1])
         committed, participants = result.committed, result.participants
         total, tokens = result.total_weight, result.federation_tokens
         merge = merges_local(result, p.reset, self.ft.fragment_update_alpha)
@@ -375,6 +390,8 @@ class OuterLoop:
             if local is not None:  # merge
                 new = new.lerp(local.to(new.device), self.ft.fragment_update_alpha)
         self.layouts[p.fragment].scatter(new)
+        if p.state is not None and self.inner_state is not None:
+            self.inner_state.finish(p.state, apply=result.committed and values[-1] > 0)
         if p.reset:  # a healed island takes every fragment's global weights
             for i, layout in enumerate(self.layouts):
                 if i != p.fragment:
@@ -469,6 +486,9 @@ class OuterLoop:
             sent, received = p.gathered.sent, p.gathered.received
         elif p.work is not None and p.buffer is not None:
             sent = received = p.buffer.numel() * p.buffer.element_size()
+        if p.state is not None and p.state.buffer is not None:
+            sent += p.state.buffer.numel() * p.state.buffer.element_size()
+            received += p.state.buffer.numel() * p.state.buffer.element_size()
         totals = self._island_sums([float(sent), float(received)])
         return int(totals[0]), int(totals[1])
 
@@ -527,6 +547,10 @@ class OuterLoop:
         if self.world_size > 1:
             dist.all_reduce(t, op=ReduceOp.MAX, group=self.group)
         return t.tolist()
+
+    def _island_all(self, flag: bool) -> bool:
+        """True if `flag` holds on every rank of the island."""
+        return self._island_max([0.0 if flag else 1.0])[0] == 0.0
 
     def _island_sums(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)

@@ -9,7 +9,8 @@ bridge rank s of every island holds chunk s.
 `FlatLayout.gather` moves the island's current parameter values into the bridge
 ranks' chunks; `FlatLayout.scatter` writes chunk values back into every rank's own
 shard. Both are one `all_to_all` inside the island; no rank ever materialises more
-than its chunk, so a wide bridge never holds the whole model on one rank.
+than its chunk, so a wide bridge never holds the whole model on one rank. Both also take
+any tensors sharded like the parameters (the inner optimizer's moments) in their place.
 """
 
 from __future__ import annotations
@@ -117,19 +118,21 @@ class FlatLayout:
                 out.append(Piece(h.param, a, b, a - h.start))
         return out
 
-    def _flat_local(self, i: int) -> torch.Tensor:
-        return _local(self.params[i]).view(-1)
+    def _flat_local(self, i: int, tensors: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        return _local((self.params if tensors is None else tensors)[i]).view(-1)
 
     # ---- data movement -------------------------------------------------------------
 
     @torch.no_grad()
-    def gather(self, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    def gather(self, dtype: torch.dtype = torch.float32,
+               tensors: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
         """The current parameter values of this rank's chunk (bridge ranks), else None.
+        `tensors`: gather these instead, one per parameter, sharded as the parameters are.
 
         A collective over the island: every rank must call it.
         """
         device = _local(self.params[0]).device
-        sends = [self._pack(self.gather_plan[(self.rank, d)], dtype, device) if d < self.width else
+        sends = [self._pack(self.gather_plan[(self.rank, d)], dtype, device, tensors) if d < self.width else
                  torch.empty(0, dtype=dtype, device=device) for d in range(self.world_size)]
         recv_plans = [self.gather_plan[(src, self.rank)] if self.is_bridge else []
                       for src in range(self.world_size)]
@@ -143,8 +146,9 @@ class FlatLayout:
         return chunk
 
     @torch.no_grad()
-    def scatter(self, chunk: torch.Tensor | None) -> None:
-        """Write the bridge ranks' chunks into every rank's own shard (a collective)."""
+    def scatter(self, chunk: torch.Tensor | None, tensors: Sequence[torch.Tensor] | None = None) -> None:
+        """Write the bridge ranks' chunks into every rank's own shard (a collective);
+        into `tensors` instead of the parameters when given."""
         device = _local(self.params[0]).device
         dtype = chunk.dtype if chunk is not None else torch.float32
         lo = self.chunk_range(self.rank)[0] if self.is_bridge else 0
@@ -160,12 +164,13 @@ class FlatLayout:
             cursor = 0
             for piece in plan:
                 n = piece.stop - piece.start
-                target = self._flat_local(piece.param)[piece.offset:piece.offset + n]
+                target = self._flat_local(piece.param, tensors)[piece.offset:piece.offset + n]
                 target.copy_(data[cursor:cursor + n])
                 cursor += n
 
-    def _pack(self, plan: list[Piece], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        parts = [self._flat_local(p.param)[p.offset:p.offset + p.stop - p.start] for p in plan]
+    def _pack(self, plan: list[Piece], dtype: torch.dtype, device: torch.device,
+              tensors: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        parts = [self._flat_local(p.param, tensors)[p.offset:p.offset + p.stop - p.start] for p in plan]
         return torch.cat(parts).to(dtype) if parts else torch.empty(0, dtype=dtype, device=device)
 
     @staticmethod

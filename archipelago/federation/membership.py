@@ -153,11 +153,12 @@ def _checkpoint_transport(timeout: timedelta) -> Any:
 
 # What every island must agree on; anything else (rank count, device) may differ.
 FINGERPRINT_KEYS = ("model", "params", "shapes", "sync_width", "num_fragments", "semi_sync_method",
-                    "outer", "pacing", "codec", "start")
+                    "outer", "pacing", "codec", "start", "inner_state")
 
 
 def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]],
-                ft: FaultToleranceConfig, ranks: int, tokens_per_step: int = 0) -> dict[str, Any]:
+                ft: FaultToleranceConfig, ranks: int, tokens_per_step: int = 0,
+                inner_optimizer: str = "") -> dict[str, Any]:
     """A description of this island that peers compare at join time.
 
     Under time pacing the round budget and the federation's token budget (training.steps
@@ -171,7 +172,8 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
             "params": sum(math.prod(s) for _, s in named_shapes), "shapes": shapes,
             "sync_width": ft.sync_width, "num_fragments": ft.num_fragments,
             "semi_sync_method": ft.semi_sync_method, "outer": outer, "pacing": _pacing(ft, tokens_per_step),
-            "codec": _codec(ft), "start": "from a peer" if ft.init_sync else "own weights"}
+            "codec": _codec(ft), "start": "from a peer" if ft.init_sync else "own weights",
+            "inner_state": f"averaged ({inner_optimizer})" if ft.average_optimizer_state else "own"}
 
 
 def _codec(ft: FaultToleranceConfig) -> str:
@@ -194,7 +196,7 @@ def describe(fp: dict[str, Any]) -> str:
     return (f"island {fp['island']} ({fp['ranks']} rank(s)): {fp['model']}, {fp['params']:,} parameters "
             f"(shapes {fp['shapes']}), sync_width {fp['sync_width']}, {fp['num_fragments']} fragment(s), "
             f"{fp['semi_sync_method']} {fp['outer']}, pacing {fp['pacing']}, codec {fp['codec']}, "
-            f"start {fp.get('start', '?')}")
+            f"start {fp.get('start', '?')}, inner optimizer state {fp.get('inner_state', '?')}")
 
 
 def mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
