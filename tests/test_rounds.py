@@ -88,6 +88,8 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
             start = _flat(model)
             if optimizer is not None:  # known moments, as if the island had stepped
                 _set_moments(optimizer, model, island, round_)
+                if island in poisons and poisons[island].round == round_:  # its moments are bad too
+                    next(iter(optimizer.state.values()))["exp_avg"].fill_(float("nan"))
             for _ in range(ROUND):
                 step += 1
                 _set_flat(model, start + _delta(island, round_, start.numel()))
@@ -187,7 +189,8 @@ def test_outer_step_applies_the_weighted_mean_of_pseudo_gradients(sizes, width, 
                          ids=["nan", "scale1000"])
 def test_poisoned_updates_are_rejected_and_everyone_keeps_the_same_finite_weights(poison, sizes):
     rounds = poison.round + 1
-    out = _federate(sizes, 1, "tokens", rounds, {1: poison})
+    # With averaged moments: the poisoned island's NaN moments stay out of the average too.
+    out = _federate(sizes, 1, "tokens", rounds, {1: poison}, moments=True)
     weights = [float(TOKENS[k] * ROUND) for k in range(len(sizes))]
     expected = _expected(sizes, weights, rounds, skip={1: poison.round})
     for proc in range(sum(sizes)):
@@ -200,6 +203,10 @@ def test_poisoned_updates_are_rejected_and_everyone_keeps_the_same_finite_weight
             assert torch.isfinite(flat).all()
             torch.testing.assert_close(flat, expected[round_ - 1], rtol=0, atol=1e-6,
                                        msg=f"process {proc}, round {round_}")
+            w = [0.0 if (k == 1 and round_ == poison.round) else weights[k] for k in range(len(sizes))]
+            for key, got in enumerate(out[(proc, round_, "moments")]):
+                want = sum(wk * _moment(k, round_, key, flat.numel()) for k, wk in enumerate(w)) / sum(w)
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=f"{MOMENTS[key]}, process {proc}")
     reason = out[(sum(sizes) - 1, poison.round)][2]
     assert ("non-finite" in reason) if poison.kind == "nan" else ("running median" in reason)
 

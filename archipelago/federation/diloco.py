@@ -319,7 +319,7 @@ class OuterLoop:
             pending.work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM)
         if self.inner_state is not None and not skips_exchange(joining, self.step, self.ft.init_sync):
             device = torch.device("cpu") if self.ft.copy_pseudogradients_to_cpu else None
-            pending.state = self.inner_state.start(fragment, pending.weight, self.manager, self._island_all,
+            pending.state = self.inner_state.start(fragment, pending.weight, self.manager, self._island_max,
                                                    device)
         pending.buffer, pending.prepare_s = buffer, time.perf_counter() - began
         pending.started = time.perf_counter()
@@ -547,10 +547,6 @@ class OuterLoop:
         if self.world_size > 1:
             dist.all_reduce(t, op=ReduceOp.MAX, group=self.group)
         return t.tolist()
-
-    def _island_all(self, flag: bool) -> bool:
-        """True if `flag` holds on every rank of the island."""
-        return self._island_max([0.0 if flag else 1.0])[0] == 0.0
 
     def _island_sums(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from archipelago.config.errors import ConfigError
-from archipelago.federation.layout import FlatLayout
+from archipelago.federation.layout import FlatLayout, local_tensor
 
 # The state an optimizer keeps per parameter, shaped like the parameter, that is averaged.
 STATE_KEYS: dict[str, tuple[str, ...]] = {
@@ -49,9 +49,16 @@ class StateExchange:
     """One fragment's moments in flight: [moment 0 chunk, moment 1 chunk, ..., weight]."""
 
     fragment: int
-    ready: bool                  # the island has moments (false before its first step)
+    ready: bool                  # the island has moments to overwrite (false before its first step)
     buffer: torch.Tensor | None  # bridge ranks only
     work: Any = None
+
+
+def _finite(tensors: list[torch.Tensor]) -> bool:
+    """Every value finite; one device sync for all of them."""
+    if not tensors:
+        return True
+    return bool(torch.stack([torch.isfinite(local_tensor(t)).all() for t in tensors]).all())
 
 
 class InnerStateAverager:
@@ -71,23 +78,30 @@ class InnerStateAverager:
             tensors.append(t)
         return tensors
 
-    def start(self, fragment: int, weight: float, manager: Any, island_all: Callable[[bool], bool],
+    def start(self, fragment: int, weight: float, manager: Any,
+              island_max: Callable[[list[float]], list[float]],
               device: torch.device | None = None) -> StateExchange:
         """Gather the fragment's moments onto the bridge ranks and start their weighted sum
-        across islands (a collective over the island, then over the federation)."""
+        across islands (a collective over the island, then over the federation). An island
+        whose moments are not finite sends nothing and takes the others' average."""
         moments = [self._moments(fragment, key) for key in self.keys]
-        ready = island_all(all(m is not None for m in moments))
+        have = all(m is not None for m in moments)
+        finite = have and _finite([t for m in moments if m is not None for t in m])
+        lacking, bad = island_max([float(not have), float(not finite)])  # over the island's ranks
+        have, ready = not lacking, not bad
         chunks = [self.layouts[fragment].gather(tensors=m if ready else None) for m in moments]
         if chunks[0] is None:  # not a bridge rank
-            return StateExchange(fragment, ready, None)
-        weight = weight if ready else 0.0  # an island without moments yet takes the others'
+            return StateExchange(fragment, have, None)
         buffer = torch.cat([*(c for c in chunks if c is not None), chunks[0].new_zeros(1)])
         if device is not None:
             buffer = buffer.to(device)
-        buffer[:-1].mul_(weight)
-        buffer[-1] = weight
+        if ready and weight > 0:
+            buffer[:-1].mul_(weight)
+            buffer[-1] = weight
+        else:  # no moments yet, or non-finite ones (never multiply them by 0: NaN x 0 is NaN)
+            buffer.zero_()
         work = manager.allreduce(buffer, reduce_op=ReduceOp.SUM)
-        return StateExchange(fragment, ready, buffer, work)
+        return StateExchange(fragment, have, buffer, work)
 
     def wait(self, exchange: StateExchange) -> None:
         """Wait for the sum (before the commit vote, so a failed exchange votes no)."""

@@ -45,7 +45,7 @@ class Piece:
     offset: int  # where `start` sits inside the holder's flattened local tensor
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """The rank-local storage of a parameter (a view: writing it writes the parameter)."""
     return p._local_tensor if isinstance(p, DTensor) else p.data
 
@@ -119,7 +119,7 @@ class FlatLayout:
         return out
 
     def _flat_local(self, i: int, tensors: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        return _local((self.params if tensors is None else tensors)[i]).view(-1)
+        return local_tensor((self.params if tensors is None else tensors)[i]).view(-1)
 
     # ---- data movement -------------------------------------------------------------
 
@@ -131,7 +131,7 @@ class FlatLayout:
 
         A collective over the island: every rank must call it.
         """
-        device = _local(self.params[0]).device
+        device = local_tensor(self.params[0]).device
         sends = [self._pack(self.gather_plan[(self.rank, d)], dtype, device, tensors) if d < self.width else
                  torch.empty(0, dtype=dtype, device=device) for d in range(self.world_size)]
         recv_plans = [self.gather_plan[(src, self.rank)] if self.is_bridge else []
@@ -149,7 +149,7 @@ class FlatLayout:
     def scatter(self, chunk: torch.Tensor | None, tensors: Sequence[torch.Tensor] | None = None) -> None:
         """Write the bridge ranks' chunks into every rank's own shard (a collective);
         into `tensors` instead of the parameters when given."""
-        device = _local(self.params[0]).device
+        device = local_tensor(self.params[0]).device
         dtype = chunk.dtype if chunk is not None else torch.float32
         lo = self.chunk_range(self.rank)[0] if self.is_bridge else 0
         if chunk is not None:
