@@ -51,7 +51,15 @@ def _product(grid: list[str]) -> list[list[str]]:
         if not values:
             raise SystemExit(f"--grid {item!r}: expected section.key=value[,value...]")
         axes.append([(key, v) for v in values.split(",")])
-    return [[f"--{k}={v}" for k, v in combo] for combo in itertools.product(*axes)] if axes else []
+    return [[_flag(k, v) for k, v in combo] for combo in itertools.product(*axes)] if axes else []
+
+
+def _flag(key: str, value: str) -> str:
+    """`--key=value`; a boolean is a bare flag (`--section.key` / `--section.no_key`)."""
+    if value.lower() in ("true", "false"):
+        section, _, name = key.rpartition(".")
+        return f"--{section}.{name}" if value.lower() == "true" else f"--{section}.no_{name}"
+    return f"--{key}={value}"
 
 
 def setting_name(overrides: list[str]) -> str:
