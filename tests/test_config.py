@@ -154,7 +154,7 @@ def test_codec_settings_out_of_range_name_the_fix():
     cfg.fault_tolerance.topk_bits = 9
     cfg.fault_tolerance.topk_chunk_size = 1
     message = _refusal(cfg)
-    assert "topk_fraction = 0.0: must be in (0, 1], e.g. 0.05" in message
+    assert "topk_fraction = 0.0: must be in (0, 1], e.g. 0.1" in message
     assert "topk_bits = 9: use 1 to 8" in message
     assert "topk_chunk_size = 1: must be in [2, 16777216], e.g. 256" in message
 

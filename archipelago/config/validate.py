@@ -118,7 +118,7 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
     _require(ft.codec_block_size >= 1,
              f"fault_tolerance.codec_block_size = {ft.codec_block_size}: must be >= 1", p)
     _require(0 < ft.topk_fraction <= 1,
-             f"fault_tolerance.topk_fraction = {ft.topk_fraction}: must be in (0, 1], e.g. 0.05", p)
+             f"fault_tolerance.topk_fraction = {ft.topk_fraction}: must be in (0, 1], e.g. 0.1", p)
     _require(1 <= ft.topk_bits <= 8,
              f"fault_tolerance.topk_bits = {ft.topk_bits}: use 1 to 8, e.g. 1 or 2", p)
     _require(2 <= ft.topk_chunk_size <= 2 ** 24,
