@@ -16,7 +16,7 @@ training, the baseline of every comparison.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -94,20 +94,21 @@ class _Island:
         return [torch.cat([self.optimizer.state[p][key].reshape(-1).float() for p in self.fragments[fragment]])
                 for key in state_keys(self.optimizer)]
 
-    @torch.no_grad()
     def write_moments(self, fragment: int, flats: list[torch.Tensor]) -> None:
         for key, flat in zip(state_keys(self.optimizer), flats):
-            offset = 0
-            for p in self.fragments[fragment]:
-                self.optimizer.state[p][key].copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            _unflatten_into([self.optimizer.state[p][key] for p in self.fragments[fragment]], flat)
 
-    @torch.no_grad()
     def write(self, fragment: int, flat: torch.Tensor) -> None:
-        offset = 0
-        for p in self.fragments[fragment]:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        _unflatten_into(self.fragments[fragment], flat)
+
+
+@torch.no_grad()
+def _unflatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy consecutive pieces of `flat` into `tensors`, in order."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def _initial_model(cfg: Config, vocab_size: int, device: torch.device) -> nn.Module:

@@ -486,9 +486,9 @@ class OuterLoop:
             sent, received = p.gathered.sent, p.gathered.received
         elif p.work is not None and p.buffer is not None:
             sent = received = p.buffer.numel() * p.buffer.element_size()
-        if p.state is not None and p.state.buffer is not None:
-            sent += p.state.buffer.numel() * p.state.buffer.element_size()
-            received += p.state.buffer.numel() * p.state.buffer.element_size()
+        if p.state is not None and p.state.buffer is not None:  # an all-reduce: as much back as sent
+            moments = p.state.buffer.numel() * p.state.buffer.element_size()
+            sent, received = sent + moments, received + moments
         totals = self._island_sums([float(sent), float(received)])
         return int(totals[0]), int(totals[1])
 

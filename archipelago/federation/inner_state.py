@@ -49,7 +49,7 @@ class StateExchange:
     """One fragment's moments in flight: [moment 0 chunk, moment 1 chunk, ..., weight]."""
 
     fragment: int
-    ready: bool                  # the island has moments to overwrite (false before its first step)
+    has_moments: bool            # the island has moments to overwrite (false before its first step)
     buffer: torch.Tensor | None  # bridge ranks only
     work: Any = None
 
@@ -88,18 +88,21 @@ class InnerStateAverager:
         have = all(m is not None for m in moments)
         finite = have and _finite([t for m in moments if m is not None for t in m])
         lacking, bad = island_max([float(not have), float(not finite)])  # over the island's ranks
-        have, ready = not lacking, not bad
-        chunks = [self.layouts[fragment].gather(tensors=m if ready else None) for m in moments]
-        if chunks[0] is None:  # not a bridge rank
+        have, layout = not lacking, self.layouts[fragment]
+        # Whether the island sends is the same on all its ranks (the weight is the island's).
+        chunks = [layout.gather(tensors=m) for m in moments] if not bad and weight > 0 else []
+        if not layout.is_bridge:
             return StateExchange(fragment, have, None)
-        buffer = torch.cat([*(c for c in chunks if c is not None), chunks[0].new_zeros(1)])
-        if device is not None:
-            buffer = buffer.to(device)
-        if ready and weight > 0:
+        gathered = [c for c in chunks if c is not None]  # every chunk, on a bridge rank
+        if gathered:
+            buffer = torch.cat([*gathered, gathered[0].new_zeros(1)])
             buffer[:-1].mul_(weight)
             buffer[-1] = weight
-        else:  # no moments yet, or non-finite ones (never multiply them by 0: NaN x 0 is NaN)
-            buffer.zero_()
+        else:  # zeros: no moments yet, non-finite ones (never x 0: NaN x 0 is NaN), or weight 0
+            lo, hi = layout.chunk_range(layout.rank)
+            buffer = torch.zeros(len(self.keys) * (hi - lo) + 1, device=local_tensor(layout.params[0]).device)
+        if device is not None:
+            buffer = buffer.to(device)
         work = manager.allreduce(buffer, reduce_op=ReduceOp.SUM)
         return StateExchange(fragment, have, buffer, work)
 
@@ -111,17 +114,15 @@ class InnerStateAverager:
     def finish(self, exchange: StateExchange, apply: bool) -> None:
         """Write the average into every rank's optimizer state when `apply` (the round
         committed and some island sent moments); a collective over the island."""
-        if not apply or not exchange.ready:
+        if not apply or not exchange.has_moments:
             return
-        moments = [self._moments(exchange.fragment, key) for key in self.keys]
-        chunk = exchange.buffer
-        size = None if chunk is None else (chunk.numel() - 1) // len(self.keys)
-        for i, tensors in enumerate(moments):
+        chunk = exchange.buffer  # bridge ranks: the weighted sums, then the total weight
+        averages = ([None] * len(self.keys) if chunk is None else
+                    list((chunk[:-1] / chunk[-1]).split((chunk.numel() - 1) // len(self.keys))))
+        for key, average in zip(self.keys, averages):
+            tensors = self._moments(exchange.fragment, key)
             assert tensors is not None, "finish() for a fragment whose moments were not sent"
-            part = None
-            if chunk is not None and size is not None:
-                part = chunk[i * size:(i + 1) * size] / chunk[-1]
-            self.layouts[exchange.fragment].scatter(part, tensors=tensors)
+            self.layouts[exchange.fragment].scatter(average, tensors=tensors)
 
     @staticmethod
     def total_weight(exchange: StateExchange) -> float:
