@@ -18,15 +18,21 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import spawn_ranks
+from test_island import _free_port, fsdp_on_two_ranks, tiny_model
 from torch import nn
 
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation import split_fragments
 from archipelago.federation.diloco import OuterLoop
 from archipelago.federation.layout import FlatLayout
-from archipelago.federation.membership import (FederationMismatch, LighthouseUnreachable, fingerprint,
-                                               mismatch, wait_for_lighthouse)
-from test_island import _free_port, fsdp_on_two_ranks, tiny_model
+from archipelago.federation.membership import (
+    FederationMismatch,
+    LighthouseUnreachable,
+    fingerprint,
+    mismatch,
+    wait_for_lighthouse,
+)
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 _INIT = threading.Lock()  # model init seeds torch's global RNG: one thread at a time
@@ -174,7 +180,7 @@ def test_bridge_gathers_the_canonical_layout_and_scatters_back_into_fsdp_shards(
     flat = torch.cat([p.detach().flatten() for p in tiny_model("cpu", seed=5).parameters()])
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_layout_worker, args=(_free_port(), width, out), nprocs=2, join=True)
+        spawn_ranks(_layout_worker, args=(_free_port(), width, out), nprocs=2)
         out = dict(out)
     size = -(-flat.numel() // width)
     expected_after = flat.clone() * 2

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import spawn_ranks
 
 from archipelago.island.device import IslandContext, detect_device_type
 from archipelago.island.parallelize import ParallelModel, compute_dtype, parallelize
@@ -105,7 +106,7 @@ def _fsdp_worker(rank: int, port: int, meta: bool, out: dict) -> None:
 def test_fsdp_shards_every_block_and_initialises_consistently(meta):
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_fsdp_worker, args=(_free_port(), meta, out), nprocs=2, join=True)
+        spawn_ranks(_fsdp_worker, args=(_free_port(), meta, out), nprocs=2)
         (full0, local0, grads0), (full1, local1, grads1) = out[0], out[1]
     assert grads0 and grads1
     reference = dict(tiny_model("cpu", seed=5).named_parameters())

@@ -16,13 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import spawn_ranks
+from test_island import _free_port
 from torch import nn
 
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.diloco import OuterLoop
 from archipelago.federation.guard import Poison, UpdateGuard, poisons_from_env
 from archipelago.federation.membership import fingerprint
-from test_island import _free_port
 
 ROUND = 2           # inner steps per round
 TOKENS = [100, 300, 50]  # tokens per inner step of island 0, 1, 2
@@ -136,9 +137,9 @@ def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
     try:
         with mp.Manager() as manager:
             out = manager.dict()
-            mp.spawn(_worker, nprocs=sum(sizes), join=True,
-                     args=(_free_port(), sizes, width, weighting, rounds, lighthouse.address(),
-                           [s.port for s in stores], poisons or {}, codec, init_sync, block, moments, out))
+            spawn_ranks(_worker, nprocs=sum(sizes),
+                        args=(_free_port(), sizes, width, weighting, rounds, lighthouse.address(),
+                              [s.port for s in stores], poisons or {}, codec, init_sync, block, moments, out))
             return dict(out)
     finally:
         lighthouse.shutdown()
@@ -287,9 +288,9 @@ def test_islands_that_start_from_their_own_weights_download_nothing_at_the_join(
 
 
 def test_islands_that_start_from_different_weights_are_refused():
-    from archipelago.federation.membership import mismatch
-
     from test_codecs import _FakeManager
+
+    from archipelago.federation.membership import mismatch
 
     def loop(seed: int) -> OuterLoop:
         model = _model()
