@@ -47,9 +47,10 @@ demo-island: setup
 test: setup
 	$(BIN)/python -m pytest -q --durations=15
 
-# ruff (lint rules in pyproject.toml) and mypy on the package; .ci/run runs it before the tests.
+# ruff (lint rules in pyproject.toml) on the package, tests and benchmarks, and mypy on the package;
+# .ci/run runs it before the tests.
 lint: $(STAMP)
-	$(BIN)/ruff check archipelago
+	$(BIN)/ruff check archipelago tests bench
 	$(BIN)/mypy archipelago
 
 test-slow: setup

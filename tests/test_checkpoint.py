@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from archipelago.checkpoint import (
-    CheckpointUnusable,
     CheckpointManager,
+    CheckpointUnusable,
     LoaderState,
     ModelOptimizerState,
     ObjectState,
@@ -366,7 +366,8 @@ def test_fsdp2_two_process_save_and_load(tmp_path: Path) -> None:
     try:
         for rank in range(world):
             with open(logs[rank], "wb") as out:
-                cmd = [sys.executable, __file__, "--fsdp-worker", str(rank), str(world), str(port), str(tmp_path / "ckpt")]
+                cmd = [sys.executable, __file__, "--fsdp-worker", str(rank), str(world), str(port),
+                       str(tmp_path / "ckpt")]
                 procs.append(subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 100
         codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.codecs import (Bf16Codec, Int8Codec, TopKCodec, _pack, _unpack, build_codec,
-                                           effective_codec)
+from archipelago.federation.codecs import Bf16Codec, Int8Codec, TopKCodec, _pack, _unpack, build_codec, effective_codec
 
 
 def _signal(numel: int, seed: int = 0) -> torch.Tensor:

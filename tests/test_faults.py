@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 
 from archipelago.config import ConfigError
-from archipelago.config.faults import (TRAINER_KINDS, UPDATE_KINDS, Fault, env_value, faults_from_env,
-                                       parse_fault, parse_faults)
+from archipelago.config.faults import (
+    TRAINER_KINDS,
+    UPDATE_KINDS,
+    Fault,
+    env_value,
+    faults_from_env,
+    parse_fault,
+    parse_faults,
+)
 
 
 def test_every_kind_parses_with_its_unit():

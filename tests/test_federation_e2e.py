@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
 from conftest import ROOT, TINY, kill_started_processes, pids_with_token, records, run_cli, run_cli_here
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 ROUND = ["--fault_tolerance.sync_steps", "4", "--training.val_every", "0", "--checkpoint.interval", "4",
          "--metrics.log_every", "4"]

@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import TINY, losses, run_cli
 
 pytestmark = [pytest.mark.gpu,

@@ -17,7 +17,6 @@ import urllib.request
 from datetime import timedelta
 
 import pytest
-
 from conftest import ROOT
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from archipelago.config import LRSchedulerConfig, OptimizerConfig
-from archipelago.island.optim import build_optimizer, build_lr_scheduler, lr_factor
+from archipelago.island.optim import build_lr_scheduler, build_optimizer, lr_factor
 
 
 def test_warmup_is_linear_and_never_zero():

@@ -6,10 +6,24 @@ import math
 
 import pytest
 
-from archipelago.federation.policy import (GUARD_HISTORY, GUARD_MIN_HISTORY, Membership, RoundResult, Verdict,
-                                           aligned_inner_step, applies_outer_step, island_weight, judge_update,
-                                           merges_local, must_wait, plan_round, reference_fingerprint,
-                                           remember_norm, round_is_up, skips_exchange)
+from archipelago.federation.policy import (
+    GUARD_HISTORY,
+    GUARD_MIN_HISTORY,
+    Membership,
+    RoundResult,
+    Verdict,
+    aligned_inner_step,
+    applies_outer_step,
+    island_weight,
+    judge_update,
+    merges_local,
+    must_wait,
+    plan_round,
+    reference_fingerprint,
+    remember_norm,
+    round_is_up,
+    skips_exchange,
+)
 
 
 def _island_view(*ranks: Membership) -> Membership:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, TINY, run_cli
 from test_federation_e2e import _final_weights
 

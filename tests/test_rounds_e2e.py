@@ -9,7 +9,6 @@ import statistics
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, records, run_cli
 
 

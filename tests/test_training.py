@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import TINY, events, losses, records, run_cli, run_cli_here
 
 
