@@ -142,9 +142,13 @@ def evaluate(model: nn.Module, cfg: Config, data: PreparedDataset, device: torch
 class _Outer:
     """The outer loop between the simulated islands (OuterLoop's semantics, in lockstep)."""
 
-    def __init__(self, cfg: Config, islands: list[_Island], momentum_warmup_rounds: int = 0) -> None:
+    def __init__(self, cfg: Config, islands: list[_Island], momentum_warmup_rounds: int = 0,
+                 sync_warmup_rounds: int = 0) -> None:
         self.ft, self.islands = cfg.fault_tolerance, islands
         self.momentum_warmup_rounds = momentum_warmup_rounds
+        self.sync_warmup_rounds = sync_warmup_rounds
+        if sync_warmup_rounds and (self.ft.num_fragments > 1 or self.ft.fragment_sync_delay):
+            raise ValueError("sync_warmup_rounds: one fragment without fragment_sync_delay only")
         n = len(islands[0].fragments)
         self.globals = [nn.Parameter(islands[0].flat(f).clone()) for f in range(n)]
         self.outer = [build_outer_optimizer(self.ft, g) for g in self.globals]
@@ -161,11 +165,19 @@ class _Outer:
         for island in self.islands:
             island.fragment_tokens = [t + tokens for t in island.fragment_tokens]
         self.local_step += 1
-        if self.local_step == self.per_fragment - self.ft.fragment_sync_delay:
+        length = self.round_length()
+        if self.local_step == length - self.ft.fragment_sync_delay:
             self.prepare()
-        if self.local_step == self.per_fragment:
+        if self.local_step == length:
             self.local_step = 0
             self.perform()
+
+    def round_length(self) -> int:
+        """Inner steps in the current round. With `sync_warmup_rounds` K (an experiment) the
+        first K rounds last 1, 2, 4, ... steps (at most sync_steps), then sync_steps."""
+        if self.step < self.sync_warmup_rounds:
+            return min(2 ** self.step, self.per_fragment)
+        return self.per_fragment
 
     def prepare(self) -> None:
         """Each island's weighted pseudo-gradient, encoded and decoded, summed in island order."""
@@ -215,7 +227,7 @@ class _Outer:
 
 def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval_windows: int = 256,
              eval_every: int | None = None, log: Callable[[str], None] | None = None,
-             momentum_warmup_rounds: int = 0) -> SimResult:
+             momentum_warmup_rounds: int = 0, sync_warmup_rounds: int = 0) -> SimResult:
     """Train `islands` islands of `cfg` for `cfg.training.steps` inner steps each.
 
     With `fault_tolerance.enable` they meet in outer steps; without it (one island) this
@@ -223,6 +235,7 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
     `training.val_every`) and at the end, on `eval_windows` held-out windows.
     `momentum_warmup_rounds` is an experiment the platform does not have: the outer
     momentum grows linearly from 0 to `outer_momentum` over that many rounds.
+    `sync_warmup_rounds` K, another: the first K rounds last 1, 2, 4, ... inner steps.
     """
     device = torch.device(device)
     t = cfg.training
@@ -230,7 +243,7 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
     first = _initial_model(cfg, data.vocab_size, device)
     models = [first] + [copy.deepcopy(first) for _ in range(islands - 1)]  # init_sync: one start
     crew = [_Island(cfg, data, m, i, islands, device) for i, m in enumerate(models)]
-    outer = _Outer(cfg, crew, momentum_warmup_rounds) if cfg.fault_tolerance.enable else None
+    outer = _Outer(cfg, crew, momentum_warmup_rounds, sync_warmup_rounds) if cfg.fault_tolerance.enable else None
     tokens_per_step = t.batch_size * cfg.data.seq_len
     every = t.val_every if eval_every is None else eval_every
     result = SimResult()
