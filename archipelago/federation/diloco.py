@@ -503,7 +503,10 @@ class OuterLoop:
                               for g, o in zip(self.globals, self.outer)]}
 
     def _load_heal(self, state: dict[str, Any]) -> None:
-        problem = mismatch(self.fingerprint, state["fingerprint"])
+        problem = None  # a different model or config first: its message names both islands
+        if isinstance(state, dict) and isinstance(state.get("fingerprint"), dict):
+            problem = mismatch(self.fingerprint, state["fingerprint"])
+        problem = problem or self._heal_problem(state)
         if problem is not None:
             raise FederationMismatch(f"refusing the state of a peer island: {problem}")
         same = all(torch.equal(g.detach(), f["global"].to(g.device))
@@ -516,6 +519,14 @@ class OuterLoop:
         self._healed_same = same  # equal weights (a fresh federation): its progress still counts
         log.info("healed: received the global weights from a peer island (federation step %d)",
                  self.manager.current_step())
+
+    def _heal_problem(self, state: Any) -> str | None:
+        """What is wrong with a peer's state, checked against this island's own before any of
+        it is applied: the same keys, tensors of the same shapes and dtypes, all finite."""
+        ours = {"fingerprint": self.fingerprint, "inner_step": 0, "federation_tokens": 0,
+                "guard": self.guard.state_tensor(),
+                "fragments": [{"global": g, "outer": tensor_state(o, g)} for g, o in zip(self.globals, self.outer)]}
+        return _shape_problem(ours, state, "state")
 
     # ---- checkpoint (DCP Stateful) -------------------------------------------------
 
@@ -575,3 +586,29 @@ def _codec_state(codec: Codec) -> dict[str, Any]:
 
 def report_record(report: OuterReport) -> dict[str, Any]:
     return asdict(report)
+
+
+def _shape_problem(ours: Any, theirs: Any, where: str) -> str | None:
+    """The first place where `theirs` is not shaped like `ours` (a peer's healing state)."""
+    if isinstance(ours, torch.Tensor):
+        if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape or theirs.dtype != ours.dtype:
+            return f"{where}: expected a {ours.dtype} tensor of shape {tuple(ours.shape)}"
+        ok = torch.isfinite(theirs)
+        if where == "state.guard":  # update norms, NaN-padded: >= 0 or padding
+            ok = (ok & (theirs >= 0)) | torch.isnan(theirs)
+        return None if bool(ok.all()) else f"{where}: not finite"
+    if isinstance(ours, dict):
+        if not isinstance(theirs, dict) or theirs.keys() != ours.keys():
+            return f"{where}: expected the keys {sorted(ours)}"
+        if where == "state.fingerprint":
+            return None  # compared field by field by mismatch(), which names the difference
+        problems = (_shape_problem(ours[k], theirs[k], f"{where}.{k}") for k in ours)
+        return next((p for p in problems if p is not None), None)
+    if isinstance(ours, list):
+        if not isinstance(theirs, list) or len(theirs) != len(ours):
+            return f"{where}: expected a list of {len(ours)}"
+        problems = (_shape_problem(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(zip(ours, theirs)))
+        return next((p for p in problems if p is not None), None)
+    if isinstance(ours, int) and not (isinstance(theirs, int) and not isinstance(theirs, bool) and theirs >= 0):
+        return f"{where}: expected a whole number >= 0"
+    return None

@@ -15,7 +15,6 @@ import math
 import os
 import socket
 import time
-import warnings
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -103,9 +102,6 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int) -> Any
             logging.getLogger(name).setLevel(logging.WARNING)
     if ft.process_group == "gloo":  # gloo has no NCCL flight recorder: torchft warns every quorum
         logging.getLogger("torchft.manager").addFilter(_drop_flight_recorder_warning)
-    # Recovery deserialises the peer's state from a read-only HTTP buffer that is copied
-    # right away; torch warns about it once per process.
-    warnings.filterwarnings("ignore", message="The given buffer is not writable")
     from torchft import Manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
@@ -129,24 +125,14 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int) -> Any
 
 
 def _checkpoint_transport(timeout: timedelta) -> Any:
-    """torchft's HTTP transport for healing, advertising LOCAL_ADDR when it is set.
+    """The healing transport: pickle-free, bound to LOCAL_ADDR or loopback, advertising it.
 
-    torchft's own advertises this machine's host name, which peers on another network
-    (or in another network namespace) may not resolve to this island: a joining island
-    would then fail to fetch the global state, round after round.
+    torchft's own transport unpickles what a peer sends and listens on every interface;
+    ours sends JSON and safetensors and listens where the user said (federation/transport.py).
     """
-    from torchft.checkpointing.http_transport import HTTPTransport
+    from archipelago.federation.transport import SafeHTTPTransport
 
-    advertised = os.environ.get("LOCAL_ADDR") or ""
-
-    class AdvertisedHTTPTransport(HTTPTransport):
-        def address(self) -> str:
-            port = self._server.socket.getsockname()[1]
-            host = f"[{advertised}]" if ":" in advertised else advertised
-            return f"http://{host}:{port}/checkpoint/"
-
-    cls = AdvertisedHTTPTransport if advertised else HTTPTransport
-    return cls(timeout=timeout, num_chunks=0)
+    return SafeHTTPTransport(timeout)
 
 
 # ---- fingerprints ------------------------------------------------------------------
@@ -193,10 +179,15 @@ def _pacing(ft: FaultToleranceConfig, tokens_per_step: int) -> str:
 
 
 def describe(fp: dict[str, Any]) -> str:
-    return (f"island {fp['island']} ({fp['ranks']} rank(s)): {fp['model']}, {fp['params']:,} parameters "
-            f"(shapes {fp['shapes']}), sync_width {fp['sync_width']}, {fp['num_fragments']} fragment(s), "
-            f"{fp['semi_sync_method']} {fp['outer']}, pacing {fp['pacing']}, codec {fp['codec']}, "
-            f"start {fp.get('start', '?')}, inner optimizer state {fp.get('inner_state', '?')}")
+    """One line naming the island and what it trains (a peer's fingerprint may lack fields)."""
+    f = {k: fp.get(k, "?") for k in ("island", "ranks", "model", "params", "shapes", "sync_width",
+                                     "num_fragments", "semi_sync_method", "outer", "pacing", "codec",
+                                     "start", "inner_state")}
+    params = f"{f['params']:,}" if isinstance(f["params"], int) else str(f["params"])
+    return (f"island {f['island']} ({f['ranks']} rank(s)): {f['model']}, {params} parameters "
+            f"(shapes {f['shapes']}), sync_width {f['sync_width']}, {f['num_fragments']} fragment(s), "
+            f"{f['semi_sync_method']} {f['outer']}, pacing {f['pacing']}, codec {f['codec']}, "
+            f"start {f['start']}, inner optimizer state {f['inner_state']}")
 
 
 def mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:

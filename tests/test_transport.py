@@ -1,0 +1,167 @@
+"""Healing without pickle: the state format, the transport, and what a healing island refuses."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import socket
+import struct
+import urllib.error
+import urllib.request
+from datetime import timedelta
+
+import pytest
+import torch
+
+from archipelago.federation.transport import MAGIC, SafeHTTPTransport, StateFormatError, decode_state, encode_state
+
+TIMEOUT = timedelta(seconds=5)
+
+
+def _state() -> dict:
+    return {"user": {"archipelago_outer": {
+                "fingerprint": {"model": "llama3/debug", "params": 12, "island": 1},
+                "inner_step": 40, "federation_tokens": 81920,
+                "guard": torch.tensor([[1.5, float("nan")]], dtype=torch.float64),
+                "fragments": [{"global": torch.arange(6.0).view(2, 3),
+                               "outer": {"momentum_buffer": torch.ones(2, 3)}},
+                              {"global": torch.tensor([1, 2], dtype=torch.int64), "outer": {}}]}},
+            "torchft": {"step": 7, "batches_committed": 14}}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a.nan_to_num(), b.nan_to_num())
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_equal, a, b))
+    return a == b and type(a) is type(b)
+
+
+def test_a_state_round_trips_with_its_structure_dtypes_and_numbers():
+    state = _state()
+    assert _equal(decode_state(encode_state(7, state), 7), state)
+    assert not _equal(decode_state(encode_state(7, {**state, "torchft": {"step": 8}}), 7), state)
+
+
+def _with_header(blob: bytes, change) -> bytes:
+    (size,) = struct.unpack(">Q", blob[8:16])
+    header = change(json.loads(blob[16:16 + size]))
+    raw = json.dumps(header).encode()
+    return MAGIC + struct.pack(">Q", len(raw)) + raw + blob[16 + size:]
+
+
+@pytest.mark.parametrize("damage", [
+    lambda b: b[:-1],                                   # truncated body
+    lambda b: b"X" + b[1:],                             # not our magic
+    lambda b: b[:8] + struct.pack(">Q", 1 << 40) + b[16:],  # header larger than the message
+    lambda b: b[:16] + b"<" + b[17:],                   # header that is not JSON
+    lambda b: _with_header(b, lambda h: {**h, "step": 8}),  # another step's state
+    lambda b: _with_header(b, lambda h: {**h, "tree": {"p": "os.system"}}),  # an unknown node
+    lambda b: _with_header(b, lambda h: {**h, "tree": {"d": {"a": {"t": "t0"}, "b": {"t": "t0"}}}}),  # reused
+    lambda b: _with_header(b, lambda h: {**h, "tree": {"d": {}}}),  # tensors the tree does not use
+    lambda b: _with_header(b, lambda h: {**h, "tree": {"v": {"nested": 1}}}),  # a value that is not a scalar
+], ids=["truncated", "magic", "huge-header", "not-json", "other-step", "unknown-node", "reused-tensor",
+        "unused-tensors", "non-scalar"])
+def test_a_damaged_or_forged_state_is_refused(damage):
+    with pytest.raises(StateFormatError):
+        decode_state(damage(encode_state(7, _state())), 7)
+
+
+def test_a_pickle_is_refused_and_never_loaded(monkeypatch):
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('unpickled')",))
+
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("pickle.loads called"))
+    with pytest.raises(StateFormatError, match="bad magic"):
+        decode_state(pickle.dumps(Boom()), 7)
+
+
+def test_objects_that_are_not_data_are_not_sent():
+    with pytest.raises(TypeError, match="cannot send a"):
+        encode_state(1, {"fn": print})
+    with pytest.raises(TypeError, match="keys must be strings"):
+        encode_state(1, {3: torch.ones(1)})
+
+
+def test_the_transport_serves_the_sent_step_without_pickle_and_binds_loopback(monkeypatch):
+    monkeypatch.delenv("LOCAL_ADDR", raising=False)
+    def forbidden(*args, **kwargs):
+        pytest.fail("unpickling on the healing path")
+
+    for module, name in ((pickle, "loads"), (pickle, "load"), (torch, "load")):
+        monkeypatch.setattr(module, name, forbidden)
+    # A request between rounds waits for the next state this long, then gets nothing.
+    source, healing = SafeHTTPTransport(timedelta(seconds=1)), SafeHTTPTransport(TIMEOUT)
+    try:
+        host, port = source._server.server_address[:2]
+        assert host == "127.0.0.1" and source.metadata() == f"http://127.0.0.1:{port}/checkpoint/"
+        source.send_checkpoint([1], 7, _state(), TIMEOUT)
+        assert _equal(healing.recv_checkpoint(0, source.metadata(), 7, TIMEOUT), _state())
+        with pytest.raises(urllib.error.HTTPError, match="404"):  # another step than the one served
+            urllib.request.urlopen(f"{source.metadata()}6/full", timeout=5)
+        source.disallow_checkpoint()
+        with pytest.raises(urllib.error.HTTPError, match="404"):  # nothing is served between rounds
+            urllib.request.urlopen(f"{source.metadata()}7/full", timeout=10)
+    finally:
+        source.shutdown(wait=True)
+        healing.shutdown(wait=True)
+
+
+def test_a_state_that_does_not_hold_the_requested_step_is_refused():
+    source, healing = SafeHTTPTransport(TIMEOUT), SafeHTTPTransport(TIMEOUT)
+    try:
+        source.send_checkpoint([1], 7, {**_state(), "torchft": {"step": 9, "batches_committed": 1}}, TIMEOUT)
+        with pytest.raises(StateFormatError, match="does not hold federation step 7"):
+            healing.recv_checkpoint(0, source.metadata(), 7, TIMEOUT)
+    finally:
+        source.shutdown(wait=True)
+        healing.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.2", "::1"])
+def test_the_transport_binds_local_addr(monkeypatch, address):
+    if address == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    monkeypatch.setenv("LOCAL_ADDR", address)
+    transport = SafeHTTPTransport(TIMEOUT)
+    try:
+        assert transport._server.server_address[0] == address
+        host = f"[{address}]" if ":" in address else address
+        assert transport.metadata().startswith(f"http://{host}:")
+    finally:
+        transport.shutdown(wait=False)
+
+
+def test_a_healing_island_refuses_a_state_not_shaped_like_its_own():
+    from archipelago.federation.diloco import _shape_problem
+
+    ours = _state()["user"]["archipelago_outer"]
+    assert _shape_problem(ours, _state()["user"]["archipelago_outer"], "state") is None  # NaN padding of the guard
+
+    def changed(edit) -> str | None:
+        theirs = _state()["user"]["archipelago_outer"]
+        edit(theirs)
+        return _shape_problem(ours, theirs, "state")
+
+    assert "shape (2, 3)" in changed(lambda s: s["fragments"][0].update({"global": torch.zeros(3, 2)}))
+    assert "torch.float32" in changed(lambda s: s["fragments"][0].update({"global": torch.zeros(2, 3).double()}))
+    assert "not finite" in changed(lambda s: s["fragments"][0]["global"].fill_(float("inf")))
+    assert "not finite" in changed(lambda s: s["fragments"][0]["outer"]["momentum_buffer"].fill_(float("nan")))
+    assert "not finite" in changed(lambda s: s["guard"].fill_(-1.0))  # norms are >= 0
+    assert "list of 2" in changed(lambda s: s["fragments"].pop())
+    assert "whole number" in changed(lambda s: s.update({"federation_tokens": -5}))
+    assert "whole number" in changed(lambda s: s.update({"inner_step": 1.5}))
+    assert "keys" in changed(lambda s: s.pop("guard"))
+
+
+def test_a_garbage_fingerprint_is_described_and_refused_not_a_crash():
+    from archipelago.config.schema import FaultToleranceConfig
+    from archipelago.federation.membership import describe, fingerprint, mismatch
+
+    mine = fingerprint("llama3/debug", [("w", (2, 3))], FaultToleranceConfig(enable=True), 1)
+    assert "island ? (? rank(s))" in describe({})
+    problem = mismatch(mine, {"model": 5, "params": "many"})
+    assert problem is not None and "llama3/debug" in problem and "differs in: model, params" in problem
