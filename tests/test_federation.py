@@ -7,6 +7,7 @@ processes.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -58,7 +59,7 @@ def _inner_step(model: nn.Module, opt: torch.optim.Optimizer, replica: int, step
     opt.zero_grad()
 
 
-def _manager(lighthouse: str, replica: int, stores: list, ours: bool = False):
+def _manager(lighthouse: str, replica: int, stores: list, ours: bool = False, key=None):
     """A torchft Manager; `ours`: with the platform's healing transport (torchft's own otherwise)."""
     from torch.distributed import TCPStore
     from torchft import Manager
@@ -75,12 +76,12 @@ def _manager(lighthouse: str, replica: int, stores: list, ours: bool = False):
                    connect_timeout=timedelta(seconds=10), rank=0, world_size=1,
                    store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse,
                    replica_id=f"island_{replica}",
-                   checkpoint_transport=_checkpoint_transport(timeout) if ours else None)
+                   checkpoint_transport=_checkpoint_transport(timeout, key, replica) if ours else None)
 
 
-def _ours(ft: FaultToleranceConfig, lighthouse: str, replica: int, steps: int, out: dict) -> None:
+def _ours(ft: FaultToleranceConfig, lighthouse: str, replica: int, steps: int, out: dict, key=None) -> None:
     stores: list = []
-    manager = _manager(lighthouse, replica, stores, ours=True)
+    manager = _manager(lighthouse, replica, stores, ours=True, key=key)
     try:
         model = _model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -170,14 +171,18 @@ def test_matches_torchft_diloco_on_homogeneous_islands(fragments, delay, alpha):
 
 
 @pytest.mark.timeout(240)
-def test_healing_takes_the_global_state_from_a_peer_without_unpickling(monkeypatch):
+@pytest.mark.parametrize("keyed", [False, True], ids=["no-key", "federation-key"])
+def test_healing_takes_the_global_state_from_a_peer_without_unpickling(monkeypatch, keyed):
+    from archipelago.federation.trust import FederationKey
+
     def forbidden(*args, **kwargs):
         raise AssertionError("unpickling on the healing path")
 
     for module, name in ((pickle, "loads"), (pickle, "load"), (torch, "load")):
         monkeypatch.setattr(module, name, forbidden)
     ft = FaultToleranceConfig(enable=True, group_size=2, min_replica_size=2, sync_steps=4)
-    out = _run_islands(_ours, ft, 8)
+    key = FederationKey(os.urandom(32)) if keyed else None  # signed request and answer
+    out = _run_islands(functools.partial(_ours, key=key), ft, 8)
     # The first round: island 1 takes island 0's start state (init_sync) through the transport.
     assert out["healed1"] and not out["healed0"] and out["step0"] == out["step1"] == 2
     for name, tensor in out[0].items():

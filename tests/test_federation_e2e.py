@@ -156,7 +156,11 @@ def _records(island_dir: Path, event: str) -> list[dict]:
 
 
 @pytest.mark.timeout(600)
-def test_killed_island_heals_from_a_live_peer_and_all_end_equal(islands, tmp_path):
+def test_killed_island_heals_from_a_live_peer_and_all_end_equal(islands, tmp_path, monkeypatch):
+    # With a federation key: the restarted island signs its request, the peer its answer.
+    key_file = tmp_path / "fed.key"
+    key_file.write_text(run_cli_here(["secret", "new"]).output)
+    monkeypatch.setenv("ARCHIPELAGO_FEDERATION_KEY_FILE", str(key_file))
     # Long enough that the survivor is still training when the victim is back (about 8 s
     # after the crash here, 15 s before the survivor's end); seq_len 128 makes the steps
     # slow enough for that.
@@ -175,6 +179,10 @@ def test_killed_island_heals_from_a_live_peer_and_all_end_equal(islands, tmp_pat
     leave = [_records(tmp_path / f"island-{k}", "leave")[-1] for k in range(2)]
     assert leave[0]["global_hash"] == leave[1]["global_hash"], leave
     assert leave[0]["step"] == leave[1]["step"] == 32
+    from archipelago.federation.trust import load_key
+
+    federation = f"key {load_key(str(key_file)).federation_id.hex()[:12]}"
+    assert all(federation in (tmp_path / f"island-{k}.log").read_text() for k in range(2))
 
 
 @pytest.mark.timeout(300)

@@ -165,3 +165,59 @@ def test_a_garbage_fingerprint_is_described_and_refused_not_a_crash():
     assert "island ? (? rank(s))" in describe({})
     problem = mismatch(mine, {"model": 5, "params": "many"})
     assert problem is not None and "llama3/debug" in problem and "differs in: model, params" in problem
+
+
+# ---- with a federation key: signed both ways ------------------------------------------
+
+
+def _keyed(secret: bytes, island: int, seconds: float = 5) -> SafeHTTPTransport:
+    from archipelago.federation.trust import FederationKey
+
+    return SafeHTTPTransport(timedelta(seconds=seconds), key=FederationKey(secret), island=island)
+
+
+def _get(url: str, frame_hex: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url)
+    if frame_hex is not None:
+        request.add_header("X-Archipelago-Frame", frame_hex)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_with_a_key_only_a_member_gets_the_state_and_only_from_a_member(monkeypatch):
+    import os
+
+    from archipelago.federation.trust import HEAL_REQUEST, FederationKey, FrameHeader, FrameRefused, seal
+
+    monkeypatch.delenv("LOCAL_ADDR", raising=False)
+    secret, other = os.urandom(32), os.urandom(32)
+    source, member, outsider = _keyed(secret, 0), _keyed(secret, 1), _keyed(other, 1)
+    plain = SafeHTTPTransport(TIMEOUT)
+    try:
+        source.send_checkpoint([1], 7, _state(), TIMEOUT)
+        assert _equal(member.recv_checkpoint(0, source.metadata(), 7, TIMEOUT), _state())
+        url = f"{source.metadata()}7/full"
+        status, body = _get(url)  # no signed request: no state bytes
+        assert status == 403 and b"ARCHST01" not in body and len(body) < 1000
+        with pytest.raises(urllib.error.HTTPError, match="403"):
+            outsider.recv_checkpoint(0, source.metadata(), 7, TIMEOUT)
+        request = seal(FederationKey(secret), FrameHeader(quorum=99, step=7, fragment=0, island=1,
+                                                          kind=HEAL_REQUEST), b"").hex()
+        assert _get(url, request)[0] == 200
+        assert _get(url, request)[0] == 403  # the same request again: a replay
+        plain.send_checkpoint([1], 7, _state(), TIMEOUT)
+        with pytest.raises(FrameRefused):  # an answer nobody signed
+            member.recv_checkpoint(0, plain.metadata(), 7, TIMEOUT)
+        third = _keyed(other, 0)
+        try:
+            third.send_checkpoint([1], 7, _state(), TIMEOUT)
+            with pytest.raises(urllib.error.HTTPError, match="403"):  # it refuses our request,
+                member.recv_checkpoint(0, third.metadata(), 7, TIMEOUT)
+        finally:
+            third.shutdown(wait=False)
+    finally:
+        for transport in (source, member, outsider, plain):
+            transport.shutdown(wait=False)

@@ -233,6 +233,14 @@ class IslandConfig:
 
 
 @dataclass
+class FederationSecurityConfig:
+    """Trust between islands: the secret every island of a federation shares."""
+
+    key_file: str = ""
+    """File holding the federation secret (make one with `archipelago secret new > fed.key`, copy it to every island, `chmod 600`). Peers then prove they hold it: a healing island only accepts the state of a peer that signs it, and a peer only serves a healing island that signs its request. Empty: the file named by $ARCHIPELAGO_FEDERATION_KEY_FILE, else no key (peers are not authenticated; keep the federation on a private network)."""
+
+
+@dataclass
 class JobConfig:
     """The run as a whole."""
 
@@ -258,4 +266,5 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     island: IslandConfig = field(default_factory=IslandConfig)
+    federation_security: FederationSecurityConfig = field(default_factory=FederationSecurityConfig)
     job: JobConfig = field(default_factory=JobConfig)

@@ -22,6 +22,7 @@ from archipelago.federation.membership import (
     wait_for_lighthouse,
 )
 from archipelago.federation.seam import Alone, IslandHooks, Member
+from archipelago.federation.trust import FederationKey
 
 log = logging.getLogger("archipelago.federation")
 
@@ -32,12 +33,12 @@ __all__ = ["Alone", "FederationError", "FederationMismatch", "IslandHooks", "Lig
 
 def build_federation(ft: FaultToleranceConfig, steps: int, model: nn.Module, model_name: str, rank: int,
                      world_size: int, tokens_per_step: int, hooks: IslandHooks,
-                     optimizer: torch.optim.Optimizer | None = None) -> Alone:
+                     optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None) -> Alone:
     """The trainer's side of the seam: `Alone` without fault tolerance, else a `Member`
     that has joined the lighthouse (a collective over the island; see build_outer_loop)."""
     if not ft.enable:
         return Alone(steps)
-    outer = build_outer_loop(ft, model, model_name, rank, world_size, tokens_per_step, optimizer)
+    outer = build_outer_loop(ft, model, model_name, rank, world_size, tokens_per_step, optimizer, key)
     return Member(outer, ft, steps, tokens_per_step, world_size, hooks)
 
 
@@ -55,7 +56,7 @@ def check_exchange_device(ft: FaultToleranceConfig, device: torch.device) -> Non
 
 def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str, rank: int,
                      world_size: int, tokens_per_step: int = 0,
-                     optimizer: torch.optim.Optimizer | None = None) -> OuterLoop:
+                     optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None) -> OuterLoop:
     """Join the federation: check the lighthouse, make the bridge ranks' managers, and
     take the current weights as the first global weights (a collective over the island)."""
     check_exchange_device(ft, next(model.parameters()).device)
@@ -74,15 +75,15 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str
         raise LighthouseUnreachable(problem)
     shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     fp = fingerprint(model_name, shapes, ft, world_size, tokens_per_step,
-                     type(optimizer).__name__ if optimizer is not None else "")
+                     type(optimizer).__name__ if optimizer is not None else "", key)
     poisons = poisons_from_env()  # checked before joining: a typo fails here, not mid-run
     width = 1 if ft.rank0_synchronization_only else ft.sync_width
-    manager = build_manager(ft, rank, width) if rank < width else None
+    manager = build_manager(ft, rank, width, key) if rank < width else None
     fragments = split_fragments(model, ft.num_fragments if ft.semi_sync_method == "diloco" else 1)
     if rank == 0:
         log.info("joining the federation at %s as island %d (%d rank(s), sync_width %d, %s, "
-                 "sync every %d steps, %d fragment(s))", url, ft.replica_id, world_size, width,
-                 ft.semi_sync_method, ft.sync_steps, len(fragments))
+                 "sync every %d steps, %d fragment(s), %s)", url, ft.replica_id, world_size, width,
+                 ft.semi_sync_method, ft.sync_steps, len(fragments), fp["federation"])
     for poison in poisons if rank == 0 else []:
         log.warning("ARCHIPELAGO_FAULT %s@%d: this island will send a poisoned update in outer step %d "
                     "(a test/demo of the update guard)", poison.kind, poison.round, poison.round)

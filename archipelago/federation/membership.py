@@ -25,6 +25,7 @@ from torch.distributed import ReduceOp, TCPStore
 from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.codecs import effective_codec
+from archipelago.federation.trust import FederationKey
 
 log = logging.getLogger("archipelago.federation")
 
@@ -92,7 +93,7 @@ def _drop_flight_recorder_warning(record: logging.LogRecord) -> bool:
     return "NCCL flight recorder" not in record.getMessage()
 
 
-def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int) -> Any:
+def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int, key: FederationKey | None = None) -> Any:
     """A torchft Manager for bridge rank `bridge_rank` of this island (state fns added later)."""
     # torchft logs every quorum and commit at INFO (Rust and Python); our outer_step
     # lines say the same once per round. RUST_LOG / --job.log_level debug bring them back.
@@ -117,34 +118,35 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int) -> Any
         rank=bridge_rank, world_size=width, store_addr=host, store_port=port,
         lighthouse_addr=url, replica_id=f"island_{ft.replica_id}",
         hostname=os.environ.get("LOCAL_ADDR") or socket.gethostname(),
-        max_retries=ft.max_retries, checkpoint_transport=_checkpoint_transport(timeout),
+        max_retries=ft.max_retries, checkpoint_transport=_checkpoint_transport(timeout, key, ft.replica_id),
         init_sync=ft.init_sync,
     )
     manager._archipelago_store = store  # keep a self-hosted store alive as long as the manager
     return manager
 
 
-def _checkpoint_transport(timeout: timedelta) -> Any:
-    """The healing transport: pickle-free, bound to LOCAL_ADDR or loopback, advertising it.
+def _checkpoint_transport(timeout: timedelta, key: FederationKey | None = None, island: int = 0) -> Any:
+    """The healing transport: pickle-free, bound to LOCAL_ADDR or loopback, advertising it,
+    and with a federation key signed both ways.
 
     torchft's own transport unpickles what a peer sends and listens on every interface;
     ours sends JSON and safetensors and listens where the user said (federation/transport.py).
     """
     from archipelago.federation.transport import SafeHTTPTransport
 
-    return SafeHTTPTransport(timeout)
+    return SafeHTTPTransport(timeout, key=key, island=island)
 
 
 # ---- fingerprints ------------------------------------------------------------------
 
 # What every island must agree on; anything else (rank count, device) may differ.
 FINGERPRINT_KEYS = ("model", "params", "shapes", "sync_width", "num_fragments", "semi_sync_method",
-                    "outer", "pacing", "codec", "start", "inner_state")
+                    "outer", "pacing", "codec", "start", "inner_state", "federation")
 
 
 def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]],
                 ft: FaultToleranceConfig, ranks: int, tokens_per_step: int = 0,
-                inner_optimizer: str = "") -> dict[str, Any]:
+                inner_optimizer: str = "", key: FederationKey | None = None) -> dict[str, Any]:
     """A description of this island that peers compare at join time.
 
     Under time pacing the round budget and the federation's token budget (training.steps
@@ -159,7 +161,10 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
             "sync_width": ft.sync_width, "num_fragments": ft.num_fragments,
             "semi_sync_method": ft.semi_sync_method, "outer": outer, "pacing": _pacing(ft, tokens_per_step),
             "codec": _codec(ft), "start": "from a peer" if ft.init_sync else "own weights",
-            "inner_state": f"averaged ({inner_optimizer})" if ft.average_optimizer_state else "own"}
+            "inner_state": f"averaged ({inner_optimizer})" if ft.average_optimizer_state else "own",
+            # Which secret, as its public id (a diagnosis: a peer with another key is named at
+            # the join; the frames are what keeps it out).
+            "federation": f"key {key.federation_id.hex()[:12]}" if key is not None else "no key"}
 
 
 def _codec(ft: FaultToleranceConfig) -> str:
@@ -182,12 +187,12 @@ def describe(fp: dict[str, Any]) -> str:
     """One line naming the island and what it trains (a peer's fingerprint may lack fields)."""
     f = {k: fp.get(k, "?") for k in ("island", "ranks", "model", "params", "shapes", "sync_width",
                                      "num_fragments", "semi_sync_method", "outer", "pacing", "codec",
-                                     "start", "inner_state")}
+                                     "start", "inner_state", "federation")}
     params = f"{f['params']:,}" if isinstance(f["params"], int) else str(f["params"])
     return (f"island {f['island']} ({f['ranks']} rank(s)): {f['model']}, {params} parameters "
             f"(shapes {f['shapes']}), sync_width {f['sync_width']}, {f['num_fragments']} fragment(s), "
             f"{f['semi_sync_method']} {f['outer']}, pacing {f['pacing']}, codec {f['codec']}, "
-            f"start {f['start']}, inner optimizer state {f['inner_state']}")
+            f"start {f['start']}, inner optimizer state {f['inner_state']}, {f['federation']}")
 
 
 def mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:

@@ -14,6 +14,12 @@ number, string, boolean or null. Every tensor of the body is used exactly once. 
 receiver (`OuterLoop._load_heal`) then checks names, shapes, dtypes and finiteness
 against its own state before applying anything.
 
+With a federation key (federation/trust.py) both ways are signed frames: the request
+carries a HEAL_REQUEST frame of the healing island with a fresh nonce; the answer is a
+HEAL_STATE frame of the serving island whose quorum field carries that nonce, so neither
+an outsider's request nor a recorded answer is accepted. Without a key anyone who
+reaches the port can fetch the state.
+
 The server binds LOCAL_ADDR when set, else loopback: a federation across machines sets
 LOCAL_ADDR to the address its peers reach it at (docs/federation.md).
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import socket
 import struct
 import threading
@@ -36,11 +43,15 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torchft.checkpointing.transport import CheckpointTransport
 
+from archipelago.federation.trust import HEAL_REQUEST, HEAL_STATE, FederationKey, FrameHeader, open_frame, seal
+
 log = logging.getLogger("archipelago.federation")
 
 MAGIC = b"ARCHST01"
 MAX_HEADER_BYTES = 16 << 20  # the skeleton of a state is kilobytes; more is an attack
 MAX_DEPTH = 32
+FRAME_HEADER = "X-Archipelago-Frame"  # the signed request, in hex
+_MAX_NONCES = 4096  # nonces remembered against replayed requests
 
 
 class StateFormatError(ValueError):
@@ -123,16 +134,24 @@ def bind_address() -> str:
 class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
     """torchft's CheckpointTransport, serving `encode_state` bytes over HTTP."""
 
-    def __init__(self, timeout: timedelta, host: str | None = None) -> None:
+    def __init__(self, timeout: timedelta, host: str | None = None, key: FederationKey | None = None,
+                 island: int = 0) -> None:
         self._timeout = timeout
         self._host = host or bind_address()
+        self._key, self._island = key, island
+        self._nonces: set[int] = set()
         self._ready = threading.Condition()
         self._step, self._body = -1, b""  # nothing is served until send_checkpoint
         transport = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                body = transport._body_for(self.path)
+                try:
+                    body = transport._body_for(self.path, self.headers.get(FRAME_HEADER, ""))
+                except PermissionError as exc:
+                    log.warning("healing server: refused a request from %s: %s", self.client_address[0], exc)
+                    self.send_error(403, "not a member of this federation")
+                    return
                 if body is None:
                     self.send_error(404, "no such state here")
                     return
@@ -152,14 +171,38 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
         self._thread = threading.Thread(target=self._server.serve_forever, name="healing-server", daemon=True)
         self._thread.start()
 
-    def _body_for(self, path: str) -> bytes | None:
-        """The bytes for GET /checkpoint/STEP/full, waiting (bounded) for send_checkpoint."""
+    def _body_for(self, path: str, frame_hex: str) -> bytes | None:
+        """The bytes for GET /checkpoint/STEP/full, waiting (bounded) for send_checkpoint;
+        with a key, only for a signed request, as a signed answer (PermissionError if not)."""
         parts = path.split("/")
         if len(parts) != 4 or parts[1] != "checkpoint" or parts[3] != "full" or not parts[2].isdigit():
             return None
+        step = int(parts[2])
+        nonce = self._check_request(step, frame_hex) if self._key is not None else 0
         with self._ready:
             self._ready.wait_for(lambda: self._step >= 0, timeout=self._timeout.total_seconds())
-            return self._body if self._step == int(parts[2]) else None
+            body = self._body if self._step == step else None
+        if body is None or self._key is None:
+            return body
+        return seal(self._key, FrameHeader(quorum=nonce, step=step, fragment=0, island=self._island,
+                                           kind=HEAL_STATE), body)
+
+    def _check_request(self, step: int, frame_hex: str) -> int:
+        """The nonce of a valid request frame for `step` never seen before."""
+        assert self._key is not None
+        try:
+            header, _ = open_frame(self._key, bytes.fromhex(frame_hex),
+                                   FrameHeader(quorum=0, step=step, fragment=0, island=0, kind=HEAL_REQUEST),
+                                   any_island=True, any_quorum=True)
+        except ValueError as exc:  # FrameRefused, or not hex at all
+            raise PermissionError(str(exc) or "no signed request") from exc
+        with self._ready:
+            if header.quorum in self._nonces:
+                raise PermissionError("a replayed request")
+            if len(self._nonces) >= _MAX_NONCES:
+                self._nonces.clear()  # a 64-bit random nonce does not come back by chance
+            self._nonces.add(header.quorum)
+        return header.quorum
 
     def address(self) -> str:
         host, port = self._server.server_address[:2]
@@ -183,8 +226,18 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
             self._step, self._body = -1, b""
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> dict[str, Any]:
-        with urllib.request.urlopen(f"{metadata}{step}/full", timeout=timeout.total_seconds()) as response:
-            state = decode_state(response.read(), step)
+        request = urllib.request.Request(f"{metadata}{step}/full")
+        nonce = secrets.randbits(64)
+        if self._key is not None:
+            frame = seal(self._key, FrameHeader(quorum=nonce, step=step, fragment=0, island=self._island,
+                                                kind=HEAL_REQUEST), b"")
+            request.add_header(FRAME_HEADER, frame.hex())
+        with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as response:
+            blob = response.read()
+        if self._key is not None:  # the answer to this request, from an island of the federation
+            expect = FrameHeader(quorum=nonce, step=step, fragment=0, island=0, kind=HEAL_STATE)
+            _, blob = open_frame(self._key, blob, expect, any_island=True)
+        state = decode_state(blob, step)
         manager = state.get("torchft") if isinstance(state, dict) else None
         if (not isinstance(manager, dict) or manager.get("step") != step or "user" not in state
                 or not all(isinstance(manager.get(k), int) and manager[k] >= 0

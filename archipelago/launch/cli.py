@@ -35,6 +35,7 @@ commands:
                  --baseline RUN_DIR puts another run's final val loss beside it
   config         `config reference` prints the configuration reference;
                  `config show [--config FILE] [overrides]` prints the resolved config
+  secret new     print a new federation secret (`archipelago secret new > fed.key`)
 
 Run `archipelago COMMAND --help` for the options of one command.
 """
@@ -236,6 +237,26 @@ def cmd_data(argv: list[str]) -> int:
     return 0
 
 
+SECRET_HELP = """\
+usage: archipelago secret new > fed.key
+
+Print a new federation secret (32 random bytes, in hex). Copy the file to every island of
+the federation (`chmod 600`) and point each island at it with [federation_security]
+key_file or $ARCHIPELAGO_FEDERATION_KEY_FILE: islands then prove to each other that they
+hold it before they exchange model state.
+"""
+
+
+def cmd_secret(argv: list[str]) -> int:
+    if argv != ["new"]:
+        print(SECRET_HELP, file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    from archipelago.federation.trust import new_secret
+
+    print(new_secret())
+    return 0
+
+
 def cmd_models(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print("usage: archipelago models\n\nList every family and flavor with its exact parameter "
@@ -310,7 +331,7 @@ def cmd_config(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train, "data": cmd_data, "models": cmd_models, "report": cmd_report,
-    "config": cmd_config, "lighthouse": cmd_lighthouse, "local": cmd_local,
+    "config": cmd_config, "lighthouse": cmd_lighthouse, "local": cmd_local, "secret": cmd_secret,
 }
 
 

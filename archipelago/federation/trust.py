@@ -1,0 +1,150 @@
+"""Trust between islands: the federation secret, the keys derived from it, signed frames.
+
+Every island of a federation holds the same secret (`archipelago secret new > fed.key`).
+From it each island derives, with HKDF-SHA256, the federation's public id and one signing
+key per island id. Whatever crosses islands and can change model state travels as a
+frame:
+
+    header (fixed, 118 bytes) | payload | HMAC-SHA256 tag (32 bytes)
+
+    header = magic b"ARF1" | federation id (16) | quorum id (u64) | step (u64) |
+             fragment (u32) | island (u32) | kind (u16) | tokens (u64) | weight (f64) |
+             payload length (u64) | SHA-256 of the payload (32)
+
+The tag covers the header and the payload under the sending island's key. `open_frame`
+checks the tag before it reads any field but the island id (a fixed offset, needed to
+pick the key), then refuses a frame of another federation, round, fragment, island or
+kind than the one expected: a valid frame replayed elsewhere is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from archipelago.config.errors import ConfigError
+
+log = logging.getLogger("archipelago.federation")
+
+KEY_FILE_ENV = "ARCHIPELAGO_FEDERATION_KEY_FILE"
+SECRET_BYTES = 32
+MAGIC = b"ARF1"
+_HEADER = struct.Struct(">4s16sQQIIHQdQ32s")
+HEADER_BYTES = _HEADER.size
+TAG_BYTES = 32
+_ISLAND_OFFSET = 4 + 16 + 8 + 8 + 4  # where the island id sits in the header
+
+# Frame kinds.
+HEAL_REQUEST = 1  # a healing island asks a peer for the global state (empty payload)
+HEAL_STATE = 2    # the peer's answer: transport.encode_state bytes
+
+
+class FrameRefused(ValueError):
+    """A frame that is not from this federation, not for this place, or not intact."""
+
+
+def new_secret() -> str:
+    """A fresh federation secret, as the hex text `archipelago secret new` prints."""
+    return secrets.token_hex(SECRET_BYTES)
+
+
+def _derive(secret: bytes, info: bytes, length: int = 32) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(secret)
+
+
+class FederationKey:
+    """The keys one secret gives: the federation id and a signing key per island id."""
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < SECRET_BYTES:
+            raise ConfigError(f"the federation secret has {len(secret)} bytes, at least {SECRET_BYTES} are "
+                              "needed; make one with `archipelago secret new > fed.key`")
+        self._secret = secret
+        self.federation_id = _derive(secret, b"archipelago federation id", 16)
+        self._islands: dict[int, bytes] = {}
+
+    def island_key(self, island: int) -> bytes:
+        if island not in self._islands:
+            self._islands[island] = _derive(self._secret, b"archipelago island %d" % island)
+        return self._islands[island]
+
+    def tag(self, island: int, message: bytes) -> bytes:
+        return hmac.new(self.island_key(island), message, hashlib.sha256).digest()
+
+
+def load_key(key_file: str = "") -> FederationKey | None:
+    """The federation key from `key_file`, else from $ARCHIPELAGO_FEDERATION_KEY_FILE, else None."""
+    path = key_file or os.environ.get(KEY_FILE_ENV, "")
+    if not path:
+        return None
+    try:
+        text = Path(path).read_text().strip()
+        secret = bytes.fromhex(text)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the federation key file {path}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise ConfigError(f"the federation key file {path} does not hold a secret in hex; make one with "
+                          "`archipelago secret new > fed.key`") from exc
+    mode = Path(path).stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("the federation key file %s can be read by other users; `chmod 600 %s`", path, path)
+    return FederationKey(secret)
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """Where a frame belongs (all must match what the receiver expects) and what it claims."""
+
+    quorum: int
+    step: int
+    fragment: int
+    island: int
+    kind: int
+    tokens: int = 0
+    weight: float = 0.0
+
+
+def seal(key: FederationKey, header: FrameHeader, payload: bytes) -> bytes:
+    """`payload` framed and signed with the key of `header.island`."""
+    raw = _HEADER.pack(MAGIC, key.federation_id, header.quorum, header.step, header.fragment, header.island,
+                       header.kind, header.tokens, header.weight, len(payload), hashlib.sha256(payload).digest())
+    return raw + payload + key.tag(header.island, raw + payload)
+
+
+def open_frame(key: FederationKey, frame: bytes, expect: FrameHeader, any_island: bool = False,
+               any_quorum: bool = False) -> tuple[FrameHeader, bytes]:
+    """The header and payload of `frame`, if it is intact and belongs where `expect` says
+    (its tokens and weight are the sender's claims, returned, not compared). With
+    `any_island` the frame may come from any island of the federation; with `any_quorum`
+    its quorum field is returned, not compared (a healing request's nonce)."""
+    if len(frame) < HEADER_BYTES + TAG_BYTES:
+        raise FrameRefused(f"a frame of {len(frame)} bytes is shorter than a header and a tag")
+    (island,) = struct.unpack_from(">I", frame, _ISLAND_OFFSET)
+    body, tag = frame[:-TAG_BYTES], frame[-TAG_BYTES:]
+    if not hmac.compare_digest(key.tag(island, body), tag):
+        raise FrameRefused(f"a frame signed without the federation's key (claims island {island})")
+    magic, fed, quorum, step, fragment, island, kind, tokens, weight, size, digest = _HEADER.unpack_from(frame)
+    got = FrameHeader(quorum, step, fragment, island, kind, tokens, weight)
+    payload = body[HEADER_BYTES:]
+    if magic != MAGIC or fed != key.federation_id:
+        raise FrameRefused("a frame of another federation")
+    if size != len(payload) or hashlib.sha256(payload).digest() != digest:
+        raise FrameRefused("a frame whose payload does not match its header")
+    wanted = (expect.step, expect.fragment, expect.kind) + (() if any_island else (expect.island,))
+    actual = (step, fragment, kind) + (() if any_island else (island,))
+    if not any_quorum:
+        wanted, actual = (expect.quorum, *wanted), (quorum, *actual)
+    if wanted != actual:
+        raise FrameRefused(f"a frame for quorum {quorum}, step {step}, fragment {fragment}, island {island}, "
+                           f"kind {kind}: expected {expect} (a replay)")
+    return got, payload

@@ -1,0 +1,102 @@
+"""Trust between islands: the federation secret, derived keys and signed frames."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import os
+
+import pytest
+
+from archipelago.config import ConfigError
+from archipelago.federation.trust import (
+    HEADER_BYTES,
+    TAG_BYTES,
+    FederationKey,
+    FrameHeader,
+    FrameRefused,
+    load_key,
+    new_secret,
+    open_frame,
+    seal,
+)
+
+SECRET = bytes.fromhex(new_secret())
+HEADER = FrameHeader(quorum=3, step=10, fragment=1, island=2, kind=7, tokens=4096, weight=4096.0)
+
+
+def test_derived_keys_follow_hkdf_from_the_secret():
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
+
+    key = FederationKey(SECRET)
+    # HKDF without salt (RFC 5869): PRK = HMAC(zeros, secret), then one expand block per 32 bytes.
+    prk = hmac.new(b"\0" * 32, SECRET, hashlib.sha256).digest()
+    expected = HKDFExpand(algorithm=hashes.SHA256(), length=32, info=b"archipelago island 2").derive(prk)
+    assert key.island_key(2) == expected
+    assert len({key.island_key(i) for i in range(4)}) == 4
+    assert FederationKey(SECRET).federation_id == key.federation_id != FederationKey(os.urandom(32)).federation_id
+
+
+def test_a_sealed_frame_opens_with_its_claims():
+    key = FederationKey(SECRET)
+    got, payload = open_frame(key, seal(key, HEADER, b"pseudo-gradient"), HEADER)
+    assert payload == b"pseudo-gradient" and got == HEADER
+
+
+def test_a_frame_signed_with_another_secret_is_refused_before_its_fields_are_read():
+    outsider = FederationKey(os.urandom(32))
+    with pytest.raises(FrameRefused, match="without the federation's key"):
+        open_frame(FederationKey(SECRET), seal(outsider, HEADER, b"x" * 100), HEADER)
+
+
+@pytest.mark.parametrize("where", [0, 30, HEADER_BYTES - 1, HEADER_BYTES + 3, -1],
+                         ids=["magic", "header", "digest", "payload", "tag"])
+def test_one_flipped_byte_anywhere_is_refused(where):
+    key = FederationKey(SECRET)
+    frame = bytearray(seal(key, HEADER, b"y" * 64))
+    frame[where] ^= 0x01
+    with pytest.raises(FrameRefused):
+        open_frame(key, bytes(frame), HEADER)
+
+
+@pytest.mark.parametrize("field,value", [("step", 11), ("quorum", 4), ("fragment", 0), ("island", 1), ("kind", 1)])
+def test_a_valid_frame_replayed_elsewhere_is_refused(field, value):
+    key = FederationKey(SECRET)
+    frame = seal(key, HEADER, b"z")
+    with pytest.raises(FrameRefused, match="a replay"):
+        open_frame(key, frame, dataclasses.replace(HEADER, **{field: value}))
+
+
+def test_a_frame_of_any_island_opens_when_allowed_but_still_not_elsewhere():
+    key = FederationKey(SECRET)
+    frame = seal(key, HEADER, b"state")
+    assert open_frame(key, frame, dataclasses.replace(HEADER, island=0), any_island=True)[0].island == 2
+    with pytest.raises(FrameRefused, match="a replay"):
+        open_frame(key, frame, dataclasses.replace(HEADER, island=0, step=9), any_island=True)
+
+
+def test_a_truncated_frame_is_refused():
+    key = FederationKey(SECRET)
+    with pytest.raises(FrameRefused, match="shorter"):
+        open_frame(key, seal(key, HEADER, b"")[:HEADER_BYTES + TAG_BYTES - 1], HEADER)
+
+
+def test_key_files_load_from_the_option_or_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("ARCHIPELAGO_FEDERATION_KEY_FILE", raising=False)
+    assert load_key("") is None
+    path = tmp_path / "fed.key"
+    path.write_text(SECRET.hex() + "\n")
+    path.chmod(0o600)
+    assert load_key(str(path)).federation_id == FederationKey(SECRET).federation_id
+    monkeypatch.setenv("ARCHIPELAGO_FEDERATION_KEY_FILE", str(path))
+    assert load_key("").federation_id == FederationKey(SECRET).federation_id
+    path.write_text("not hex")
+    with pytest.raises(ConfigError, match="archipelago secret new"):
+        load_key(str(path))
+    path.write_text("abcd")
+    with pytest.raises(ConfigError, match="at least 32 are needed"):
+        load_key(str(path))
+    with pytest.raises(ConfigError, match="cannot read the federation key file"):
+        load_key(str(tmp_path / "missing.key"))
