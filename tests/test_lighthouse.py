@@ -154,6 +154,13 @@ def test_start_lighthouse_is_reusable_in_process():
         server.shutdown()
 
 
+def test_the_lighthouse_listens_on_loopback_unless_told_otherwise():
+    from archipelago.launch.lighthouse import _parser, split_bind
+
+    assert split_bind(_parser().parse_args([]).bind) == ("127.0.0.1", 29510)
+    assert split_bind(_parser().parse_args(["--bind", "10.0.0.1:29510"]).bind) == ("10.0.0.1", 29510)
+
+
 # run_train.sh: the reference platform's launch script. These runs stop at the
 # configuration check, before torchrun starts; no training happens here.
 

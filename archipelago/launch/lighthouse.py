@@ -22,7 +22,7 @@ from archipelago.config import ConfigError
 if TYPE_CHECKING:
     from torchft.coordination import LighthouseServer
 
-DEFAULT_BIND = "0.0.0.0:29510"
+DEFAULT_BIND = "127.0.0.1:29510"  # this machine only, until the user names an address
 DEFAULT_MIN_REPLICAS = 1
 DEFAULT_JOIN_TIMEOUT_MS = 60000
 DEFAULT_QUORUM_TICK_MS = 100
@@ -35,10 +35,12 @@ Run the lighthouse of a federation (torchft's LighthouseServer, in this process)
 join it with TORCHFT_LIGHTHOUSE=http://HOST:PORT or --fault_tolerance.lighthouse
 http://HOST:PORT. Stop it with Ctrl-C or SIGTERM (exit code 0).
 
-Defaults are torchft_lighthouse's, except: --bind is 0.0.0.0:29510 (torchft_lighthouse:
-[::]:29510) and --min-replicas defaults to 1 (torchft_lighthouse requires it). Islands
-trust the lighthouse and each other completely, and its dashboard has an unauthenticated
-kill endpoint: run it on a private network only (docs/federation.md).
+Defaults are torchft_lighthouse's, except: --bind is 127.0.0.1:29510, reachable from this
+machine only (torchft_lighthouse: [::]:29510, every interface); give islands on other hosts
+an address they reach, e.g. --bind 10.0.0.1:29510 (a private network's) or --bind
+0.0.0.0:29510 (every interface). --min-replicas defaults to 1 (torchft_lighthouse requires
+it). Anyone who reaches the lighthouse can join the federation, and its dashboard has an
+unauthenticated kill endpoint: expose it on a private network only (docs/federation.md).
 """
 
 
