@@ -201,8 +201,9 @@ class Trainer:
         if not c.enable and not c.resume:
             return None
         folder = Path(c.folder) if Path(c.folder).is_absolute() else self.run_dir / c.folder
-        return CheckpointManager(folder, keep=c.keep, rank=self.ctx.rank,
-                                 world_size=self.ctx.world_size, verify=c.verify)
+        key = load_key(self.cfg.federation_security.key_file)  # signs the manifests when set
+        return CheckpointManager(folder, keep=c.keep, rank=self.ctx.rank, world_size=self.ctx.world_size,
+                                 verify=c.verify, manifest_key=key.manifest_key() if key is not None else None)
 
     def build_metrics(self) -> RunMetrics:
         return RunMetrics(self.cfg, self.ctx, self.run_dir, self.model)

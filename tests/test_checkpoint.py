@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
@@ -241,6 +242,39 @@ def test_missing_file_is_detected_as_corrupt(tmp_path: Path, caplog: pytest.LogC
     with caplog.at_level(logging.WARNING, logger="archipelago.checkpoint"):
         step, _ = load_fresh(mgr)
     assert step == 1 and "is missing" in caplog.text
+
+
+def test_a_signed_manifest_refuses_a_checkpoint_changed_without_the_key(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+
+    from archipelago.federation.trust import FederationKey
+
+    key = FederationKey(os.urandom(32)).manifest_key()
+    model, opt, loader = make_run()
+    mgr = CheckpointManager(tmp_path, keep=5, verify=False, manifest_key=key)  # a key turns hashing on
+    mgr.save(1, app_state(model, opt, loader))
+    first = tensors_of(model, opt)
+    train_steps(model, opt, 1)
+    mgr.save(2, app_state(model, opt, loader))
+    assert_same_tensors(load_fresh(mgr)[1], tensors_of(model, opt))  # signed: loads
+    # Someone without the key swaps a data file and rewrites the manifest's hashes to match.
+    step2 = tmp_path / "step-00000002"
+    victim = data_files(step2)[-1]
+    victim.write_bytes(victim.read_bytes()[::-1])
+    manifest = json.loads((step2 / "COMPLETE.json").read_text())
+    digest = hashlib.sha256(victim.read_bytes()).hexdigest()
+    manifest["files"][victim.name]["sha256"] = digest
+    (step2 / "COMPLETE.json").write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="archipelago.checkpoint"):
+        step, loaded = load_fresh(mgr)
+    assert step == 1 and "not signed with this federation's key" in caplog.text
+    assert_same_tensors(loaded, first)
+    unsigned = CheckpointManager(tmp_path / "plain", keep=5)  # written without a key: refused with one
+    unsigned.save(1, app_state(model, opt, loader))
+    with pytest.raises(CheckpointUnusable):
+        load_fresh(CheckpointManager(tmp_path / "plain", keep=5, manifest_key=key))
 
 
 def test_latest_marker_wins_over_higher_abandoned_step(tmp_path: Path) -> None:

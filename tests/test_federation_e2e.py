@@ -183,6 +183,10 @@ def test_killed_island_heals_from_a_live_peer_and_all_end_equal(islands, tmp_pat
 
     federation = f"key {load_key(str(key_file)).federation_id.hex()[:12]}"
     assert all(federation in (tmp_path / f"island-{k}.log").read_text() for k in range(2))
+    # The restarted island resumed from its own checkpoint, whose manifest the key signs.
+    assert [r["step"] for r in _records(tmp_path / "island-1", "resume")] == [12]
+    manifest = json.loads((tmp_path / "island-1" / "checkpoints" / "step-00000032" / "COMPLETE.json").read_text())
+    assert len(manifest["hmac"]) == 64
 
 
 @pytest.mark.timeout(300)

@@ -14,6 +14,12 @@ loaded. COMPLETE.json lists size and SHA-256 of every file DCP wrote, so silent
 corruption (bit rot, truncated copies) is detected and the previous checkpoint
 is used instead.
 
+DCP unpickles parts of a checkpoint when it loads it (its .metadata file, and non-tensor
+values with torch.load(weights_only=False)), so a checkpoint directory must be trusted.
+With a `manifest_key` (derived from the federation key) COMPLETE.json carries an
+HMAC-SHA256 of its step and file hashes, checked before DCP opens any file: a checkpoint
+someone without the key changed or planted is skipped like a corrupt one.
+
 Multi-rank runs need ``folder`` on a filesystem every rank of the island can
 see: the ranks hash each other's files (in parallel, round-robin) and rank 0
 writes the manifest.
@@ -21,6 +27,8 @@ writes the manifest.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import re
@@ -117,6 +125,8 @@ class CheckpointManager:
         verify: hash every file at save and check the hashes at load. Costs
             one extra read of the whole checkpoint each time (~1-2 GB/s);
             with False only file sizes are checked.
+        manifest_key: sign the manifest, and load only checkpoints whose manifest
+            carries a valid signature (hashing is then always on).
     """
 
     def __init__(
@@ -126,12 +136,14 @@ class CheckpointManager:
         rank: int = 0,
         world_size: int = 1,
         verify: bool = True,
+        manifest_key: bytes | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.keep = keep
         self.rank = rank
         self.world_size = world_size
-        self.verify = verify
+        self.manifest_key = manifest_key
+        self.verify = verify or manifest_key is not None  # a signature over sizes alone proves little
         if rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
         # Newest committed step on disk; updated by save/load so error messages
@@ -199,7 +211,9 @@ class CheckpointManager:
         path.mkdir(parents=True, exist_ok=True)
 
     def _commit(self, step: int, path: Path, files: dict[str, dict[str, Any]]) -> int:
-        manifest = {"step": step, "time": time.time(), "files": files}
+        manifest: dict[str, Any] = {"step": step, "time": time.time(), "files": files}
+        if self.manifest_key is not None:
+            manifest["hmac"] = _manifest_hmac(self.manifest_key, step, files)
         write_text_atomic(path / COMPLETE_NAME, json.dumps(manifest, indent=1) + "\n")
         write_text_atomic(self.folder / LATEST_NAME, path.name + "\n")
         self._prune(step)
@@ -346,8 +360,7 @@ class CheckpointManager:
             if self.rank == 0:
                 log.warning("%s", problem)
 
-    @staticmethod
-    def _pop_manifest(candidates: list[Path]) -> tuple[str, dict[str, Any], str | None] | None:
+    def _pop_manifest(self, candidates: list[Path]) -> tuple[str, dict[str, Any], str | None] | None:
         """(name, manifest files, problem) of the next candidate; None when none is left."""
         if not candidates:
             return None
@@ -356,11 +369,17 @@ class CheckpointManager:
         if not complete.is_file():
             return path.name, {}, f"incomplete checkpoint {path} (no {COMPLETE_NAME}): skipped"
         try:
-            files = json.loads(complete.read_text(encoding="utf-8"))["files"]
-            return path.name, dict(files), None
+            manifest = json.loads(complete.read_text(encoding="utf-8"))
+            files = dict(manifest["files"])
+            signed = self.manifest_key is None or hmac.compare_digest(
+                str(manifest.get("hmac", "")), _manifest_hmac(self.manifest_key, manifest["step"], files))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return path.name, {}, (f"corrupt checkpoint {path}: {COMPLETE_NAME} unreadable ({exc}): "
                                    "skipped, using the previous one")
+        if not signed:
+            return path.name, {}, (f"checkpoint {path} is not signed with this federation's key (written "
+                                   "without it, with another key, or changed since): skipped")
+        return path.name, files, None
 
     def _compare(self, path: Path, files: dict[str, Any], actual: dict[str, Any]) -> str | None:
         """None when every file matches its manifest entry, else why not."""
@@ -447,3 +466,9 @@ def _remove_checkpoint_dir(path: Path) -> None:
     except OSError as exc:
         log.warning("could not remove %s (%s): delete it by hand to reclaim space", path, exc)
 
+
+
+def _manifest_hmac(key: bytes, step: int, files: dict[str, Any]) -> str:
+    """HMAC-SHA256 over the manifest's step and file entries (canonical JSON)."""
+    message = json.dumps({"step": step, "files": files}, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()

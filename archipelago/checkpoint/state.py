@@ -4,9 +4,10 @@ Use them as TOP-LEVEL values of the dict passed to CheckpointManager.save /
 load_latest: DCP calls state_dict() before saving and loading and
 load_state_dict() after loading, but only on top-level values.
 
-Non-tensor values are stored as plain ints/floats/strs/bytes on purpose: DCP
-reads them back with torch.load(weights_only=True), so a checkpoint never has
-to unpickle arbitrary objects.
+Non-tensor values are stored as plain ints/floats/strs/bytes on purpose, but DCP
+still reads them back with torch.load(weights_only=False) (and unpickles its
+.metadata file): a checkpoint directory must be trusted. With a federation key the
+manifest is signed and checked before DCP reads anything (checkpoint/manager.py).
 """
 
 from __future__ import annotations

@@ -237,7 +237,7 @@ class FederationSecurityConfig:
     """Trust between islands: the secret every island of a federation shares."""
 
     key_file: str = ""
-    """File holding the federation secret (make one with `archipelago secret new > fed.key`, copy it to every island, `chmod 600`). Peers then prove they hold it: a healing island only accepts the state of a peer that signs it, and a peer only serves a healing island that signs its request. Empty: the file named by $ARCHIPELAGO_FEDERATION_KEY_FILE, else no key (peers are not authenticated; keep the federation on a private network)."""
+    """File holding the federation secret (make one with `archipelago secret new > fed.key`, copy it to every island, `chmod 600`). Peers then prove they hold it: a healing island only accepts the state of a peer that signs it, and a peer only serves a healing island that signs its request; checkpoint manifests are signed and checked before loading. Empty: the file named by $ARCHIPELAGO_FEDERATION_KEY_FILE, else no key (peers are not authenticated; keep the federation on a private network)."""
 
 
 @dataclass

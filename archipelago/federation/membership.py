@@ -43,8 +43,8 @@ def lighthouse_address(ft: FaultToleranceConfig) -> str:
     url = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
     if not url:
         raise ConfigError("fault_tolerance.enable needs a lighthouse: start one with `archipelago "
-                          "lighthouse --bind HOST:29510` (HOST: an address the islands reach) and pass --fault_tolerance.lighthouse "
-                          "http://HOST:29510 (or export TORCHFT_LIGHTHOUSE)")
+                          "lighthouse --bind HOST:29510` (HOST: an address the islands reach) and pass "
+                          "--fault_tolerance.lighthouse http://HOST:29510 (or export TORCHFT_LIGHTHOUSE)")
     return url if "://" in url else f"http://{url}"
 
 
