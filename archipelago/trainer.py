@@ -177,7 +177,8 @@ class Trainer:
                                        rank=self.ctx.rank, world_size=self.ctx.world_size,
                                        seed=t.seed, island=ft.replica_id if ft.enable else 0,
                                        num_islands=ft.group_size if ft.enable else 1,
-                                       dtype=self.dataset.dtype, log=log.info)
+                                       dtype=self.dataset.dtype, log=log.info,
+                                       vocab_size=self.dataset.vocab_size)
         except ValueError as exc:  # too little data for seq_len x batch_size
             raise ConfigError(f"data: {exc} (settings: --data.seq_len, --training.batch_size, "
                               "--training.val_batches)") from exc
@@ -186,7 +187,7 @@ class Trainer:
         t = self.cfg.training
         return validation_batches(self.dataset.val_path, self.cfg.data.seq_len, t.batch_size,
                                   self.ctx.rank, self.ctx.world_size, t.val_batches,
-                                  self.dataset.dtype)
+                                  self.dataset.dtype, self.dataset.vocab_size)
 
     def build_federation(self) -> Alone:
         """The seam to the other islands: `Alone` when fault_tolerance is off, else a

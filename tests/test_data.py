@@ -387,3 +387,19 @@ def test_validation_batches(token_file: Path) -> None:
     assert run(0, 2, path=short) == [[0, 1]] and run(1, 2, path=short) == [[2, 3]]
     with pytest.raises(ValueError, match="validation split is too small"):
         validation_batches(short, SEQ, 8, 0, 8, 1, "uint16")
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_with_the_fix(token_file: Path) -> None:
+    from archipelago.data import TokenRangeError
+    from archipelago.launch.cli import _failure
+
+    top = SEQ * 103  # the file's largest id (token value == position)
+    loader = _loader(token_file, vocab_size=top + 1)  # every id fits: batches as before
+    assert torch.equal(loader.next_batch()[0], _loader(token_file).next_batch()[0])
+    small = _loader(token_file, vocab_size=top // 2)
+    with pytest.raises(TokenRangeError, match=f"token id .* outside the vocabulary of {top // 2}"):
+        for _ in range(20):  # half of the windows hold ids above half of the file's
+            small.next_batch()
+    with pytest.raises(TokenRangeError, match="archipelago data prepare"):
+        list(validation_batches(token_file, SEQ, 8, 0, 1, 20, vocab_size=top // 2))
+    assert _failure(TokenRangeError("x"))[0] == 2  # a one-line error, not a traceback

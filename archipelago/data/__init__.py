@@ -9,13 +9,14 @@ from .corpus import (
     read_text_folder,
     split_documents,
 )
-from .loader import TokenSequenceLoader, validation_batches
+from .loader import TokenRangeError, TokenSequenceLoader, validation_batches
 from .prepare import PreparedDataset, default_cache_dir, prepare_dataset, prepare_from_config, token_dtype
 from .tokenizer import EOS_TOKEN, eos_id, load_tokenizer, train_bpe_tokenizer, vocab_size_of
 
 __all__ = [
     "SHAKESPEARE_SPEC",
     "CorpusUnavailable",
+    "TokenRangeError",
     "Document",
     "fetch_shakespeare",
     "read_shakespeare",

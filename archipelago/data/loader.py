@@ -27,6 +27,10 @@ import torch
 _DTYPES = ("uint16", "uint32")
 
 
+class TokenRangeError(ValueError):
+    """A token file holds ids the model has no embedding for (another tokenizer made it)."""
+
+
 def _open_tokens(token_path: Path, dtype: str) -> np.ndarray:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}; use PreparedDataset.dtype")
@@ -49,11 +53,18 @@ def _count_windows(n_tokens: int, seq_len: int) -> int:
     return max(0, (n_tokens - 1) // seq_len)
 
 
-def _gather(tokens: np.ndarray, windows: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(tokens: np.ndarray, windows: np.ndarray, seq_len: int, vocab_size: int | None = None,
+            path: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     rows = np.empty((len(windows), seq_len + 1), dtype=np.int64)
     for j, w in enumerate(windows):
         start = int(w) * seq_len
         rows[j] = tokens[start:start + seq_len + 1]  # one contiguous read per window
+    # An id past the vocabulary would index past the embedding table (a crash on CPU, an
+    # illegal memory access on GPU). Checking each batch costs one pass over its ids.
+    if vocab_size is not None and rows.size and int(rows.max()) >= vocab_size:
+        raise TokenRangeError(f"{path}: token id {int(rows.max())} is outside the vocabulary of {vocab_size} "
+                              "ids; the token files were made with another tokenizer: prepare them again "
+                              "(`archipelago data prepare`) with the run's --data.tokenizer")
     batch = torch.from_numpy(rows)
     # contiguous copies so callers can .view()/pin_memory() without surprises (cost: one copy).
     return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
@@ -82,6 +93,7 @@ class TokenSequenceLoader:
         num_islands: int = 1,
         dtype: str = "uint16",
         log: Callable[[str], None] | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         _check_positive(seq_len=seq_len, global_batch_size=global_batch_size,
                         world_size=world_size, num_islands=num_islands)
@@ -112,6 +124,7 @@ class TokenSequenceLoader:
         self.seed, self.island, self.num_islands = seed, island, num_islands
         self.local_batch_size = global_batch_size // world_size
         self._log = log
+        self.vocab_size = vocab_size  # ids at or above it are refused (TokenRangeError)
         self._epoch = 0
         self._cursor = 0
         self._order = self._island_order(0)
@@ -155,7 +168,7 @@ class TokenSequenceLoader:
         lo = self._cursor + self.rank * self.local_batch_size
         windows = self._order[lo:lo + self.local_batch_size]
         self._cursor += self.global_batch_size
-        return _gather(self._tokens, windows, self.seq_len)
+        return _gather(self._tokens, windows, self.seq_len, self.vocab_size, self._path)
 
     # ------------------------------------------------------------------ resume
 
@@ -198,6 +211,7 @@ def validation_batches(
     world_size: int,
     max_batches: int,
     dtype: str = "uint16",
+    vocab_size: int | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Deterministic validation batches in file order (no shuffle), split across ranks.
 
@@ -224,12 +238,12 @@ def validation_batches(
         n_batches = min(max_batches, n_windows // batch_size)
     else:
         n_batches, batch_size = 1, (n_windows // world_size) * world_size
-    return _iter_validation(tokens, seq_len, batch_size, rank, world_size, n_batches)
+    return _iter_validation(tokens, seq_len, batch_size, rank, world_size, n_batches, vocab_size, Path(token_path))
 
 
 def _iter_validation(tokens: np.ndarray, seq_len: int, batch_size: int, rank: int, world_size: int,
-                     n_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                     n_batches: int, vocab_size: int | None, path: Path) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     local = batch_size // world_size
     for j in range(n_batches):
         lo = j * batch_size + rank * local
-        yield _gather(tokens, np.arange(lo, lo + local), seq_len)
+        yield _gather(tokens, np.arange(lo, lo + local), seq_len, vocab_size, path)

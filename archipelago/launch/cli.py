@@ -78,7 +78,7 @@ FAILURE_FILE = "failure.json"
 def _known_failure(exc: BaseException) -> tuple[int, str] | None:
     """(exit code, message) for errors whose message already names the fix; else None."""
     from archipelago.checkpoint import CheckpointUnusable
-    from archipelago.data import CorpusUnavailable
+    from archipelago.data import CorpusUnavailable, TokenRangeError
     from archipelago.federation import FederationError
     from archipelago.trainer import NonFiniteLossError
 
@@ -86,7 +86,7 @@ def _known_failure(exc: BaseException) -> tuple[int, str] | None:
         return 3, str(exc)
     if isinstance(exc, FederationError):
         return 4, f"error: {exc}"
-    if isinstance(exc, (ConfigError, CheckpointUnusable)):
+    if isinstance(exc, (ConfigError, CheckpointUnusable, TokenRangeError)):
         return 2, f"error: {exc}"
     if isinstance(exc, CorpusUnavailable):
         return 1, f"error: {exc}"
