@@ -18,7 +18,8 @@
 #                       comparing MASTER_ADDR with this host's names (always 1 with NNODES=1)
 #   LOCAL_ADDR          this host's address as the other islands (and the island's other nodes)
 #                       reach it, e.g. its Tailscale IP; exported for the trainer, and given to
-#                       torchrun as --local-addr
+#                       torchrun as --local-addr; with an address other than loopback the
+#                       islands need ARCHIPELAGO_FEDERATION_KEY_FILE (`archipelago secret new`)
 #   CONFIG_FILE         TOML run file (default configs/llama3/debug.toml)
 #   TORCHFT_LIGHTHOUSE  lighthouse URL (default http://localhost:29510)
 set -euo pipefail

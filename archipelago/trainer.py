@@ -30,7 +30,7 @@ from archipelago.config import Config, ConfigError, advice, config_to_dict, vali
 from archipelago.config.faults import TRAINER_KINDS, faults_from_env
 from archipelago.data import PreparedDataset, TokenSequenceLoader, prepare_from_config, validation_batches
 from archipelago.federation import Alone, build_federation
-from archipelago.federation.trust import load_key
+from archipelago.federation.trust import load_key, refuse_exposed_without_key
 from archipelago.island.device import IslandContext, all_reduce_, barrier, broadcast_object, close_island, init_island
 from archipelago.island.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer, set_schedule_position
 from archipelago.island.parallelize import ParallelModel, parallelize
@@ -192,7 +192,10 @@ class Trainer:
     def build_federation(self) -> Alone:
         """The seam to the other islands: `Alone` when fault_tolerance is off, else a
         federation member that has joined the lighthouse (it talks back through _Hooks)."""
-        key = load_key(self.cfg.federation_security.key_file) if self.cfg.fault_tolerance.enable else None
+        key = None
+        if self.cfg.fault_tolerance.enable:
+            key = load_key(self.cfg.federation_security.key_file)
+            refuse_exposed_without_key(key, self.cfg.federation_security.insecure)
         return build_federation(self.cfg.fault_tolerance, self.cfg.training.steps, self.model.inner,
                                 f"{self.cfg.model.name}/{self.cfg.model.flavor}", self.ctx.rank,
                                 self.ctx.world_size, self.tokens_per_step, _Hooks(self), self.optimizer, key)

@@ -62,6 +62,7 @@ import argparse
 import fcntl
 import ipaddress
 import os
+import secrets
 import signal
 import statistics
 import subprocess
@@ -169,10 +170,16 @@ def run_federation(setting: Setting, args: argparse.Namespace, wan: Wan, run_dir
         "--min-replicas", "1", "--join-timeout-ms", "60000"]), env, run_dir / "lighthouse.log")
     wait_for_line(lighthouse, "lighthouse listening", 60)
     url = f"http://{wan.lh_addr}:{LH_PORT}"
+    # Islands on non-loopback addresses need a federation key (what `archipelago secret new` writes).
+    key_file = run_dir / "fed.key"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    key_file.write_text(secrets.token_hex(32) + "\n")
+    key_file.chmod(0o600)
     islands = []
     for k in range(ISLANDS):
         addr = wan.island_addr(k)
-        island_env = {**env, "LOCAL_ADDR": addr, "GLOO_SOCKET_IFNAME": WAN_IF, "TORCHFT_LIGHTHOUSE": url}
+        island_env = {**env, "LOCAL_ADDR": addr, "GLOO_SOCKET_IFNAME": WAN_IF, "TORCHFT_LIGHTHOUSE": url,
+                      "ARCHIPELAGO_FEDERATION_KEY_FILE": str(key_file)}
         cmd = [python_bin(), "-m", "archipelago.launch.cli", "train", "--nproc", "1",
                *train_args(args, run_dir / f"island-{k}", args.batch_size),
                "--fault_tolerance.enable", "--fault_tolerance.replica_id", str(k),

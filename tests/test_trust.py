@@ -100,3 +100,20 @@ def test_key_files_load_from_the_option_or_the_environment(tmp_path, monkeypatch
         load_key(str(path))
     with pytest.raises(ConfigError, match="cannot read the federation key file"):
         load_key(str(tmp_path / "missing.key"))
+
+
+@pytest.mark.parametrize("address,refused", [("", False), ("127.0.0.5", False), ("::1", False),
+                                             ("localhost", False), ("10.0.0.1", True), ("fd00::11", True),
+                                             ("island-3.example", True)])
+def test_an_island_exposed_beyond_loopback_needs_a_key_or_insecure(monkeypatch, caplog, address, refused):
+    from archipelago.federation.trust import refuse_exposed_without_key
+
+    monkeypatch.setenv("LOCAL_ADDR", address)
+    refuse_exposed_without_key(FederationKey(SECRET), insecure=False)  # a key: always fine
+    if not refused:
+        refuse_exposed_without_key(None, insecure=False)
+        return
+    with pytest.raises(ConfigError, match="archipelago secret new.*--federation_security.insecure"):
+        refuse_exposed_without_key(None, insecure=False)
+    refuse_exposed_without_key(None, insecure=True)
+    assert "anyone who reaches that address" in caplog.text

@@ -238,6 +238,8 @@ class FederationSecurityConfig:
 
     key_file: str = ""
     """File holding the federation secret (make one with `archipelago secret new > fed.key`, copy it to every island, `chmod 600`). Peers then prove they hold it: a healing island only accepts the state of a peer that signs it, and a peer only serves a healing island that signs its request; checkpoint manifests are signed and checked before loading. Empty: the file named by $ARCHIPELAGO_FEDERATION_KEY_FILE, else no key (peers are not authenticated; keep the federation on a private network)."""
+    insecure: bool = False
+    """Allow an island without a federation key to serve healing on a LOCAL_ADDR other than loopback, where anyone who reaches that address can fetch the global weights. Without this, such an island stops at the join and names the fix (a key)."""
 
 
 @dataclass

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
@@ -103,6 +104,29 @@ def load_key(key_file: str = "") -> FederationKey | None:
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("the federation key file %s can be read by other users; `chmod 600 %s`", path, path)
     return FederationKey(secret)
+
+
+def refuse_exposed_without_key(key: FederationKey | None, insecure: bool) -> None:
+    """An island that serves healing beyond loopback (LOCAL_ADDR) needs a key, or `insecure`."""
+    address = os.environ.get("LOCAL_ADDR", "")
+    if key is not None or not address or _is_loopback(address):
+        return
+    if insecure:
+        log.warning("no federation key and LOCAL_ADDR=%s: anyone who reaches that address can fetch the "
+                    "global weights and join the averages (--federation_security.insecure)", address)
+        return
+    raise ConfigError(f"LOCAL_ADDR={address} exposes this island's healing server beyond this machine, and "
+                      "no federation key is set: anyone who reaches it could fetch the global weights. Make "
+                      "a key (`archipelago secret new > fed.key`, the same file on every island) and set "
+                      f"{KEY_FILE_ENV} or [federation_security] key_file; or accept the risk on a trusted "
+                      "network with --federation_security.insecure")
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
 
 
 @dataclass(frozen=True)
