@@ -9,6 +9,7 @@ then step / log / validate / checkpoint until `training.steps`, then summarise.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -30,7 +31,7 @@ from archipelago.config import Config, ConfigError, advice, config_to_dict, vali
 from archipelago.config.faults import TRAINER_KINDS, faults_from_env
 from archipelago.data import PreparedDataset, TokenSequenceLoader, prepare_from_config, validation_batches
 from archipelago.federation import Alone, build_federation
-from archipelago.federation.trust import load_key, refuse_exposed_without_key
+from archipelago.federation.trust import FederationKey, load_key, refuse_exposed_without_key
 from archipelago.island.device import IslandContext, all_reduce_, barrier, broadcast_object, close_island, init_island
 from archipelago.island.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer, set_schedule_position
 from archipelago.island.parallelize import ParallelModel, parallelize
@@ -194,18 +195,23 @@ class Trainer:
         federation member that has joined the lighthouse (it talks back through _Hooks)."""
         key = None
         if self.cfg.fault_tolerance.enable:
-            key = load_key(self.cfg.federation_security.key_file)
+            key = self.federation_key
             refuse_exposed_without_key(key, self.cfg.federation_security.insecure)
         return build_federation(self.cfg.fault_tolerance, self.cfg.training.steps, self.model.inner,
                                 f"{self.cfg.model.name}/{self.cfg.model.flavor}", self.ctx.rank,
                                 self.ctx.world_size, self.tokens_per_step, _Hooks(self), self.optimizer, key)
+
+    @functools.cached_property
+    def federation_key(self) -> FederationKey | None:
+        """The federation key (`[federation_security]`), read once, when a part first needs it."""
+        return load_key(self.cfg.federation_security.key_file)
 
     def build_checkpointer(self) -> CheckpointManager | None:
         c = self.cfg.checkpoint
         if not c.enable and not c.resume:
             return None
         folder = Path(c.folder) if Path(c.folder).is_absolute() else self.run_dir / c.folder
-        key = load_key(self.cfg.federation_security.key_file)  # signs the manifests when set
+        key = self.federation_key  # signs the manifests when set
         return CheckpointManager(folder, keep=c.keep, rank=self.ctx.rank, world_size=self.ctx.world_size,
                                  verify=c.verify, manifest_key=key.manifest_key() if key is not None else None)
 

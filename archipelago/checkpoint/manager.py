@@ -467,7 +467,6 @@ def _remove_checkpoint_dir(path: Path) -> None:
         log.warning("could not remove %s (%s): delete it by hand to reclaim space", path, exc)
 
 
-
 def _manifest_hmac(key: bytes, step: int, files: dict[str, Any]) -> str:
     """HMAC-SHA256 over the manifest's step and file entries (canonical JSON)."""
     message = json.dumps({"step": step, "files": files}, sort_keys=True, separators=(",", ":")).encode()
