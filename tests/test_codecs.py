@@ -179,3 +179,17 @@ def test_segments_cover_the_chunk_at_block_boundaries_and_encode_alone(codec, pa
     pieces = [codec.for_length(end - start) for start, end in segments]
     stitched = torch.cat([p.decode(p.encode(x[start:end])) for p, (start, end) in zip(pieces, segments)])
     assert torch.equal(stitched, whole)  # cut at block boundaries, a segment encodes as in the whole
+
+
+def test_a_topk_payload_with_forged_indices_is_refused_not_a_crash():
+    from archipelago.federation.codecs import PayloadError, TopKCodec, _pack
+
+    codec = TopKCodec(1000, 0.1, 2, chunk=100)  # 7-bit indices can name 100..127: outside the chunk
+    payload = codec.encode(_signal(1000, 3))
+    assert torch.isfinite(codec.decode(payload)).all()
+    head, index_bytes, _ = codec._sizes()
+    for forged in (torch.full((codec.chunks * codec.k,), 120), torch.zeros(codec.chunks * codec.k)):
+        bad = payload.clone()  # out of the chunk; then every index the same (out of order)
+        bad[head:head + index_bytes] = _pack(forged.int(), codec.index_bits)
+        with pytest.raises(PayloadError, match="indices"):
+            codec.decode(bad)

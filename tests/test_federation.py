@@ -85,12 +85,13 @@ def _ours(ft: FaultToleranceConfig, lighthouse: str, replica: int, steps: int, o
     try:
         model = _model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        fp = fingerprint("tiny", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, 1)
-        outer = OuterLoop(replace(ft, replica_id=replica), split_fragments(model, ft.num_fragments),
-                          0, 1, manager, fp)
         # Token weights need token counts: island r trains (r + 1) x 512 per step (equal
         # weights ignore them), so the average is not the plain mean.
         tokens = 512 * (replica + 1)
+        fp = fingerprint("tiny", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, 1,
+                         tokens_per_step=tokens, inner_lr=1e-2)
+        outer = OuterLoop(replace(ft, replica_id=replica), split_fragments(model, ft.num_fragments),
+                          0, 1, manager, fp, key=key)
         healed = False
         for step in range(1, steps + 1):
             _inner_step(model, opt, replica, step)

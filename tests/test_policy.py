@@ -7,22 +7,29 @@ import math
 import pytest
 
 from archipelago.federation.policy import (
+    FRAME_MALFORMED,
+    FRAME_UNSIGNED,
     GUARD_HISTORY,
     GUARD_MIN_HISTORY,
+    Allowance,
+    Contribution,
     Membership,
     RoundResult,
     Verdict,
     aligned_inner_step,
     applies_outer_step,
     island_weight,
+    judge_contributions,
     judge_update,
     merges_local,
     must_wait,
+    norm_allowance,
     plan_round,
     reference_fingerprint,
     remember_norm,
     round_is_up,
     skips_exchange,
+    steps_between_exchanges,
 )
 
 
@@ -123,3 +130,50 @@ def test_alignment_and_the_reference_fingerprint():
     table = [{"island": 1, "step": 4}, {"island": 0, "step": 4}, {"island": 2, "step": 3}]
     assert reference_fingerprint(table) == {"island": 0, "step": 4}
     assert reference_fingerprint([{"island": 2, "step": 9}, {"island": 0, "step": 4}])["island"] == 2
+
+
+# ---- every receiver's verdict on every island's row --------------------------------
+
+
+def _row(norm: float = 1.0, tokens: float = 100.0, weight: float = 100.0, **kw) -> Contribution:
+    return Contribution(tokens=tokens, weight=weight, norm=norm, **kw)
+
+
+OPEN = Allowance(max_tokens=1000.0, max_norm=50.0)
+
+
+@pytest.mark.parametrize("row,reason", [
+    (_row(frame=FRAME_UNSIGNED), "not signed"), (_row(frame=FRAME_MALFORMED), "malformed"),
+    (_row(tokens=float("nan")), "tokens nan"), (_row(weight=-1e6), "weight -1e+06"),
+    (_row(tokens=1e15, weight=1e15), "tokens 1e+15 are more than"), (_row(weight=1001.0), "weight 1001"),
+    (_row(finite=False), "non-finite"), (_row(norm=50.5), "absolute bound 50")])
+def test_a_row_that_lies_or_breaks_its_allowance_is_refused(row, reason):
+    verdicts = judge_contributions([_row(), row], [OPEN, OPEN], "tokens", 10.0)
+    assert verdicts[0] == Verdict(True)
+    assert not verdicts[1].accepted and reason in verdicts[1].reason
+
+
+def test_equal_weighting_allows_weight_one_and_idle_rows_are_only_checked_for_their_claims():
+    assert judge_contributions([_row(weight=1.0)], [OPEN], "equal", 10.0)[0].accepted
+    assert "equal weighting" in judge_contributions([_row(weight=2.0)], [OPEN], "equal", 10.0)[0].reason
+    # A joining island sends weight 0 and zeros: nothing of it is read but its claims.
+    idle = _row(weight=0.0, tokens=0.0, finite=False, norm=1e30)
+    assert judge_contributions([idle], [OPEN], "tokens", 10.0)[0].accepted
+
+
+def test_with_three_contributors_a_norm_far_above_the_others_median_is_refused():
+    free = Allowance(1000.0, math.inf)
+    rows = [_row(1.0), _row(2.0), _row(3.0), _row(25.0)]
+    verdicts = judge_contributions(rows, [free] * 4, "tokens", 10.0)
+    assert [v.accepted for v in verdicts] == [True, True, True, False]
+    assert "median 2 of the other islands" in verdicts[3].reason
+    assert all(v.accepted for v in judge_contributions(rows[2:], [free] * 2, "tokens", 10.0))  # 2: no median
+    assert all(v.accepted for v in judge_contributions(rows, [free] * 4, "tokens", 0.0))  # 0: off
+
+
+def test_the_absolute_bound_follows_steps_learning_rate_size_and_global_norm():
+    assert norm_allowance(10.0, 20, 2e-3, 10_000, 30.0) == pytest.approx(10 * 20 * 2e-3 * (100 + 30))
+    assert norm_allowance(0.0, 20, 2e-3, 10_000, 30.0) == math.inf  # outer_norm_limit 0: off
+    assert norm_allowance(10.0, 20, 0.0, 10_000, 30.0) == math.inf  # no declared learning rate
+    assert steps_between_exchanges("steps", 20, 1000, 4) == 20
+    assert steps_between_exchanges("time", 20, 50, 2) == 100

@@ -24,9 +24,13 @@ from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.diloco import OuterLoop
 from archipelago.federation.guard import Poison, UpdateGuard, poisons_from_env
 from archipelago.federation.membership import fingerprint
+from archipelago.federation.trust import FederationKey, new_secret
 
 ROUND = 2           # inner steps per round
 TOKENS = [100, 300, 50]  # tokens per inner step of island 0, 1, 2
+# The inner learning rate the islands declare: the receivers' absolute norm bound is then
+# 10 x 2 steps x 0.1 x (sqrt(53) + |global|), about 20; an honest round's delta is about 0.7.
+INNER_LR = 0.1
 
 
 def _model() -> nn.Module:
@@ -61,7 +65,7 @@ def _manager(lighthouse: str, island: int, bridge: int, width: int, store_port: 
 
 def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, rounds: int,
             lighthouse: str, store_ports: list[int], poisons: dict, codec: str, init_sync: bool,
-            block: int, moments: bool, out: dict) -> None:
+            block: int, moments: bool, secret: str | None, out: dict) -> None:
     torch.set_num_threads(1)  # up to 4 processes on 2 cores: more threads only wait for each other
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=proc, world_size=sum(sizes))
@@ -78,9 +82,11 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
                                   average_optimizer_state=moments)
         model = _model()
         optimizer = torch.optim.AdamW(model.parameters()) if moments else None
-        fp = fingerprint("two-linears", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, sizes[island])
+        key = FederationKey(bytes.fromhex(secret)) if secret else None
+        fp = fingerprint("two-linears", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, sizes[island],
+                         tokens_per_step=TOKENS[island], inner_lr=INNER_LR, key=key)
         outer = OuterLoop(ft, [list(model.parameters())], rank, sizes[island], manager, fp, groups[island],
-                          poisons=[poisons[island]] if island in poisons else [], optimizer=optimizer)
+                          poisons=[poisons[island]] if island in poisons else [], optimizer=optimizer, key=key)
         if not init_sync:  # as the trainer does: a join round first
             joined = outer.join(len(sizes), 30)
             out[(proc, 0)] = (_flat(model), joined.healed, joined.bytes_sent, joined.committed)
@@ -98,6 +104,7 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
             out[(proc, round_)] = (_flat(model), report.weight, report.rejected, report.committed,
                                    report.federation_tokens)
             out[(proc, round_, "bytes")] = (report.bytes_sent, report.bytes_received)
+            out[(proc, round_, "refused")] = report.refused
             if optimizer is not None:
                 out[(proc, round_, "moments")] = [_flat_moment(optimizer, model, key) for key in MOMENTS]
     finally:
@@ -128,7 +135,7 @@ def _flat_moment(optimizer: torch.optim.Optimizer, model: nn.Module, name: str) 
 
 def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
               poisons: dict[int, Poison] | None = None, codec: str = "fp32", init_sync: bool = True,
-              block: int = 16, moments: bool = False) -> dict:
+              block: int = 16, moments: bool = False, secret: str | None = None) -> dict:
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
@@ -139,7 +146,8 @@ def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
             out = manager.dict()
             spawn_ranks(_worker, nprocs=sum(sizes),
                         args=(_free_port(), sizes, width, weighting, rounds, lighthouse.address(),
-                              [s.port for s in stores], poisons or {}, codec, init_sync, block, moments, out))
+                              [s.port for s in stores], poisons or {}, codec, init_sync, block, moments, secret,
+                              out))
             return dict(out)
     finally:
         lighthouse.shutdown()
@@ -212,6 +220,35 @@ def test_poisoned_updates_are_rejected_and_everyone_keeps_the_same_finite_weight
     assert ("non-finite" in reason) if poison.kind == "nan" else ("running median" in reason)
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind,signed,reason", [
+    ("scale1000", False, "absolute bound"), ("forge_tokens", False, "more than its declared batch"),
+    ("forge_weight", False, "weight -1e+06"), ("unsigned", True, "not signed with the federation key"),
+    ("scale1000", True, "absolute bound")],
+    ids=["scale1000-round1", "forge_tokens", "forge_weight", "unsigned", "scale1000-signed"])
+def test_every_receiver_refuses_a_lying_island_from_the_first_round(kind, signed, reason):
+    # Island 1 lies in round 1, before any guard has a history. Every island (the liar
+    # included) refuses its row for the same reason, all hold the same weights, and those
+    # are the average of islands 0 and 2 alone, by hand.
+    sizes, rounds = [1, 1, 1], 2
+    out = _federate(sizes, 1, "tokens", rounds, {1: Poison(kind, 1)}, secret=new_secret() if signed else None)
+    weights = [float(TOKENS[k] * ROUND) for k in range(len(sizes))]
+    expected = _expected(sizes, weights, rounds, skip={1: 1})
+    for round_ in range(1, rounds + 1):
+        for proc in range(len(sizes)):
+            flat, _, rejected, committed, tokens = out[(proc, round_)]
+            assert committed
+            torch.testing.assert_close(flat, expected[round_ - 1], rtol=0, atol=1e-6, msg=f"{proc}, {round_}")
+            assert torch.equal(flat, out[(0, round_)][0])
+            refused = out[(proc, round_, "refused")]
+            if round_ == 1:
+                assert [r["island"] for r in refused] == [1] and reason in refused[0]["reason"], refused
+                assert (rejected is not None) == (proc == 1)
+                assert tokens == (TOKENS[0] + TOKENS[2]) * ROUND  # the liar's claim is not counted
+            else:
+                assert refused == [] and rejected is None
+
+
 def test_guard_uses_the_running_median_of_accepted_norms():
     guard = UpdateGuard(limit=10.0, fragments=2)
     assert guard.check(0, 1e6) is None  # no history yet: only non-finite values are refused
@@ -265,10 +302,11 @@ def test_islands_with_a_codec_stay_bit_identical(codec, sizes, block, atol):
     if codec == "int8" and len(sizes) == 3 and block == 16:
         # 53 values in blocks of 16, one segment per island: 16, 16 and 21 values. An island
         # sends its two foreign segments and its summed one, and receives their counterparts
-        # (rows of the largest segment, rounded up to 8 bytes).
+        # (rows of the largest segment after a 16-byte header of tokens and weight as
+        # float64, rounded up to 8 bytes).
         from archipelago.federation.codecs import Int8Codec
 
-        row = 8 + -(-max(Int8Codec(n, 16).payload_bytes() for n in (16, 16, 21)) // 8) * 8
+        row = 16 + -(-max(Int8Codec(n, 16).payload_bytes() for n in (16, 16, 21)) // 8) * 8
         assert out[(0, 1, "bytes")] == (2 * row + row, 2 * row + 2 * row)
 
 

@@ -46,12 +46,21 @@ def test_time_pacing_lets_the_fast_island_run_more_steps_without_waiting(tmp_pat
 
 
 @pytest.mark.timeout(600)
-def test_injected_nan_and_scaled_updates_are_rejected_and_training_goes_on(tmp_path):
+def test_injected_nan_scaled_and_lying_updates_are_rejected_and_training_goes_on(tmp_path):
+    # Island 1 sends a 1000x update in round 2, before its own guard has a history (the
+    # receivers' absolute bound refuses it), NaN in round 3 (its own guard keeps it back),
+    # and claims 10^15 tokens in round 5 (the receivers refuse it); island 0 sends a 1000x
+    # update in round 7, which its own guard catches against its running median.
     common = ["--fault_tolerance.sync_steps", "3", "--training.steps", "24", "--metrics.log_every", "3"]
-    poisoned = _local(tmp_path / "poisoned", *common, "--inject", "1:nan@3", "--inject", "0:scale1000@7")
+    poisoned = _local(tmp_path / "poisoned", *common, "--inject", "1:scale1000@2", "--inject", "1:nan@3",
+                      "--inject", "1:forge_tokens@5", "--inject", "0:scale1000@7")
     rejected = [e for e in poisoned["events"] if e["event"] == "rejected"]
-    assert [(e["island"], e["outer_step"]) for e in rejected] == [(1, 3), (0, 7)], rejected
-    assert "non-finite" in rejected[0]["reason"] and "running median" in rejected[1]["reason"]
+    seen = sorted((e["outer_step"], e["rejected_island"], e["by"], e["island"]) for e in rejected)
+    assert seen == [(2, 1, "receivers", 0), (2, 1, "receivers", 1), (3, 1, "own guard", 1),
+                    (5, 1, "receivers", 0), (5, 1, "receivers", 1), (7, 0, "own guard", 0)], rejected
+    reasons = {(e["outer_step"], e["island"]): e["reason"] for e in rejected}
+    assert "absolute bound" in reasons[(2, 0)] and "non-finite" in reasons[(3, 1)]
+    assert "declared batch" in reasons[(5, 0)] and "running median" in reasons[(7, 0)]
     assert poisoned["global_hash_agree"]
     for island in poisoned["islands"]:
         assert island["outer_steps_committed"] == 9  # the join round and 8 rounds: none was lost

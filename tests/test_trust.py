@@ -117,3 +117,62 @@ def test_an_island_exposed_beyond_loopback_needs_a_key_or_insecure(monkeypatch, 
         refuse_exposed_without_key(None, insecure=False)
     refuse_exposed_without_key(None, insecure=True)
     assert "anyone who reaches that address" in caplog.text
+
+
+# ---- signed rows of a round (federation/exchange.py) -------------------------------
+
+
+class _Quiet:
+    """What inspect_gather asks of a manager when the collective went well."""
+
+    def errored(self) -> None:
+        return None
+
+
+def _rows(framing_of, payloads, tokens=(100.0, 300.0)):
+    from archipelago.federation.codecs import Codec
+
+    codec = Codec(4)
+    return codec, [framing_of(k).frame(t, t, p, framing_of(k).row_bytes(16)) for k, (t, p) in
+                   enumerate(zip(tokens, payloads))]
+
+
+def _inspect(codec, rows, framing):
+    from archipelago.federation.exchange import Gathered, _Done, inspect_gather
+
+    gathered = Gathered(_Done(), framing, rows)
+    return inspect_gather(gathered, codec, _Quiet(), len(rows)), gathered
+
+
+def test_signed_rows_open_on_every_receiver_and_a_flipped_byte_or_a_replay_is_refused():
+    import torch
+
+    from archipelago.federation.exchange import FRAME, ISLAND, SUMSQ, TOKENS, Framing
+    from archipelago.federation.policy import FRAME_OK, FRAME_UNSIGNED
+
+    key = FederationKey(SECRET)
+    values = [torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([0.5, 0.5, 0.5, 0.5])]
+    payloads = [v.view(torch.uint8) for v in values]
+
+    def at(step):
+        return lambda island: Framing(key, quorum=7, step=step, fragment=0, island=island)
+
+    codec, rows = _rows(at(5), payloads)
+    table, gathered = _inspect(codec, rows, at(5)(0))
+    assert table[:, FRAME].tolist() == [FRAME_OK, FRAME_OK] and table[:, ISLAND].tolist() == [0, 1]
+    assert table[:, TOKENS].tolist() == [100.0, 300.0] and table[:, SUMSQ].tolist() == [30.0, 1.0]
+    assert torch.equal(gathered.payloads[1].view(torch.float32), values[1])
+    for where in (10, HEADER_BYTES + 3, HEADER_BYTES + 16 + 5):  # header, payload, tag
+        tampered = [rows[0], rows[1].clone()]
+        tampered[1][where] ^= 1
+        table, gathered = _inspect(codec, tampered, at(5)(0))
+        assert table[:, FRAME].tolist() == [FRAME_OK, FRAME_UNSIGNED] and gathered.payloads[1] is None
+    _, old = _rows(at(4), payloads)  # island 1's valid row of the previous round, replayed
+    table, _ = _inspect(codec, [rows[0], old[1]], at(5)(0))
+    assert table[:, FRAME].tolist() == [FRAME_OK, FRAME_UNSIGNED]
+    table, _ = _inspect(codec, [rows[0], rows[0]], at(5)(0))  # island 0's row in island 1's place
+    assert table[:, FRAME].tolist() == [FRAME_OK, FRAME_UNSIGNED]
+    outsider = Framing(FederationKey(os.urandom(32)), quorum=7, step=5, fragment=0, island=1)
+    _, foreign = _rows(lambda island: outsider, payloads)
+    table, _ = _inspect(codec, [rows[0], foreign[1]], at(5)(0))
+    assert table[:, FRAME].tolist() == [FRAME_OK, FRAME_UNSIGNED]

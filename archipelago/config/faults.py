@@ -10,6 +10,9 @@
 | `nan-loss` | inner step | that step's loss becomes NaN | the trainer |
 | `nan` | outer step | the island's pseudo-gradient becomes NaN | the outer loop |
 | `scale1000` | outer step | the island's pseudo-gradient is multiplied by 1000 | the outer loop |
+| `forge_tokens` | outer step | the island claims 10^15 tokens for its update | the outer loop |
+| `forge_weight` | outer step | the island claims weight -10^6 for its update | the outer loop |
+| `unsigned` | outer step | the island signs its update with a key outside the federation | the outer loop |
 
 `archipelago local --inject ISLAND:KIND@AT` (repeatable, every entry kept) hands an
 island its faults in the environment variable `ARCHIPELAGO_FAULT` (`KIND@AT[,KIND@AT...]`,
@@ -29,7 +32,7 @@ RANK_ENV = "ARCHIPELAGO_FAULT_RANK"
 
 LAUNCHER_KINDS = ("kill",)
 TRAINER_KINDS = ("crash", "error", "nan-loss")
-UPDATE_KINDS = ("nan", "scale1000")
+UPDATE_KINDS = ("nan", "scale1000", "forge_tokens", "forge_weight", "unsigned")
 KINDS = LAUNCHER_KINDS + TRAINER_KINDS + UPDATE_KINDS
 _UNIT = {"kill": "SECONDS", **{k: "STEP" for k in TRAINER_KINDS}, **{k: "ROUND" for k in UPDATE_KINDS}}
 _EXAMPLE = "1:kill@30, crash@7, nan-loss@3 or 1:scale1000@4"

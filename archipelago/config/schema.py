@@ -211,9 +211,9 @@ class FaultToleranceConfig:
     max_inner_steps: int = 1000
     """Time pacing: an island runs at most this many inner steps per round, however fast."""
     outer_norm_limit: float = 10.0
-    """Reject an island's pseudo-gradient (it sends weight 0) when its norm exceeds this many times the running median of its accepted norms; 0 turns the norm guard off (non-finite values are always rejected)."""
+    """Norm checks on pseudo-gradients, 0 turns them off (non-finite values are always refused). An island holds back its own update (it sends weight 0) when its norm exceeds this many times the running median of its accepted norms; every receiver refuses an island's update whose norm exceeds this many times an absolute bound (inner steps x declared inner lr x (sqrt(parameters) + the global weights' norm)), from the first round on, or, with three or more contributors, this many times the median of the other islands' norms that round."""
     codec: Literal["fp32", "bf16", "int8", "topk"] = "fp32"
-    """Encoding of the pseudo-gradient across islands: `fp32` (none; one all-reduce), `bf16`, `int8` (blockwise scales) or `topk` (sparse, with error feedback); see docs/codecs.md."""
+    """Encoding of the pseudo-gradient across islands: `fp32` (none), `bf16`, `int8` (blockwise scales) or `topk` (sparse, with error feedback); see docs/codecs.md."""
     codec_block_size: int = 256
     """int8 codec: values per block sharing one fp32 scale."""
     topk_fraction: float = 0.1

@@ -75,7 +75,7 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str
         raise LighthouseUnreachable(problem)
     shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     fp = fingerprint(model_name, shapes, ft, world_size, tokens_per_step,
-                     type(optimizer).__name__ if optimizer is not None else "", key)
+                     type(optimizer).__name__ if optimizer is not None else "", key, _peak_lr(optimizer))
     poisons = poisons_from_env()  # checked before joining: a typo fails here, not mid-run
     width = 1 if ft.rank0_synchronization_only else ft.sync_width
     manager = build_manager(ft, rank, width, key) if rank < width else None
@@ -87,4 +87,11 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str
     for poison in poisons if rank == 0 else []:
         log.warning("ARCHIPELAGO_FAULT %s@%d: this island will send a poisoned update in outer step %d "
                     "(a test/demo of the update guard)", poison.kind, poison.round, poison.round)
-    return OuterLoop(ft, fragments, rank, world_size, manager, fp, poisons=poisons, optimizer=optimizer)
+    return OuterLoop(ft, fragments, rank, world_size, manager, fp, poisons=poisons, optimizer=optimizer, key=key)
+
+
+def _peak_lr(optimizer: torch.optim.Optimizer | None) -> float:
+    """The inner optimizer's largest learning rate (a scheduler keeps it as `initial_lr`)."""
+    if optimizer is None:
+        return 0.0
+    return max(float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups)

@@ -19,9 +19,11 @@ and a healing island can take them from any peer; each island's pseudo-gradient
 is sent with a weight (the tokens it trained since the fragment's last exchange, or 1
 with outer_weighting = "equal"; 0 for an island that has just healed and holds no
 valid local progress, or whose update the guard rejected), and the average divides by
-the sum of weights. The weight and the island's token count travel as the last two
-elements of the same all-reduce, so weighting costs no extra round trip, and every
-island learns how many tokens the whole federation trained.
+the sum of weights. The weight and the island's token count travel in the header of the
+island's row (exchange.py), so weighting costs no extra round trip, and every island
+learns how many tokens the whole federation trained. Every island receives every
+island's row and judges it before anything of it is summed (policy.judge_contributions:
+signature, claims, finiteness, norm bounds): a refused row gets weight 0 on every island.
 
 Rounds end after `sync_steps` inner steps (round_pacing = "steps"), or after
 `round_seconds` of wall-clock time, each island running as many inner steps as fit
@@ -34,7 +36,7 @@ import hashlib
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -43,27 +45,44 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation import exchange as rows
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
-from archipelago.federation.exchange import Gathered, finish_gather, start_gather
+from archipelago.federation.exchange import (
+    Framing,
+    Gathered,
+    empty_table,
+    finish_gather,
+    inspect_gather,
+    start_gather,
+)
 from archipelago.federation.fragments import build_outer_optimizer, load_tensor_state, tensor_state
-from archipelago.federation.guard import Poison, UpdateGuard
+from archipelago.federation.guard import FORGE_KINDS, Poison, UpdateGuard
 from archipelago.federation.inner_state import InnerStateAverager, StateExchange
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.membership import FederationMismatch, exchange_fingerprints, mismatch
 from archipelago.federation.policy import (
+    FRAME_MALFORMED,
+    FRAME_OK,
+    FRAME_UNSIGNED,
+    Allowance,
+    Contribution,
     Membership,
     RoundResult,
     Verdict,
     aligned_inner_step,
     applies_outer_step,
     island_weight,
+    judge_contributions,
     merges_local,
     must_wait,
+    norm_allowance,
     plan_round,
     reference_fingerprint,
     round_is_up,
     skips_exchange,
+    steps_between_exchanges,
 )
+from archipelago.federation.trust import FederationKey
 
 log = logging.getLogger("archipelago.federation")
 
@@ -87,7 +106,7 @@ class OuterReport:
     contributors: float = 0.0     # sum of contribution weights (islands that sent progress)
     fragment: int = 0
     healed: bool = False          # this island received the global state from a peer
-    bytes_sent: int = 0           # payload this island handed to the cross-island all-reduce
+    bytes_sent: int = 0           # rows this island handed to the cross-island exchange
     sync_s: float = 0.0           # seconds spent blocked in the synchronisation (waiting at the outer step)
     inner_steps: int = 0          # inner steps this island ran in the round
     tokens: int = 0               # tokens this island trained in the round
@@ -95,7 +114,8 @@ class OuterReport:
     weight: float = 0.0           # this island's weight in the average (0: sent no update)
     federation_tokens: int = 0    # tokens trained by the whole federation, after this round
     norm: float | None = None     # norm of this island's pseudo-gradient (None: not checked)
-    rejected: str | None = None   # why the guard kept this island's update out, if it did
+    rejected: str | None = None   # why this island's update was kept out (its own guard or the receivers)
+    refused: list[dict[str, Any]] = field(default_factory=list)  # rows every receiver refused: island, reason
     codec: str = "fp32"
     bytes_received: int = 0       # what this island got back from the other islands' exchange
     encode_s: float = 0.0         # seconds encoding / decoding payloads (codecs other than fp32)
@@ -111,7 +131,6 @@ class _Pending:
     """An exchange started by `prepare` and finished by `perform`."""
 
     fragment: int
-    work: Any = None
     buffer: torch.Tensor | None = None
     reset: bool = False      # this island healed (or was rejected): discard its local progress
     prepare_s: float = 0.0   # seconds prepare() blocked (quorum, healing, gather)
@@ -119,7 +138,10 @@ class _Pending:
     weight: float = 0.0
     norm: float | None = None
     rejected: str | None = None
-    gathered: Gathered | None = None  # the exchange of a codec other than fp32
+    gathered: Gathered | None = None  # the exchange's rows (bridge ranks)
+    exchanged: bool = False           # the island takes part in an exchange this round (all ranks)
+    participants: int = 0             # islands in the quorum (rows of the exchange)
+    replica_rank: int = -1            # this island's row
     state: StateExchange | None = None  # the inner optimizer's moments (average_optimizer_state)
     started: float = 0.0              # perf_counter when the exchange was handed to the network
 
@@ -130,8 +152,10 @@ class OuterLoop:
     def __init__(self, ft: FaultToleranceConfig, fragments: list[list[nn.Parameter]], rank: int,
                  world_size: int, manager: Any, fingerprint: dict[str, Any],
                  group: dist.ProcessGroup | None = None, poisons: list[Poison] | None = None,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None) -> None:
         self.ft, self.rank, self.world_size, self.group = ft, rank, world_size, group
+        self.key = key  # signs this island's rows and checks the others' (None: plain rows)
+        self.peers: list[dict[str, Any]] = []  # rank 0: every participant's fingerprint, by replica rank
         self.poisons = {p.round: p for p in poisons or []}  # test-only: outer step -> poison
         self.manager, self.fingerprint = manager, fingerprint  # torchft Manager on bridge ranks, else None
         self.per_fragment = ft.sync_steps // len(fragments)
@@ -295,8 +319,8 @@ class OuterLoop:
         fragment = plan.fragment
         local = self.layouts[fragment].gather()
         buffer = self._pseudo_gradient(fragment, local) if local is not None else None  # bridge ranks
-        poison = self.poisons.get(self.step + 1)
-        if buffer is not None and plan.contributes and poison is not None:
+        poison = self.poisons.get(self.step + 1) if plan.contributes else None
+        if buffer is not None and poison is not None:
             log.warning("ARCHIPELAGO_FAULT: poisoning this island's update (%s) in outer step %d",
                         poison.kind, self.step + 1)
             poison.apply(buffer[:-2])
@@ -308,15 +332,15 @@ class OuterLoop:
         if buffer is not None:
             if not pending.weight:  # nothing of this island enters the average
                 buffer[:-2].zero_()
-            elif self.codec_name == "fp32":  # summed as sent; other codecs send the weight apart
-                buffer[:-2].mul_(pending.weight)
             buffer[-2], buffer[-1] = float(pending.tokens), pending.weight
-        exchange = buffer is not None and not skips_exchange(joining, self.step, self.ft.init_sync)
-        if exchange and buffer is not None and self.codec_name != "fp32":
+        pending.exchanged = not skips_exchange(joining, self.step, self.ft.init_sync)
+        pending.participants, pending.replica_rank = m.participants, m.replica_rank
+        if pending.exchanged and buffer is not None:
+            forge = poison.kind if poison is not None and poison.kind in FORGE_KINDS else None
+            framing = Framing(self.key, int(self.manager._quorum_id or 0), self.step, fragment,
+                              self.ft.replica_id, forge)
             pending.gathered = start_gather(self.manager, self.codecs[fragment], buffer[:-2], pending.tokens,
-                                            pending.weight)
-        elif exchange:
-            pending.work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM)
+                                            pending.weight, framing)
         if self.inner_state is not None and not skips_exchange(joining, self.step, self.ft.init_sync):
             device = torch.device("cpu") if self.ft.copy_pseudogradients_to_cpu else None
             pending.state = self.inner_state.start(fragment, pending.weight, self.manager, self._island_max,
@@ -363,11 +387,12 @@ class OuterLoop:
         assert p is not None, "perform() without prepare()"
         self.pending = None
         blocked_since = time.perf_counter()
-        decode_s = 0.0
-        if p.gathered is not None and p.buffer is not None:
-            decode_s = finish_gather(p.gathered, self.codecs[p.fragment], p.buffer, self.manager)
-        elif p.work is not None:
-            p.work.wait()
+        decode_s, refused = 0.0, list[dict[str, Any]]()
+        if p.exchanged:
+            weights, tokens, refused = self._judge(p)
+            if p.gathered is not None and p.buffer is not None:
+                decode_s = finish_gather(p.gathered, self.codecs[p.fragment], p.buffer, weights, tokens,
+                                         self.manager)
         if p.state is not None and self.inner_state is not None:
             self.inner_state.wait(p.state)  # before the vote: a failed exchange votes no
         exposed_s = time.perf_counter() - blocked_since
@@ -409,7 +434,8 @@ class OuterLoop:
                              sync_s=p.prepare_s + time.perf_counter() - blocked_since,
                              inner_steps=self.round_steps, tokens=p.tokens, compute_s=self.round_compute_s,
                              weight=p.weight, federation_tokens=self.federation_tokens, norm=p.norm,
-                             rejected=p.rejected, codec=self.codec_name, bytes_received=received,
+                             rejected=p.rejected, refused=refused, codec=self.codec_name,
+                             bytes_received=received,
                              encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=decode_s,
                              overlap_s=blocked_since - p.started, exposed_s=exposed_s,
                              untimed_s=self.round_untimed_s)
@@ -436,6 +462,60 @@ class OuterLoop:
         buffer = torch.zeros(g.numel() + 2, dtype=g.dtype, device=device)
         torch.sub(g.to(device, non_blocking=True), local.to(device), out=buffer[:-2])
         return buffer
+
+    def _judge(self, p: _Pending) -> tuple[list[float], float, list[dict[str, Any]]]:
+        """Every receiver's verdict on every island's row (the same on every island, as
+        they judge the same bytes): the weights to sum with, the tokens of the accepted
+        rows, and the refused ones (island, reason). A collective over the island."""
+        n = p.participants
+        table = (inspect_gather(p.gathered, self.codecs[p.fragment], self.manager, n)  # waits for the rows
+                 if p.gathered is not None else empty_table(n))
+        if table.shape[0] != n:  # a lost round's rows: nothing to judge (it will not commit)
+            table = empty_table(n)
+        facts, global_sumsq = self._island_facts(p.fragment, table)
+        steps = steps_between_exchanges(self.ft.round_pacing, self.ft.sync_steps, self.ft.max_inner_steps,
+                                        len(self.layouts))
+        numel, global_norm = self.layouts[p.fragment].numel, math.sqrt(global_sumsq)
+        contributions, allowances, islands = [], [], []
+        for row in facts:
+            tokens, weight, island, unsigned, malformed, nonfinite, sumsq, per_step, lr, declared = row
+            frame = FRAME_UNSIGNED if unsigned else FRAME_MALFORMED if malformed else FRAME_OK
+            contributions.append(Contribution(tokens, weight, frame, not nonfinite, math.sqrt(sumsq)))
+            allowances.append(Allowance(per_step * steps, norm_allowance(self.ft.outer_norm_limit, steps, lr,
+                                                                          numel, global_norm)))
+            islands.append(int(island) if island >= 0 else int(declared) - 1)
+        verdicts = judge_contributions(contributions, allowances, self.ft.outer_weighting,
+                                       self.ft.outer_norm_limit)
+        weights = [c.weight if v.accepted else 0.0 for c, v in zip(contributions, verdicts)]
+        tokens = sum(c.tokens for c, v in zip(contributions, verdicts) if v.accepted)
+        refused = [{"island": islands[k], "reason": v.reason} for k, v in enumerate(verdicts) if not v.accepted]
+        for k, v in enumerate(verdicts):
+            if v.accepted:
+                continue
+            log.warning("refused the update of island %s at outer step %d: %s", islands[k], self.step + 1, v.reason)
+            if k == p.replica_rank:  # this island's own row: it takes the federation's weights
+                p.reset, p.rejected = True, p.rejected or v.reason
+        return weights, tokens, refused
+
+    def _island_facts(self, fragment: int, table: torch.Tensor) -> tuple[list[list[float]], float]:
+        """What the island's ranks know of each row, combined (one sum over the island):
+        per row the claims (tokens, weight, island: bridge rank 0's view), the frame and
+        finiteness flags and the sum of squares (every bridge chunk's), what the island
+        declared at the join (tokens per step, inner lr, island id + 1: rank 0's fingerprint
+        table); then the global fragment's sum of squares."""
+        n = table.shape[0]
+        facts = torch.zeros(n, 10, dtype=torch.float64)
+        if self.rank == 0:
+            facts[:, 0:3] = table[:, [rows.TOKENS, rows.WEIGHT, rows.ISLAND]]
+            facts[:, 7:10] = torch.tensor([_declared(self.peers[k] if k < len(self.peers) else {})
+                                           for k in range(n)], dtype=torch.float64).view(n, 3)
+        facts[:, 3] = (table[:, rows.FRAME] == FRAME_UNSIGNED).double()
+        facts[:, 4] = (table[:, rows.FRAME] == FRAME_MALFORMED).double()
+        facts[:, 5] = table[:, rows.NONFINITE]
+        facts[:, 6] = table[:, rows.SUMSQ]
+        global_sumsq = float(self.globals[fragment].detach().double().square().sum()) if self.is_bridge else 0.0
+        combined = self._island_sums([*facts.flatten().tolist(), global_sumsq])
+        return [combined[k * 10:k * 10 + 10] for k in range(n)], combined[-1]
 
     def _outer_step(self, fragment: int, buffer: torch.Tensor, total: float) -> None:
         g = self.globals[fragment]
@@ -466,7 +546,7 @@ class OuterLoop:
         table = exchange_fingerprints(self.manager, mine)
         if table is None:
             return False  # the collective failed; retried at the next membership change
-        self.quorum_id = quorum_id
+        self.quorum_id, self.peers = quorum_id, table
         reference = reference_fingerprint(table)
         problem = mismatch(mine, reference)
         if problem is not None:
@@ -480,12 +560,10 @@ class OuterLoop:
     def _exchange_bytes(self, p: _Pending) -> tuple[int, int]:
         """(sent, received) bytes of the island's bridge ranks in this exchange: what they
         handed to the cross-island collective, and what came back from the other islands
-        (their payloads for an all-gather, the summed buffer for an all-reduce)."""
+        (their rows; with averaged moments also the moments' all-reduce)."""
         sent = received = 0
         if p.gathered is not None:
             sent, received = p.gathered.sent, p.gathered.received
-        elif p.work is not None and p.buffer is not None:
-            sent = received = p.buffer.numel() * p.buffer.element_size()
         if p.state is not None and p.state.buffer is not None:  # an all-reduce: as much back as sent
             moments = p.state.buffer.numel() * p.state.buffer.element_size()
             sent, received = sent + moments, received + moments
@@ -571,6 +649,18 @@ class OuterLoop:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+def _declared(fp: dict[str, Any]) -> list[float]:
+    """What a peer declared in its fingerprint: tokens per inner step, inner learning rate,
+    island id + 1 (0 for what it did not declare: its rows are then refused)."""
+    def number(value: Any) -> float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+        return float(value) if ok else 0.0
+    island = fp.get("island")
+    known = isinstance(island, int) and not isinstance(island, bool) and island >= 0
+    return [number(fp.get("tokens_per_step")), number(fp.get("inner_lr")),
+            float(island) + 1 if known and island is not None else 0.0]
 
 
 def _rank_or_none(manager: Any) -> int:

@@ -1,43 +1,163 @@
-"""Starting and finishing one bridge chunk's exchange across islands.
+"""One bridge chunk's exchange across islands, with every island's row checked by every receiver.
 
-With the `fp32` codec the islands' weighted pseudo-gradients are summed by one all-reduce
-of `[w*g ..., tokens, w]` (diloco.py). With any other codec the sum cannot happen on
-encoded values. Two ways, both leaving every island with bit-identical results:
+Every codec, fp32 included, crosses islands as rows: one per island, `[header | payload]`
+(header: the island's tokens and weight), or with a federation key a signed frame
+(trust.py: its header binds quorum, step, fragment and island; the HMAC tag is checked
+before anything is read). A summed all-reduce would hide who sent what; rows let each
+receiver judge each island's contribution (policy.judge_contributions) and leave a
+refused one out, and all islands decide alike because they judge the same bytes.
 
-* all-gather (top-k, and any codec between two islands): each island sends its
-  `[tokens, w | encoded g]` payload; every island decodes all of them and sums
-  `w_k * decode(payload_k)` in fp32, in the same order (replica rank).
+Two ways to move the rows, both leaving every island with bit-identical results:
+
+* all-gather (fp32, top-k, and any codec between two islands): every island receives
+  every row, decodes all of them and sums `w_k * decode(payload_k)` in fp32, in the same
+  order (replica rank).
 * reduce-scatter, then all-gather (bf16 and int8 with three or more islands): the chunk
   is cut into one segment per island. An all-to-all hands island j everyone's encoded
-  segment j; it sums them in fp32 (replica order), encodes that sum again and the
-  islands all-gather the summed segments. Each island then sends and receives about
-  2 x (G-1)/G payloads instead of G - 1, at the price of a second rounding.
+  segment j; it inspects them, the islands all-gather what they found (a small table),
+  so every island judges every contribution from all its segments; island j then sums
+  the accepted ones in fp32 (replica order), encodes that sum again and the islands
+  all-gather the summed segments. Each island then sends and receives about
+  2 x (G-1)/G payloads instead of G - 1, at the price of a second rounding, and trusts
+  island j with the sum of segment j.
+
+The exchange runs in three calls, so that the outer loop can combine what the island's
+bridge ranks found between them: `start_gather`, `inspect_gather` (a table of what each
+row claims and holds), `finish_gather` (the sum with the weights the receivers decided).
 """
 
 from __future__ import annotations
 
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from archipelago.federation.codecs import Codec
+from archipelago.federation.codecs import Codec, PayloadError
+from archipelago.federation.policy import FRAME_MALFORMED, FRAME_OK, FRAME_UNSIGNED
+from archipelago.federation.trust import (
+    HEADER_BYTES as SIGNED_HEADER_BYTES,
+)
+from archipelago.federation.trust import (
+    TAG_BYTES,
+    FederationKey,
+    FrameHeader,
+    FrameRefused,
+    open_frame,
+    seal,
+)
 
-HEADER_BYTES = 8  # [tokens, weight] as two fp32 values
+PLAIN_HEADER_BYTES = 16  # [tokens, weight] as two float64 values (no federation key)
+
+# Frame kinds of the round (trust.py numbers the healing kinds).
+ROUND_ROW = 3      # an island's encoded pseudo-gradient chunk (all-gather)
+ROUND_SEGMENT = 4  # one segment of it (the reduce-scatter's all-to-all)
+ROUND_SUM = 5      # an island's sum of one segment (the reduce-scatter's all-gather)
+
+# The table inspect_gather returns: one row per island, these columns.
+COLUMNS = ("tokens", "weight", "frame", "nonfinite", "sumsq", "island")
+TOKENS, WEIGHT, FRAME, NONFINITE, SUMSQ, ISLAND = range(len(COLUMNS))
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How rows are framed: plain (no key) or signed frames bound to one round.
+
+    `quorum`, `step`, `fragment` and `island` are this island's view of the round; a
+    signed row from elsewhere (another round, fragment or kind) is refused as a replay.
+    `forge` is the demo's lying island (guard.Poison): it falsifies its own header.
+    """
+
+    key: FederationKey | None = None
+    quorum: int = 0
+    step: int = 0
+    fragment: int = 0
+    island: int = 0
+    forge: str | None = None  # "forge_tokens", "forge_weight" or "unsigned" (demo only)
+
+    @property
+    def header_bytes(self) -> int:
+        return PLAIN_HEADER_BYTES if self.key is None else SIGNED_HEADER_BYTES
+
+    @property
+    def trailer_bytes(self) -> int:
+        return 0 if self.key is None else TAG_BYTES
+
+    def row_bytes(self, payload_bytes: int) -> int:
+        """Bytes of a row, rounded up to 8 so stacked rows stay aligned."""
+        return -(-(self.header_bytes + payload_bytes + self.trailer_bytes) // 8) * 8
+
+    def _where(self, kind: int, segment: int, island: int) -> FrameHeader:
+        return FrameHeader(self.quorum, self.step, self.fragment << 16 | segment, island, kind)
+
+    def frame(self, tokens: float, weight: float, payload: torch.Tensor, size: int, kind: int = ROUND_ROW,
+              segment: int = 0) -> torch.Tensor:
+        """`payload` with its header (and tag), zero-padded to `size` bytes, in host memory
+        when signed (the tag is computed there), else on the payload's device."""
+        tokens, weight = self._claims(tokens, weight)
+        if self.key is None:
+            out = torch.zeros(size, dtype=torch.uint8, device=payload.device)
+            out[:PLAIN_HEADER_BYTES] = torch.tensor([tokens, weight], dtype=torch.float64,
+                                                    device=payload.device).view(torch.uint8)
+            out[PLAIN_HEADER_BYTES:PLAIN_HEADER_BYTES + payload.numel()] = payload
+            return out
+        where = self._where(kind, segment, self.island)
+        header = FrameHeader(where.quorum, where.step, where.fragment, where.island, kind,
+                             int(min(max(tokens, 0), 2 ** 64 - 1)), weight)
+        key = FederationKey(b"\x00" * 32) if self.forge == "unsigned" else self.key
+        sealed = seal(key, header, payload.cpu().numpy().tobytes())
+        out = torch.zeros(size, dtype=torch.uint8)
+        out[:len(sealed)] = torch.frombuffer(bytearray(sealed), dtype=torch.uint8)
+        return out
+
+    def _claims(self, tokens: float, weight: float) -> tuple[float, float]:
+        if self.forge == "forge_tokens":
+            return 1e15, weight
+        if self.forge == "forge_weight":
+            return tokens, -1e6
+        return tokens, weight
+
+    def open(self, row: torch.Tensor, payload_bytes: int, kind: int = ROUND_ROW,
+             segment: int = 0) -> tuple[float, float, int, torch.Tensor | None, int]:
+        """(tokens, weight, island, payload, FRAME_*) of a received row; payload None when refused."""
+        if self.key is None:
+            head = row[:PLAIN_HEADER_BYTES].cpu().view(torch.float64)
+            return (float(head[0]), float(head[1]), -1,
+                    row[PLAIN_HEADER_BYTES:PLAIN_HEADER_BYTES + payload_bytes], FRAME_OK)
+        size = SIGNED_HEADER_BYTES + payload_bytes + TAG_BYTES
+        raw = row[:size].cpu().numpy().tobytes()
+        try:
+            got, payload = open_frame(self.key, raw, self._where(kind, segment, 0), any_island=True)
+        except FrameRefused:
+            return 0.0, 0.0, _claimed_island(raw), None, FRAME_UNSIGNED
+        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
+        return float(got.tokens), float(got.weight), got.island, body.to(row.device), FRAME_OK
+
+
+def _claimed_island(raw: bytes) -> int:
+    """The island id a refused frame claims (for the log only: it proves nothing)."""
+    from archipelago.federation.trust import _ISLAND_OFFSET
+
+    if len(raw) < _ISLAND_OFFSET + 4:
+        return -1
+    return int(struct.unpack_from(">I", raw, _ISLAND_OFFSET)[0])
 
 
 @dataclass
 class Gathered:
-    """An exchange in flight: the work to wait on and where the payloads land."""
+    """An exchange in flight: the work to wait on and where the rows land."""
 
     work: Any
+    framing: Framing
     outputs: list[torch.Tensor] = field(default_factory=list)
     encode_s: float = 0.0
     sent: int = 0          # bytes of this island's data addressed to other islands
     received: int = 0      # bytes that came from other islands
     segments: list[tuple[int, int]] | None = None  # reduce-scatter: the islands' segments
     rank: int = 0          # this island's replica rank (its segment)
+    payloads: list[torch.Tensor | None] = field(default_factory=list)  # opened by inspect_gather
 
 
 class _Done:
@@ -53,25 +173,12 @@ def two_phase(codec: Codec, participants: int) -> bool:
     return codec.align > 0 and participants >= 3
 
 
-def _wire_device(manager: Any, device: torch.device) -> torch.device:
-    """Where payloads cross: the island's device for NCCL, host memory for gloo (its GPU
-    support covers all-reduce and broadcast, not the all-to-all; the payloads are small
-    next to the pseudo-gradient, so the copy is cheap)."""
-    return device if "NCCL" in type(manager._pg).__name__ else torch.device("cpu")
-
-
-def _row_bytes(pieces: list[Codec]) -> int:
-    """Bytes per row of the reduce-scatter: header + the largest segment payload, rounded
-    up to 8 so that every row of a stacked buffer starts aligned for its fp32 views."""
-    return HEADER_BYTES + -(-max(piece.payload_bytes() for piece in pieces) // 8) * 8
-
-
-def _frame(header: torch.Tensor, body: torch.Tensor, size: int) -> torch.Tensor:
-    """`[header | body]` zero-padded to `size` bytes (equal sizes for the collectives)."""
-    out = torch.zeros(size, dtype=torch.uint8, device=body.device)
-    out[:HEADER_BYTES] = header.view(torch.uint8)
-    out[HEADER_BYTES:HEADER_BYTES + body.numel()] = body
-    return out
+def _wire_device(manager: Any, device: torch.device, framing: Framing) -> torch.device:
+    """Where rows cross: the island's device for NCCL, host memory for gloo (its GPU
+    support covers all-reduce and broadcast, not the all-to-all) and for signed rows
+    (sealed and checked in host memory)."""
+    nccl = "NCCL" in type(manager._pg).__name__
+    return device if nccl and framing.key is None else torch.device("cpu")
 
 
 def _encoded(codec: Codec, x: torch.Tensor, weight: float) -> torch.Tensor:
@@ -96,96 +203,171 @@ def _managed(manager: Any, start: Any, outputs: Any) -> Any:
         return _Done()
 
 
+def _allgather(manager: Any, payload: torch.Tensor, count: int) -> tuple[Any, list[torch.Tensor]]:
+    from torch.distributed.distributed_c10d import AllgatherOptions
+
+    outputs = [torch.zeros_like(payload) for _ in range(count)]
+    return _managed(manager, lambda: manager._pg.allgather([outputs], [payload], AllgatherOptions()), outputs), outputs
+
+
 def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, tokens: int,
-                 weight: float) -> Gathered:
+                 weight: float, framing: Framing) -> Gathered:
     """Encode this island's chunk and start the exchange (through torchft's process group).
 
     An island with weight 0 sends zeros and leaves its codec state (error feedback) alone:
     nothing of it enters the average, so nothing of it counts as sent.
     """
-    from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
+    from torch.distributed.distributed_c10d import AllToAllOptions
 
     began = time.perf_counter()
     participants = max(manager.num_participants(), 1)
-    device = pseudo_gradient.device
-    wire = _wire_device(manager, device)
-    header = torch.tensor([float(tokens), weight], dtype=torch.float32, device=device)
+    wire = _wire_device(manager, pseudo_gradient.device, framing)
     if two_phase(codec, participants):
         segments = codec.segments(participants)
         pieces = [codec.for_length(end - start) for start, end in segments]
-        size = _row_bytes(pieces)
-        send = torch.stack([_frame(header, _encoded(piece, pseudo_gradient[start:end], weight), size)
-                            for piece, (start, end) in zip(pieces, segments)]).to(wire)
+        size = framing.row_bytes(max(piece.payload_bytes() for piece in pieces))
+        send = torch.stack([framing.frame(tokens, weight, _encoded(piece, pseudo_gradient[start:end], weight),
+                                          size, ROUND_SEGMENT, j).to(wire)
+                            for j, (piece, (start, end)) in enumerate(zip(pieces, segments))])
         received = torch.zeros_like(send)
         encode_s = time.perf_counter() - began
         rank = manager.participating_rank()
         if rank is None:  # not in the quorum after all: this round is lost (finish sees the error)
             manager.report_error(RuntimeError("island is not a participant of the exchange's quorum"))
-            return Gathered(_Done(), [received], encode_s, segments=segments)
+            return Gathered(_Done(), framing, [received], encode_s, segments=segments)
         work = _managed(manager, lambda: manager._pg.alltoall_base(received, send, [], [], AllToAllOptions()),
                         received)
-        return Gathered(work, [received], encode_s, sent=(participants - 1) * size,
+        return Gathered(work, framing, [received], encode_s, sent=(participants - 1) * size,
                         received=(participants - 1) * size, segments=segments, rank=rank)
-    payload = torch.cat([header.view(torch.uint8), _encoded(codec, pseudo_gradient, weight)]).to(wire)
+    size = framing.row_bytes(codec.payload_bytes())
+    row = framing.frame(tokens, weight, _encoded(codec, pseudo_gradient, weight), size).to(wire)
     encode_s = time.perf_counter() - began
-    outputs = [torch.zeros_like(payload) for _ in range(participants)]
-    work = _managed(manager, lambda: manager._pg.allgather([outputs], [payload], AllgatherOptions()), outputs)
-    return Gathered(work, outputs, encode_s, sent=payload.numel(), received=payload.numel() * (participants - 1))
+    work, outputs = _allgather(manager, row, participants)
+    return Gathered(work, framing, outputs, encode_s, sent=row.numel(), received=row.numel() * (participants - 1))
 
 
-def finish_gather(gathered: Gathered, codec: Codec, into: torch.Tensor, manager: Any = None) -> float:
-    """Wait, then write `[sum w_k*g_k ..., sum tokens_k, sum w_k]` into `into`; returns
-    the decode seconds (with reduce-scatter: also the second phase's)."""
+def empty_table(participants: int) -> torch.Tensor:
+    """The table of an island rank that has no rows (a non-bridge rank, a lost round)."""
+    table = torch.zeros(participants, len(COLUMNS), dtype=torch.float64)
+    table[:, ISLAND] = -1
+    return table
+
+
+def inspect_gather(gathered: Gathered, codec: Codec, manager: Any, participants: int) -> torch.Tensor:
+    """Wait for the rows, open and decode each, and return what each island claims and
+    holds (the COLUMNS table, one row per replica rank, over this bridge chunk).
+
+    With the reduce-scatter this island holds one segment of each; the islands then
+    all-gather their tables, so each row sums its segments' squares and flags. A claim
+    (tokens, weight, island) that differs between segments marks the row malformed.
+    """
     gathered.work.wait()
+    if manager.errored() is not None or len(gathered.outputs[0]) == 0:
+        return empty_table(participants)
+    if gathered.segments is None:
+        return _inspect_rows(gathered, codec, gathered.outputs, ROUND_ROW, 0)
+    piece = codec.for_length(gathered.segments[gathered.rank][1] - gathered.segments[gathered.rank][0])
+    mine = _inspect_rows(gathered, piece, list(gathered.outputs[0]), ROUND_SEGMENT, gathered.rank)
+    work, tables = _allgather(manager, mine, len(gathered.segments))
+    work.wait()
+    if manager.errored() is not None:
+        return empty_table(participants)
+    return _merge_segment_tables(tables)
+
+
+def _inspect_rows(gathered: Gathered, codec: Codec, rows: list[torch.Tensor], kind: int,
+                  segment: int) -> torch.Tensor:
+    table = empty_table(len(rows))
+    gathered.payloads = []
+    seen: set[int] = set()
+    for k, row in enumerate(rows):
+        tokens, weight, island, payload, frame = gathered.framing.open(row, codec.payload_bytes(), kind, segment)
+        if island >= 0 and island in seen:  # one island's frame in two places: a replay
+            frame, payload = FRAME_UNSIGNED, None
+        seen.add(island)
+        table[k, TOKENS], table[k, WEIGHT], table[k, ISLAND], table[k, FRAME] = tokens, weight, island, frame
+        if payload is not None and weight != 0:
+            try:
+                values = codec.decode(payload)
+            except PayloadError:
+                table[k, FRAME], payload = FRAME_MALFORMED, None
+            else:
+                # float64 sums of squares: the same on every island for the same bytes. A device sync.
+                table[k, NONFINITE] = float(not bool(torch.isfinite(values).all()))
+                table[k, SUMSQ] = float(values.double().square().sum()) if not table[k, NONFINITE] else 0.0
+        gathered.payloads.append(payload)
+    return table
+
+
+def _merge_segment_tables(tables: list[torch.Tensor]) -> torch.Tensor:
+    merged = tables[0].clone()
+    merged[:, FRAME] = torch.stack([t[:, FRAME] for t in tables]).amax(dim=0)
+    merged[:, NONFINITE] = torch.stack([t[:, NONFINITE] for t in tables]).amax(dim=0)
+    merged[:, SUMSQ] = torch.stack([t[:, SUMSQ] for t in tables]).sum(dim=0)
+    claims = torch.stack([t[:, [TOKENS, WEIGHT, ISLAND]] for t in tables])
+    differs = ~(claims == claims[0]).all(dim=2).all(dim=0)
+    merged[differs, FRAME] = torch.maximum(merged[differs, FRAME], torch.tensor(float(FRAME_MALFORMED)))
+    return merged
+
+
+def finish_gather(gathered: Gathered, codec: Codec, into: torch.Tensor, weights: list[float],
+                  tokens: float, manager: Any) -> float:
+    """Write `[sum w_k*g_k ..., tokens, sum w_k]` into `into` with the weights the receivers
+    decided (0 for a refused or idle island); returns the decode seconds (with the
+    reduce-scatter: also the second phase's)."""
     began = time.perf_counter()
-    if manager is not None and manager.errored() is not None:  # the round will not commit
+    if manager.errored() is not None:  # the round will not commit
         into.zero_()
         return time.perf_counter() - began
     if gathered.segments is None:
-        into[:-2], tokens, weights = _weighted_sum(gathered.outputs, codec, into.numel() - 2, into.device)
-        into[-2], into[-1] = tokens, weights
+        into[:-2] = _weighted_sum(gathered.payloads, codec, weights, into.numel() - 2, into.device)
     else:
-        _finish_two_phase(gathered, codec, into, manager)
+        _finish_two_phase(gathered, codec, into, weights, manager)
+    into[-2], into[-1] = tokens, sum(weights)
     return time.perf_counter() - began
 
 
-def _weighted_sum(rows: list[torch.Tensor] | torch.Tensor, codec: Codec, numel: int,
-                  device: torch.device) -> tuple[torch.Tensor, float, float]:
-    """sum_k w_k * decode(row_k) in fp32 in row (replica) order, sum tokens, sum weights.
-    Summed where the rows are (host memory under gloo), then moved once to `device`."""
-    total = torch.zeros(numel, dtype=torch.float32, device=rows[0].device if len(rows) else device)
-    tokens, weights = 0.0, 0.0
-    for row in rows:
-        head = row[:HEADER_BYTES].view(torch.float32)
-        tokens += float(head[0])
-        weight = float(head[1])
-        if weight:
-            weights += weight
-            total += weight * codec.decode(row[HEADER_BYTES:HEADER_BYTES + codec.payload_bytes()])
-    return total.to(device), tokens, weights
+def _weighted_sum(payloads: list[torch.Tensor | None], codec: Codec, weights: list[float], numel: int,
+                  device: torch.device) -> torch.Tensor:
+    """sum_k w_k * decode(payload_k) in fp32 in row (replica) order. Summed where the rows
+    are (host memory under gloo), then moved once to `device`."""
+    where = next((p.device for p in payloads if p is not None), device)
+    total = torch.zeros(numel, dtype=torch.float32, device=where)
+    for payload, weight in zip(payloads, weights):
+        if weight and payload is not None:
+            total += weight * codec.decode(payload)
+    return total.to(device)
 
 
-def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, manager: Any) -> None:
+def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, weights: list[float],
+                      manager: Any) -> None:
     """Sum this island's segment, encode the sum again and all-gather the summed segments."""
-    from torch.distributed.distributed_c10d import AllgatherOptions
-
     segments = gathered.segments
     assert segments is not None, "a two-phase exchange always has segments"
     pieces = [codec.for_length(end - start) for start, end in segments]
     mine = pieces[gathered.rank]
-    total, tokens, weights = _weighted_sum(list(gathered.outputs[0]), mine, mine.numel, into.device)
-    header = torch.tensor([tokens, weights], dtype=torch.float32, device=into.device)
-    size = _row_bytes(pieces)
-    payload = _frame(header, mine.encode(total), size).to(_wire_device(manager, into.device))
-    outputs = [torch.zeros_like(payload) for _ in segments]
-    _managed(manager, lambda: manager._pg.allgather([outputs], [payload], AllgatherOptions()), outputs).wait()
+    total = _weighted_sum(gathered.payloads, mine, weights, mine.numel, into.device)
+    framing = gathered.framing
+    size = framing.row_bytes(max(piece.payload_bytes() for piece in pieces))
+    honest = Framing(framing.key, framing.quorum, framing.step, framing.fragment, framing.island)
+    row = honest.frame(0.0, sum(weights), mine.encode(total), size, ROUND_SUM, gathered.rank)
+    work, outputs = _allgather(manager, row.to(_wire_device(manager, into.device, framing)), len(segments))
+    work.wait()
     gathered.sent += size
     gathered.received += size * (len(segments) - 1)
     if manager.errored() is not None:  # the second phase failed: the round will not commit
         into.zero_()
         return
     # Every island decodes the same summed segments: the same bytes, the same result.
-    for piece, (start, end), row in zip(pieces, segments, outputs):
-        into[start:end] = piece.decode(row[HEADER_BYTES:HEADER_BYTES + piece.payload_bytes()]).to(into.device)
-    head = outputs[0][:HEADER_BYTES].view(torch.float32)
-    into[-2], into[-1] = float(head[0]), float(head[1])
+    for j, (piece, (start, end), out) in enumerate(zip(pieces, segments, outputs)):
+        _, _, _, payload, frame = framing.open(out, piece.payload_bytes(), ROUND_SUM, j)
+        if payload is None or frame != FRAME_OK:
+            manager.report_error(FrameRefused(f"the sum of segment {j} is not signed by the federation's key"))
+            into.zero_()
+            return
+        try:
+            into[start:end] = piece.decode(payload).to(into.device)
+        except PayloadError as exc:
+            manager.report_error(exc)
+            into.zero_()
+            return

@@ -2,13 +2,19 @@
 
 An island checks its own pseudo-gradient before it sends it. Non-finite values, or a
 norm above `outer_norm_limit` times the running median of the norms it sent before,
-make it send weight 0 for the round: the all-reduce still completes, the others
+make it send weight 0 for the round: the exchange still completes, the others
 average without it, and it takes the new global weights like everyone else.
 
-`ARCHIPELAGO_FAULT=KIND@ROUND` with KIND `nan` or `scale1000` (set by `archipelago local
---inject ISLAND:KIND@ROUND`, for tests and demos only; config/faults.py) poisons this
-island's pseudo-gradient in outer step ROUND, to show that the guard catches it: `nan`
-fills it with NaN, `scale1000` multiplies it by 1000.
+Every receiver then checks every island's row again (policy.judge_contributions), from
+the first round on: an island that skips its own guard, or lies, is refused by the others.
+
+`ARCHIPELAGO_FAULT=KIND@ROUND` (set by `archipelago local --inject ISLAND:KIND@ROUND`, for
+tests and demos only; config/faults.py) makes this island misbehave in outer step ROUND,
+to show that the checks catch it: `nan` fills its pseudo-gradient with NaN, `scale1000`
+multiplies it by 1000 (both are caught by its own guard once it has a history, and by the
+receivers before that); the lying kinds skip its own guard and falsify what it sends:
+`forge_tokens` claims 10^15 tokens, `forge_weight` a weight of -10^6, `unsigned` signs
+with a key outside the federation (only meaningful with a federation key).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 from archipelago.config.faults import UPDATE_KINDS, faults_from_env
 from archipelago.federation.policy import GUARD_HISTORY, judge_update, remember_norm
 
-INJECT_KINDS = ("nan", "scale1000")
+FORGE_KINDS = ("forge_tokens", "forge_weight", "unsigned")  # lie in the frame, not in the values
 
 
 @dataclass(frozen=True)
@@ -32,14 +38,15 @@ class Poison:
     round: int
 
     def apply(self, pseudo_gradient: torch.Tensor) -> None:
+        """Corrupt the values (the lying kinds leave them alone: exchange.Framing lies)."""
         if self.kind == "nan":
             pseudo_gradient.fill_(float("nan"))
-        else:
+        elif self.kind == "scale1000":
             pseudo_gradient.mul_(1000.0)
 
 
 def poisons_from_env() -> list[Poison]:
-    """This island's poisoned rounds from ARCHIPELAGO_FAULT (kinds nan and scale1000)."""
+    """This island's poisoned rounds from ARCHIPELAGO_FAULT (the outer loop's kinds)."""
     return [Poison(f.kind, int(f.at)) for f in faults_from_env(UPDATE_KINDS)]
 
 

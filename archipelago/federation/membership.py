@@ -146,8 +146,13 @@ FINGERPRINT_KEYS = ("model", "params", "shapes", "sync_width", "num_fragments", 
 
 def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]],
                 ft: FaultToleranceConfig, ranks: int, tokens_per_step: int = 0,
-                inner_optimizer: str = "", key: FederationKey | None = None) -> dict[str, Any]:
+                inner_optimizer: str = "", key: FederationKey | None = None,
+                inner_lr: float = 0.0) -> dict[str, Any]:
     """A description of this island that peers compare at join time.
+
+    `tokens_per_step` and `inner_lr` are declared, not compared: islands may differ in
+    both, and every receiver bounds what an island may claim in a round by them
+    (policy.judge_contributions).
 
     Under time pacing the round budget and the federation's token budget (training.steps
     x this island's tokens per step x group_size) must agree: all islands end together
@@ -164,7 +169,8 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
             "inner_state": f"averaged ({inner_optimizer})" if ft.average_optimizer_state else "own",
             # Which secret, as its public id (a diagnosis: a peer with another key is named at
             # the join; the frames are what keeps it out).
-            "federation": f"key {key.federation_id.hex()[:12]}" if key is not None else "no key"}
+            "federation": f"key {key.federation_id.hex()[:12]}" if key is not None else "no key",
+            "tokens_per_step": tokens_per_step, "inner_lr": inner_lr}
 
 
 def _codec(ft: FaultToleranceConfig) -> str:

@@ -11,7 +11,8 @@ A round of one island, in order:
    element-wise max, see `Membership.to_values`).
 2. `must_wait`: a new federation waits until enough islands are present.
 3. `plan_round`: which fragment, and whether the island's own progress counts.
-4. `judge_update`: whether the island's pseudo-gradient may enter the average.
+4. `judge_update`: whether the island's pseudo-gradient may enter the average (the
+   sender's own check; `judge_contributions` is every receiver's, after the exchange).
 5. `island_weight`: its weight in the average.
 6. `skips_exchange`: whether the exchange can be left out altogether.
 7. `RoundResult` / `applies_outer_step`: after the exchange and the vote, what to do.
@@ -105,6 +106,93 @@ def remember_norm(accepted_norms: list[float], norm: float) -> None:
     """Add an accepted norm to the guard's window (the newest GUARD_HISTORY are kept)."""
     accepted_norms.append(norm)
     del accepted_norms[:-GUARD_HISTORY]
+
+
+# How a peer's row arrived, as every receiver saw it (exchange.py fills the table).
+FRAME_OK = 0         # a plain row, or a frame signed with the federation key for this round
+FRAME_UNSIGNED = 1   # not signed with the key, tampered, or a replay: nothing of it was read
+FRAME_MALFORMED = 2  # signed, but its payload is not one any codec of ours makes
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One island's row of an exchange: what it claims and what it holds, the same on
+    every receiver (they judge the same bytes)."""
+
+    tokens: float
+    weight: float
+    frame: int = FRAME_OK
+    finite: bool = True      # every decoded value is finite
+    norm: float = 0.0        # of the decoded pseudo-gradient, over the whole fragment
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """What one island may claim in one exchange, from what it declared at the join (its
+    tokens per inner step and inner learning rate) and the federation's pacing."""
+
+    max_tokens: float   # its tokens per step x the most inner steps between two exchanges of a fragment
+    max_norm: float     # the absolute norm bound (inf: none)
+
+
+def norm_allowance(limit: float, steps: int, inner_lr: float, numel: int, global_norm: float) -> float:
+    """The largest pseudo-gradient norm an honest island can send after `steps` inner steps,
+    times `limit`: an Adam-type step moves each weight by about the learning rate (the
+    sqrt(numel) term), weight decay or a clipped SGD step by at most the learning rate
+    times the weights' norm. `limit` 0 turns the bound off."""
+    if limit <= 0 or not math.isfinite(inner_lr) or inner_lr <= 0:
+        return math.inf
+    return limit * steps * inner_lr * (math.sqrt(numel) + global_norm)
+
+
+def steps_between_exchanges(round_pacing: str, sync_steps: int, max_inner_steps: int, fragments: int) -> int:
+    """The most inner steps an island trains between two exchanges of one fragment."""
+    return sync_steps if round_pacing == "steps" else max_inner_steps * fragments
+
+
+def judge_contributions(rows: Sequence[Contribution], allowances: Sequence[Allowance], weighting: str,
+                        limit: float) -> list[Verdict]:
+    """Every receiver's verdict on every island's row (the same on every island).
+
+    A row is refused when it is not signed for this round, its payload is malformed or
+    not finite, its tokens or weight are not finite, negative or beyond its allowance,
+    its norm is above its absolute bound, or, with three or more contributors, above
+    `limit` x the median of the other contributors' norms. A row of weight 0 (a joining
+    or healed island) is only checked for its frame and claims.
+    """
+    verdicts = [_judge_one(row, allowance, weighting) for row, allowance in zip(rows, allowances)]
+    live = [k for k, (row, v) in enumerate(zip(rows, verdicts)) if v.accepted and row.weight > 0]
+    if limit > 0 and len(live) >= 3:
+        for k in live:
+            median = statistics.median(rows[j].norm for j in live if j != k)
+            if rows[k].norm > limit * median:
+                verdicts[k] = Verdict(False, f"norm {rows[k].norm:.4g} is above {limit:g} x the median "
+                                             f"{median:.4g} of the other islands' norms")
+    return verdicts
+
+
+def _judge_one(row: Contribution, allowance: Allowance, weighting: str) -> Verdict:
+    if row.frame == FRAME_UNSIGNED:
+        return Verdict(False, "not signed with the federation key for this round (or tampered, or a replay)")
+    if row.frame != FRAME_OK:
+        return Verdict(False, "a malformed payload")
+    for name, value in (("tokens", row.tokens), ("weight", row.weight)):
+        if not math.isfinite(value) or value < 0:
+            return Verdict(False, f"{name} {value:g} is not a finite number >= 0")
+    if row.tokens > allowance.max_tokens:
+        return Verdict(False, f"tokens {row.tokens:g} are more than its declared batch and the pacing allow "
+                              f"({allowance.max_tokens:g})")
+    most = 1.0 if weighting == "equal" else allowance.max_tokens
+    if row.weight > most:
+        return Verdict(False, f"weight {row.weight:g} is more than {weighting} weighting allows ({most:g})")
+    if row.weight == 0:
+        return Verdict(True)
+    if not row.finite:
+        return Verdict(False, "non-finite values")
+    if row.norm > allowance.max_norm:
+        return Verdict(False, f"norm {row.norm:.4g} is above the absolute bound {allowance.max_norm:.4g} "
+                              "(outer_norm_limit x inner steps x inner lr x (sqrt(numel) + global norm))")
+    return Verdict(True)
 
 
 def island_weight(weighting: str, tokens: int, contributes: bool, verdict: Verdict) -> float:

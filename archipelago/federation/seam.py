@@ -135,9 +135,15 @@ class Member(Alone):
             to_step = self.hooks.step if self.time_paced else self.outer.aligned_inner_step()
             self.hooks.event("heal", step=self.hooks.step, outer_step=report.outer_step, to_step=to_step)
             self.hooks.catch_up(to_step)
-        if report.rejected:
+        refused = {r["island"] for r in report.refused}
+        if report.rejected and self.ft.replica_id not in refused:  # its own guard kept it out
             self.hooks.event("rejected", step=self.hooks.step, outer_step=report.outer_step,
-                             island=self.ft.replica_id, norm=report.norm, reason=report.rejected)
+                             island=self.ft.replica_id, rejected_island=self.ft.replica_id, by="own guard",
+                             norm=report.norm, reason=report.rejected)
+        for r in report.refused:  # every receiver refused this island's row (every island logs it)
+            self.hooks.event("rejected", step=self.hooks.step, outer_step=report.outer_step,
+                             island=self.ft.replica_id, rejected_island=r["island"], by="receivers",
+                             reason=r["reason"])
         self.hooks.outer_step(report_record(report))
 
     def _follow_schedule(self) -> None:

@@ -17,8 +17,9 @@ same command, resumes from its own checkpoint and catches up from a live peer.
 Experiments (emulations, not real conditions): `--slowdown 1,3` makes island 1's inner
 steps take 3x their compute time (--island.slowdown); `--inject 1:nan@3` makes island 1
 send a poisoned update (NaN, or `scale1000`: 1000x) in outer step 3, which the update
-guard must reject, and `--inject 1:crash@7` (or `error`, `nan-loss`) fails its trainer at
-inner step 7. Faults share one grammar, ISLAND:KIND@AT (docs/development.md).
+guards must reject (`forge_tokens`, `forge_weight` and `unsigned` make it lie about its
+update instead, which every receiver must refuse), and `--inject 1:crash@7` (or `error`,
+`nan-loss`) fails its trainer at inner step 7. Faults share one grammar, ISLAND:KIND@AT (docs/development.md).
 The lighthouse's own log is quiet (warnings only) unless RUST_LOG says otherwise.
 
 At the end RUN_DIR/federation.json holds per-island results, the outer steps with their
@@ -143,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
                         "an experiment setting, passed as --island.slowdown")
     p.add_argument("--inject", action="append", default=[], type=_inject_arg, metavar="ISLAND:KIND@AT",
                    help="for tests and demos: ISLAND sends a poisoned update in outer step AT (KIND nan or "
-                        "scale1000), or its trainer fails at inner step AT (crash, error, nan-loss); "
+                        "scale1000) or lies about it (forge_tokens, forge_weight, unsigned), or its trainer "
+                        "fails at inner step AT (crash, error, nan-loss); "
                         "repeatable, every entry is kept")
     p.add_argument("--lighthouse-bind", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="address of the in-process lighthouse (port 0: any free port)")

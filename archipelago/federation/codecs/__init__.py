@@ -2,7 +2,7 @@
 
 Chosen by `[fault_tolerance] codec`; pure PyTorch, so CPU and GPU islands encode alike:
 
-* `fp32`: no encoding; islands sum their weighted pseudo-gradients in one all-reduce.
+* `fp32`: no encoding (4 bytes per value).
 * `bf16`: each value rounded to bfloat16 (2 bytes).
 * `int8`: blockwise: per block of `codec_block_size` values, one fp32 scale (the block's
   largest magnitude / 127) and one int8 per value; decoded and summed in fp32.
@@ -24,6 +24,10 @@ import math
 import torch
 
 from archipelago.config.schema import FaultToleranceConfig
+
+
+class PayloadError(ValueError):
+    """A payload no encoder of ours makes (e.g. top-k indices out of order or out of the chunk)."""
 
 
 class Codec:
@@ -187,6 +191,10 @@ class TopKCodec(Codec):
         head, index_bytes, _ = self._sizes()
         scales = payload[:head].view(torch.bfloat16).float().view(self.chunks, self.n_scales)
         index = _unpack(payload[head:head + index_bytes], self.index_bits, sent).long().view(self.chunks, self.k)
+        # encode sends each chunk's indices ascending, each once, inside the chunk: anything
+        # else is a forged payload (scatter would raise, or let one value land twice).
+        if bool((index >= self.chunk).any()) or bool((index[:, 1:] <= index[:, :-1]).any()):  # a device sync
+            raise PayloadError("a top-k payload with indices out of order or outside the chunk")
         codes = _unpack(payload[head + index_bytes:], self.bits, sent).view(self.chunks, self.k)
         out = torch.zeros(self.chunks, self.chunk, dtype=torch.float32, device=payload.device)
         out.scatter_(1, index, self._dequantize(codes, scales))
