@@ -1,6 +1,6 @@
 """Cross-island traffic of a DiLoCo federation vs DDP all-reduce, and the stall after a kill.
 
-Three runs on this machine, one after the other, all llama3 debug on Shakespeare:
+Six runs on this machine, one after the other, all llama3 debug on Shakespeare:
 
 1. federation: `archipelago local --islands 1,1` (two 1-rank islands, so the only traffic
    between processes that trains anything is the cross-island outer sync);
@@ -8,6 +8,10 @@ Three runs on this machine, one after the other, all llama3 debug on Shakespeare
    one island's batch, all-reducing gradients every step;
 3. kill drill: run 1 again with `--kill 1@T`, T mid-round after a couple of outer steps
    (taken from run 1's timing); island 0's metrics give the survivor's stall.
+4. signing (unless --no-signing): run 1 with a federation key (every row a signed frame,
+   every receiver checking the tag), then top-k without and with a key; each compared with
+   the same codec without a key: bytes per token, round time, and the encode + open/check/
+   sum seconds per round against the round (the target: signing under 5% of a round).
 
 Bytes are measured, not computed: the kernel's per-socket TCP counters (`ss -tinHea`,
 tcp_info bytes_sent, retransmissions included) of every process we started, polled every
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import sys
 import time
@@ -117,11 +122,12 @@ def train_args(args: argparse.Namespace, steps: int) -> list[str]:
             "--lr_scheduler.warmup_steps", str(min(20, steps // 2)), *COMMON_OVERRIDES]
 
 
-def federation_cmd(args: argparse.Namespace, run_dir: Path, kill_at: float | None = None) -> list[str]:
+def federation_cmd(args: argparse.Namespace, run_dir: Path, kill_at: float | None = None,
+                   extra: tuple[str, ...] = ()) -> list[str]:
     kill = ["--kill", f"1@{kill_at:.1f}"] if kill_at is not None else []
     return [sys.executable, "-m", "archipelago.launch.cli", "local", "--islands", "1,1", "--no-table", *kill,
             *train_args(args, args.steps), "--fault_tolerance.sync_steps", str(args.sync_steps),
-            "--training.batch_size", str(args.batch_size), "--job.run_dir", str(run_dir)]
+            "--training.batch_size", str(args.batch_size), "--job.run_dir", str(run_dir), *extra]
 
 
 def ddp_cmd(args: argparse.Namespace, run_dir: Path) -> list[str]:
@@ -139,9 +145,10 @@ def run_checked(cmd: list[str], root: Path, name: str, args: argparse.Namespace)
     return run
 
 
-def measure_federation(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    run_dir = root / "federation"
-    run = run_checked(federation_cmd(args, run_dir), root, "federation", args)
+def measure_federation(args: argparse.Namespace, root: Path, name: str = "federation",
+                       extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    run_dir = root / name
+    run = run_checked(federation_cmd(args, run_dir, extra=extra), root, name, args)
     fed = json.loads((run_dir / "federation.json").read_text())
     committed = sum(1 for entry in fed["outer_steps"] if entry["islands"])
     islands = [run_dir / f"island-{i['id']}" for i in fed["islands"]]
@@ -163,6 +170,9 @@ def measure_federation(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "payload_bytes_per_outer_step": payload / committed if committed else None,
             "round_intervals_s": round_intervals(records0),
             "median_sync_s": statistics.median(r["sync_s"] for r in records0) if records0 else None,
+            # Encoding, signing, opening, checking and summing rows: what signing adds to.
+            "median_codec_s": (statistics.median(r.get("encode_s", 0) + r.get("decode_s", 0) for r in records0[1:])
+                               if len(records0) > 1 else None),
             "outer_step_offsets_s": [r["time"] - fed["start_time"] for r in records0],
             "traffic": traffic}
 
@@ -183,6 +193,39 @@ def measure_ddp(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "steady_bytes_per_token": steady_per_step / (tokens / steps) if steady_per_step and steps else None,
             "gradient_bytes_per_rank": int(summary["params"]) * 4,  # fp32 gradients, for reference
             "traffic": traffic}
+
+
+# The signed exchange against the plain one, per codec (fp32 plain is the main run).
+SIGNING = (("fp32", True), ("topk", False), ("topk", True))
+
+
+def measure_signing(args: argparse.Namespace, root: Path, fp32_plain: dict[str, Any]) -> list[dict[str, Any]]:
+    """The federation again with a federation key (signed rows) and with top-k, each
+    against the same codec without a key: bytes per token, round time, codec seconds."""
+    key_file = root / "fed.key"
+    key_file.write_text(secrets.token_hex(32) + "\n")  # what `archipelago secret new` writes
+    key_file.chmod(0o600)
+    runs = {("fp32", False): fp32_plain}
+    for codec, signed in SIGNING:
+        keyed = ("--federation_security.key_file", str(key_file)) if signed else ()
+        extra = ("--fault_tolerance.codec", codec, *keyed)
+        runs[(codec, signed)] = measure_federation(args, root, f"{codec}-{'signed' if signed else 'plain'}", extra)
+    rows = []
+    for codec in ("fp32", "topk"):
+        plain, signed = runs[(codec, False)], runs[(codec, True)]
+        plain_round = statistics.median(plain["round_intervals_s"]) if plain["round_intervals_s"] else None
+        signed_round = statistics.median(signed["round_intervals_s"]) if signed["round_intervals_s"] else None
+        added = (signed["median_codec_s"] - plain["median_codec_s"]
+                 if signed["median_codec_s"] is not None and plain["median_codec_s"] is not None else None)
+        rows.append({"codec": codec, "bytes_ratio": ratio(signed["steady_bytes_per_token"],
+                                                          plain["steady_bytes_per_token"]),
+                     "round_ratio": ratio(signed_round, plain_round),
+                     "signing_share": ratio(added, signed_round),
+                     "signed_bytes_per_token": signed["steady_bytes_per_token"],
+                     "plain_bytes_per_token": plain["steady_bytes_per_token"],
+                     "signed_round_s": signed_round, "plain_round_s": plain_round,
+                     "signed_codec_s": signed["median_codec_s"], "plain_codec_s": plain["median_codec_s"]})
+    return rows
 
 
 def default_kill_at(federation: dict[str, Any], after_outer: int) -> float:
@@ -275,6 +318,19 @@ def print_tables(result: dict[str, Any]) -> None:
         print(f"\n(earlier attempts landed {misses} s into a round, off its middle; kill time corrected)")
     if kill.get("note"):
         print(f"\nnote: {kill['note']}")
+    if result.get("signing"):
+        print("\nsigned rows (a federation key) against plain rows, same codec; codec s = encode + open, "
+              "check, sum per round (medians, island 0)\n")
+        print("| ratio (signed / plain bytes per token) | round time ratio | signing share of the round "
+              "| codec | signed bytes/token | plain bytes/token | signed round s | plain round s "
+              "| signed codec s | plain codec s |")
+        print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+        for r in result["signing"]:
+            print(f"| {num(r['bytes_ratio'], '.3f')} | {num(r['round_ratio'], '.3f')} "
+                  f"| {num(r['signing_share'], '.3%')} | {r['codec']} "
+                  f"| {num(r['signed_bytes_per_token'], ',.1f')} | {num(r['plain_bytes_per_token'], ',.1f')} "
+                  f"| {num(r['signed_round_s'], '.2f')} | {num(r['plain_round_s'], '.2f')} "
+                  f"| {num(r['signed_codec_s'], '.3f')} | {num(r['plain_codec_s'], '.3f')} |")
 
 
 def parse_args() -> argparse.Namespace:
@@ -293,6 +349,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attribute-s", type=float, default=0.05,
                    help="period of mapping sockets to processes (/proc/PID/fd + sock_diag, cheap)")
     p.add_argument("--timeout", type=float, default=600, help="hard limit per run, seconds")
+    p.add_argument("--no-signing", action="store_true",
+                   help="skip the three runs that measure signed rows (a federation key) and top-k")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="run directories (default: a new /tmp/bench-fed-* folder)")
     p.add_argument("--out", type=Path, default=REPO / "runs/bench/federation.json",
@@ -311,6 +369,7 @@ def main() -> None:
     ddp = measure_ddp(args, root)
     median_round = statistics.median(fed["round_intervals_s"]) if fed["round_intervals_s"] else None
     kill = kill_drill(args, root, fed, median_round)
+    signing = [] if args.no_signing else measure_signing(args, root, fed)
     seq_len = seq_len_of(Path(fed["run_dir"]) / "island-0")
     result = {
         "ratio": ratio(ddp["bytes_per_token"], fed["bytes_per_token"]),
@@ -326,7 +385,7 @@ def main() -> None:
         "batch_size": args.batch_size, "seq_len": seq_len, "config": str(args.config),
         "measurement": fed["traffic"]["method"], "work_dir": str(root),
         "commands": [fed["cmd"], ddp["cmd"], *(a["cmd"] for a in kill["attempts"])],
-        "federation": fed, "ddp": ddp, "kill": kill,
+        "federation": fed, "ddp": ddp, "kill": kill, "signing": signing,
     }
     print_tables(result)
     write_json(args.out, result)

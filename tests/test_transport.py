@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.transport import MAGIC, SafeHTTPTransport, StateFormatError, decode_state, encode_state
 
 TIMEOUT = timedelta(seconds=5)
@@ -158,7 +159,6 @@ def test_a_healing_island_refuses_a_state_not_shaped_like_its_own():
 
 
 def test_a_garbage_fingerprint_is_described_and_refused_not_a_crash():
-    from archipelago.config.schema import FaultToleranceConfig
     from archipelago.federation.membership import describe, fingerprint, mismatch
 
     mine = fingerprint("llama3/debug", [("w", (2, 3))], FaultToleranceConfig(enable=True), 1)
@@ -221,3 +221,59 @@ def test_with_a_key_only_a_member_gets_the_state_and_only_from_a_member(monkeypa
     finally:
         for transport in (source, member, outsider, plain):
             transport.shutdown(wait=False)
+
+
+def _listening(pid: str = "self") -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on (from /proc)."""
+    import ipaddress
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        with open(f"/proc/net/{table}") as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hex_addr, hex_port = fields[1].split(":")
+                raw = bytes.fromhex(hex_addr)
+                # /proc prints each 32-bit word in host (little-endian) order.
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+                found.add((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
+    return found
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("address", [None, "127.0.0.2"], ids=["loopback", "local-addr"])
+def test_an_islands_manager_store_and_transport_listen_on_its_address_only(monkeypatch, address):
+    from torchft.coordination import LighthouseServer
+
+    from archipelago.federation.membership import build_manager
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    if address:
+        monkeypatch.setenv("LOCAL_ADDR", address)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    before = _listening()
+    manager = None
+    try:
+        ft = FaultToleranceConfig(enable=True, lighthouse=lighthouse.address())
+        manager = build_manager(ft, 0, 1)
+        opened = _listening() - before
+        # The manager server, the rendezvous store and the healing transport: nothing else,
+        # and nothing on every interface (0.0.0.0 / ::).
+        assert len(opened) == 3, opened
+        assert {host for host, _ in opened} == {address or "127.0.0.1"}, opened
+    finally:
+        if manager is not None:
+            manager.shutdown(wait=False)
+        lighthouse.shutdown()

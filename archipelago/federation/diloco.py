@@ -118,8 +118,8 @@ class OuterReport:
     refused: list[dict[str, Any]] = field(default_factory=list)  # rows every receiver refused: island, reason
     codec: str = "fp32"
     bytes_received: int = 0       # what this island got back from the other islands' exchange
-    encode_s: float = 0.0         # seconds encoding / decoding payloads (codecs other than fp32)
-    decode_s: float = 0.0
+    encode_s: float = 0.0         # seconds encoding (and signing) this island's row
+    decode_s: float = 0.0         # seconds opening, judging and summing the rows
     overlap_s: float = 0.0        # inner-step seconds that ran while the exchange was in flight
     exposed_s: float = 0.0        # seconds the island then still waited for the exchange
     untimed_s: float = 0.0        # seconds of evaluation and checkpointing in the round (busy, not training)
@@ -389,10 +389,14 @@ class OuterLoop:
         blocked_since = time.perf_counter()
         decode_s, refused = 0.0, list[dict[str, Any]]()
         if p.exchanged:
+            if p.gathered is not None:
+                p.gathered.work.wait()  # the network's share; opening and judging the rows is decode_s
+            judging = time.perf_counter()
             weights, tokens, refused = self._judge(p)
+            decode_s = time.perf_counter() - judging
             if p.gathered is not None and p.buffer is not None:
-                decode_s = finish_gather(p.gathered, self.codecs[p.fragment], p.buffer, weights, tokens,
-                                         self.manager)
+                decode_s += finish_gather(p.gathered, self.codecs[p.fragment], p.buffer, weights, tokens,
+                                          self.manager)
         if p.state is not None and self.inner_state is not None:
             self.inner_state.wait(p.state)  # before the vote: a failed exchange votes no
         exposed_s = time.perf_counter() - blocked_since

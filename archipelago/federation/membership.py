@@ -8,6 +8,7 @@ chunk s". The other ranks learn the quorum's outcome from island rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -15,6 +16,7 @@ import math
 import os
 import socket
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -75,18 +77,51 @@ def wait_for_lighthouse(url: str, timeout_s: float) -> None:
         "--fault_tolerance.lighthouse / TORCHFT_LIGHTHOUSE")
 
 
-def _store_for_manager() -> tuple[str, int, TCPStore | None]:
+def _store_for_manager() -> tuple[str, int, Any]:
     """Where the bridge ranks' TCPStore is: torchrun's, or one we host for a lone process.
 
     The address is advertised to the other islands (their cross-island process groups
-    rendezvous in the quorum leader's store), so LOCAL_ADDR wins over MASTER_ADDR.
+    rendezvous in the quorum leader's store), so LOCAL_ADDR wins over MASTER_ADDR. A store
+    we host listens on that address only (LOCAL_ADDR, else loopback): TCPStore itself
+    would listen on every interface, so it gets a socket bound here.
     """
     advertised = os.environ.get("LOCAL_ADDR") or ""
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         return advertised or os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None
     host = advertised or "127.0.0.1"
-    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-    return host, store.port, store
+    listener = _listening_socket(host)
+    port = listener.getsockname()[1]
+    store = TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno())
+    return host, port, (store, listener)  # both live as long as the manager
+
+
+def _listening_socket(host: str) -> socket.socket:
+    """A TCP socket listening on `host` (IPv4 or IPv6) at a free port."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.bind(address)
+    listener.listen(128)
+    return listener
+
+
+@contextlib.contextmanager
+def _manager_server_bound_to(host: str) -> Iterator[None]:
+    """torchft's Manager starts its ManagerServer on every interface (`[::]`), with no
+    option; while it is built, hand it `host` instead (the same port: 0 or
+    $TORCHFT_MANAGER_PORT)."""
+    import torchft.manager as torchft_manager
+
+    original = torchft_manager.ManagerServer
+    where = f"[{host}]" if ":" in host else host
+
+    def bound(*args: Any, bind: str, **kwargs: Any) -> Any:
+        return original(*args, bind=f"{where}:{bind.rsplit(':', 1)[1]}", **kwargs)
+
+    torchft_manager.ManagerServer = bound
+    try:
+        yield
+    finally:
+        torchft_manager.ManagerServer = original
 
 
 def _drop_flight_recorder_warning(record: logging.LogRecord) -> bool:
@@ -110,19 +145,28 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int, key: F
     timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
     pg = ProcessGroupNCCL(timeout=timeout) if ft.process_group == "nccl" else ProcessGroupGloo(timeout=timeout)
     host, port, store = _store_for_manager()
-    manager = Manager(
+    # The manager server is where this island's bridge ranks ask for quorums: on
+    # LOCAL_ADDR (a multi-host island), else loopback.
+    local = os.environ.get("LOCAL_ADDR") or "127.0.0.1"
+    with _manager_server_bound_to(local):
+        manager = _new_manager(Manager, pg, ft, timeout, bridge_rank, width, host, port, url, key)
+    manager._archipelago_store = store  # keep a self-hosted store alive as long as the manager
+    return manager
+
+
+def _new_manager(Manager: Any, pg: Any, ft: FaultToleranceConfig, timeout: timedelta, bridge_rank: int,
+                 width: int, host: str, port: int, url: str, key: FederationKey | None) -> Any:
+    return Manager(
         pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replica_size,
         use_async_quorum=False,  # the outer loop needs the quorum before it averages
         timeout=timeout, quorum_timeout=timedelta(milliseconds=ft.quorum_timeout_ms),
         connect_timeout=timedelta(milliseconds=ft.connect_timeout_ms),
         rank=bridge_rank, world_size=width, store_addr=host, store_port=port,
         lighthouse_addr=url, replica_id=f"island_{ft.replica_id}",
-        hostname=os.environ.get("LOCAL_ADDR") or socket.gethostname(),
+        hostname=os.environ.get("LOCAL_ADDR") or "127.0.0.1",
         max_retries=ft.max_retries, checkpoint_transport=_checkpoint_transport(timeout, key, ft.replica_id),
         init_sync=ft.init_sync,
     )
-    manager._archipelago_store = store  # keep a self-hosted store alive as long as the manager
-    return manager
 
 
 def _checkpoint_transport(timeout: timedelta, key: FederationKey | None = None, island: int = 0) -> Any:
