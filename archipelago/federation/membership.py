@@ -77,7 +77,7 @@ def wait_for_lighthouse(url: str, timeout_s: float) -> None:
         "--fault_tolerance.lighthouse / TORCHFT_LIGHTHOUSE")
 
 
-def _store_for_manager() -> tuple[str, int, Any]:
+def _store_for_manager() -> tuple[str, int, TCPStore | None]:
     """Where the bridge ranks' TCPStore is: torchrun's, or one we host for a lone process.
 
     The address is advertised to the other islands (their cross-island process groups
@@ -91,8 +91,15 @@ def _store_for_manager() -> tuple[str, int, Any]:
     host = advertised or "127.0.0.1"
     listener = _listening_socket(host)
     port = listener.getsockname()[1]
-    store = TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno())
-    return host, port, (store, listener)  # both live as long as the manager
+    try:
+        store = TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno())
+    except Exception:
+        listener.close()
+        raise
+    # The store's server owns the descriptor now and closes it itself: the socket object
+    # must not close it a second time (by then the number may belong to another file).
+    listener.detach()
+    return host, port, store
 
 
 def _listening_socket(host: str) -> socket.socket:
