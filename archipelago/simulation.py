@@ -26,6 +26,7 @@ from torch import nn
 from archipelago.config import Config
 from archipelago.data import PreparedDataset, TokenSequenceLoader, prepare_from_config, validation_batches
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
+from archipelago.federation.exchange import Framing, aggregate
 from archipelago.federation.fragments import build_outer_optimizer, split_fragments
 from archipelago.federation.inner_state import state_keys
 from archipelago.island.optim import build_lr_scheduler, build_optimizer
@@ -182,26 +183,26 @@ class _Outer:
     def prepare(self) -> None:
         """Each island's weighted pseudo-gradient, encoded and decoded, summed in island order."""
         fragment = self.step % len(self.globals)
-        total = torch.zeros_like(self.globals[fragment])
-        weights = 0.0
+        values, weights = [], []
         for island in self.islands:
             pseudo = self.globals[fragment].detach() - island.flat(fragment)
             weight = 1.0 if self.ft.outer_weighting == "equal" else float(island.fragment_tokens[fragment])
             island.fragment_tokens[fragment] = 0
+            payload = 4 * pseudo.numel()
             if self.codec != "fp32":
                 codec = island.codecs[fragment]
                 pseudo = codec.decode(codec.encode(pseudo))
-                self.bytes_sent += codec.payload_bytes()
-            else:
-                self.bytes_sent += 4 * (pseudo.numel() + 2)
-            total += weight * pseudo
-            weights += weight
+                payload = codec.payload_bytes()
+            self.bytes_sent += Framing().row_bytes(payload)  # its row: tokens and weight, then the payload
+            values.append(pseudo)
+            weights.append(weight)
             if self.ft.average_optimizer_state:
                 moments = [m * weight for m in island.moments(fragment)]
                 self.pending_moments = (moments if island is self.islands[0] else
                                         [a + b for a, b in zip(self.pending_moments, moments)])
                 self.bytes_sent += 4 * (sum(m.numel() for m in moments) + 1)
-        self.pending = (fragment, total, weights)
+        total = aggregate(values, weights, self.ft.outer_aggregation == "trimmed_mean")
+        self.pending = (fragment, total, sum(weights))
 
     @torch.no_grad()
     def perform(self) -> None:

@@ -65,7 +65,7 @@ def _manager(lighthouse: str, island: int, bridge: int, width: int, store_port: 
 
 def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, rounds: int,
             lighthouse: str, store_ports: list[int], poisons: dict, codec: str, init_sync: bool,
-            block: int, moments: bool, secret: str | None, out: dict) -> None:
+            block: int, moments: bool, secret: str | None, aggregation: str, out: dict) -> None:
     torch.set_num_threads(1)  # up to 4 processes on 2 cores: more threads only wait for each other
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=proc, world_size=sum(sizes))
@@ -79,7 +79,7 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
                                   replica_id=island, sync_steps=ROUND, semi_sync_method="local_sgd",
                                   outer_weighting=weighting, sync_width=width, codec=codec,
                                   topk_fraction=0.1, codec_block_size=block, init_sync=init_sync,
-                                  average_optimizer_state=moments)
+                                  average_optimizer_state=moments, outer_aggregation=aggregation)
         model = _model()
         optimizer = torch.optim.AdamW(model.parameters()) if moments else None
         key = FederationKey(bytes.fromhex(secret)) if secret else None
@@ -135,7 +135,8 @@ def _flat_moment(optimizer: torch.optim.Optimizer, model: nn.Module, name: str) 
 
 def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
               poisons: dict[int, Poison] | None = None, codec: str = "fp32", init_sync: bool = True,
-              block: int = 16, moments: bool = False, secret: str | None = None) -> dict:
+              block: int = 16, moments: bool = False, secret: str | None = None,
+              aggregation: str = "mean") -> dict:
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
@@ -147,7 +148,7 @@ def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
             spawn_ranks(_worker, nprocs=sum(sizes),
                         args=(_free_port(), sizes, width, weighting, rounds, lighthouse.address(),
                               [s.port for s in stores], poisons or {}, codec, init_sync, block, moments, secret,
-                              out))
+                              aggregation, out))
             return dict(out)
     finally:
         lighthouse.shutdown()
@@ -247,6 +248,21 @@ def test_every_receiver_refuses_a_lying_island_from_the_first_round(kind, signed
                 assert tokens == (TOKENS[0] + TOKENS[2]) * ROUND  # the liar's claim is not counted
             else:
                 assert refused == [] and rejected is None
+
+
+@pytest.mark.timeout(240)
+def test_the_trimmed_mean_of_three_islands_is_their_coordinate_wise_median_on_every_island():
+    # outer_aggregation = "trimmed_mean" drops each coordinate's largest and smallest
+    # value: with three islands the median, whatever the token weights (by hand here).
+    sizes, rounds = [1, 1, 1], 2
+    out = _federate(sizes, 1, "tokens", rounds, aggregation="trimmed_mean")
+    g = _flat(_model())
+    for round_ in range(1, rounds + 1):
+        g = g + torch.stack([_delta(k, round_, g.numel()) for k in range(3)]).median(dim=0).values
+        for proc in range(3):
+            flat = out[(proc, round_)][0]
+            assert torch.equal(flat, out[(0, round_)][0])
+            torch.testing.assert_close(flat, g, rtol=0, atol=1e-6, msg=f"{proc}, {round_}")
 
 
 def test_guard_uses_the_running_median_of_accepted_norms():

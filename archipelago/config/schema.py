@@ -210,6 +210,8 @@ class FaultToleranceConfig:
     """Time pacing: an island runs at least this many inner steps per round, however slow."""
     max_inner_steps: int = 1000
     """Time pacing: an island runs at most this many inner steps per round, however fast."""
+    outer_aggregation: Literal["mean", "trimmed_mean"] = "mean"
+    """How the accepted islands' pseudo-gradients are combined: their weighted mean, or, per coordinate, the weighted mean without that coordinate's largest and smallest value when three or more islands contribute (`trimmed_mean`: one island's extreme values cannot move the average, at the price of some of every honest island's signal; three islands give the median). Part of the fingerprint: all islands must agree."""
     outer_norm_limit: float = 10.0
     """Norm checks on pseudo-gradients, 0 turns them off (non-finite values are always refused). An island holds back its own update (it sends weight 0) when its norm exceeds this many times the running median of its accepted norms; every receiver refuses an island's update whose norm exceeds this many times an absolute bound (inner steps x declared inner lr x (sqrt(parameters) + the global weights' norm)), from the first round on, or, with three or more contributors, this many times the median of the other islands' norms that round."""
     codec: Literal["fp32", "bf16", "int8", "topk"] = "fp32"

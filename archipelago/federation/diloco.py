@@ -396,7 +396,7 @@ class OuterLoop:
             decode_s = time.perf_counter() - judging
             if p.gathered is not None and p.buffer is not None:
                 decode_s += finish_gather(p.gathered, self.codecs[p.fragment], p.buffer, weights, tokens,
-                                          self.manager)
+                                          self.manager, self.ft.outer_aggregation == "trimmed_mean")
         if p.state is not None and self.inner_state is not None:
             self.inner_state.wait(p.state)  # before the vote: a failed exchange votes no
         exposed_s = time.perf_counter() - blocked_since

@@ -311,42 +311,64 @@ def _merge_segment_tables(tables: list[torch.Tensor]) -> torch.Tensor:
 
 
 def finish_gather(gathered: Gathered, codec: Codec, into: torch.Tensor, weights: list[float],
-                  tokens: float, manager: Any) -> float:
+                  tokens: float, manager: Any, trimmed: bool = False) -> float:
     """Write `[sum w_k*g_k ..., tokens, sum w_k]` into `into` with the weights the receivers
-    decided (0 for a refused or idle island); returns the decode seconds (with the
-    reduce-scatter: also the second phase's)."""
+    decided (0 for a refused or idle island); with `trimmed`, the first part is the trimmed
+    mean (`aggregate`) times sum w_k. Returns the decode seconds (with the reduce-scatter:
+    also the second phase's)."""
     began = time.perf_counter()
     if manager.errored() is not None:  # the round will not commit
         into.zero_()
         return time.perf_counter() - began
     if gathered.segments is None:
-        into[:-2] = _weighted_sum(gathered.payloads, codec, weights, into.numel() - 2, into.device)
+        into[:-2] = _weighted_sum(gathered.payloads, codec, weights, into.numel() - 2, into.device, trimmed)
     else:
-        _finish_two_phase(gathered, codec, into, weights, manager)
+        _finish_two_phase(gathered, codec, into, weights, manager, trimmed)
     into[-2], into[-1] = tokens, sum(weights)
     return time.perf_counter() - began
 
 
 def _weighted_sum(payloads: list[torch.Tensor | None], codec: Codec, weights: list[float], numel: int,
-                  device: torch.device) -> torch.Tensor:
-    """sum_k w_k * decode(payload_k) in fp32 in row (replica) order. Summed where the rows
-    are (host memory under gloo), then moved once to `device`."""
-    where = next((p.device for p in payloads if p is not None), device)
-    total = torch.zeros(numel, dtype=torch.float32, device=where)
-    for payload, weight in zip(payloads, weights):
-        if weight and payload is not None:
-            total += weight * codec.decode(payload)
-    return total.to(device)
+                  device: torch.device, trimmed: bool = False) -> torch.Tensor:
+    """sum_k w_k * decode(payload_k) in fp32 in row (replica) order (`aggregate`). Summed
+    where the rows are (host memory under gloo), then moved once to `device`."""
+    rows = [(weight, codec.decode(payload)) for payload, weight in zip(payloads, weights)
+            if weight and payload is not None]
+    if not rows:
+        return torch.zeros(numel, dtype=torch.float32, device=device)
+    return aggregate([v for _, v in rows], [w for w, _ in rows], trimmed).to(device)
+
+
+def aggregate(values: list[torch.Tensor], weights: list[float], trimmed: bool = False) -> torch.Tensor:
+    """sum_k w_k * values_k, in list order (every island the same order, so the same bits).
+
+    With `trimmed` and three or more values: per coordinate, the weighted mean of the values
+    without that coordinate's largest and smallest one, times sum_k w_k (the outer step
+    divides by it): one island's extreme values cannot move the average.
+    """
+    if not trimmed or len(values) < 3:
+        total = torch.zeros_like(values[0])
+        for weight, value in zip(weights, values):
+            total += weight * value
+        return total
+    stacked = torch.stack(values)
+    w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device)[:, None].expand_as(stacked)
+    order = stacked.argsort(dim=0, stable=True)  # ties: the lower replica rank counts as smaller
+    keep = torch.ones_like(stacked, dtype=torch.bool)
+    keep.scatter_(0, order[:1], False)
+    keep.scatter_(0, order[-1:], False)
+    kept = torch.where(keep, w, torch.zeros_like(w))
+    return (stacked * kept).sum(dim=0) / kept.sum(dim=0) * sum(weights)
 
 
 def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, weights: list[float],
-                      manager: Any) -> None:
+                      manager: Any, trimmed: bool) -> None:
     """Sum this island's segment, encode the sum again and all-gather the summed segments."""
     segments = gathered.segments
     assert segments is not None, "a two-phase exchange always has segments"
     pieces = [codec.for_length(end - start) for start, end in segments]
     mine = pieces[gathered.rank]
-    total = _weighted_sum(gathered.payloads, mine, weights, mine.numel, into.device)
+    total = _weighted_sum(gathered.payloads, mine, weights, mine.numel, into.device, trimmed)
     framing = gathered.framing
     size = framing.row_bytes(max(piece.payload_bytes() for piece in pieces))
     honest = Framing(framing.key, framing.quorum, framing.step, framing.fragment, framing.island)

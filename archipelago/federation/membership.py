@@ -212,6 +212,8 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
     shapes = hashlib.sha256(json.dumps(named_shapes).encode()).hexdigest()[:16]
     outer = (f"{ft.outer_optimizer}(lr={ft.outer_lr}, momentum={ft.outer_momentum}, "
              f"nesterov={ft.outer_nesterov}) alpha={ft.fragment_update_alpha}")
+    if ft.outer_aggregation != "mean":
+        outer += f" {ft.outer_aggregation}"
     return {"island": ft.replica_id, "ranks": ranks, "model": model_name,
             "params": sum(math.prod(s) for _, s in named_shapes), "shapes": shapes,
             "sync_width": ft.sync_width, "num_fragments": ft.num_fragments,
