@@ -173,12 +173,11 @@ def two_phase(codec: Codec, participants: int) -> bool:
     return codec.align > 0 and participants >= 3
 
 
-def _wire_device(manager: Any, device: torch.device, framing: Framing) -> torch.device:
-    """Where rows cross: the island's device for NCCL, host memory for gloo (its GPU
-    support covers all-reduce and broadcast, not the all-to-all) and for signed rows
-    (sealed and checked in host memory)."""
-    nccl = "NCCL" in type(manager._pg).__name__
-    return device if nccl and framing.key is None else torch.device("cpu")
+def _wire_device(manager: Any, device: torch.device) -> torch.device:
+    """Where rows cross: the island's device for NCCL (which carries nothing else; a
+    signed row is sealed in host memory, then copied there), host memory for gloo (its GPU
+    support covers all-reduce and broadcast, not the all-to-all)."""
+    return device if "NCCL" in type(manager._pg).__name__ else torch.device("cpu")
 
 
 def _encoded(codec: Codec, x: torch.Tensor, weight: float) -> torch.Tensor:
@@ -221,7 +220,7 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
 
     began = time.perf_counter()
     participants = max(manager.num_participants(), 1)
-    wire = _wire_device(manager, pseudo_gradient.device, framing)
+    wire = _wire_device(manager, pseudo_gradient.device)
     if two_phase(codec, participants):
         segments = codec.segments(participants)
         pieces = [codec.for_length(end - start) for start, end in segments]
@@ -268,11 +267,11 @@ def inspect_gather(gathered: Gathered, codec: Codec, manager: Any, participants:
         return _inspect_rows(gathered, codec, gathered.outputs, ROUND_ROW, 0)
     piece = codec.for_length(gathered.segments[gathered.rank][1] - gathered.segments[gathered.rank][0])
     mine = _inspect_rows(gathered, piece, list(gathered.outputs[0]), ROUND_SEGMENT, gathered.rank)
-    work, tables = _allgather(manager, mine, len(gathered.segments))
+    work, tables = _allgather(manager, mine.to(gathered.outputs[0].device), len(gathered.segments))
     work.wait()
     if manager.errored() is not None:
         return empty_table(participants)
-    return _merge_segment_tables(tables)
+    return _merge_segment_tables([t.cpu() for t in tables])
 
 
 def _inspect_rows(gathered: Gathered, codec: Codec, rows: list[torch.Tensor], kind: int,
@@ -373,7 +372,7 @@ def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, weig
     size = framing.row_bytes(max(piece.payload_bytes() for piece in pieces))
     honest = Framing(framing.key, framing.quorum, framing.step, framing.fragment, framing.island)
     row = honest.frame(0.0, sum(weights), mine.encode(total), size, ROUND_SUM, gathered.rank)
-    work, outputs = _allgather(manager, row.to(_wire_device(manager, into.device, framing)), len(segments))
+    work, outputs = _allgather(manager, row.to(_wire_device(manager, into.device)), len(segments))
     work.wait()
     gathered.sent += size
     gathered.received += size * (len(segments) - 1)
