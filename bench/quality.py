@@ -11,7 +11,7 @@ same config, for several seeds, and is compared in the same run with two baselin
 Settings: diloco (2 x 1 rank, the config's outer step, sync_steps 20), reference-outer (the
 reference platform's outer Nesterov SGD, lr 0.7, momentum 0.9), averaged-moments (diloco
 with the islands' AdamW moments averaged at each outer step), diloco-3 (3 x 1 rank: 1.5x
-DDP's tokens, so compared with one island only), int8, topk (the defaults: 10%, 2 bits),
+DDP's tokens, so compared with one island only), int8, topk (the defaults: 20% of 256, 2 bits),
 topk-5pct-1bit (the sparser defaults before), streaming int8 (4 fragments,
 tau 2), sync_steps 5 / 50 / 100, and het-1:3 (a 2-rank and a
 1-rank island, the 1-rank one emulated 3x slower, time-paced rounds as long as the diloco

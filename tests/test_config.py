@@ -185,6 +185,9 @@ def test_outer_lr_above_one_and_topk_with_momentum_are_advised_against():
     assert "set fault_tolerance.outer_lr = 1.0" in advice(_federation(outer_lr=1.5, outer_momentum=0.0))[0]
     topk = advice(_federation(codec="topk", outer_lr=0.7, outer_momentum=0.9, sync_steps=2))
     assert len(topk) == 1 and "error feedback already acts as momentum" in topk[0]
+    sparse = advice(_federation(codec="topk", topk_fraction=0.1))
+    assert len(sparse) == 1 and "1.6% behind fp32" in sparse[0] and "topk_fraction = 0.2" in sparse[0]
+    assert advice(_federation(codec="topk", topk_fraction=0.2)) == []
 
 
 @pytest.mark.parametrize("path", [p for p in SHIPPED if "[fault_tolerance]" in p.read_text()],

@@ -138,6 +138,7 @@ def validate(cfg: Config) -> Config:
 
 # Fewer rounds than this and outer momentum has not paid off in any measurement (docs/quality.md).
 MOMENTUM_MIN_ROUNDS = 100
+TOPK_MIN_FRACTION = 0.2  # below it top-k lost more than 1% to fp32 on some seed (15%: 1.9%; docs/quality.md)
 
 
 def advice(cfg: Config) -> list[str]:
@@ -160,6 +161,11 @@ def advice(cfg: Config) -> list[str]:
         found.append(f"fault_tolerance.codec = topk with outer_momentum = {ft.outer_momentum}: error feedback "
                      "already acts as momentum, and outer momentum on top of it trained worse "
                      "(docs/codecs.md); set fault_tolerance.outer_momentum = 0 and fault_tolerance.outer_lr = 1.0")
+    if ft.codec == "topk" and ft.topk_fraction < TOPK_MIN_FRACTION:
+        found.append(f"fault_tolerance.topk_fraction = {ft.topk_fraction} sends less than the measured "
+                     "break-even: over 10 rounds 10% at 2 bits ended 1.6% behind fp32 DiLoCo (2.5% on one "
+                     "seed), 5% at 1 bit 3.6%, where 20% stayed within 0.8% on every seed (docs/quality.md); "
+                     "set fault_tolerance.topk_fraction = 0.2 unless the link cannot carry it")
     if ft.outer_optimizer == "sgd" and ft.outer_momentum == 0 and ft.outer_lr > 1.1:
         found.append(f"fault_tolerance.outer_lr = {ft.outer_lr} without momentum steps past the islands' "
                      "average: outer_lr 1.3-1.6 cost 1-6% in validation loss against 1.0 (docs/quality.md); "
