@@ -27,7 +27,7 @@ from archipelago.federation.membership import fingerprint
 from archipelago.federation.trust import FederationKey, new_secret
 
 ROUND = 2           # inner steps per round
-TOKENS = [100, 300, 50]  # tokens per inner step of island 0, 1, 2
+TOKENS = [100, 300, 50, 200]  # tokens per inner step of island 0, 1, 2, 3
 # The inner learning rate the islands declare: the receivers' absolute norm bound is then
 # 10 x 2 steps x 0.1 x (sqrt(53) + |global|), about 20; an honest round's delta is about 0.7.
 INNER_LR = 0.1
@@ -65,7 +65,7 @@ def _manager(lighthouse: str, island: int, bridge: int, width: int, store_port: 
 
 def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, rounds: int,
             lighthouse: str, store_ports: list[int], poisons: dict, codec: str, init_sync: bool,
-            block: int, moments: bool, secret: str | None, aggregation: str, out: dict) -> None:
+            block: int, moments: bool, secret: str | list[str] | None, aggregation: str, out: dict) -> None:
     torch.set_num_threads(1)  # up to 4 processes on 2 cores: more threads only wait for each other
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=proc, world_size=sum(sizes))
@@ -82,6 +82,7 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
                                   average_optimizer_state=moments, outer_aggregation=aggregation)
         model = _model()
         optimizer = torch.optim.AdamW(model.parameters()) if moments else None
+        secret = secret[island] if isinstance(secret, list) else secret  # one per island: an outsider
         key = FederationKey(bytes.fromhex(secret)) if secret else None
         fp = fingerprint("two-linears", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, sizes[island],
                          tokens_per_step=TOKENS[island], inner_lr=INNER_LR, key=key)
@@ -135,7 +136,7 @@ def _flat_moment(optimizer: torch.optim.Optimizer, model: nn.Module, name: str) 
 
 def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
               poisons: dict[int, Poison] | None = None, codec: str = "fp32", init_sync: bool = True,
-              block: int = 16, moments: bool = False, secret: str | None = None,
+              block: int = 16, moments: bool = False, secret: str | list[str] | None = None,
               aggregation: str = "mean") -> dict:
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
@@ -256,6 +257,28 @@ def test_every_receiver_refuses_a_lying_island_from_the_first_round(kind, signed
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.timeout(240)
+def test_islands_with_another_key_are_unauthenticated_and_each_key_averages_its_own():
+    # Islands 0 and 2 hold one secret, islands 1 and 3 another: each pair's join frames and
+    # rows fail the other pair's checks, so in one quorum each pair averages only its own
+    # rows (by hand), and neither changes the other's weights. (The islands start from their
+    # own, equal weights: with init_sync a healing island would refuse a foreign state.)
+    sizes, rounds = [1, 1, 1, 1], 2
+    a, b = new_secret(), new_secret()
+    out = _federate(sizes, 1, "tokens", rounds, init_sync=False, secret=[a, b, a, b])
+    weights = [float(TOKENS[k] * ROUND) for k in range(len(sizes))]
+    for pair, others in (((0, 2), (1, 3)), ((1, 3), (0, 2))):
+        w = [weights[k] if k in pair else 0.0 for k in range(4)]
+        g = _flat(_model())
+        for round_ in range(1, rounds + 1):
+            g = sum(wk * (g + _delta(k, round_, g.numel())) for k, wk in enumerate(w) if wk) / sum(w)
+            for proc in pair:
+                flat, _, rejected, committed, _ = out[(proc, round_)]
+                assert committed and rejected is None
+                assert sorted(r["island"] for r in out[(proc, round_, "refused")]) == list(others)
+                torch.testing.assert_close(flat, g, rtol=0, atol=1e-6, msg=f"{proc}, {round_}")
+
+
 def test_the_trimmed_mean_of_three_islands_is_their_coordinate_wise_median_on_every_island():
     # outer_aggregation = "trimmed_mean" drops each coordinate's largest and smallest
     # value: with three islands the median, whatever the token weights (by hand here).

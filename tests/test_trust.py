@@ -123,10 +123,13 @@ def test_an_island_exposed_beyond_loopback_needs_a_key_or_insecure(monkeypatch, 
 
 
 class _Quiet:
-    """What inspect_gather asks of a manager when the collective went well."""
+    """What inspect_gather asks of a manager when the collective went well (and a done work)."""
 
     def errored(self) -> None:
         return None
+
+    def wait(self) -> bool:
+        return True
 
 
 def _rows(framing_of, payloads, tokens=(100.0, 300.0)):
@@ -176,3 +179,89 @@ def test_signed_rows_open_on_every_receiver_and_a_flipped_byte_or_a_replay_is_re
     _, foreign = _rows(lambda island: outsider, payloads)
     table, _ = _inspect(codec, [rows[0], foreign[1]], at(5)(0))
     assert table[:, FRAME].tolist() == [FRAME_OK, FRAME_UNSIGNED]
+
+
+def test_a_join_frame_authenticates_a_fingerprint_for_one_quorum_only():
+    import torch
+
+    from archipelago.config.schema import FaultToleranceConfig
+    from archipelago.federation.membership import _row_bytes, fingerprint, fingerprint_row, read_fingerprint_row
+
+    key = FederationKey(SECRET)
+    mine = fingerprint("llama3/debug", [("w", (2, 3))], FaultToleranceConfig(enable=True, replica_id=2), 1,
+                       tokens_per_step=1024, key=key, inner_lr=2e-3)
+    row = fingerprint_row(mine, key, quorum=7)
+    assert b"\x00" in row  # binary: the exchange must carry zero bytes (value + 1)
+    summed = torch.zeros(2, 1024, dtype=torch.float64)
+    summed[1, :len(row)] = torch.tensor(list(row), dtype=torch.float64) + 1
+    assert _row_bytes(summed[1]) == row and _row_bytes(summed[0]) == b""
+    assert read_fingerprint_row(row, key, 7) == mine
+    assert read_fingerprint_row(row, key, 8)["unauthenticated"]  # a replay at another quorum
+    outsider = fingerprint_row(dict(mine, tokens_per_step=10**15), FederationKey(os.urandom(32)), 7)
+    assert read_fingerprint_row(outsider, key, 7)["unauthenticated"]  # declares nothing
+    plain = fingerprint_row(mine, None, 7)
+    assert read_fingerprint_row(plain, key, 7)["unauthenticated"]  # no key at all
+    assert read_fingerprint_row(plain, None, 7) == mine  # a federation without a key reads JSON
+    forged = bytearray(row)
+    forged[-40] ^= 1  # inside the JSON: the tag no longer matches
+    assert read_fingerprint_row(bytes(forged), key, 7)["unauthenticated"]
+
+
+class _Quorum:
+    """A manager whose fingerprint all-reduce adds the other members' rows (replica ranks 1..)."""
+
+    _quorum_id = 5
+
+    def __init__(self, rows: list[bytes]) -> None:
+        self.rows = rows
+
+    def register_state_dict_fn(self, *args) -> None:
+        pass
+
+    def current_step(self) -> int:
+        return 0
+
+    def num_participants(self) -> int:
+        return len(self.rows) + 1
+
+    def participating_rank(self) -> int:
+        return 0
+
+    def errored(self) -> None:
+        return None
+
+    def allreduce(self, table, reduce_op=None):
+        import torch
+
+        for k, raw in enumerate(self.rows, start=1):
+            table[k, :len(raw)] = torch.tensor(list(raw), dtype=torch.float64) + 1
+        return _Quiet()
+
+
+def test_an_island_no_peer_authenticates_stops_and_one_among_members_is_reported(caplog):
+    from torch import nn
+
+    from archipelago.config.schema import FaultToleranceConfig
+    from archipelago.federation.diloco import OuterLoop
+    from archipelago.federation.membership import FederationMismatch, fingerprint, fingerprint_row
+
+    ours, theirs = FederationKey(SECRET), FederationKey(os.urandom(32))
+
+    def island(replica: int, key: FederationKey):
+        ft = FaultToleranceConfig(enable=True, replica_id=replica)
+        model = nn.Linear(3, 2)
+        fp = fingerprint("linear", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, 1,
+                         tokens_per_step=64, key=key, inner_lr=1e-3)
+        return ft, model, fp
+
+    def row(replica: int, key: FederationKey) -> bytes:
+        return fingerprint_row(dict(island(replica, key)[2], step=0), key, _Quorum._quorum_id)
+
+    ft, model, fp = island(0, ours)
+    alone = OuterLoop(ft, [list(model.parameters())], 0, 1, _Quorum([row(1, theirs), row(2, theirs)]), fp, key=ours)
+    with pytest.raises(FederationMismatch, match="none of the 2 other island"):
+        alone._check_members()
+    member = OuterLoop(ft, [list(model.parameters())], 0, 1, _Quorum([row(1, theirs), row(2, ours)]), fp, key=ours)
+    assert member._check_members() is False  # the outsider is no mismatch: its rows are refused
+    assert "unauthenticated member at replica rank 1 of quorum 5" in caplog.text
+    assert [p.get("unauthenticated", False) for p in member.peers] == [False, True, False]

@@ -547,15 +547,26 @@ class OuterLoop:
         if quorum_id == self.quorum_id or self.rank != 0:
             return False
         mine = dict(self.fingerprint, step=self.manager.current_step())
-        table = exchange_fingerprints(self.manager, mine)
+        table = exchange_fingerprints(self.manager, mine, self.key)
         if table is None:
             return False  # the collective failed; retried at the next membership change
         self.quorum_id, self.peers = quorum_id, table
-        reference = reference_fingerprint(table)
+        members = [fp for fp in table if not fp.get("unauthenticated")]
+        if len(members) == 1 and len(table) > 1:  # only its own: most likely its key is the odd one
+            raise FederationMismatch(
+                f"refusing to join the federation: none of the {len(table) - 1} other island(s) of quorum "
+                f"{quorum_id} signs its join frame with this island's federation key "
+                f"({self.fingerprint.get('federation')}); give every island the same key file "
+                "(ARCHIPELAGO_FEDERATION_KEY_FILE or [federation_security] key_file)")
+        for k, fp in enumerate(table):
+            if fp.get("unauthenticated"):  # declared nothing: every island refuses its rows
+                log.error("unauthenticated member at replica rank %d of quorum %d: no valid join frame (another "
+                          "federation key, or none); every island refuses its updates", k, quorum_id)
+        reference = reference_fingerprint(members)
         problem = mismatch(mine, reference)
         if problem is not None:
             raise FederationMismatch(f"refusing to join the federation: {problem}")
-        others = [mismatch(fp, mine) for fp in table]
+        others = [mismatch(fp, mine) for fp in members]
         refused = [m for m in others if m is not None]
         for m in refused:
             log.error("refusing a peer island: %s", m)

@@ -27,7 +27,7 @@ from torch.distributed import ReduceOp, TCPStore
 from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.codecs import effective_codec
-from archipelago.federation.trust import FederationKey
+from archipelago.federation.trust import FederationKey, FrameHeader, FrameRefused, open_frame, seal
 
 log = logging.getLogger("archipelago.federation")
 
@@ -265,31 +265,68 @@ def mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
             f"start every island with the same model and [fault_tolerance] settings.{hint}")
 
 
-_ROW = 1024  # bytes of JSON per island in the exchange
+_ROW = 1024  # bytes per island in the exchange: its fingerprint's JSON, in a join frame with a key
+JOIN = 6     # trust frame kind: an island's fingerprint at one quorum (its join frame)
+UNREADABLE = {"island": "?", "ranks": 0, "model": "unknown", "params": 0, "shapes": "?", "sync_width": "?",
+              "num_fragments": "?", "semi_sync_method": "?", "outer": "?"}
 
 
-def exchange_fingerprints(manager: Any, mine: dict[str, Any]) -> list[dict[str, Any]] | None:
+def fingerprint_row(mine: dict[str, Any], key: FederationKey | None, quorum: int) -> bytes:
+    """An island's row of the fingerprint exchange: its JSON, and with a key a join frame
+    (signed, bound to this quorum) around it."""
+    raw = json.dumps(mine, sort_keys=True).encode()
+    if key is not None:
+        island = mine.get("island", 0)
+        raw = seal(key, FrameHeader(quorum, 0, 0, island if isinstance(island, int) else 0, JOIN), raw)
+    if len(raw) > _ROW:
+        raise ConfigError(f"this island's fingerprint takes {len(raw)} bytes, more than the {_ROW} the join "
+                          "exchange carries; use a shorter model name")
+    return raw
+
+
+def read_fingerprint_row(data: bytes, key: FederationKey | None, quorum: int) -> dict[str, Any]:
+    """A peer's fingerprint from its row. With a key, one without a valid join frame for
+    this quorum (another key, none, or a replay) is `{"unauthenticated": True, ...}`, read
+    no further; a row that is not a fingerprint (an old version) is UNREADABLE."""
+    if key is not None:
+        try:
+            header, data = open_frame(key, data, FrameHeader(quorum, 0, 0, 0, JOIN), any_island=True)
+        except FrameRefused:
+            return {**UNREADABLE, "unauthenticated": True}
+    try:
+        fp = json.loads(data.decode())
+    except ValueError:
+        return dict(UNREADABLE)
+    if not isinstance(fp, dict) or (key is not None and fp.get("island") != header.island):
+        return {**UNREADABLE, "unauthenticated": True} if key is not None else dict(UNREADABLE)
+    return fp
+
+
+def exchange_fingerprints(manager: Any, mine: dict[str, Any],
+                          key: FederationKey | None = None) -> list[dict[str, Any]] | None:
     """Every participant's fingerprint, through one all-reduce on the cross-island group.
 
-    Each island writes its JSON into its own row (its replica rank) of a zero tensor;
-    a sum leaves every row filled everywhere. Returns None if the collective failed
-    (the manager has recorded the error and the round will not commit).
+    Each island writes its row (`fingerprint_row`, each byte as its value + 1, so that
+    zero bytes survive and padding stays 0) into its own row (its replica rank) of a
+    zero tensor; a sum leaves every row filled everywhere. Returns None if the collective
+    failed (the manager has recorded the error and the round will not commit).
     """
     rows, me = manager.num_participants(), manager.participating_rank()
     if me is None or rows < 1:
         return None
-    raw = json.dumps(mine, sort_keys=True).encode()[:_ROW]
+    quorum = int(manager._quorum_id or 0)
+    raw = fingerprint_row(mine, key, quorum)
     table = torch.zeros(rows, _ROW, dtype=torch.float64)
-    table[me, :len(raw)] = torch.tensor(list(raw), dtype=torch.float64)
+    table[me, :len(raw)] = torch.tensor(list(raw), dtype=torch.float64) + 1
     manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
     if manager.errored() is not None:
         return None
-    out = []
-    for row in table:
-        data = bytes(int(v) for v in row.tolist() if v > 0)
-        try:
-            out.append(json.loads(data.decode()))
-        except ValueError:  # a peer without a fingerprint (an old version): treat as a mismatch
-            out.append({"island": "?", "ranks": 0, "model": "unknown", "params": 0, "shapes": "?",
-                        "sync_width": "?", "num_fragments": "?", "semi_sync_method": "?", "outer": "?"})
-    return out
+    return [read_fingerprint_row(_row_bytes(row), key, quorum) for row in table]
+
+
+def _row_bytes(row: torch.Tensor) -> bytes:
+    """The bytes of one summed row: values 1..256 until the first 0 (what a peer wrote)."""
+    values = row.tolist()
+    end = next((i for i, v in enumerate(values) if v == 0), len(values))
+    ok = all(1 <= v <= 256 and v == int(v) for v in values[:end])
+    return bytes(int(v) - 1 for v in values[:end]) if ok else b""
