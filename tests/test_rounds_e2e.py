@@ -51,7 +51,8 @@ def test_injected_nan_scaled_and_lying_updates_are_rejected_and_training_goes_on
     # receivers' absolute bound refuses it), NaN in round 3 (its own guard keeps it back),
     # and claims 10^15 tokens in round 5 (the receivers refuse it); island 0 sends a 1000x
     # update in round 7, which its own guard catches against its running median.
-    common = ["--fault_tolerance.sync_steps", "3", "--training.steps", "24", "--metrics.log_every", "3"]
+    common = ["--fault_tolerance.sync_steps", "3", "--training.steps", "24", "--metrics.log_every", "3",
+              "--training.val_every", "24"]
     poisoned = _local(tmp_path / "poisoned", *common, "--inject", "1:scale1000@2", "--inject", "1:nan@3",
                       "--inject", "1:forge_tokens@5", "--inject", "0:scale1000@7")
     rejected = [e for e in poisoned["events"] if e["event"] == "rejected"]
@@ -65,10 +66,13 @@ def test_injected_nan_scaled_and_lying_updates_are_rejected_and_training_goes_on
     for island in poisoned["islands"]:
         assert island["outer_steps_committed"] == 9  # the join round and 8 rounds: none was lost
     # Training went on: every island's loss fell well below a fresh model's (ln 4096 = 8.3)
-    # on the global weights the refused updates never reached. (In-process, test_rounds
-    # checks the accepted rounds' exact arithmetic.)
-    for island in poisoned["islands"]:
+    # on the global weights the refused updates never reached, and the held-out loss ends
+    # within 10% of a clean run's. (In-process, test_rounds checks the accepted rounds'
+    # exact arithmetic.)
+    clean = _local(tmp_path / "clean", *common)
+    for island, reference in zip(poisoned["islands"], clean["islands"]):
         assert math.isfinite(island["final_loss"]) and island["final_loss"] < 6.6, poisoned["islands"]
+        assert island["final_val_loss"] < 1.1 * reference["final_val_loss"], (island, reference)
 
 
 @pytest.mark.timeout(600)
