@@ -487,7 +487,8 @@ class OuterLoop:
             contributions.append(Contribution(tokens, weight, frame, not nonfinite, math.sqrt(sumsq)))
             allowances.append(Allowance(per_step * steps, norm_allowance(self.ft.outer_norm_limit, steps, lr,
                                                                           numel, global_norm)))
-            islands.append(int(island) if island >= 0 else int(declared) - 1)
+            # Its id from its join (by replica rank), else what its frame claims (unproven).
+            islands.append(int(declared) - 1 if declared > 0 else int(island))
         verdicts = judge_contributions(contributions, allowances, self.ft.outer_weighting,
                                        self.ft.outer_norm_limit)
         weights = [c.weight if v.accepted else 0.0 for c, v in zip(contributions, verdicts)]

@@ -28,7 +28,6 @@ row claims and holds), `finish_gather` (the sum with the weights the receivers d
 
 from __future__ import annotations
 
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +44,7 @@ from archipelago.federation.trust import (
     FederationKey,
     FrameHeader,
     FrameRefused,
+    claimed_island,
     open_frame,
     seal,
 )
@@ -131,18 +131,9 @@ class Framing:
         try:
             got, payload = open_frame(self.key, raw, self._where(kind, segment, 0), any_island=True)
         except FrameRefused:
-            return 0.0, 0.0, _claimed_island(raw), None, FRAME_UNSIGNED
+            return 0.0, 0.0, claimed_island(raw), None, FRAME_UNSIGNED
         body = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
         return float(got.tokens), float(got.weight), got.island, body.to(row.device), FRAME_OK
-
-
-def _claimed_island(raw: bytes) -> int:
-    """The island id a refused frame claims (for the log only: it proves nothing)."""
-    from archipelago.federation.trust import _ISLAND_OFFSET
-
-    if len(raw) < _ISLAND_OFFSET + 4:
-        return -1
-    return int(struct.unpack_from(">I", raw, _ISLAND_OFFSET)[0])
 
 
 @dataclass
