@@ -33,6 +33,7 @@ import secrets
 import socket
 import struct
 import threading
+import urllib.error
 import urllib.request
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -43,7 +44,15 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torchft.checkpointing.transport import CheckpointTransport
 
-from archipelago.federation.trust import HEAL_REQUEST, HEAL_STATE, FederationKey, FrameHeader, open_frame, seal
+from archipelago.federation.trust import (
+    HEAL_REQUEST,
+    HEAL_STATE,
+    FederationKey,
+    FrameHeader,
+    FrameRefused,
+    open_frame,
+    seal,
+)
 
 log = logging.getLogger("archipelago.federation")
 
@@ -232,11 +241,25 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
             frame = seal(self._key, FrameHeader(quorum=nonce, step=step, fragment=0, island=self._island,
                                                 kind=HEAL_REQUEST), b"")
             request.add_header(FRAME_HEADER, frame.hex())
-        with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as response:
-            blob = response.read()
+        try:
+            with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as response:
+                blob = response.read()
+        except urllib.error.HTTPError as exc:
+            if self._key is None or exc.code != 403:
+                raise
+            raise FrameRefused(f"the island serving federation step {step} at {metadata} refused this "
+                               "island's signed request (HTTP 403): it holds another federation key "
+                               "(check the key file on both), or saw the request before") from exc
         if self._key is not None:  # the answer to this request, from an island of the federation
             expect = FrameHeader(quorum=nonce, step=step, fragment=0, island=0, kind=HEAL_STATE)
-            _, blob = open_frame(self._key, blob, expect, any_island=True)
+            try:
+                _, blob = open_frame(self._key, blob, expect, any_island=True)
+            except FrameRefused as exc:
+                raise FrameRefused(f"refusing the state served at {metadata} for federation step {step}: {exc}. "
+                                   "The member that claims this step does not hold this federation's key (an "
+                                   "unauthenticated member, or one with another key file); nothing of its "
+                                   "answer was read. Stop that process, or restart the lighthouse without "
+                                   "it") from exc
         state = decode_state(blob, step)
         manager = state.get("torchft") if isinstance(state, dict) else None
         if (not isinstance(manager, dict) or manager.get("step") != step or "user" not in state
