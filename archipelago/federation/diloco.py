@@ -341,7 +341,7 @@ class OuterLoop:
                               self.ft.replica_id, forge)
             pending.gathered = start_gather(self.manager, self.codecs[fragment], buffer[:-2], pending.tokens,
                                             pending.weight, framing)
-        if self.inner_state is not None and not skips_exchange(joining, self.step, self.ft.init_sync):
+        if self.inner_state is not None and pending.exchanged:
             device = torch.device("cpu") if self.ft.copy_pseudogradients_to_cpu else None
             pending.state = self.inner_state.start(fragment, pending.weight, self.manager, self._island_max,
                                                    device)
@@ -675,8 +675,7 @@ def _declared(fp: dict[str, Any]) -> list[float]:
         return float(value) if ok else 0.0
     island = fp.get("island")
     known = isinstance(island, int) and not isinstance(island, bool) and island >= 0
-    return [number(fp.get("tokens_per_step")), number(fp.get("inner_lr")),
-            float(island) + 1 if known and island is not None else 0.0]
+    return [number(fp.get("tokens_per_step")), number(fp.get("inner_lr")), number(island) + 1 if known else 0.0]
 
 
 def _rank_or_none(manager: Any) -> int:

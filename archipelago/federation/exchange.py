@@ -29,7 +29,7 @@ row claims and holds), `finish_gather` (the sum with the weights the receivers d
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -103,9 +103,8 @@ class Framing:
                                                     device=payload.device).view(torch.uint8)
             out[PLAIN_HEADER_BYTES:PLAIN_HEADER_BYTES + payload.numel()] = payload
             return out
-        where = self._where(kind, segment, self.island)
-        header = FrameHeader(where.quorum, where.step, where.fragment, where.island, kind,
-                             int(min(max(tokens, 0), 2 ** 64 - 1)), weight)
+        header = replace(self._where(kind, segment, self.island), tokens=int(min(max(tokens, 0), 2 ** 64 - 1)),
+                         weight=weight)
         key = FederationKey(b"\x00" * 32) if self.forge == "unsigned" else self.key
         sealed = seal(key, header, payload.cpu().numpy().tobytes())
         out = torch.zeros(size, dtype=torch.uint8)
@@ -361,8 +360,7 @@ def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, weig
     total = _weighted_sum(gathered.payloads, mine, weights, mine.numel, into.device, trimmed)
     framing = gathered.framing
     size = framing.row_bytes(max(piece.payload_bytes() for piece in pieces))
-    honest = Framing(framing.key, framing.quorum, framing.step, framing.fragment, framing.island)
-    row = honest.frame(0.0, sum(weights), mine.encode(total), size, ROUND_SUM, gathered.rank)
+    row = replace(framing, forge=None).frame(0.0, sum(weights), mine.encode(total), size, ROUND_SUM, gathered.rank)
     work, outputs = _allgather(manager, row.to(_wire_device(manager, into.device)), len(segments))
     work.wait()
     gathered.sent += size

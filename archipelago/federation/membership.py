@@ -156,24 +156,18 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int, key: F
     # LOCAL_ADDR (a multi-host island), else loopback.
     local = os.environ.get("LOCAL_ADDR") or "127.0.0.1"
     with _manager_server_bound_to(local):
-        manager = _new_manager(Manager, pg, ft, timeout, bridge_rank, width, host, port, url, key)
+        manager = Manager(
+            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replica_size,
+            use_async_quorum=False,  # the outer loop needs the quorum before it averages
+            timeout=timeout, quorum_timeout=timedelta(milliseconds=ft.quorum_timeout_ms),
+            connect_timeout=timedelta(milliseconds=ft.connect_timeout_ms),
+            rank=bridge_rank, world_size=width, store_addr=host, store_port=port,
+            lighthouse_addr=url, replica_id=f"island_{ft.replica_id}", hostname=local,
+            max_retries=ft.max_retries, checkpoint_transport=_checkpoint_transport(timeout, key, ft.replica_id),
+            init_sync=ft.init_sync,
+        )
     manager._archipelago_store = store  # keep a self-hosted store alive as long as the manager
     return manager
-
-
-def _new_manager(Manager: Any, pg: Any, ft: FaultToleranceConfig, timeout: timedelta, bridge_rank: int,
-                 width: int, host: str, port: int, url: str, key: FederationKey | None) -> Any:
-    return Manager(
-        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replica_size,
-        use_async_quorum=False,  # the outer loop needs the quorum before it averages
-        timeout=timeout, quorum_timeout=timedelta(milliseconds=ft.quorum_timeout_ms),
-        connect_timeout=timedelta(milliseconds=ft.connect_timeout_ms),
-        rank=bridge_rank, world_size=width, store_addr=host, store_port=port,
-        lighthouse_addr=url, replica_id=f"island_{ft.replica_id}",
-        hostname=os.environ.get("LOCAL_ADDR") or "127.0.0.1",
-        max_retries=ft.max_retries, checkpoint_transport=_checkpoint_transport(timeout, key, ft.replica_id),
-        init_sync=ft.init_sync,
-    )
 
 
 def _checkpoint_transport(timeout: timedelta, key: FederationKey | None = None, island: int = 0) -> Any:
