@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -231,3 +232,63 @@ def test_leader_scope_lets_only_the_lowest_live_island_save_the_model(islands, t
     again = islands.start(tmp_path / "leader", 1, 1, "--training.steps", "8", "--checkpoint.scope", "leader")
     assert again.wait(timeout=120) == 0
     assert "data position only" in (tmp_path / "leader" / "island-1.log").read_text()
+
+
+def _federation_behind_the_gate(tmp: Path, key_file: Path, rogue: bool) -> list[str]:
+    """Two keyed islands (8 steps) behind a lighthouse with the key; with `rogue`, a keyless
+    torchft replica at step 10^9 knocks at the same lighthouse from before they start to
+    after they end. Returns the islands' final global hashes."""
+    from archipelago.federation.trust import load_key
+    from archipelago.launch.lighthouse import start_lighthouse
+
+    gate = start_lighthouse("127.0.0.1:0", min_replicas=1, join_timeout_ms=60000, heartbeat_timeout_ms=2000,
+                            key=load_key(str(key_file)))
+    group = Islands(gate.address())
+    intruder = None
+    try:
+        if rogue:
+            env = {k: v for k, v in os.environ.items() if k != "ARCHIPELAGO_FEDERATION_KEY_FILE"}
+            env.update(PYTHONUNBUFFERED="1", ARCHIPELAGO_TEST_TOKEN=group.token)
+            log = open(tmp / "rogue.log", "w")  # noqa: SIM115 - closed by the child's exit
+            intruder = subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "rogue_island.py"), gate.address(), str(tmp / "marker"),
+                 str(tmp / "joined")], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            group.procs.append(intruder)
+            deadline = time.monotonic() + 60
+            while not gate.refused and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert gate.refused, (tmp / "rogue.log").read_text()[-2000:]
+        honest = [group.start(tmp, k, 1, "--training.steps", "8") for k in range(2)]
+        for k, proc in enumerate(honest):
+            assert proc.wait(timeout=300) == 0, (tmp / f"island-{k}.log").read_text()[-3000:]
+        if intruder is not None:
+            assert intruder.poll() is None, "the rogue gave up before the islands ended"
+            assert all(r.startswith("island_2") for r in gate.refused), gate.refused
+    finally:
+        group.close()
+        gate.shutdown()
+    # Every round had both islands: the gate passes torchft's heartbeats (no deadline) on.
+    assert {r["participants"] for k in range(2) for r in _records(tmp / f"island-{k}", "outer_step")} == {2}
+    return [_records(tmp / f"island-{k}", "leave")[-1]["global_hash"] for k in range(2)]
+
+
+@pytest.mark.timeout(600)
+def test_a_rogue_without_the_key_at_step_1e9_runs_nothing_gets_nothing_and_changes_nothing(
+        tmp_path, caplog, monkeypatch):
+    key_file = tmp_path / "fed.key"
+    key_file.write_text(run_cli_here(["secret", "new"]).output)
+    key_file.chmod(0o600)
+    monkeypatch.setenv("ARCHIPELAGO_FEDERATION_KEY_FILE", str(key_file))  # the honest islands' key
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "attacked").mkdir()
+    clean = _federation_behind_the_gate(tmp_path / "clean", key_file, rogue=False)
+    attacked = _federation_behind_the_gate(tmp_path / "attacked", key_file, rogue=True)
+    assert attacked == clean and clean[0] == clean[1]
+    assert not (tmp_path / "attacked" / "marker").exists()  # no island unpickled its state
+    assert not (tmp_path / "attacked" / "joined").exists()  # it never entered a quorum: no download
+    assert "refused an unauthenticated member (replica id 'island_2:" in caplog.text
+    for k in range(2):  # the islands never saw it: no outsider in a quorum, no refused rows
+        text = (tmp_path / "attacked" / f"island-{k}.log").read_text()
+        assert "unauthenticated" not in text and "refus" not in text, text[-2000:]
+        heals = [r["outer_step"] for r in _records(tmp_path / "attacked" / f"island-{k}", "heal")]
+        assert heals == [r["outer_step"] for r in _records(tmp_path / "clean" / f"island-{k}", "heal")]

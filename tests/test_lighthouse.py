@@ -204,3 +204,127 @@ def test_run_train_sh_help_and_environment_checks():
     assert done.returncode == 2 and "NGPU=two" in done.stderr
     done = run_train_sh([], NNODES="2", MASTER_ADDR="10.0.0.1")
     assert done.returncode == 2 and "MASTER_PORT" in done.stderr
+
+
+# ---- the gate: a lighthouse with the federation's key admits members only ----------
+
+
+def _keys():
+    from archipelago.federation.trust import FederationKey, new_secret
+
+    return FederationKey(bytes.fromhex(new_secret())), FederationKey(bytes.fromhex(new_secret()))
+
+
+@pytest.mark.timeout(90)
+def test_with_a_key_only_members_enter_a_quorum_and_outsiders_are_logged(caplog):
+    from torchft.coordination import LighthouseClient
+
+    from archipelago.federation.trust import member_id
+    from archipelago.launch.lighthouse import start_lighthouse
+
+    key, other = _keys()
+    gate = start_lighthouse("127.0.0.1:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=20, key=key)
+    try:
+        assert gate.address().startswith("http://127.0.0.1:")
+        client = LighthouseClient(gate.address(), connect_timeout=timedelta(seconds=10))
+        member = member_id(key, 0) + ":0f1e2d"  # torchft appends its own suffix
+        outsiders = ["island_1", member_id(other, 1), member_id(key, 1)[:-1] + "0", "island_1:" + "0" * 48]
+        for rogue in outsiders:  # no token, another federation's, a forged tag, a made-up one
+            with pytest.raises(RuntimeError, match="PermissionDenied"):
+                client.quorum(replica_id=rogue, timeout=timedelta(seconds=5), address="a", store_address="s",
+                              step=10**9, world_size=1)
+            with pytest.raises(RuntimeError, match="PermissionDenied"):
+                client.heartbeat(rogue)
+        client.heartbeat(member)
+        quorum = client.quorum(replica_id=member, timeout=timedelta(seconds=10), address="a",
+                               store_address="s", step=3, world_size=1)
+        # The outsider that claimed step 10^9 never entered: the member is alone, at its own step.
+        assert [(m.replica_id, m.step) for m in quorum.participants] == [(member, 3)]
+        assert sorted(gate.refused) == sorted(outsiders)
+        logged = caplog.text
+        assert logged.count("refused an unauthenticated member") == len(outsiders), logged
+        # torchft's dashboard (and its kill endpoint) is reachable on loopback only.
+        assert gate.dashboard().startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(gate.dashboard(), timeout=10) as page:
+            assert page.status == 200 and b"Lighthouse" in page.read()
+    finally:
+        gate.shutdown()
+
+
+def test_the_gate_reads_replica_ids_from_torchfts_messages_and_refuses_garbage():
+    from archipelago.federation.gate import replica_id
+
+    # Hand-encoded protobuf: LighthouseQuorumRequest{requester: QuorumMember{replica_id,
+    # address, step}} and LighthouseHeartbeatRequest{replica_id}, as torchft's proto defines them.
+    member = b"\x0a\x08island_7" + b"\x12\x01a" + b"\x20\x80\x94\xeb\xdc\x03"
+    assert replica_id("Quorum", b"\x0a" + bytes([len(member)]) + member) == "island_7"
+    assert replica_id("Heartbeat", b"\x0a\x08island_7") == "island_7"
+    for garbage in (b"", b"\x0a\x20island", b"\x0b", b"\x20\xff\xff"):
+        with pytest.raises(ValueError):
+            replica_id("Heartbeat", garbage)
+
+
+@pytest.mark.timeout(90)
+def test_archipelago_lighthouse_with_a_key_file_says_members_only(tmp_path):
+    from torchft.coordination import LighthouseClient
+
+    from archipelago.federation.trust import load_key, member_id, new_secret
+
+    key_file = tmp_path / "fed.key"
+    key_file.write_text(new_secret())
+    key_file.chmod(0o600)
+    proc, lines = start(["lighthouse", "--bind", "127.0.0.1:0", "--key-file", str(key_file),
+                         "--join-timeout-ms", "100", "--quorum-tick-ms", "50"])
+    seen: list[str] = []
+    try:
+        url = wait_for_line(lines, "address:", 60, seen)
+        wait_for_line(lines, "dashboard:", 10, seen)
+        assert "members only" in "".join(seen), seen
+        client = LighthouseClient(url, connect_timeout=timedelta(seconds=10))
+        with pytest.raises(RuntimeError, match="PermissionDenied"):
+            client.quorum(replica_id="island_9", timeout=timedelta(seconds=5), step=0, world_size=1)
+        member = member_id(load_key(str(key_file)), 0)
+        quorum = client.quorum(replica_id=member, timeout=timedelta(seconds=20), step=0, world_size=1)
+        assert [m.replica_id for m in quorum.participants] == [member]
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert "refused an unauthenticated member (replica id 'island_9'" in rest_of(lines, seen)
+    finally:
+        kill(proc)
+
+
+def test_the_gate_names_a_port_in_use_like_the_lighthouse():
+    from archipelago.config import ConfigError
+    from archipelago.launch.lighthouse import start_lighthouse
+
+    key, _ = _keys()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"port {port} is already in use"):
+            start_lighthouse(f"127.0.0.1:{port}", key=key)
+
+
+@pytest.mark.timeout(60)
+def test_an_island_learns_before_joining_whether_the_gate_admits_it():
+    from archipelago.config.schema import FaultToleranceConfig
+    from archipelago.federation.membership import FederationMismatch, check_membership
+    from archipelago.launch.lighthouse import start_lighthouse
+
+    key, other = _keys()
+    ft = FaultToleranceConfig(enable=True, replica_id=1, connect_timeout_ms=10000)
+    gate = start_lighthouse("127.0.0.1:0", key=key)
+    plain = start_lighthouse("127.0.0.1:0")
+    try:
+        check_membership(gate.address(), key, ft)  # a member: no complaint
+        with pytest.raises(FederationMismatch, match="has none: give it the federation's key file"):
+            check_membership(gate.address(), None, ft)
+        with pytest.raises(FederationMismatch, match=f"not this island's \\(key {other.federation_id.hex()[:12]}"):
+            check_membership(gate.address(), other, ft)
+        url = "http://127.0.0.1:" + plain.address().rsplit(":", 1)[1]
+        check_membership(url, None, ft)  # torchft's lighthouse without a gate admits everyone
+        check_membership(url, key, ft)
+    finally:
+        gate.shutdown()
+        plain.shutdown()

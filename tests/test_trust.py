@@ -265,3 +265,67 @@ def test_an_island_no_peer_authenticates_stops_and_one_among_members_is_reported
     assert member._check_members() is False  # the outsider is no mismatch: its rows are refused
     assert "unauthenticated member at replica rank 1 of quorum 5" in caplog.text
     assert [p.get("unauthenticated", False) for p in member.peers] == [False, True, False]
+
+
+def test_member_ids_carry_a_token_only_the_key_makes():
+    from archipelago.federation.trust import check_member_id, member_id
+
+    key, other = FederationKey(SECRET), FederationKey(bytes.fromhex(new_secret()))
+    assert member_id(None, 3) == "island_3"
+    made = member_id(key, 3)
+    assert made.startswith("island_3:") and made != member_id(key, 3)  # a fresh nonce each time
+    assert check_member_id(key, made) == 3
+    assert check_member_id(key, made + ":5b0c3d1e-uuid") == 3  # torchft's suffix
+    name, token = made.split(":")
+    guess = hmac.new(b"guess", b"", "sha256").hexdigest()[:32]
+    forged = [member_id(other, 3), f"island_4:{token}", made[:-1] + ("0" if made[-1] != "0" else "1"),
+              "island_3", f"island_3:{token}x", f"{name}:{token[:16]}{guess}"]
+    assert [check_member_id(key, f) for f in forged] == [None] * len(forged)
+
+
+def test_an_island_neither_heals_from_nor_serves_a_quorum_with_an_outsider():
+    from types import SimpleNamespace
+
+    from archipelago.federation.membership import MembersOnly
+    from archipelago.federation.trust import member_id
+
+    key = FederationKey(SECRET)
+    members = [member_id(key, 0) + ":u0", member_id(key, 1) + ":u1"]
+    quorum = SimpleNamespace(quorum_id=4, replica_rank=1, replica_world_size=3, recover_src_manager_address="rogue",
+                             recover_src_replica_rank=2, recover_dst_replica_ranks=[0], store_address="s",
+                             max_step=10**9, max_replica_rank=2, max_world_size=1, heal=True, commit_failures=0,
+                             replica_ids=members)
+    manager = SimpleNamespace()
+    client = SimpleNamespace(_quorum=lambda **kw: quorum, should_commit=lambda *a: True)
+    checked = MembersOnly(client, key, manager)
+    assert checked._quorum(step=3) is quorum and manager._archipelago_outsiders == []
+    assert checked.should_commit() is True  # everything else is torchft's client
+    quorum.replica_ids = [*members, "island_2:rogue"]
+    seen = checked._quorum(step=3)
+    assert manager._archipelago_outsiders == ["island_2:rogue"]
+    assert seen.heal is False and seen.recover_dst_replica_ranks == []
+    assert (seen.quorum_id, seen.replica_rank, seen.max_step) == (4, 1, 10**9)
+
+
+def test_a_round_in_a_quorum_with_an_outsider_reports_an_error_and_names_it_once(caplog):
+    from torch import nn
+
+    from archipelago.config.schema import FaultToleranceConfig
+    from archipelago.federation.diloco import OuterLoop
+
+    class WithOutsider(_Quorum):
+        _archipelago_outsiders = ["island_2:rogue"]
+        errors: list = []
+
+        def report_error(self, exc) -> None:
+            self.errors.append(exc)
+
+    ft = FaultToleranceConfig(enable=True, replica_id=0, lighthouse="http://127.0.0.1:1")
+    model = nn.Linear(3, 2)
+    manager = WithOutsider([])
+    loop = OuterLoop(ft, [list(model.parameters())], 0, 1, manager, {}, key=FederationKey(SECRET))
+    loop._refuse_outsiders()
+    loop._refuse_outsiders()  # the next round of the same quorum: refused again, not logged again
+    assert len(manager.errors) == 2 and "'island_2:rogue'" in str(manager.errors[0])
+    assert caplog.text.count("unauthenticated member(s) 'island_2:rogue' in quorum 5") == 1
+    assert "archipelago lighthouse --key-file" in caplog.text

@@ -17,6 +17,7 @@ from archipelago.federation.membership import (
     FederationMismatch,
     LighthouseUnreachable,
     build_manager,
+    check_membership,
     fingerprint,
     lighthouse_address,
     wait_for_lighthouse,
@@ -61,18 +62,19 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str
     take the current weights as the first global weights (a collective over the island)."""
     check_exchange_device(ft, next(model.parameters()).device)
     url = lighthouse_address(ft)
-    problem = None
+    problem: tuple[bool, str] | None = None  # (refused by the gate, message)
     if rank == 0:
         try:
             wait_for_lighthouse(url, ft.connect_timeout_ms / 1000)
-        except LighthouseUnreachable as exc:
-            problem = str(exc)
+            check_membership(url, key, ft)
+        except (LighthouseUnreachable, FederationMismatch) as exc:
+            problem = (isinstance(exc, FederationMismatch), str(exc))
     if world_size > 1:  # every rank fails together instead of waiting in a collective
         box = [problem]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0)  # inside the island: its own ranks' bytes
         problem = box[0]
     if problem is not None:
-        raise LighthouseUnreachable(problem)
+        raise (FederationMismatch if problem[0] else LighthouseUnreachable)(problem[1])
     shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     fp = fingerprint(model_name, shapes, ft, world_size, tokens_per_step,
                      type(optimizer).__name__ if optimizer is not None else "", key, _peak_lr(optimizer))

@@ -59,7 +59,12 @@ from archipelago.federation.fragments import build_outer_optimizer, load_tensor_
 from archipelago.federation.guard import FORGE_KINDS, Poison, UpdateGuard
 from archipelago.federation.inner_state import InnerStateAverager, StateExchange
 from archipelago.federation.layout import FlatLayout
-from archipelago.federation.membership import FederationMismatch, exchange_fingerprints, mismatch
+from archipelago.federation.membership import (
+    FederationMismatch,
+    exchange_fingerprints,
+    lighthouse_address,
+    mismatch,
+)
 from archipelago.federation.policy import (
     FRAME_MALFORMED,
     FRAME_OK,
@@ -177,6 +182,7 @@ class OuterLoop:
         self.leads = True         # this island is the lowest live one (checkpoint.scope = "leader")
         self.peer_inner_step = 0  # the step count of the peer this island last healed from
         self.quorum_id: int | None = None
+        self._outsider_quorum: int | None = None  # the last quorum whose outsiders were logged
         self.globals: list[nn.Parameter] = []
         self.outer: list[torch.optim.Optimizer] = []
         self.codec_name = effective_codec(ft)
@@ -357,6 +363,7 @@ class OuterLoop:
             return Membership()
         self._healed_same = None
         self.manager.start_quorum()
+        self._refuse_outsiders()
         healed = self._healed_same is not None
         refuse = self._check_members()
         return Membership(outer_step=self.manager.current_step(), healed=healed,
@@ -364,6 +371,22 @@ class OuterLoop:
                           peer_inner_step=self.peer_inner_step if healed else 0,
                           participants=self.manager.num_participants(),
                           replica_rank=_rank_or_none(self.manager))
+
+    def _refuse_outsiders(self) -> None:
+        """A quorum with a member that holds no member token (a lighthouse without the gate
+        let it in) commits nothing: this island reports an error, torchft's way out of a round."""
+        outsiders = getattr(self.manager, "_archipelago_outsiders", [])
+        if not outsiders or self.manager.errored() is not None:
+            return
+        ids = ", ".join(repr(o[:40]) for o in outsiders)
+        message = (f"unauthenticated member(s) {ids} in quorum {self.manager._quorum_id}: the lighthouse at "
+                   f"{lighthouse_address(self.ft)} admits callers without this federation's key; this island "
+                   "neither heals from nor averages with such a quorum. Run the lighthouse with the key "
+                   "(`archipelago lighthouse --key-file FILE`), which keeps outsiders out")
+        if self.manager._quorum_id != self._outsider_quorum:
+            log.error("%s", message)
+            self._outsider_quorum = self.manager._quorum_id
+        self.manager.report_error(FederationMismatch(message))
 
     def _island_membership(self, mine: Membership) -> Membership:
         """The island's view: the element-wise max of its ranks' views."""

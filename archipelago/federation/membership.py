@@ -18,6 +18,7 @@ import socket
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlparse
 
@@ -27,7 +28,15 @@ from torch.distributed import ReduceOp, TCPStore
 from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.codecs import effective_codec
-from archipelago.federation.trust import FederationKey, FrameHeader, FrameRefused, open_frame, seal
+from archipelago.federation.trust import (
+    FederationKey,
+    FrameHeader,
+    FrameRefused,
+    check_member_id,
+    member_id,
+    open_frame,
+    seal,
+)
 
 log = logging.getLogger("archipelago.federation")
 
@@ -75,6 +84,24 @@ def wait_for_lighthouse(url: str, timeout_s: float) -> None:
         f"cannot reach the lighthouse at {url} ({error}) within {timeout_s:.0f} s "
         "(fault_tolerance.connect_timeout_ms); start it with `archipelago lighthouse` or fix "
         "--fault_tolerance.lighthouse / TORCHFT_LIGHTHOUSE")
+
+
+def check_membership(url: str, key: FederationKey | None, ft: FaultToleranceConfig) -> None:
+    """Raise FederationMismatch, naming the fix, if the lighthouse's gate would refuse this
+    island (no key, or another federation's); torchft would only wait for a quorum that
+    never comes."""
+    from archipelago.federation.gate import check_admission
+
+    if check_admission(url, member_id(key, ft.replica_id), ft.connect_timeout_ms / 1000):
+        return
+    if key is None:
+        raise FederationMismatch(
+            f"the lighthouse at {url} admits only the islands that hold its federation's key, and this island "
+            "has none: give it the federation's key file (ARCHIPELAGO_FEDERATION_KEY_FILE or "
+            "[federation_security] key_file)")
+    raise FederationMismatch(
+        f"the lighthouse at {url} refused this island's member token: its federation key is not this "
+        f"island's (key {key.federation_id.hex()[:12]}); give the lighthouse and every island the same key file")
 
 
 def _store_for_manager() -> tuple[str, int, TCPStore | None]:
@@ -162,12 +189,49 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int, key: F
             timeout=timeout, quorum_timeout=timedelta(milliseconds=ft.quorum_timeout_ms),
             connect_timeout=timedelta(milliseconds=ft.connect_timeout_ms),
             rank=bridge_rank, world_size=width, store_addr=host, store_port=port,
-            lighthouse_addr=url, replica_id=f"island_{ft.replica_id}", hostname=local,
+            lighthouse_addr=url, replica_id=member_id(key, ft.replica_id), hostname=local,
             max_retries=ft.max_retries, checkpoint_transport=_checkpoint_transport(timeout, key, ft.replica_id),
             init_sync=ft.init_sync,
         )
     manager._archipelago_store = store  # keep a self-hosted store alive as long as the manager
+    manager._archipelago_outsiders = []
+    if key is not None:
+        manager._client = MembersOnly(manager._client, key, manager)
     return manager
+
+
+_QUORUM_FIELDS = ("quorum_id", "replica_rank", "replica_world_size", "recover_src_manager_address",
+                  "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step",
+                  "max_replica_rank", "max_world_size", "heal", "commit_failures", "replica_ids")
+
+
+class MembersOnly:
+    """torchft's ManagerClient of an island with a federation key: every quorum the
+    lighthouse hands out is checked for members without a valid member token.
+
+    The lighthouse gate (federation/gate.py) keeps outsiders out of quorums; this is the
+    island's own check, for a lighthouse without the gate. A quorum with an outsider
+    heals nobody and serves nobody (an outsider that claims the highest step would be
+    torchft's healing source), and the island names the outsiders in
+    `manager._archipelago_outsiders` so that the round reports an error and commits
+    nothing (OuterLoop._membership).
+    """
+
+    def __init__(self, client: Any, key: FederationKey, manager: Any) -> None:
+        self._client, self._key, self._manager = client, key, manager
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        outsiders = [rid for rid in quorum.replica_ids if check_member_id(self._key, rid) is None]
+        self._manager._archipelago_outsiders = outsiders
+        if not outsiders:
+            return quorum
+        view = {name: getattr(quorum, name) for name in _QUORUM_FIELDS}
+        view.update(heal=False, recover_dst_replica_ranks=[])
+        return SimpleNamespace(**view)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 def _checkpoint_transport(timeout: timedelta, key: FederationKey | None = None, island: int = 0) -> Any:

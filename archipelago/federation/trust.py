@@ -24,6 +24,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import re
 import secrets
 import stat
 import struct
@@ -48,6 +49,9 @@ _ISLAND_OFFSET = 4 + 16 + 8 + 8 + 4  # where the island id sits in the header
 # Frame kinds.
 HEAL_REQUEST = 1  # a healing island asks a peer for the global state (empty payload)
 HEAL_STATE = 2    # the peer's answer: transport.encode_state bytes
+
+MEMBER_PREFIX = "island_"  # torchft reads the island id from the digits before the first ":"
+_MEMBER_ID = re.compile(r"island_(\d{1,9}):([0-9a-f]{16})([0-9a-f]{32})(?::|$)")
 
 
 class FrameRefused(ValueError):
@@ -104,6 +108,38 @@ def load_key(key_file: str = "") -> FederationKey | None:
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("the federation key file %s can be read by other users; `chmod 600 %s`", path, path)
     return FederationKey(secret)
+
+
+def member_id(key: FederationKey | None, island: int) -> str:
+    """The replica id island `island` gives torchft: `island_N`, and with a key
+    `island_N:NONCE TAG`, a member token the lighthouse gate checks (federation/gate.py).
+
+    The tag is an HMAC of the id and a fresh nonce under the island's key: only a holder of
+    the secret can make one. torchft appends `:UUID`. A token is not bound to a quorum (the
+    lighthouse admits a member before any quorum exists): someone who reads it off the
+    network can reuse it to join; the join frame (membership.fingerprint_row), bound to the
+    quorum, is what such an impostor cannot forge.
+    """
+    name = f"{MEMBER_PREFIX}{island}"
+    if key is None:
+        return name
+    nonce = secrets.token_hex(8)
+    return f"{name}:{nonce}{key.tag(island, _member_message(name, nonce))[:16].hex()}"
+
+
+def _member_message(name: str, nonce: str) -> bytes:
+    return f"archipelago member {name}:{nonce}".encode()
+
+
+def check_member_id(key: FederationKey, replica_id: str) -> int | None:
+    """The island id of a replica id `member_id(key, ...)` made (torchft's `:UUID` after
+    it or not), else None."""
+    match = _MEMBER_ID.match(replica_id)
+    if match is None:
+        return None
+    island, nonce, tag = int(match.group(1)), match.group(2), match.group(3)
+    expected = key.tag(island, _member_message(f"{MEMBER_PREFIX}{island}", nonce))[:16].hex()
+    return island if hmac.compare_digest(expected, tag) else None
 
 
 def refuse_exposed_without_key(key: FederationKey | None, insecure: bool) -> None:

@@ -26,7 +26,8 @@ Train one model across heterogeneous compute islands.
 
 commands:
   train          train on this island (--config FILE, --nproc N, --section.key VALUE ...)
-  lighthouse     run the lighthouse that islands join (--bind HOST:PORT, --min-replicas N)
+  lighthouse     run the lighthouse that islands join (--bind HOST:PORT, --min-replicas N,
+                 --key-file FILE: members only)
   local          a whole federation on this machine: a lighthouse and one torchrun per
                  island (--islands 2,1, --kill ISLAND@SECONDS, --restart-after SECONDS)
   data prepare   fetch the corpus, train the tokenizer, write token files (cached)
@@ -304,6 +305,7 @@ def cmd_report(argv: list[str]) -> int:
 def cmd_lighthouse(argv: list[str]) -> int:
     from archipelago.launch.lighthouse import cmd_lighthouse as run_lighthouse
 
+    setup_logging()  # the gate names the callers it refuses
     return run_lighthouse(argv)
 
 

@@ -5,7 +5,8 @@ to it and asks it for a quorum at every outer step. This module runs torchft's o
 (`torchft.coordination.LighthouseServer`, the same code as the `torchft_lighthouse`
 console script) inside this process, prints the URL to give the islands, and stops it
 cleanly on Ctrl-C / SIGTERM. `start_lighthouse` is the reusable part (the local
-federation launcher starts its lighthouse with it).
+federation launcher starts its lighthouse with it). With a federation key the lighthouse
+listens on loopback and a gate (federation/gate.py) on the chosen address admits members only.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import ipaddress
 import signal
 import socket
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from archipelago.config import ConfigError
 
 if TYPE_CHECKING:
     from torchft.coordination import LighthouseServer
+
+    from archipelago.federation.gate import LighthouseGate
+    from archipelago.federation.trust import FederationKey
 
 DEFAULT_BIND = "127.0.0.1:29510"  # this machine only, until the user names an address
 DEFAULT_MIN_REPLICAS = 1
@@ -39,8 +43,13 @@ Defaults are torchft_lighthouse's, except: --bind is 127.0.0.1:29510, reachable 
 machine only (torchft_lighthouse: [::]:29510, every interface); give islands on other hosts
 an address they reach, e.g. --bind 10.0.0.1:29510 (a private network's) or --bind
 0.0.0.0:29510 (every interface). --min-replicas defaults to 1 (torchft_lighthouse requires
-it). Anyone who reaches the lighthouse can join the federation, and its dashboard has an
-unauthenticated kill endpoint: expose it on a private network only (docs/federation.md).
+it).
+
+With the federation's key (--key-file, or $ARCHIPELAGO_FEDERATION_KEY_FILE) only islands
+holding the same key join: torchft's lighthouse listens on loopback and a gate on --bind
+refuses every other caller, and the dashboard (which has an unauthenticated kill endpoint)
+stays on loopback. Without a key anyone who reaches the lighthouse can join the federation
+and reach the dashboard: expose it on a private network only (docs/federation.md).
 """
 
 
@@ -73,12 +82,15 @@ def _url_host(host: str) -> str:
 def start_lighthouse(bind: str = DEFAULT_BIND, min_replicas: int = DEFAULT_MIN_REPLICAS,
                      join_timeout_ms: int = DEFAULT_JOIN_TIMEOUT_MS,
                      quorum_tick_ms: int = DEFAULT_QUORUM_TICK_MS,
-                     heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS) -> LighthouseServer:
+                     heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS,
+                     key: FederationKey | None = None) -> LighthouseServer | LighthouseGate:
     """Start torchft's lighthouse on `bind` (HOST:PORT; port 0 picks a free one) and return it.
 
-    `.address()` of the result is its URL (torchft writes this host's name into it);
-    `.shutdown()` stops it. Bad arguments and an unusable address raise ConfigError
-    with a one-line message that names the fix.
+    With `key`, torchft's lighthouse listens on loopback and a LighthouseGate on `bind`
+    admits the members holding the key only; the gate is returned. `.address()` of the
+    result is its URL (torchft writes this host's name into it); `.shutdown()` stops it.
+    Bad arguments and an unusable address raise ConfigError with a one-line message that
+    names the fix.
     """
     host, port = split_bind(bind)
     for name, value, low in (("min_replicas", min_replicas, 1), ("join_timeout_ms", join_timeout_ms, 0),
@@ -88,13 +100,22 @@ def start_lighthouse(bind: str = DEFAULT_BIND, min_replicas: int = DEFAULT_MIN_R
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
     from torchft.coordination import LighthouseServer
 
+    from archipelago.federation.gate import GateError, LighthouseGate
+
+    inner = f"{_url_host(host)}:{port}" if key is None else "127.0.0.1:0"
     try:
-        return LighthouseServer(bind=f"{_url_host(host)}:{port}", min_replicas=min_replicas,
-                                join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms,
-                                heartbeat_timeout_ms=heartbeat_timeout_ms)
-    except RuntimeError as exc:
+        server = LighthouseServer(bind=inner, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                                  quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)
+        if key is None:
+            return server
+        try:
+            return LighthouseGate(server, host, port, key)
+        except GateError:
+            server.shutdown()
+            raise
+    except (RuntimeError, GateError) as exc:
         reason = str(exc)
-        if "in use" in reason:
+        if "in use" in reason or "Address already" in reason:
             raise ConfigError(f"--bind {bind}: port {port} is already in use (another lighthouse?); stop that "
                               f"process or pick another port, e.g. --bind {_url_host(host)}:{port + 1} "
                               "(port 0 picks a free one)") from None
@@ -109,7 +130,7 @@ def start_lighthouse(bind: str = DEFAULT_BIND, min_replicas: int = DEFAULT_MIN_R
         raise ConfigError(f"--bind {bind}: {reason}: {hint}") from None
 
 
-def island_urls(bind: str, server: LighthouseServer) -> tuple[str, str | None]:
+def island_urls(bind: str, server: LighthouseServer | LighthouseGate) -> tuple[str, str | None]:
     """(URL to give islands, URL for islands on this host or None) of a started lighthouse.
 
     A lighthouse bound to one address is reached at that address. One bound to all
@@ -139,10 +160,13 @@ def _parser() -> argparse.ArgumentParser:
                    default=DEFAULT_HEARTBEAT_TIMEOUT_MS, metavar="MS",
                    help="how long without a heartbeat before an island counts as dead "
                    f"(default {DEFAULT_HEARTBEAT_TIMEOUT_MS})")
+    p.add_argument("--key-file", "--key_file", default="", metavar="FILE",
+                   help="the federation's key file: admit only islands that hold it (default: "
+                   "$ARCHIPELAGO_FEDERATION_KEY_FILE, else no key: anyone who reaches the lighthouse joins)")
     return p
 
 
-def _banner(args: argparse.Namespace, url: str, local_url: str | None) -> str:
+def _banner(args: argparse.Namespace, url: str, local_url: str | None, server: Any = None) -> str:
     """What the lighthouse prints once it listens, as one string.
 
     Printed with one write, so that torchft's logger (another thread, on stderr) cannot
@@ -159,9 +183,14 @@ def _banner(args: argparse.Namespace, url: str, local_url: str | None) -> str:
         lines.append(f"  {url} uses this host's name: other hosts must resolve it to this host, else give "
                      f"them this host's IP; on this host {local_url} works too")
     lines += ["give islands either of:", f"  export TORCHFT_LIGHTHOUSE={url}",
-              f"  --fault_tolerance.lighthouse {url}",
-              f"dashboard: {url} (no authentication: keep it on a private network); "
-              "Ctrl-C or SIGTERM stops the lighthouse"]
+              f"  --fault_tolerance.lighthouse {url}"]
+    if hasattr(server, "dashboard"):
+        lines += ["members only: islands must hold this federation's key file; others are refused and logged",
+                  f"dashboard: {server.dashboard()} (this machine only); Ctrl-C or SIGTERM stops the lighthouse"]
+    else:
+        lines += ["no federation key: anyone who reaches this address can join (--key-file admits members only)",
+                  f"dashboard: {url} (no authentication: keep it on a private network); "
+                  "Ctrl-C or SIGTERM stops the lighthouse"]
     return "\n".join(lines) + "\n"
 
 
@@ -171,11 +200,13 @@ def cmd_lighthouse(argv: list[str]) -> int:
     # Handlers first, so that a signal during start-up is not lost.
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        from archipelago.federation.trust import load_key
+
         server = start_lighthouse(args.bind, args.min_replicas, args.join_timeout_ms,
-                                  args.quorum_tick_ms, args.heartbeat_timeout_ms)
+                                  args.quorum_tick_ms, args.heartbeat_timeout_ms, key=load_key(args.key_file))
         try:
             url, local_url = island_urls(args.bind, server)
-            print(_banner(args, url, local_url), end="", flush=True)
+            print(_banner(args, url, local_url, server), end="", flush=True)
             while not stop.wait(0.5):
                 pass
         finally:

@@ -667,8 +667,24 @@ def _failure_message(island_dir: Path) -> str:
 # ---------------------------------------------------------------- lighthouse
 
 
+def federation_key(passthrough: list[str]) -> Any:
+    """The federation key the islands load (their config's [federation_security] key_file,
+    else $ARCHIPELAGO_FEDERATION_KEY_FILE), or None: with one the lighthouse admits only
+    the islands holding it. A config the islands will refuse anyway falls back to the
+    environment here; each island then names its problem itself."""
+    from archipelago.config import load_config
+    from archipelago.federation.trust import load_key
+
+    try:
+        key_file = load_config(passthrough, prog="archipelago local").federation_security.key_file
+    except (ConfigError, SystemExit):
+        key_file = ""
+    return load_key(key_file)
+
+
 def start_lighthouse_server(opts: Options) -> Any:
-    """The in-process lighthouse (launch/lighthouse.py when present, else torchft's server)."""
+    """The in-process lighthouse: behind the members-only gate when the islands hold a
+    federation key (federation/gate.py)."""
     from archipelago.launch.lighthouse import start_lighthouse
     # The lighthouse logs every quorum request straight to fd 2, mid-line into the island
     # lines and through the live table, while the islands' join/leave/quorum records say
@@ -680,7 +696,8 @@ def start_lighthouse_server(opts: Options) -> Any:
     try:
         return start_lighthouse(bind=opts.lighthouse_bind, min_replicas=opts.min_replicas,
                                 join_timeout_ms=opts.join_timeout_ms, quorum_tick_ms=opts.quorum_tick_ms,
-                                heartbeat_timeout_ms=opts.heartbeat_timeout_ms)
+                                heartbeat_timeout_ms=opts.heartbeat_timeout_ms,
+                                key=federation_key(opts.passthrough))
     finally:
         if user_setting is None:
             del os.environ["RUST_LOG"]
