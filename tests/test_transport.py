@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import socket
 import struct
@@ -277,3 +278,49 @@ def test_an_islands_manager_store_and_transport_listen_on_its_address_only(monke
         if manager is not None:
             manager.shutdown(wait=False)
         lighthouse.shutdown()
+
+
+def _process_tree(pid: int) -> list[int]:
+    out = [pid]
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            children = open(f"/proc/{pid}/task/{task}/children").read().split()
+        except OSError:
+            continue
+        for child in children:
+            out += _process_tree(int(child))
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("address", [None, "127.0.0.2"], ids=["loopback", "local-addr"])
+def test_a_multi_rank_islands_rendezvous_stores_listen_on_its_address_only(tmp_path, address):
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, TINY
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_ADDR", "MASTER_ADDR", "MASTER_PORT")}
+    if address:
+        env["LOCAL_ADDR"] = address
+    log = tmp_path / "island.log"
+    proc = subprocess.Popen([sys.executable, "-m", "archipelago.launch.cli", "train", "--nproc", "2", *TINY,
+                             "--training.steps", "400", "--job.run_dir", str(tmp_path / "run")],
+                            cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "step 1" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert proc.poll() is None and "step 1" in log.read_text(), log.read_text()[-3000:]
+        tree = _process_tree(proc.pid)
+        agent = _listening(str(proc.pid))
+        ranks = set().union(*(_listening(str(pid)) for pid in tree[1:]))
+        # torchrun's agent hosts two stores (rendezvous, and the one the ranks share): both
+        # on the island's address; nothing of the island listens on every interface.
+        assert len(agent) == 2 and {host for host, _ in agent} == {address or "127.0.0.1"}, agent
+        assert not {host for host, _ in agent | ranks} & {"0.0.0.0", "::"}, agent | ranks
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait(timeout=30)

@@ -37,6 +37,7 @@ from archipelago.federation.trust import (
     open_frame,
     seal,
 )
+from archipelago.netutil import bound_tcp_store, local_address
 
 log = logging.getLogger("archipelago.federation")
 
@@ -109,33 +110,14 @@ def _store_for_manager() -> tuple[str, int, TCPStore | None]:
 
     The address is advertised to the other islands (their cross-island process groups
     rendezvous in the quorum leader's store), so LOCAL_ADDR wins over MASTER_ADDR. A store
-    we host listens on that address only (LOCAL_ADDR, else loopback): TCPStore itself
-    would listen on every interface, so it gets a socket bound here.
+    we host listens on that address only (LOCAL_ADDR, else loopback).
     """
     advertised = os.environ.get("LOCAL_ADDR") or ""
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         return advertised or os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None
-    host = advertised or "127.0.0.1"
-    listener = _listening_socket(host)
-    port = listener.getsockname()[1]
-    try:
-        store = TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno())
-    except Exception:
-        listener.close()
-        raise
-    # The store's server owns the descriptor now and closes it itself: the socket object
-    # must not close it a second time (by then the number may belong to another file).
-    listener.detach()
-    return host, port, store
-
-
-def _listening_socket(host: str) -> socket.socket:
-    """A TCP socket listening on `host` (IPv4 or IPv6) at a free port."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
-    listener.bind(address)
-    listener.listen(128)
-    return listener
+    host = local_address()
+    store = bound_tcp_store(host)
+    return host, store.port, store
 
 
 @contextlib.contextmanager
@@ -181,7 +163,7 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int, key: F
     host, port, store = _store_for_manager()
     # The manager server is where this island's bridge ranks ask for quorums: on
     # LOCAL_ADDR (a multi-host island), else loopback.
-    local = os.environ.get("LOCAL_ADDR") or "127.0.0.1"
+    local = local_address()
     with _manager_server_bound_to(local):
         manager = Manager(
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replica_size,

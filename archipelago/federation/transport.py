@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import socket
 import struct
@@ -53,6 +52,7 @@ from archipelago.federation.trust import (
     open_frame,
     seal,
 )
+from archipelago.netutil import local_address
 
 log = logging.getLogger("archipelago.federation")
 
@@ -135,18 +135,13 @@ def _rebuild(node: Any, tensors: dict[str, torch.Tensor], used: set[str], depth:
 # ---- the transport ----------------------------------------------------------------------
 
 
-def bind_address() -> str:
-    """Where the healing server listens: LOCAL_ADDR, else loopback (never all interfaces)."""
-    return os.environ.get("LOCAL_ADDR") or "127.0.0.1"
-
-
 class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
     """torchft's CheckpointTransport, serving `encode_state` bytes over HTTP."""
 
     def __init__(self, timeout: timedelta, host: str | None = None, key: FederationKey | None = None,
                  island: int = 0) -> None:
         self._timeout = timeout
-        self._host = host or bind_address()
+        self._host = host or local_address()
         self._key, self._island = key, island
         self._nonces: set[int] = set()
         self._ready = threading.Condition()

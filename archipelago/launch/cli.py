@@ -8,16 +8,20 @@ overrides work everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from archipelago.config import Config, ConfigError, config_to_dict, load_config, validate_for_island
 from archipelago.launch.args import pop_option
+from archipelago.netutil import bound_tcp_store, local_address
 
 USAGE = """\
 usage: archipelago COMMAND [ARGS]
@@ -135,7 +139,7 @@ def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config) -> int:
     # The ranks inherit this process's environment.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     log.info("starting %d ranks under torchrun; run directory %s", nproc, run_dir)
-    code = _run_elastic_agent(["--standalone", f"--nproc-per-node={nproc}", "-m", "archipelago.launch.cli",
+    code = _run_elastic_agent([*_rendezvous_args(), f"--nproc-per-node={nproc}", "-m", "archipelago.launch.cli",
                                "train", *argv, f"--job.run_dir={run_dir}"])
     if code != 0:
         failure = Path(run_dir) / FAILURE_FILE
@@ -148,6 +152,45 @@ def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config) -> int:
     return code
 
 
+def _rendezvous_args() -> list[str]:
+    """torchrun's rendezvous options for one node on LOCAL_ADDR or loopback (`_bound_stores`
+    makes its stores listen there)."""
+    host = local_address()
+    return ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={_endpoint(host, 0)}",
+            f"--local-addr={host}", f"--rdzv-id={uuid.uuid4().hex}"]
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@contextlib.contextmanager
+def _bound_stores() -> Iterator[None]:
+    """While torchrun's agent runs here, its two TCPStore servers (the rendezvous store,
+    and the one it shares with the ranks as MASTER_ADDR:MASTER_PORT) listen on the host
+    they are given instead of every interface (netutil.bound_tcp_store)."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
+
+    original_rendezvous = c10d_rendezvous_backend.TCPStore
+    original_shared = dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server
+
+    def rendezvous_store(host_name: str, port: int, is_master: bool = False, **kwargs: Any) -> Any:
+        if is_master and port == 0:
+            return bound_tcp_store(host_name)
+        return original_rendezvous(host_name, port, is_master=is_master, **kwargs)
+
+    def shared_store(self: Any, master_addr: str, master_port: int) -> Any:
+        return bound_tcp_store(master_addr) if master_port == 0 else original_shared(self, master_addr, master_port)
+
+    c10d_rendezvous_backend.TCPStore = rendezvous_store  # type: ignore[misc,assignment]
+    dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = shared_store  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        c10d_rendezvous_backend.TCPStore = original_rendezvous  # type: ignore[misc]
+        dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = original_shared  # type: ignore[method-assign]
+
+
 def _run_elastic_agent(torchrun_args: list[str]) -> int:
     """`torchrun TORCHRUN_ARGS` inside this process; 0, 1 when a rank failed, or 128 + the
     signal that stopped the agent (it stops the ranks first, as torchrun does)."""
@@ -156,7 +199,8 @@ def _run_elastic_agent(torchrun_args: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     try:
-        run(parse_args(torchrun_args))
+        with _bound_stores():
+            run(parse_args(torchrun_args))
     except ChildFailedError as exc:  # torchrun's own exit code for it: 1
         rank, failure = exc.get_first_failure()
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
