@@ -200,7 +200,7 @@ class _Outer:
                 moments = [m * weight for m in island.moments(fragment)]
                 self.pending_moments = (moments if island is self.islands[0] else
                                         [a + b for a, b in zip(self.pending_moments, moments)])
-                self.bytes_sent += 4 * (sum(m.numel() for m in moments) + 1)
+                self.bytes_sent += Framing().row_bytes(4 * sum(m.numel() for m in moments))  # their row
         total = aggregate(values, weights, self.ft.outer_aggregation == "trimmed_mean")
         self.pending = (fragment, total, sum(weights))
 

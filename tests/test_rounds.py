@@ -65,7 +65,8 @@ def _manager(lighthouse: str, island: int, bridge: int, width: int, store_port: 
 
 def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, rounds: int,
             lighthouse: str, store_ports: list[int], poisons: dict, codec: str, init_sync: bool,
-            block: int, moments: bool, secret: str | list[str] | None, aggregation: str, out: dict) -> None:
+            block: int, moments: bool, secret: str | list[str] | None, aggregation: str,
+            lying_moments: tuple[int, int] | None, out: dict) -> None:
     torch.set_num_threads(1)  # up to 4 processes on 2 cores: more threads only wait for each other
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=proc, world_size=sum(sizes))
@@ -98,6 +99,8 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
                 _set_moments(optimizer, model, island, round_)
                 if island in poisons and poisons[island].round == round_:  # its moments are bad too
                     next(iter(optimizer.state.values()))["exp_avg"].fill_(float("nan"))
+                if lying_moments == (island, round_):  # finite, but no Adam state: m^2 far above C * v
+                    next(iter(optimizer.state.values()))["exp_avg"].mul_(1e4)
             for _ in range(ROUND):
                 step += 1
                 _set_flat(model, start + _delta(island, round_, start.numel()))
@@ -137,7 +140,7 @@ def _flat_moment(optimizer: torch.optim.Optimizer, model: nn.Module, name: str) 
 def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
               poisons: dict[int, Poison] | None = None, codec: str = "fp32", init_sync: bool = True,
               block: int = 16, moments: bool = False, secret: str | list[str] | None = None,
-              aggregation: str = "mean") -> dict:
+              aggregation: str = "mean", lying_moments: tuple[int, int] | None = None) -> dict:
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
@@ -149,7 +152,7 @@ def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
             spawn_ranks(_worker, nprocs=sum(sizes),
                         args=(_free_port(), sizes, width, weighting, rounds, lighthouse.address(),
                               [s.port for s in stores], poisons or {}, codec, init_sync, block, moments, secret,
-                              aggregation, out))
+                              aggregation, lying_moments, out))
             return dict(out)
     finally:
         lighthouse.shutdown()
@@ -220,6 +223,58 @@ def test_poisoned_updates_are_rejected_and_everyone_keeps_the_same_finite_weight
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=f"{MOMENTS[key]}, process {proc}")
     reason = out[(sum(sizes) - 1, poison.round)][2]
     assert ("non-finite" in reason) if poison.kind == "nan" else ("running median" in reason)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("signed", [False, True], ids=["plain", "signed"])
+def test_moments_no_optimizer_can_hold_are_refused_while_the_islands_update_counts(signed, caplog):
+    # Island 2 of three sends, in round 2, first moments 10^4 times too large for its second
+    # moments (AdamW's betas allow at most 52.9 x): every island leaves its moments out of
+    # the average, while its pseudo-gradient, which is honest, is averaged as usual.
+    sizes, rounds = [1, 1, 1], 2
+    out = _federate(sizes, 1, "tokens", rounds, moments=True, secret=new_secret() if signed else None,
+                    lying_moments=(2, 2))
+    weights = [float(TOKENS[k] * ROUND) for k in range(len(sizes))]
+    expected = _expected(sizes, weights, rounds)
+    for proc in range(len(sizes)):
+        for round_ in range(1, rounds + 1):
+            flat, weight, rejected, committed, _ = out[(proc, round_)]
+            assert committed and rejected is None and not out[(proc, round_, "refused")]
+            torch.testing.assert_close(flat, expected[round_ - 1], rtol=0, atol=1e-6)
+            w = [0.0 if (k, round_) == (2, 2) else weights[k] for k in range(len(sizes))]
+            for key, got in enumerate(out[(proc, round_, "moments")]):
+                want = sum(wk * _moment(k, round_, key, flat.numel()) for k, wk in enumerate(w)) / sum(w)
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=f"{MOMENTS[key]}, process {proc}")
+
+
+def test_the_moment_bound_holds_for_adamw_and_is_tight():
+    from archipelago.federation.inner_state import adam_moment_bound, moments_problem
+
+    betas = (0.9, 0.95)
+    bound = adam_moment_bound(betas)
+    assert adam_moment_bound((0.99, 0.95)) is None  # beta1^2 >= beta2: no bound exists
+    p = nn.Parameter(torch.zeros(1000))
+    opt = torch.optim.AdamW([p], lr=1e-3, betas=betas)
+    torch.manual_seed(0)
+    for step in range(50):  # torch's own AdamW, gradients of every scale and sign
+        p.grad = torch.randn(1000) * 10 ** torch.randint(-6, 3, (1000,)).float()
+        opt.step()
+        state = opt.state[p]
+        assert moments_problem(torch.cat([state["exp_avg"], state["exp_avg_sq"]]), ("exp_avg", "exp_avg_sq"),
+                               bound) is None, step
+    # The gradients that make exp_avg^2 / exp_avg_sq largest, k steps back, are proportional
+    # to ((1-b1) b1^k) / ((1-b2) b2^k): over 200 steps the ratio reaches the bound.
+    b1, b2 = betas
+    q = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([q], lr=1e-3, betas=betas)
+    for k in reversed(range(200)):
+        q.grad = torch.tensor([(b1 / b2) ** k])
+        opt.step()
+    m, v = opt.state[q]["exp_avg"].double(), opt.state[q]["exp_avg_sq"].double()
+    assert 0.999 * bound < float(m.square() / v) <= bound * (1 + 1e-6)
+    assert moments_problem(torch.tensor([1.0, float("nan")]), ("exp_avg", "exp_avg_sq"), bound) == "non-finite moments"
+    assert "negative" in moments_problem(torch.tensor([0.0, -1.0]), ("exp_avg", "exp_avg_sq"), bound)
+    assert "larger" in moments_problem(torch.tensor([1.0, 1.0 / (1.01 * bound)]), ("exp_avg", "exp_avg_sq"), bound)
 
 
 @pytest.mark.timeout(240)

@@ -77,7 +77,7 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str
         raise (FederationMismatch if problem[0] else LighthouseUnreachable)(problem[1])
     shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     fp = fingerprint(model_name, shapes, ft, world_size, tokens_per_step,
-                     type(optimizer).__name__ if optimizer is not None else "", key, _peak_lr(optimizer))
+                     _optimizer_name(optimizer), key, _peak_lr(optimizer))
     poisons = poisons_from_env()  # checked before joining: a typo fails here, not mid-run
     width = 1 if ft.rank0_synchronization_only else ft.sync_width
     manager = build_manager(ft, rank, width, key) if rank < width else None
@@ -90,6 +90,16 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str
         log.warning("ARCHIPELAGO_FAULT %s@%d: this island will send a poisoned update in outer step %d "
                     "(a test/demo of the update guard)", poison.kind, poison.round, poison.round)
     return OuterLoop(ft, fragments, rank, world_size, manager, fp, poisons=poisons, optimizer=optimizer, key=key)
+
+
+def _optimizer_name(optimizer: torch.optim.Optimizer | None) -> str:
+    """The inner optimizer as islands that average its moments must agree on it: its
+    class and betas (the receivers' bound on a peer's moments depends on them)."""
+    if optimizer is None:
+        return ""
+    betas = optimizer.param_groups[0].get("betas")
+    name = type(optimizer).__name__
+    return f"{name}, betas {betas[0]:g}/{betas[1]:g}" if betas is not None else name
 
 
 def _peak_lr(optimizer: torch.optim.Optimizer | None) -> float:

@@ -36,7 +36,7 @@ import hashlib
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -341,16 +341,16 @@ class OuterLoop:
             buffer[-2], buffer[-1] = float(pending.tokens), pending.weight
         pending.exchanged = not skips_exchange(joining, self.step, self.ft.init_sync)
         pending.participants, pending.replica_rank = m.participants, m.replica_rank
+        framing = Framing(self.key, int(self.manager._quorum_id or 0) if self.manager is not None else 0,
+                          self.step, fragment, self.ft.replica_id)
         if pending.exchanged and buffer is not None:
             forge = poison.kind if poison is not None and poison.kind in FORGE_KINDS else None
-            framing = Framing(self.key, int(self.manager._quorum_id or 0), self.step, fragment,
-                              self.ft.replica_id, forge)
             pending.gathered = start_gather(self.manager, self.codecs[fragment], buffer[:-2], pending.tokens,
-                                            pending.weight, framing)
+                                            pending.weight, replace(framing, forge=forge))
         if self.inner_state is not None and pending.exchanged:
             device = torch.device("cpu") if self.ft.copy_pseudogradients_to_cpu else None
-            pending.state = self.inner_state.start(fragment, pending.weight, self.manager, self._island_max,
-                                                   device)
+            pending.state = self.inner_state.start(fragment, pending.weight > 0, self.manager, self._island_max,
+                                                   framing, device)
         pending.buffer, pending.prepare_s = buffer, time.perf_counter() - began
         pending.started = time.perf_counter()
         self.pending = pending
@@ -416,18 +416,18 @@ class OuterLoop:
                 p.gathered.work.wait()  # the network's share; opening and judging the rows is decode_s
             judging = time.perf_counter()
             weights, tokens, refused = self._judge(p)
+            if p.state is not None and self.inner_state is not None:  # the moments of the islands it accepted
+                self.inner_state.judge_moments(p.state, weights, self._island_max)
             decode_s = time.perf_counter() - judging
             if p.gathered is not None and p.buffer is not None:
                 decode_s += finish_gather(p.gathered, self.codecs[p.fragment], p.buffer, weights, tokens,
                                           self.manager, self.ft.outer_aggregation == "trimmed_mean")
-        if p.state is not None and self.inner_state is not None:
-            self.inner_state.wait(p.state)  # before the vote: a failed exchange votes no
         exposed_s = time.perf_counter() - blocked_since
         mine = RoundResult()
         if self.manager is not None and p.buffer is not None:
             mine = RoundResult(self._should_commit(), self.manager.num_participants(),
                                float(p.buffer[-1]), int(float(p.buffer[-2])))
-        state_weight = InnerStateAverager.total_weight(p.state) if p.state is not None else 0.0
+        state_weight = sum(p.state.weights) if p.state is not None else 0.0
         values = self._island_max([*mine.to_values(), state_weight])
         result = RoundResult.from_values(values[:-1])
         committed, participants = result.committed, result.participants
@@ -603,9 +603,8 @@ class OuterLoop:
         sent = received = 0
         if p.gathered is not None:
             sent, received = p.gathered.sent, p.gathered.received
-        if p.state is not None and p.state.buffer is not None:  # an all-reduce: as much back as sent
-            moments = p.state.buffer.numel() * p.state.buffer.element_size()
-            sent, received = sent + moments, received + moments
+        if p.state is not None:  # the rows of moments
+            sent, received = sent + p.state.sent, received + p.state.received
         totals = self._island_sums([float(sent), float(received)])
         return int(totals[0]), int(totals[1])
 

@@ -163,7 +163,7 @@ def two_phase(codec: Codec, participants: int) -> bool:
     return codec.align > 0 and participants >= 3
 
 
-def _wire_device(manager: Any, device: torch.device) -> torch.device:
+def wire_device(manager: Any, device: torch.device) -> torch.device:
     """Where rows cross: the island's device for NCCL (which carries nothing else; a
     signed row is sealed in host memory, then copied there), host memory for gloo (its GPU
     support covers all-reduce and broadcast, not the all-to-all)."""
@@ -192,7 +192,7 @@ def _managed(manager: Any, start: Any, outputs: Any) -> Any:
         return _Done()
 
 
-def _allgather(manager: Any, payload: torch.Tensor, count: int) -> tuple[Any, list[torch.Tensor]]:
+def allgather(manager: Any, payload: torch.Tensor, count: int) -> tuple[Any, list[torch.Tensor]]:
     from torch.distributed.distributed_c10d import AllgatherOptions
 
     outputs = [torch.zeros_like(payload) for _ in range(count)]
@@ -210,7 +210,7 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
 
     began = time.perf_counter()
     participants = max(manager.num_participants(), 1)
-    wire = _wire_device(manager, pseudo_gradient.device)
+    wire = wire_device(manager, pseudo_gradient.device)
     if two_phase(codec, participants):
         segments = codec.segments(participants)
         pieces = [codec.for_length(end - start) for start, end in segments]
@@ -231,7 +231,7 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
     size = framing.row_bytes(codec.payload_bytes())
     row = framing.frame(tokens, weight, _encoded(codec, pseudo_gradient, weight), size).to(wire)
     encode_s = time.perf_counter() - began
-    work, outputs = _allgather(manager, row, participants)
+    work, outputs = allgather(manager, row, participants)
     return Gathered(work, framing, outputs, encode_s, sent=row.numel(), received=row.numel() * (participants - 1))
 
 
@@ -257,7 +257,7 @@ def inspect_gather(gathered: Gathered, codec: Codec, manager: Any, participants:
         return _inspect_rows(gathered, codec, gathered.outputs, ROUND_ROW, 0)
     piece = codec.for_length(gathered.segments[gathered.rank][1] - gathered.segments[gathered.rank][0])
     mine = _inspect_rows(gathered, piece, list(gathered.outputs[0]), ROUND_SEGMENT, gathered.rank)
-    work, tables = _allgather(manager, mine.to(gathered.outputs[0].device), len(gathered.segments))
+    work, tables = allgather(manager, mine.to(gathered.outputs[0].device), len(gathered.segments))
     work.wait()
     if manager.errored() is not None:
         return empty_table(participants)
@@ -361,7 +361,7 @@ def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, weig
     framing = gathered.framing
     size = framing.row_bytes(max(piece.payload_bytes() for piece in pieces))
     row = replace(framing, forge=None).frame(0.0, sum(weights), mine.encode(total), size, ROUND_SUM, gathered.rank)
-    work, outputs = _allgather(manager, row.to(_wire_device(manager, into.device)), len(segments))
+    work, outputs = allgather(manager, row.to(wire_device(manager, into.device)), len(segments))
     work.wait()
     gathered.sent += size
     gathered.received += size * (len(segments) - 1)
