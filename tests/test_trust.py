@@ -191,10 +191,12 @@ def test_a_join_frame_authenticates_a_fingerprint_for_one_quorum_only():
     mine = fingerprint("llama3/debug", [("w", (2, 3))], FaultToleranceConfig(enable=True, replica_id=2), 1,
                        tokens_per_step=1024, key=key, inner_lr=2e-3)
     row = fingerprint_row(mine, key, quorum=7)
-    assert b"\x00" in row  # binary: the exchange must carry zero bytes (value + 1)
-    summed = torch.zeros(2, 1024, dtype=torch.float64)
-    summed[1, :len(row)] = torch.tensor(list(row), dtype=torch.float64) + 1
-    assert _row_bytes(summed[1]) == row and _row_bytes(summed[0]) == b""
+    assert b"\x00" in row  # binary: the exchange carries zero bytes, and says how many
+    gathered = torch.zeros(3, 1026, dtype=torch.uint8)
+    gathered[1, :2] = torch.tensor(list(len(row).to_bytes(2, "big")), dtype=torch.uint8)
+    gathered[1, 2:2 + len(row)] = torch.tensor(list(row), dtype=torch.uint8)
+    gathered[2, :2] = 255  # a length that does not fit the row
+    assert [_row_bytes(r) for r in gathered] == [b"", row, b""]
     assert read_fingerprint_row(row, key, 7) == mine
     assert read_fingerprint_row(row, key, 8)["unauthenticated"]  # a replay at another quorum
     outsider = fingerprint_row(dict(mine, tokens_per_step=10**15), FederationKey(os.urandom(32)), 7)
@@ -207,13 +209,37 @@ def test_a_join_frame_authenticates_a_fingerprint_for_one_quorum_only():
     assert read_fingerprint_row(bytes(forged), key, 7)["unauthenticated"]
 
 
+class _Gathered:
+    """A finished collective, as torchft's managed work expects one."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def get_future(self):
+        import torch
+
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
 class _Quorum:
-    """A manager whose fingerprint all-reduce adds the other members' rows (replica ranks 1..)."""
+    """A manager whose fingerprint all-gather brings the other members' rows (replica ranks 1..)."""
 
     _quorum_id = 5
 
     def __init__(self, rows: list[bytes]) -> None:
         self.rows = rows
+        self._pg = self
+
+    def allgather(self, outputs, inputs, options=None):
+        import torch
+
+        outputs[0][0].copy_(inputs[0])
+        for k, raw in enumerate(self.rows, start=1):
+            outputs[0][k][:2] = torch.tensor(list(len(raw).to_bytes(2, "big")), dtype=torch.uint8)
+            outputs[0][k][2:2 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        return _Gathered()
 
     def register_state_dict_fn(self, *args) -> None:
         pass
@@ -229,13 +255,6 @@ class _Quorum:
 
     def errored(self) -> None:
         return None
-
-    def allreduce(self, table, reduce_op=None):
-        import torch
-
-        for k, raw in enumerate(self.rows, start=1):
-            table[k, :len(raw)] = torch.tensor(list(raw), dtype=torch.float64) + 1
-        return _Quiet()
 
 
 def test_an_island_no_peer_authenticates_stops_and_one_among_members_is_reported(caplog):

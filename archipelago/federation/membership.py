@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import torch
-from torch.distributed import ReduceOp, TCPStore
+from torch.distributed import TCPStore
 
 from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
@@ -344,29 +344,32 @@ def read_fingerprint_row(data: bytes, key: FederationKey | None, quorum: int) ->
 
 def exchange_fingerprints(manager: Any, mine: dict[str, Any],
                           key: FederationKey | None = None) -> list[dict[str, Any]] | None:
-    """Every participant's fingerprint, through one all-reduce on the cross-island group.
+    """Every participant's fingerprint, through one all-gather on the cross-island group.
 
-    Each island writes its row (`fingerprint_row`, each byte as its value + 1, so that
-    zero bytes survive and padding stays 0) into its own row (its replica rank) of a
-    zero tensor; a sum leaves every row filled everywhere. Returns None if the collective
-    failed (the manager has recorded the error and the round will not commit).
+    Each island sends one row: the length of its `fingerprint_row` (2 bytes, big-endian),
+    the row, zero padding. An all-gather, not a sum: no member can write into another's
+    row. Returns None if the collective failed (the manager has recorded the error and the
+    round will not commit).
     """
+    from archipelago.federation.exchange import allgather, wire_device
+
     rows, me = manager.num_participants(), manager.participating_rank()
     if me is None or rows < 1:
         return None
     quorum = int(manager._quorum_id or 0)
     raw = fingerprint_row(mine, key, quorum)
-    table = torch.zeros(rows, _ROW, dtype=torch.float64)
-    table[me, :len(raw)] = torch.tensor(list(raw), dtype=torch.float64) + 1
-    manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
+    row = torch.zeros(_ROW + 2, dtype=torch.uint8)
+    row[:2] = torch.tensor(list(len(raw).to_bytes(2, "big")), dtype=torch.uint8)
+    row[2:2 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    work, outputs = allgather(manager, row.to(wire_device(manager, torch.device("cpu"))), rows)
+    work.wait()
     if manager.errored() is not None:
         return None
-    return [read_fingerprint_row(_row_bytes(row), key, quorum) for row in table]
+    return [read_fingerprint_row(_row_bytes(out), key, quorum) for out in outputs]
 
 
 def _row_bytes(row: torch.Tensor) -> bytes:
-    """The bytes of one summed row: values 1..256 until the first 0 (what a peer wrote)."""
-    values = row.tolist()
-    end = next((i for i, v in enumerate(values) if v == 0), len(values))
-    ok = all(1 <= v <= 256 and v == int(v) for v in values[:end])
-    return bytes(int(v) - 1 for v in values[:end]) if ok else b""
+    """The bytes a peer wrote into its row (empty if its length field does not fit)."""
+    data = bytes(row.cpu().tolist())
+    size = int.from_bytes(data[:2], "big")
+    return data[2:2 + size] if size <= _ROW else b""
