@@ -70,16 +70,89 @@ def _gather(tokens: np.ndarray, windows: np.ndarray, seq_len: int, vocab_size: i
     return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
 
-class TokenSequenceLoader:
-    """Shuffled training batches for one rank of one island.
+class ShardOrder:
+    """Which items (windows, images) each rank of each island reads, step by step.
 
-    Each epoch draws a permutation of all windows from ``default_rng((seed, epoch))``.
+    Each epoch draws a permutation of all items from ``default_rng((seed, epoch))``.
     Island k of n takes permutation positions k, k+n, k+2n, ...; each optimizer step the
-    island consumes its next ``global_batch_size`` windows and rank r gets the r-th
+    island consumes its next ``global_batch_size`` items and rank r gets the r-th
     contiguous block of ``global_batch_size // world_size`` of them. Hence the union over
     ranks equals a 1-rank run's batch, and ``state_dict`` does not depend on the rank or
     world size (a run may resume with a different world size).
     """
+
+    def __init__(self, num_items: int, global_batch_size: int, rank: int, world_size: int, seed: int,
+                 island: int = 0, num_islands: int = 1, what: str = "windows",
+                 log: Callable[[str], None] | None = None) -> None:
+        _check_positive(global_batch_size=global_batch_size, world_size=world_size, num_islands=num_islands)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside [0, world_size={world_size}); pass this process's rank")
+        if not 0 <= island < num_islands:
+            raise ValueError(f"island {island} is outside [0, num_islands={num_islands}); check the island index")
+        if global_batch_size % world_size:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} is not divisible by world_size {world_size}; "
+                f"set global_batch_size to a multiple of {world_size}"
+            )
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.num_items, self.global_batch_size = num_items, global_batch_size
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.island, self.num_islands = seed, island, num_islands
+        self.local_batch_size = global_batch_size // world_size
+        self.what, self._log = what, log
+        self.epoch, self.cursor = 0, 0
+        self.order = self._island_order(0)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps this island takes per epoch (the remainder is dropped)."""
+        return len(self.order) // self.global_batch_size
+
+    def _island_order(self, epoch: int) -> np.ndarray:
+        shard = np.random.default_rng((self.seed, 0)).permutation(self.num_items)[self.island::self.num_islands]
+        if epoch == 0:
+            return shard
+        return shard[np.random.default_rng((self.seed, self.island, epoch)).permutation(len(shard))]
+
+    def next_indices(self) -> np.ndarray:
+        """This rank's items of the island's next step."""
+        if self.cursor + self.global_batch_size > len(self.order):
+            dropped = len(self.order) - self.cursor
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self.order = self._island_order(self.epoch)
+            if self._log is not None:
+                self._log(f"data: island {self.island} starts epoch {self.epoch} of its own shard "
+                          f"(dropped {dropped} leftover {self.what})")
+        lo = self.cursor + self.rank * self.local_batch_size
+        self.cursor += self.global_batch_size
+        return self.order[lo:lo + self.local_batch_size]
+
+    def state_dict(self) -> dict:
+        """Position of the island; identical on all its ranks."""
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed,
+                "global_batch_size": self.global_batch_size, "num_islands": self.num_islands, "island": self.island}
+
+    def load_state_dict(self, state: dict, source: str = "this token file") -> None:
+        for name in ("global_batch_size", "seed", "num_islands", "island"):
+            if state.get(name) != getattr(self, name):
+                raise ValueError(
+                    f"cannot resume data loader: checkpoint has {name}={state.get(name)!r} but this run has "
+                    f"{name}={getattr(self, name)!r}; resuming needs the same data settings "
+                    f"(seq_len, global_batch_size, seed, num_islands, island)"
+                )
+        epoch, cursor = int(state["epoch"]), int(state["cursor"])
+        order = self._island_order(epoch)
+        if epoch < 0 or cursor < 0 or cursor % self.global_batch_size or cursor > len(order):
+            raise ValueError(
+                f"cannot resume data loader: cursor {cursor} (epoch {epoch}) does not fit {source} "
+                f"({len(order)} {self.what} for island {self.island}); resuming needs the same prepared dataset"
+            )
+        self.epoch, self.cursor, self.order = epoch, cursor, order
+
+
+class TokenSequenceLoader:
+    """Shuffled training batches of token windows for one rank of one island (ShardOrder)."""
 
     def __init__(
         self,
@@ -97,17 +170,6 @@ class TokenSequenceLoader:
     ) -> None:
         _check_positive(seq_len=seq_len, global_batch_size=global_batch_size,
                         world_size=world_size, num_islands=num_islands)
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside [0, world_size={world_size}); pass this process's rank")
-        if not 0 <= island < num_islands:
-            raise ValueError(f"island {island} is outside [0, num_islands={num_islands}); check the island index")
-        if global_batch_size % world_size:
-            raise ValueError(
-                f"global_batch_size {global_batch_size} is not divisible by world_size {world_size}; "
-                f"set global_batch_size to a multiple of {world_size}"
-            )
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
         self._path = Path(token_path)
         self._tokens = _open_tokens(self._path, dtype)
         self._num_windows = _count_windows(len(self._tokens), seq_len)
@@ -119,17 +181,13 @@ class TokenSequenceLoader:
                 f"global batch ({global_batch_size}); lower seq_len, global_batch_size or num_islands, "
                 f"or use more data"
             )
+        self._shards = ShardOrder(self._num_windows, global_batch_size, rank, world_size, seed, island,
+                                  num_islands, "windows", log)
         self.seq_len, self.global_batch_size = seq_len, global_batch_size
         self.rank, self.world_size = rank, world_size
         self.seed, self.island, self.num_islands = seed, island, num_islands
         self.local_batch_size = global_batch_size // world_size
-        self._log = log
         self.vocab_size = vocab_size  # ids at or above it are refused (TokenRangeError)
-        self._epoch = 0
-        self._cursor = 0
-        self._order = self._island_order(0)
-
-    # ------------------------------------------------------------------ properties
 
     @property
     def num_windows(self) -> int:
@@ -138,63 +196,29 @@ class TokenSequenceLoader:
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        return self._shards.epoch
 
     @property
     def steps_per_epoch(self) -> int:
         """Optimizer steps this island takes per epoch (the remainder is dropped)."""
-        return len(self._order) // self.global_batch_size
-
-    # ------------------------------------------------------------------ batches
-
-    def _island_order(self, epoch: int) -> np.ndarray:
-        shard = np.random.default_rng((self.seed, 0)).permutation(self._num_windows)[self.island::self.num_islands]
-        if epoch == 0:
-            return shard
-        return shard[np.random.default_rng((self.seed, self.island, epoch)).permutation(len(shard))]
-
-    def _start_epoch(self, epoch: int) -> None:
-        self._epoch, self._cursor = epoch, 0
-        self._order = self._island_order(epoch)
+        return self._shards.steps_per_epoch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each int64 of shape [global_batch_size // world_size, seq_len]."""
-        if self._cursor + self.global_batch_size > len(self._order):
-            dropped = len(self._order) - self._cursor
-            self._start_epoch(self._epoch + 1)
-            if self._log is not None:
-                self._log(f"data: island {self.island} starts epoch {self._epoch} of its own shard "
-                          f"(dropped {dropped} leftover windows)")
-        lo = self._cursor + self.rank * self.local_batch_size
-        windows = self._order[lo:lo + self.local_batch_size]
-        self._cursor += self.global_batch_size
-        return _gather(self._tokens, windows, self.seq_len, self.vocab_size, self._path)
-
-    # ------------------------------------------------------------------ resume
+        return _gather(self._tokens, self._shards.next_indices(), self.seq_len, self.vocab_size, self._path)
 
     def state_dict(self) -> dict:
         """Position of the island; identical on all its ranks."""
-        return {
-            "epoch": self._epoch, "cursor": self._cursor, "seed": self.seed, "seq_len": self.seq_len,
-            "global_batch_size": self.global_batch_size, "num_islands": self.num_islands, "island": self.island,
-        }
+        return {**self._shards.state_dict(), "seq_len": self.seq_len}
 
     def load_state_dict(self, state: dict) -> None:
-        for name in ("seq_len", "global_batch_size", "seed", "num_islands", "island"):
-            if state.get(name) != getattr(self, name):
-                raise ValueError(
-                    f"cannot resume data loader: checkpoint has {name}={state.get(name)!r} but this run has "
-                    f"{name}={getattr(self, name)!r}; resuming needs the same data settings "
-                    f"(seq_len, global_batch_size, seed, num_islands, island)"
-                )
-        epoch, cursor = int(state["epoch"]), int(state["cursor"])
-        order = self._island_order(epoch)
-        if epoch < 0 or cursor < 0 or cursor % self.global_batch_size or cursor > len(order):
+        if state.get("seq_len") != self.seq_len:
             raise ValueError(
-                f"cannot resume data loader: cursor {cursor} (epoch {epoch}) does not fit this token file "
-                f"({len(order)} windows for island {self.island}); resuming needs the same prepared dataset"
+                f"cannot resume data loader: checkpoint has seq_len={state.get('seq_len')!r} but this run has "
+                f"seq_len={self.seq_len!r}; resuming needs the same data settings "
+                "(seq_len, global_batch_size, seed, num_islands, island)"
             )
-        self._epoch, self._cursor, self._order = epoch, cursor, order
+        self._shards.load_state_dict(state)
 
 
 def _check_positive(**values: int) -> None:
