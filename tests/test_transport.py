@@ -280,6 +280,15 @@ def test_an_islands_manager_store_and_transport_listen_on_its_address_only(monke
         lighthouse.shutdown()
 
 
+def _alive(pid: int) -> bool:
+    """True unless `pid` is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _process_tree(pid: int) -> list[int]:
     out = [pid]
     for task in os.listdir(f"/proc/{pid}/task"):
@@ -322,5 +331,17 @@ def test_a_multi_rank_islands_rendezvous_stores_listen_on_its_address_only(tmp_p
         assert len(agent) == 2 and {host for host, _ in agent} == {address or "127.0.0.1"}, agent
         assert not {host for host, _ in agent | ranks} & {"0.0.0.0", "::"}, agent | ranks
     finally:
-        os.killpg(proc.pid, 9)
+        # The ranks run in sessions of their own: kill every process of the tree by PID,
+        # the ranks first (the agent, killed first, could not stop them).
+        tree = _process_tree(proc.pid) if proc.poll() is None else [proc.pid]
+        for pid in reversed(tree):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
         proc.wait(timeout=30)
+        for pid in tree[1:]:  # reaped by the agent's death: gone, or about to be
+            deadline = time.monotonic() + 10
+            while os.path.exists(f"/proc/{pid}") and _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _alive(pid), f"rank process {pid} survived"
