@@ -361,7 +361,9 @@ def exchange_fingerprints(manager: Any, mine: dict[str, Any],
     row = torch.zeros(_ROW + 2, dtype=torch.uint8)
     row[:2] = torch.tensor(list(len(raw).to_bytes(2, "big")), dtype=torch.uint8)
     row[2:2 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    work, outputs = allgather(manager, row.to(wire_device(manager, torch.device("cpu"))), rows)
+    # NCCL carries device tensors only: the row goes to this rank's GPU there (gloo: host memory).
+    here = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    work, outputs = allgather(manager, row.to(wire_device(manager, here)), rows)
     work.wait()
     if manager.errored() is not None:
         return None
