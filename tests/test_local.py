@@ -367,3 +367,18 @@ def test_processes_are_found_by_exact_or_prefix_token_and_zombies_are_left_out()
         live.kill()
         live.wait(timeout=10)
         zombie.wait(timeout=10)
+
+
+def test_with_a_federation_key_the_local_lighthouse_admits_members_only(tmp_path: Path) -> None:
+    from archipelago.federation.trust import new_secret
+
+    key_file = tmp_path / "fed.key"
+    key_file.write_text(new_secret())
+    key_file.chmod(0o600)
+    keyed = run_local(["--islands", "1", "--training.steps", "4", "--model.flavor", "debug",
+                       "--federation_security.key_file", str(key_file), "--job.run_dir", str(tmp_path / "keyed")])
+    plain = run_local(["--islands", "1", "--training.steps", "4", "--model.flavor", "debug",
+                       "--job.run_dir", str(tmp_path / "plain")], ARCHIPELAGO_FEDERATION_KEY_FILE="")
+    assert keyed.returncode == 0 and plain.returncode == 0, keyed.output[-2000:] + plain.output[-2000:]
+    assert "(members only: the islands' federation key)" in keyed.output
+    assert "lighthouse at http://127.0.0.1:" in plain.output and "members only" not in plain.output

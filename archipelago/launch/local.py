@@ -441,7 +441,8 @@ class LocalFederation:
         self.opts.run_dir.mkdir(parents=True, exist_ok=True)
         self.lighthouse = start_lighthouse_server(self.opts)
         self.url = reachable_url(self.lighthouse.address(), self.opts.lighthouse_bind)
-        self.out.note(f"lighthouse at {self.url}; run directory {self.opts.run_dir}")
+        gate = " (members only: the islands' federation key)" if hasattr(self.lighthouse, "dashboard") else ""
+        self.out.note(f"lighthouse at {self.url}{gate}; run directory {self.opts.run_dir}")
         run_token = uuid.uuid4().hex
         total = sum(self.opts.islands)
         for k, ranks in enumerate(self.opts.islands):
@@ -670,13 +671,16 @@ def _failure_message(island_dir: Path) -> str:
 def federation_key(passthrough: list[str]) -> Any:
     """The federation key the islands load (their config's [federation_security] key_file,
     else $ARCHIPELAGO_FEDERATION_KEY_FILE), or None: with one the lighthouse admits only
-    the islands holding it. A config the islands will refuse anyway falls back to the
-    environment here; each island then names its problem itself."""
-    from archipelago.config import load_config
+    the islands holding it. The config is read, not validated (each island names its own
+    problems); one that cannot even be read falls back to the environment here."""
+    from archipelago.config.loading import load_toml, parse_overrides, split_config_flag
+    from archipelago.config.schema import Config
     from archipelago.federation.trust import load_key
 
     try:
-        key_file = load_config(passthrough, prog="archipelago local").federation_security.key_file
+        path, rest = split_config_flag(passthrough)
+        cfg = parse_overrides(load_toml(path) if path else Config(), rest, prog="archipelago local")
+        key_file = cfg.federation_security.key_file
     except (ConfigError, SystemExit):
         key_file = ""
     return load_key(key_file)
