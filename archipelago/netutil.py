@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 
@@ -11,6 +12,14 @@ from torch.distributed import TCPStore
 def local_address() -> str:
     """Where this process listens: LOCAL_ADDR (the address peers reach it at), else loopback."""
     return os.environ.get("LOCAL_ADDR") or "127.0.0.1"
+
+
+def url_host(host: str) -> str:
+    """`host` as written in a URL or HOST:PORT: IPv6 literals get brackets."""
+    try:
+        return f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
+    except ValueError:
+        return host
 
 
 def listening_socket(host: str, port: int = 0) -> socket.socket:

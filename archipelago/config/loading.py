@@ -142,14 +142,16 @@ def parse_overrides(base: Config, argv: list[str], prog: str = "archipelago trai
 
 
 def load_config(argv: list[str], prog: str = "archipelago train",
-                description: str | None = None) -> Config:
-    """The whole path from command line to a validated Config."""
+                description: str | None = None, validated: bool = True) -> Config:
+    """The whole path from command line to a Config, validated unless `validated` is False
+    (a launcher reading one setting of the config its islands will check themselves)."""
     from archipelago.config.validate import validate
 
     path, rest = split_config_flag(argv)
     base = load_toml(path) if path else Config()
     cfg = parse_overrides(base, rest, prog=prog, description=description)
-    validate(cfg)
+    if validated:
+        validate(cfg)
     return cfg
 
 

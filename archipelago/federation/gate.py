@@ -26,6 +26,7 @@ from concurrent import futures
 from typing import Any
 
 from archipelago.federation.trust import FederationKey, check_member_id
+from archipelago.netutil import url_host
 
 log = logging.getLogger("archipelago.lighthouse")
 
@@ -123,6 +124,7 @@ class LighthouseGate:
     def __init__(self, inner: Any, host: str, port: int, key: FederationKey) -> None:
         import grpc
 
+        _probe(host, port)  # grpc logs why a bind failed but raises without the reason
         self._grpc, self._inner, self._key = grpc, inner, key
         self._refused: set[str] = set()
         self._lock = threading.Lock()
@@ -133,16 +135,15 @@ class LighthouseGate:
         admit = {"Admit": grpc.unary_unary_rpc_method_handler(self._admit)}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),
                                                grpc.method_handlers_generic_handler(ADMIT.split("/")[1], admit)))
-        url_host = f"[{host}]" if ":" in host else host
-        _probe(host, port)  # grpc logs why a bind failed but raises without the reason
+        where = f"{url_host(host)}:{port}"
         try:
-            self.port = self._server.add_insecure_port(f"{url_host}:{port}")
+            self.port = self._server.add_insecure_port(where)
         except RuntimeError as exc:
             self._channel.close()
-            raise GateError(f"cannot listen on {url_host}:{port}: {exc}") from None
+            raise GateError(f"cannot listen on {where}: {exc}") from None
         if not self.port:  # older grpcio answers 0 instead of raising
             self._channel.close()
-            raise GateError(f"cannot listen on {url_host}:{port}: the address is in use or not this machine's")
+            raise GateError(f"cannot listen on {where}: the address is in use or not this machine's")
         self.host = host
         self._server.start()
 
@@ -193,8 +194,7 @@ class LighthouseGate:
             return sorted(self._refused)
 
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{url_host(self.host)}:{self.port}"
 
     def dashboard(self) -> str:
         """torchft's dashboard, on the inner lighthouse (this machine only)."""

@@ -37,7 +37,7 @@ from archipelago.federation.trust import (
     open_frame,
     seal,
 )
-from archipelago.netutil import bound_tcp_store, local_address
+from archipelago.netutil import bound_tcp_store, local_address, url_host
 
 log = logging.getLogger("archipelago.federation")
 
@@ -128,7 +128,7 @@ def _manager_server_bound_to(host: str) -> Iterator[None]:
     import torchft.manager as torchft_manager
 
     original = torchft_manager.ManagerServer
-    where = f"[{host}]" if ":" in host else host
+    where = url_host(host)
 
     def bound(*args: Any, bind: str, **kwargs: Any) -> Any:
         return original(*args, bind=f"{where}:{bind.rsplit(':', 1)[1]}", **kwargs)

@@ -52,7 +52,7 @@ from archipelago.federation.trust import (
     open_frame,
     seal,
 )
-from archipelago.netutil import local_address
+from archipelago.netutil import local_address, url_host
 
 log = logging.getLogger("archipelago.federation")
 
@@ -210,7 +210,7 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
 
     def address(self) -> str:
         host, port = self._server.server_address[:2]
-        host = f"[{host}]" if ":" in str(host) else host
+        host = url_host(str(host))
         return f"http://{host}:{port}/checkpoint/"
 
     def metadata(self) -> str:

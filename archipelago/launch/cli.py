@@ -21,7 +21,7 @@ from typing import Any
 
 from archipelago.config import Config, ConfigError, config_to_dict, load_config, validate_for_island
 from archipelago.launch.args import pop_option
-from archipelago.netutil import bound_tcp_store, local_address
+from archipelago.netutil import bound_tcp_store, local_address, url_host
 
 USAGE = """\
 usage: archipelago COMMAND [ARGS]
@@ -156,12 +156,8 @@ def _rendezvous_args() -> list[str]:
     """torchrun's rendezvous options for one node on LOCAL_ADDR or loopback (`_bound_stores`
     makes its stores listen there)."""
     host = local_address()
-    return ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={_endpoint(host, 0)}",
+    return ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={url_host(host)}:0",
             f"--local-addr={host}", f"--rdzv-id={uuid.uuid4().hex}"]
-
-
-def _endpoint(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @contextlib.contextmanager

@@ -12,13 +12,13 @@ listens on loopback and a gate (federation/gate.py) on the chosen address admits
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import signal
 import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
 from archipelago.config import ConfigError
+from archipelago.netutil import url_host
 
 if TYPE_CHECKING:
     from torchft.coordination import LighthouseServer
@@ -71,14 +71,6 @@ def split_bind(bind: str) -> tuple[str, int]:
     return host, port
 
 
-def _url_host(host: str) -> str:
-    """`host` as written in a URL: IPv6 literals get brackets."""
-    try:
-        return f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
-    except ValueError:
-        return host
-
-
 def start_lighthouse(bind: str = DEFAULT_BIND, min_replicas: int = DEFAULT_MIN_REPLICAS,
                      join_timeout_ms: int = DEFAULT_JOIN_TIMEOUT_MS,
                      quorum_tick_ms: int = DEFAULT_QUORUM_TICK_MS,
@@ -102,7 +94,7 @@ def start_lighthouse(bind: str = DEFAULT_BIND, min_replicas: int = DEFAULT_MIN_R
 
     from archipelago.federation.gate import GateError, LighthouseGate
 
-    inner = f"{_url_host(host)}:{port}" if key is None else "127.0.0.1:0"
+    inner = f"{url_host(host)}:{port}" if key is None else "127.0.0.1:0"
     try:
         server = LighthouseServer(bind=inner, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
                                   quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)
@@ -117,7 +109,7 @@ def start_lighthouse(bind: str = DEFAULT_BIND, min_replicas: int = DEFAULT_MIN_R
         reason = str(exc)
         if "in use" in reason or "Address already" in reason:
             raise ConfigError(f"--bind {bind}: port {port} is already in use (another lighthouse?); stop that "
-                              f"process or pick another port, e.g. --bind {_url_host(host)}:{port + 1} "
+                              f"process or pick another port, e.g. --bind {url_host(host)}:{port + 1} "
                               "(port 0 picks a free one)") from None
         if "not available" in reason or "assign" in reason:
             hint = "that is not an address of this machine; bind 0.0.0.0 (all interfaces) or one of its own addresses"
@@ -139,8 +131,8 @@ def island_urls(bind: str, server: LighthouseServer | LighthouseGate) -> tuple[s
     host, _ = split_bind(bind)
     port = server.address().rsplit(":", 1)[1]
     if host in WILDCARD_HOSTS:
-        return f"http://{_url_host(socket.gethostname())}:{port}", f"http://localhost:{port}"
-    return f"http://{_url_host(host)}:{port}", None
+        return f"http://{url_host(socket.gethostname())}:{port}", f"http://localhost:{port}"
+    return f"http://{url_host(host)}:{port}", None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -175,7 +167,7 @@ def _banner(args: argparse.Namespace, url: str, local_url: str | None, server: A
     host, _ = split_bind(args.bind)
     port = url.rsplit(":", 1)[1]
     where = " (all interfaces)" if local_url else ""
-    lines = [f"lighthouse listening on {_url_host(host)}:{port}{where}; min_replicas {args.min_replicas}, "
+    lines = [f"lighthouse listening on {url_host(host)}:{port}{where}; min_replicas {args.min_replicas}, "
              f"join_timeout_ms {args.join_timeout_ms}, quorum_tick_ms {args.quorum_tick_ms}, "
              f"heartbeat_timeout_ms {args.heartbeat_timeout_ms}",
              f"address: {url}"]

@@ -673,14 +673,11 @@ def federation_key(passthrough: list[str]) -> Any:
     else $ARCHIPELAGO_FEDERATION_KEY_FILE), or None: with one the lighthouse admits only
     the islands holding it. The config is read, not validated (each island names its own
     problems); one that cannot even be read falls back to the environment here."""
-    from archipelago.config.loading import load_toml, parse_overrides, split_config_flag
-    from archipelago.config.schema import Config
+    from archipelago.config import load_config
     from archipelago.federation.trust import load_key
 
     try:
-        path, rest = split_config_flag(passthrough)
-        cfg = parse_overrides(load_toml(path) if path else Config(), rest, prog="archipelago local")
-        key_file = cfg.federation_security.key_file
+        key_file = load_config(passthrough, prog="archipelago local", validated=False).federation_security.key_file
     except (ConfigError, SystemExit):
         key_file = ""
     return load_key(key_file)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 
 from .args import ModelArgs
 from .transformer import Transformer
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 # Vocab used only to *display* flavors whose vocab comes from the tokenizer.
 DEFAULT_VOCAB_SIZE = 4096
@@ -55,14 +59,20 @@ def get_model_args(name: str, flavor: str, vocab_size: int | None = None) -> Mod
     return replace(args)
 
 
-def build_model(args: ModelArgs, device: str | torch.device = "meta") -> Transformer:
-    """Construct under `device`; off meta, parameters are also initialised."""
+def build_on(device: str | torch.device, make: Callable[[], M]) -> M:
+    """`make()` constructed under `device`; off meta, its parameters are also initialised
+    (every model family has `init_weights`)."""
     device = torch.device(device)
     with device:
-        model = Transformer(args)
+        model = make()
     if device.type != "meta":
-        model.init_weights()
+        model.init_weights()  # type: ignore[operator]
     return model
+
+
+def build_model(args: ModelArgs, device: str | torch.device = "meta") -> Transformer:
+    """Construct under `device`; off meta, parameters are also initialised."""
+    return build_on(device, lambda: Transformer(args))
 
 
 def list_flavors(

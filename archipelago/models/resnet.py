@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .registry import build_on
+
 WIDTHS = (64, 128, 256, 512)
 
 
@@ -151,10 +153,5 @@ class ResNet(nn.Module):
 
 def build_resnet(args: ResNetArgs, device: str | torch.device = "meta") -> ResNet:
     """Construct under `device`; off meta, parameters are also initialised."""
-    device = torch.device(device)
-    with device:
-        model = ResNet(args)
-    if device.type != "meta":
-        model.init_weights()
-    return model
+    return build_on(device, lambda: ResNet(args))
 
