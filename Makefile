@@ -21,9 +21,13 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# Fetch the Shakespeare corpus, train the tokenizer, write token files (a no-op when cached).
+# Fetch the Shakespeare corpus, train the tokenizer, write token files (a no-op when cached);
+# fetch Fashion-MNIST for the resnet configs (needs apt-get and dpkg-deb, not root; a
+# machine without them can still train the language models, so it only warns).
 data: $(STAMP)
 	$(BIN)/archipelago data prepare
+	$(BIN)/archipelago data prepare --data.dataset fashion_mnist || \
+		echo "warning: Fashion-MNIST was not fetched (see above); only the resnet configs need it"
 
 # The main job: a federation of two islands (2 CPU ranks + 1 CPU rank) with a lighthouse,
 # island 1 killed after 45 s and restarted 10 s later; then island 0 alone on the same

@@ -1,8 +1,9 @@
 """The training loop of one island.
 
 `Trainer.__init__` builds each part through a small `build_*` hook, in dependency
-order; a variant (the federated trainer of a later issue, a vision trainer) overrides
-one hook instead of copying the constructor. `train()` reads top to bottom: resume,
+order; a variant overrides one hook instead of copying the constructor. What depends on
+the kind of data (text or images: data, model, loaders, loss, metrics) comes from the
+task (`build_task`, archipelago/tasks.py). `train()` reads top to bottom: resume,
 then step / log / validate / checkpoint until `training.steps`, then summarise.
 """
 
@@ -18,18 +19,16 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
 from archipelago.config import Config, ConfigError, advice, config_to_dict, validate_for_island
 from archipelago.config.faults import TRAINER_KINDS, faults_from_env
-from archipelago.data import PreparedDataset, TokenSequenceLoader, prepare_from_config, validation_batches
 from archipelago.federation import Alone, build_federation
 from archipelago.federation.trust import FederationKey, load_key, refuse_exposed_without_key
 from archipelago.island.device import IslandContext, all_reduce_, barrier, broadcast_object, close_island, init_island
@@ -44,14 +43,9 @@ from archipelago.metrics import (
     write_json_atomic,
 )
 from archipelago.metrics.progress import format_count
-from archipelago.models import build_model, get_model_args
+from archipelago.tasks import Task, TaskModel, build_task
 
 log = logging.getLogger("archipelago.trainer")
-
-# Models above this size are built on the meta device and initialised shard by shard;
-# smaller ones are initialised whole on CPU first, which makes the initial weights
-# independent of the rank count (what the 1-rank vs 2-rank equivalence relies on).
-META_INIT_MIN_PARAMS = 1_000_000_000
 
 
 class NonFiniteLossError(RuntimeError):
@@ -66,15 +60,21 @@ class Progress:
     tokens: int = 0
     loss: float = float("nan")      # last logged training loss
     val_loss: float = float("nan")  # last validation loss (nan: not evaluated yet)
+    val_accuracy: float = float("nan")  # last validation accuracy (image classification only)
     wall_s: float = 0.0             # wall-clock seconds of training, summed over sessions
 
     def state_dict(self) -> dict[str, float]:
         return {"step": self.step, "tokens": self.tokens, "loss": self.loss,
-                "val_loss": self.val_loss, "wall_s": self.wall_s}
+                "val_loss": self.val_loss, "val_accuracy": self.val_accuracy, "wall_s": self.wall_s}
+
+    def record_validation(self, metrics: dict[str, float]) -> None:
+        self.val_loss = metrics["val_loss"]
+        self.val_accuracy = metrics.get("val_accuracy", float("nan"))
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.loss, self.val_loss = float(state["loss"]), float(state["val_loss"])
+        self.val_accuracy = float(state.get("val_accuracy", float("nan")))
         self.wall_s = float(state["wall_s"])
 
 
@@ -85,16 +85,20 @@ class StepResult:
     loss: torch.Tensor
     grad_norm: torch.Tensor
     lr: float  # the learning rate this step used
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # the task's step metrics (accuracy)
 
 
 class Trainer:
     """Trains one model on one island; see the module docstring."""
 
+    model_info: TaskModel  # what build_model built: parameter count and FLOPs per token, for metrics
+
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.ctx = self.build_island()
         self.run_dir = self.build_run_dir()
-        self.dataset = self.build_dataset()
+        self.task = self.build_task()
+        self.build_dataset()
         self.model = self.build_model()
         self.optimizer = self.build_optimizer()
         self.lr_scheduler = self.build_lr_scheduler()
@@ -130,34 +134,28 @@ class Trainer:
             raise ConfigError(str(problem))
         return run_dir
 
-    def build_dataset(self) -> PreparedDataset:
-        """Token files for this rank: prepared once per machine, found in the cache after.
+    def build_task(self) -> Task:
+        """Language modelling or image classification, by the model family (tasks.py)."""
+        return build_task(self.cfg)
 
-        Every rank calls prepare_from_config; the dataset's file lock lets the first
-        rank of each node build the files while the others wait and then find them
-        cached. No collective runs meanwhile, so a long tokenizer training cannot hit
-        the process-group timeout, and nodes need not share a filesystem for the cache.
+    def build_dataset(self) -> None:
+        """The task's data for this rank: prepared once per machine, found in the cache after.
+
+        Every rank prepares; the cache's file lock lets the first rank of each node build
+        the files while the others wait and then find them cached. No collective runs
+        meanwhile, so a long tokenizer training cannot hit the process-group timeout, and
+        nodes need not share a filesystem for the cache.
         """
-        return prepare_from_config(self.cfg.data, self.cfg.training.seed,
-                                   log=log.info if self.ctx.is_leader else log.debug)
+        self.task.prepare(log.info if self.ctx.is_leader else log.debug)
 
     def build_model(self) -> ParallelModel:
-        m, t = self.cfg.model, self.cfg.training
-        try:
-            args = get_model_args(m.name, m.flavor, vocab_size=self.dataset.vocab_size)
-        except ValueError as exc:  # e.g. a tokenizer larger than the flavor's vocabulary
-            raise ConfigError(f"model: {exc}") from exc
-        if args.max_seq_len < self.cfg.data.seq_len:
-            raise ConfigError(f"data.seq_len = {self.cfg.data.seq_len} exceeds the model's max_seq_len "
-                              f"({args.max_seq_len}); lower --data.seq_len")
-        model = build_model(args, device="meta")
-        if args.num_params() < META_INIT_MIN_PARAMS:
-            model.to_empty(device="cpu")
-            model.init_weights(seed=t.seed)
-        parallel = parallelize(model, self.ctx, self.cfg.parallelism.data_parallel,
+        t = self.cfg.training
+        built = self.task.build_model()
+        parallel = parallelize(built.module, self.ctx, self.cfg.parallelism.data_parallel,
                                t.mixed_precision, t.activation_checkpointing, t.compile, seed=t.seed)
-        log.info("model %s/%s: %s parameters, %s FLOPs/token, %s on %d x %s (%s)", m.name, m.flavor,
-                 f"{args.num_params():,}", f"{args.flops_per_token(self.cfg.data.seq_len):,}",
+        self.model_info = built  # parameter count and FLOPs per token, for metrics
+        log.info("model %s: %s parameters, %s FLOPs/token, %s on %d x %s (%s)", built.description,
+                 f"{built.num_params:,}", f"{built.flops_per_token:,}",
                  parallel.strategy, self.ctx.world_size, self.ctx.device.type, parallel.dtype)
         return parallel
 
@@ -167,28 +165,22 @@ class Trainer:
     def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
         return build_lr_scheduler(self.optimizer, self.cfg.training.steps, self.cfg.lr_scheduler)
 
-    def build_train_loader(self) -> TokenSequenceLoader:
+    def build_train_loader(self):  # noqa: ANN201 - the task's loader (next_batch, state_dict)
         t = self.cfg.training
         validate_for_island(self.cfg, self.ctx.world_size)
         try:
             if t.val_every:  # checks the held-out split is big enough, before any step
                 self.validation_batches()
             ft = self.cfg.fault_tolerance  # islands read disjoint sequences
-            return TokenSequenceLoader(self.dataset.train_path, self.cfg.data.seq_len, t.batch_size,
-                                       rank=self.ctx.rank, world_size=self.ctx.world_size,
-                                       seed=t.seed, island=ft.replica_id if ft.enable else 0,
-                                       num_islands=ft.group_size if ft.enable else 1,
-                                       dtype=self.dataset.dtype, log=log.info,
-                                       vocab_size=self.dataset.vocab_size)
+            return self.task.train_loader(self.ctx.rank, self.ctx.world_size,
+                                          ft.replica_id if ft.enable else 0, ft.group_size if ft.enable else 1,
+                                          log.info)
         except ValueError as exc:  # too little data for seq_len x batch_size
             raise ConfigError(f"data: {exc} (settings: --data.seq_len, --training.batch_size, "
                               "--training.val_batches)") from exc
 
     def validation_batches(self):  # noqa: ANN201 - an iterator of (inputs, targets)
-        t = self.cfg.training
-        return validation_batches(self.dataset.val_path, self.cfg.data.seq_len, t.batch_size,
-                                  self.ctx.rank, self.ctx.world_size, t.val_batches,
-                                  self.dataset.dtype, self.dataset.vocab_size)
+        return self.task.validation_batches(self.ctx.rank, self.ctx.world_size)
 
     def build_federation(self) -> Alone:
         """The seam to the other islands: `Alone` when fault_tolerance is off, else a
@@ -216,7 +208,8 @@ class Trainer:
                                  verify=c.verify, manifest_key=key.manifest_key() if key is not None else None)
 
     def build_metrics(self) -> RunMetrics:
-        return RunMetrics(self.cfg, self.ctx, self.run_dir, self.model)
+        return RunMetrics(self.cfg, self.ctx, self.run_dir, self.model, self.model_info.flops_per_token,
+                          self.tokens_per_step, self.task.unit)
 
     # ---- state ---------------------------------------------------------------------
 
@@ -272,6 +265,7 @@ class Trainer:
         if self._checkpoint_deferred:
             return
         self.check_finite()  # never write a checkpoint of weights that already diverged
+        self.model.average_buffers()  # every rank saves the island's one set of BatchNorm statistics
         with self.metrics.untimed():
             self.checkpointer.save(step, self.checkpoint_state(self.saves_model()))
 
@@ -284,8 +278,9 @@ class Trainer:
         self.resume()
         self.metrics.start(self.progress)
         if self.progress.step == 0 and self.cfg.training.val_every:
-            self.progress.val_loss = self.evaluate()
-            self.metrics.log_validation(0, self.progress.val_loss)  # the "before" of the curve
+            validation = self.evaluate()
+            self.progress.record_validation(validation)
+            self.metrics.log_validation(0, validation)  # the "before" of the curve
         elif self.done():
             log.info("already trained to step %d of %d: nothing to do", self.progress.step,
                      self.cfg.training.steps)
@@ -322,8 +317,9 @@ class Trainer:
     def finish_after_catch_up(self) -> None:
         """Evaluate and save the global weights an island received at the very end."""
         if self.cfg.training.val_every:
-            self.progress.val_loss = self.evaluate()
-            self.metrics.log_validation(self.progress.step, self.progress.val_loss)
+            validation = self.evaluate()
+            self.progress.record_validation(validation)
+            self.metrics.log_validation(self.progress.step, validation)
         self.save_checkpoint(final=True)
 
     def done(self) -> bool:
@@ -383,7 +379,8 @@ class Trainer:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.cfg.training.batch_size * self.cfg.data.seq_len
+        """Tokens (text) or images this island trains on per step (the federation's unit of work)."""
+        return self.cfg.training.batch_size * self.task.tokens_per_sample
 
     def micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's share of the global batch, cut into micro-batches for accumulation."""
@@ -397,18 +394,21 @@ class Trainer:
         """One optimizer step (forward/backward over the micro-batches, clip, update)."""
         batches = self.micro_batches()
         total = torch.zeros((), device=self.ctx.device)
+        extra: dict[str, torch.Tensor] = {}
         for i, (inputs, targets) in enumerate(batches):
             with self.model.gradient_sync(i == len(batches) - 1), self.model.autocast():
-                logits = self.model.module(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                outputs = self.model.module(inputs)
+                loss = self.task.loss(outputs, targets)
             (loss / len(batches)).backward()
             total += loss.detach() / len(batches)
+            for name, value in self.task.step_metrics(outputs.detach(), targets).items():
+                extra[name] = extra.get(name, 0) + value / len(batches)
         grad_norm = self.clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        return StepResult(total, grad_norm, lr)
+        return StepResult(total, grad_norm, lr, extra)
 
     def clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.model.module.parameters() if p.grad is not None]
@@ -431,15 +431,15 @@ class Trainer:
     def after_step(self, result: StepResult, final: bool) -> None:
         step, t = self.progress.step, self.cfg.training
         self.metrics.observe(step, result.loss)
-        val_loss = None
+        validation = None
         if t.val_every and (step % t.val_every == 0 or final):
             with self.metrics.untimed(), self.untimed_in_round():  # throughput counts training time only
-                val_loss = self.evaluate()
-        if step % self.cfg.metrics.log_every == 0 or val_loss is not None or final:
+                validation = self.evaluate()
+        if step % self.cfg.metrics.log_every == 0 or validation is not None or final:
             self.check_finite()
-            self.progress.loss = self.metrics.log_step(step, result, self.progress.tokens, val_loss)
-            if val_loss is not None:
-                self.progress.val_loss = val_loss
+            self.progress.loss = self.metrics.log_step(step, result, self.progress.tokens, validation)
+            if validation is not None:
+                self.progress.record_validation(validation)
         with self.untimed_in_round():
             self.save_checkpoint(final=final)
 
@@ -469,24 +469,27 @@ class Trainer:
         raise NonFiniteLossError(message)
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean token loss over the held-out split (the same batches every time)."""
+    def evaluate(self) -> dict[str, float]:
+        """The task's validation metrics (`val_loss`, and `val_accuracy` for images) over
+        the held-out split: the same batches every time."""
+        self.model.average_buffers()  # BatchNorm: one set of running statistics per island
         self.model.module.eval()
-        sums = torch.zeros(2, device=self.ctx.device, dtype=torch.float64)
+        sums: torch.Tensor | None = None
         for inputs, targets in self.validation_batches():
             inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
             with self.model.autocast():
-                logits = self.model.module(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-            sums += torch.stack([loss.double(), torch.tensor(targets.numel(), device=sums.device,
-                                                             dtype=torch.float64)])
+                outputs = self.model.module(inputs)
+            batch = self.task.eval_sums(outputs, targets)
+            sums = batch if sums is None else sums + batch
         self.model.module.train()
+        if sums is None:  # every rank yields as many batches, so all take this branch together
+            return self.task.eval_metrics(torch.zeros(3, dtype=torch.float64))
         all_reduce_(sums, self.ctx)
-        return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+        return self.task.eval_metrics(sums)
 
     def finish(self) -> dict[str, Any]:
         self.federation.leave()
-        summary = self.metrics.finish(self.progress, self.model.inner.num_params())
+        summary = self.metrics.finish(self.progress, self.model_info.num_params)
         log.info("done: %d steps, %s tokens in %.1f s, final loss %.4f, val loss %s",
                  summary["steps"], f"{summary['tokens']:,}", summary["wall_s"], summary["final_loss"],
                  f"{summary['val_loss']:.4f}" if summary["val_loss"] is not None else "n/a")
@@ -551,13 +554,15 @@ class RunMetrics:
     host-device sync point that stalls the GPU queue.
     """
 
-    def __init__(self, cfg: Config, ctx: IslandContext, run_dir: Path, model: ParallelModel) -> None:
+    def __init__(self, cfg: Config, ctx: IslandContext, run_dir: Path, model: ParallelModel,
+                 flops_per_token: float, tokens_per_step: int, unit: str = "tok") -> None:
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
+        self.tokens_per_step, self.unit = tokens_per_step, unit
         leader = ctx.is_leader
         self.jsonl = MetricsLog(run_dir / "metrics.jsonl", enabled=leader)
         self.tensorboard = TensorBoardLog(run_dir / "tensorboard", enabled=leader and cfg.metrics.tensorboard)
         self.display: ProgressDisplay | None = None  # made in start(), once the first step is known
-        self.flops_per_token = model.inner.flops_per_token(cfg.data.seq_len)
+        self.flops_per_token = flops_per_token
         self.peak, self.peak_source = peak_flops_per_s(ctx.device, model.dtype, cfg.metrics.peak_tflops)
         self.meter = ThroughputMeter(window=1)  # each update is already a whole log window
         self.first_bad = torch.full((), -1, dtype=torch.long, device=ctx.device)
@@ -571,7 +576,8 @@ class RunMetrics:
         """Begin this session's clock where the (possibly resumed) run stands."""
         self.display = ProgressDisplay(self.cfg.training.steps, start_step=progress.step,
                                        mode=self.cfg.metrics.progress, enabled=self.ctx.is_leader,
-                                       title=self.cfg.job.name, time_limit_s=self.cfg.training.time_budget_s)
+                                       title=self.cfg.job.name, time_limit_s=self.cfg.training.time_budget_s,
+                                       unit=self.unit)
         self.started = self.window_start = time.perf_counter()
         self.start_step, self.wall_before = progress.step, progress.wall_s
         log.info("peak %.2f TFLOP/s per rank (%s) used for MFU", self.peak / 1e12, self.peak_source)
@@ -609,13 +615,13 @@ class RunMetrics:
         first = int(all_reduce_(mine.clone(), self.ctx, op="min"))
         return None if first >= never else first
 
-    def log_step(self, step: int, result: StepResult, tokens: int, val_loss: float | None) -> float:
+    def log_step(self, step: int, result: StepResult, tokens: int, validation: dict[str, float] | None) -> float:
         """Write one step record; returns the loss averaged over the island's ranks."""
         # float() waits for the device to finish the queued steps, so the clock read
         # after it covers their whole compute time (this is the host sync point).
         loss_avg = float(all_reduce_(result.loss.detach().clone(), self.ctx, op="avg"))
         now = time.perf_counter()
-        window_tokens = self.window_steps * self.cfg.training.batch_size * self.cfg.data.seq_len
+        window_tokens = self.window_steps * self.tokens_per_step
         self.meter.update(window_tokens, now - self.window_start - self.window_untimed)
         self.window_start, self.window_steps, self.window_untimed = now, 0, 0.0
         tokens_per_s = self.meter.tokens_per_s()
@@ -623,20 +629,22 @@ class RunMetrics:
         record = {"step": step, "loss": loss_avg, "lr": result.lr, "grad_norm": float(result.grad_norm),
                   "tokens": tokens, "tokens_per_s": tokens_per_s, "mfu": mfu,
                   "elapsed_s": now - self.started, "time": time.time()}
-        if val_loss is not None:
-            record["val_loss"] = val_loss
+        for name, value in result.extra.items():  # the task's own, e.g. accuracy
+            record[name] = float(all_reduce_(value.detach().clone(), self.ctx, op="avg"))
+        record.update(validation or {})
         self.jsonl.log(record)
         self.tensorboard.log(step, {k: v for k, v in record.items() if k != "step"})
         if self.display is not None:
             self.display.update(step, record)
         return loss_avg
 
-    def log_validation(self, step: int, val_loss: float) -> None:
+    def log_validation(self, step: int, validation: dict[str, float]) -> None:
         """A validation-only record (the evaluation before the first step)."""
-        self.jsonl.log({"step": step, "val_loss": val_loss, "tokens": 0})
-        self.tensorboard.log(step, {"val_loss": val_loss})
+        self.jsonl.log({"step": step, **validation, "tokens": 0})
+        self.tensorboard.log(step, validation)
         if self.display is not None:
-            self.display.message(f"step {step}: val {val_loss:.3f}")
+            accuracy = f", accuracy {validation['val_accuracy']:.3f}" if "val_accuracy" in validation else ""
+            self.display.message(f"step {step}: val {validation['val_loss']:.3f}{accuracy}")
 
     def outer_step(self, record: dict[str, Any]) -> None:
         """One round of the outer loop (metrics.jsonl `outer_step` event, and a display line)."""
@@ -672,6 +680,7 @@ class RunMetrics:
             "tokens_per_s": progress.tokens / wall if wall > 0 else None,
             "final_loss": progress.loss,
             "val_loss": progress.val_loss if math.isfinite(progress.val_loss) else None,
+            **({"val_accuracy": progress.val_accuracy} if math.isfinite(progress.val_accuracy) else {}),
             "params": params,
             "model": f"{self.cfg.model.name}/{self.cfg.model.flavor}", "ranks": self.ctx.world_size,
             "device": self.ctx.device.type, "peak_flops_per_s": self.peak,

@@ -105,3 +105,19 @@ def test_shards_are_disjoint_ranks_add_up_and_a_resume_repeats_the_batch(fashion
     plain = ImageBatchLoader(fashion_mnist, 8, rank=0, world_size=1, seed=3, augmentation=False)
     plain.load_state_dict(state)
     assert not torch.equal(plain.next_batch()[0], expected[0])  # augmentation changed the pixels
+
+
+def test_validation_images_are_the_test_split_in_order_shared_out_over_ranks(fashion_mnist):
+    from archipelago.data import validation_image_batches
+
+    images, labels = load_split(fashion_mnist, "test")
+    whole = list(validation_image_batches(fashion_mnist, 8, rank=0, world_size=1, max_batches=3))
+    halves = [list(validation_image_batches(fashion_mnist, 8, rank=r, world_size=2, max_batches=3)) for r in (0, 1)]
+    assert len(whole) == len(halves[0]) == len(halves[1]) == 3
+    for j, (x, y) in enumerate(whole):
+        # Unaugmented, normalised, the j-th 8 test images; rank r holds the r-th 4 of them.
+        assert torch.equal(y, torch.from_numpy(labels[8 * j:8 * j + 8].astype(np.int64)))
+        torch.testing.assert_close(x[:, 0] * STD + MEAN, torch.from_numpy(images[8 * j:8 * j + 8] / 255.0).float())
+        assert torch.equal(torch.cat([halves[0][j][0], halves[1][j][0]]), x)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        validation_image_batches(fashion_mnist, 7, rank=0, world_size=2, max_batches=1)  # refused on the call

@@ -121,3 +121,42 @@ def test_fsdp_shards_every_block_and_initialises_consistently(meta):
     if meta:  # initialised shard by shard: the statistics of the reference init hold
         w = full0["layers.0.attention.wq.weight"]
         assert 0.015 < w.std().item() < 0.025
+
+
+def _resnet_worker(rank: int, port: int, out: dict) -> None:
+    from archipelago.models import get_image_model_args
+    from archipelago.models.resnet import build_resnet
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        ctx = IslandContext(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo")
+        model = build_resnet(get_image_model_args("resnet", "debug"), "cpu")
+        parallel = parallelize(model, ctx, "fsdp", "fp32", seed=0)
+        images = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(rank)) * (1 + rank)
+        parallel.module(images).sum().backward()  # train mode: each rank's statistics of its own images
+        before = {n: b.clone() for n, b in parallel.inner.named_buffers() if "running" in n}
+        parallel.average_buffers()
+        after = {n: b.clone() for n, b in parallel.inner.named_buffers() if "running" in n}
+        units = [type(parallel.inner.get_submodule(f"layer{k}")).__name__ for k in range(1, 5)]
+        norms = sum(isinstance(m, torch.nn.BatchNorm2d) for m in parallel.inner.modules())
+        out[rank] = (before, after, units, norms)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_resnet_stages_are_fsdp_units_and_batchnorm_statistics_are_averaged_over_ranks():
+    with mp.Manager() as manager:
+        out = manager.dict()
+        spawn_ranks(_resnet_worker, args=(_free_port(), out), nprocs=2)
+        (before0, after0, units, norms), (before1, after1, _, _) = out[0], out[1]
+    assert all(u.startswith("FSDP") for u in units), units  # each stage is one FSDP unit
+    assert before0.keys() == after0.keys() and len(before0) == 2 * norms == 2 * 12  # mean and variance
+    differed = 0
+    for name in before0:
+        differed += not torch.equal(before0[name], before1[name])
+        torch.testing.assert_close(after0[name], (before0[name] + before1[name]) / 2, rtol=0, atol=1e-6)
+        assert torch.equal(after0[name], after1[name]), name
+    assert differed == len(before0)  # the ranks saw different images: every statistic moved apart

@@ -17,15 +17,17 @@ class ModelConfig:
     """Which network to train."""
 
     name: str = "llama3"
-    """Model family: `llama3` or `qwen3` (`archipelago models` lists them)."""
+    """Model family: `llama3` or `qwen3` (language models), or `resnet` (image classification, with `data.dataset = "fashion_mnist"`); `archipelago models` lists them."""
     flavor: str = "debug"
-    """Named size within the family: `debug`, `small`, or a published shape such as `8B`."""
+    """Named size within the family: `debug`, `small`, or a published shape such as `8B`; for `resnet`, `debug`, `fashion_mnist` (ResNet-18 for 28x28 images) or `resnet18` ... `resnet152`."""
 
 
 @dataclass
 class DataConfig:
-    """Where the training text comes from and how it is cut into sequences."""
+    """Where the training data comes from and how it is cut into sequences."""
 
+    dataset: Literal["text", "fashion_mnist"] = "text"
+    """`text`: a text corpus (`data.path`, or Shakespeare), tokenized, for the language-model families. `fashion_mnist`: 70,000 labelled 28x28 gray images from Debian's dataset-fashion-mnist package (fetched without root into `data.cache_dir`), for the `resnet` family; the text options below do not apply to it."""
     path: str | None = None
     """Folder of .txt/.jsonl files to train on; unset means the Shakespeare corpus."""
     tokenizer: str | None = None

@@ -1,4 +1,4 @@
-"""Data: raw corpora -> tokenizer -> cached token files -> deterministic batches."""
+"""Data: raw corpora -> tokenizer -> cached token files -> deterministic batches; and images."""
 
 from .corpus import (
     SHAKESPEARE_SPEC,
@@ -9,8 +9,16 @@ from .corpus import (
     read_text_folder,
     split_documents,
 )
+from .images import ImageBatchLoader, ImagesUnavailable, validation_image_batches
 from .loader import TokenRangeError, TokenSequenceLoader, validation_batches
-from .prepare import PreparedDataset, default_cache_dir, prepare_dataset, prepare_from_config, token_dtype
+from .prepare import (
+    PreparedDataset,
+    default_cache_dir,
+    prepare_dataset,
+    prepare_from_config,
+    prepare_images_from_config,
+    token_dtype,
+)
 from .tokenizer import EOS_TOKEN, eos_id, load_tokenizer, train_bpe_tokenizer, vocab_size_of
 
 __all__ = [
@@ -34,4 +42,8 @@ __all__ = [
     "token_dtype",
     "TokenSequenceLoader",
     "validation_batches",
+    "ImageBatchLoader",
+    "ImagesUnavailable",
+    "prepare_images_from_config",
+    "validation_image_batches",
 ]

@@ -21,7 +21,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -172,3 +172,24 @@ class ImageBatchLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self._shards.load_state_dict(state, "Fashion-MNIST's training split")
+
+
+def validation_image_batches(folder: Path, batch_size: int, rank: int, world_size: int,
+                             max_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `max_batches` x `batch_size` test images in file order (no shuffle, no
+    augmentation), each batch split across ranks in contiguous blocks, as the text
+    validation batches are. Every rank yields the same number of batches."""
+    if batch_size % world_size:
+        raise ValueError(f"validation batch_size {batch_size} is not divisible by world_size {world_size}; "
+                         f"set it to a multiple of {world_size}")
+    images, labels = load_split(Path(folder), "test")  # checked now, not at the first evaluation
+    batches = min(max_batches, len(labels) // batch_size)
+    return _iter_validation(images, labels, batch_size, rank, world_size, batches)
+
+
+def _iter_validation(images: np.ndarray, labels: np.ndarray, batch_size: int, rank: int, world_size: int,
+                     batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    local = batch_size // world_size
+    for j in range(batches):
+        lo = j * batch_size + rank * local
+        yield normalise(images[lo:lo + local]), torch.from_numpy(labels[lo:lo + local].astype(np.int64))

@@ -278,3 +278,17 @@ def prepare_from_config(data: DataConfig, seed: int, log: Callable[[str], None] 
                                seed=seed, log=log)
     except ValueError as exc:  # bad folder, bad tokenizer file: say which key to fix
         raise ConfigError(f"data: {exc}") from exc
+
+
+def prepare_images_from_config(data: DataConfig, log: Callable[[str], None] = print) -> Path:
+    """The Fashion-MNIST folder for a run's `[data]` section (`data.dataset = "fashion_mnist"`),
+    fetched into the cache once per machine: ranks that start together take the cache's
+    lock, so one fetches while the others wait and then find the files."""
+    from .images import SYSTEM_DIR, fetch_fashion_mnist
+
+    cache = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(cache / "prepare.lock"):
+        folder = fetch_fashion_mnist(cache, SYSTEM_DIR)
+    log(f"Fashion-MNIST images in {folder}")
+    return folder

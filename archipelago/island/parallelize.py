@@ -1,16 +1,22 @@
 """Apply parallelism to a single-device model from the outside.
 
-The model files know nothing about ranks; this module wraps the model's blocks
-(`model.layers`) for activation checkpointing, compilation and FSDP2 sharding, or the
-whole model for DDP. Order matters and follows the usual recipe: checkpoint wrapper
-first, then compile, then shard, so each FSDP unit is one (compiled) block.
+The model files know nothing about ranks; this module wraps the model's blocks (a
+transformer's `model.layers`, a ResNet's four stages) for activation checkpointing,
+compilation and FSDP2 sharding, or the whole model for DDP. Order matters and follows the
+usual recipe: checkpoint wrapper first, then compile, then shard, so each FSDP unit is one
+(compiled) block.
+
+BatchNorm's running statistics are buffers, which neither FSDP nor the optimizer touches:
+under FSDP each rank would keep statistics of its own micro-batches. `average_buffers`
+averages them over the island's ranks (before every evaluation and checkpoint), so an
+island holds one set; DDP already broadcasts rank 0's at every forward.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,10 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from archipelago.island.device import IslandContext
-
-if TYPE_CHECKING:  # annotations only: island/ applies parallelism to any model of this shape
-    from archipelago.models import Transformer
+from archipelago.island.device import IslandContext, all_reduce_
 
 
 def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
@@ -32,29 +35,45 @@ def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if mixed_precision == "bf16" else torch.float32
 
 
-def _wrap_blocks(model: Transformer, activation_checkpointing: bool, compile_blocks: bool) -> None:
-    for name, block in list(model.layers.named_children()):
+RESNET_STAGES = ("layer1", "layer2", "layer3", "layer4")
+
+
+def _blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, name) of each unit parallelism wraps: a transformer's blocks, or a
+    ResNet's stages (a whole stage per FSDP unit: its blocks are small)."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, nn.Module):
+        return [(layers, name) for name, _ in layers.named_children()]
+    if all(isinstance(getattr(model, n, None), nn.Module) for n in RESNET_STAGES):
+        return [(model, n) for n in RESNET_STAGES]
+    raise TypeError(f"{type(model).__name__}: parallelize knows transformer blocks (`layers`) and ResNet "
+                    "stages; say in island/parallelize.py where this model's blocks are")
+
+
+def _wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile_blocks: bool) -> None:
+    for parent, name in _blocks(model):
+        block = parent.get_submodule(name)
         if activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
         if compile_blocks:
             block.compile()
-        model.layers.register_module(name, block)
+        parent.register_module(name, block)
 
 
-def _shard(model: Transformer, ctx: IslandContext, dtype: torch.dtype) -> None:
+def _shard(model: nn.Module, ctx: IslandContext, dtype: torch.dtype) -> None:
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp_shard",))
     # Gradients are reduced in fp32 even when compute is bf16: the reduction over many
     # ranks is where bf16 rounding would accumulate.
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for block in model.layers.children():
-        fully_shard(block, mesh=mesh, mp_policy=mp)
+    for parent, name in _blocks(model):
+        fully_shard(parent.get_submodule(name), mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 class ParallelModel:
     """The model as the trainer sees it: the wrapped module plus how to run it."""
 
-    def __init__(self, module: nn.Module, inner: Transformer, ctx: IslandContext,
+    def __init__(self, module: nn.Module, inner: nn.Module, ctx: IslandContext,
                  dtype: torch.dtype, strategy: str) -> None:
         # What forward/backward and the optimizer use: the model, or its FSDP / DDP wrapper
         # (typed Any: the wrappers' methods come from classes mixed in at run time).
@@ -82,17 +101,34 @@ class ParallelModel:
         else:
             yield
 
+    @torch.no_grad()
+    def average_buffers(self) -> None:
+        """Average BatchNorm running statistics over the island's ranks (a collective when
+        the model has any; every rank holds the same model, so all take the same branch)."""
+        if self.ctx.world_size == 1:
+            return
+        stats = [t for m in self.inner.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                 and m.track_running_stats for t in (m.running_mean, m.running_var) if t is not None]
+        if not stats:
+            return
+        flat = torch.cat([t.reshape(-1).float() for t in stats])
+        all_reduce_(flat, self.ctx, op="avg")
+        offset = 0
+        for t in stats:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
-def _materialize(model: Transformer, device: torch.device, seed: int) -> None:
+
+def _materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate a meta-device model's (local) storage on `device` and initialise it."""
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
-        model.init_weights(seed=seed)
+        model.init_weights(seed=seed)  # type: ignore[operator]  # every model family has init_weights(seed)
     else:
         model.to(device)
 
 
-def parallelize(model: Transformer, ctx: IslandContext, data_parallel: str, mixed_precision: str,
+def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_precision: str,
                 activation_checkpointing: bool = False, compile_blocks: bool = False,
                 seed: int = 0) -> ParallelModel:
     """Wrap a model for this island and put it on the island's device.

@@ -34,7 +34,7 @@ commands:
                  --key-file FILE: members only)
   local          a whole federation on this machine: a lighthouse and one torchrun per
                  island (--islands 2,1, --kill ISLAND@SECONDS, --restart-after SECONDS)
-  data prepare   fetch the corpus, train the tokenizer, write token files (cached)
+  data prepare   fetch the corpus, train the tokenizer, write token files (cached); or fetch images
   models         list every model family and flavor with its parameter count
   report RUN_DIR write a loss plot and a Markdown summary of a run (or a federation);
                  --baseline RUN_DIR puts another run's final val loss beside it
@@ -68,13 +68,10 @@ def _under_torchrun() -> bool:
 
 
 def _check_model(cfg: Config) -> None:
-    """Fail before any process starts when the model name or flavor is wrong."""
-    from archipelago.models import DEFAULT_VOCAB_SIZE, get_model_args
+    """Fail before any process starts when the model name, flavor or dataset is wrong."""
+    from archipelago.tasks import check_model
 
-    try:
-        get_model_args(cfg.model.name, cfg.model.flavor, vocab_size=DEFAULT_VOCAB_SIZE)
-    except ValueError as exc:
-        raise ConfigError(f"model: {exc}") from exc
+    check_model(cfg)
 
 
 FAILURE_FILE = "failure.json"
@@ -83,7 +80,7 @@ FAILURE_FILE = "failure.json"
 def _known_failure(exc: BaseException) -> tuple[int, str] | None:
     """(exit code, message) for errors whose message already names the fix; else None."""
     from archipelago.checkpoint import CheckpointUnusable
-    from archipelago.data import CorpusUnavailable, TokenRangeError
+    from archipelago.data import CorpusUnavailable, ImagesUnavailable, TokenRangeError
     from archipelago.federation import FederationError
     from archipelago.trainer import NonFiniteLossError
 
@@ -93,7 +90,7 @@ def _known_failure(exc: BaseException) -> tuple[int, str] | None:
         return 4, f"error: {exc}"
     if isinstance(exc, (ConfigError, CheckpointUnusable, TokenRangeError)):
         return 2, f"error: {exc}"
-    if isinstance(exc, CorpusUnavailable):
+    if isinstance(exc, (CorpusUnavailable, ImagesUnavailable)):
         return 1, f"error: {exc}"
     if isinstance(exc, KeyboardInterrupt):
         return 130, "interrupted"
@@ -131,9 +128,9 @@ def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config) -> int:
     """
     run_dir = cfg.job.run_dir or f"runs/{cfg.job.name}-{datetime.now():%Y%m%d-%H%M%S}"
     # Prepare once here, with progress on the terminal, so the ranks find it cached.
-    from archipelago.data import prepare_from_config
+    from archipelago.tasks import build_task
 
-    prepare_from_config(cfg.data, cfg.training.seed, log=log.info)
+    build_task(cfg).prepare(log.info)
     (Path(run_dir) / FAILURE_FILE).unlink(missing_ok=True)
     # torchrun would set 1 with a warning; say it ourselves: cores / ranks threads each.
     # The ranks inherit this process's environment.
@@ -268,10 +265,15 @@ def cmd_data(argv: list[str]) -> int:
         print("usage: archipelago data prepare [--config FILE] [--data.key VALUE ...]", file=sys.stderr)
         return 2
     cfg = load_config(argv[1:], prog="archipelago data prepare",
-                      description="Fetch the corpus, train the tokenizer and write token files (cached).")
+                      description="Fetch the corpus, train the tokenizer and write token files (cached); "
+                                  "with --data.dataset fashion_mnist, fetch the images.")
     setup_logging(cfg.job.log_level)
-    from archipelago.data import prepare_from_config
+    from archipelago.data import prepare_from_config, prepare_images_from_config
 
+    if cfg.data.dataset == "fashion_mnist":
+        folder = prepare_images_from_config(cfg.data, log=print)
+        print(f"dataset: {folder}\n  Fashion-MNIST: 60,000 training and 10,000 test images, 28x28, 10 classes")
+        return 0
     ds = prepare_from_config(cfg.data, cfg.training.seed, log=print)
     print(f"dataset: {ds.folder}\n  tokenizer: {ds.tokenizer_path} (vocab {ds.vocab_size})\n"
           f"  train: {ds.train_tokens:,} tokens\n  val:   {ds.val_tokens:,} tokens")
@@ -302,7 +304,7 @@ def cmd_models(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print("usage: archipelago models\n\nList every family and flavor with its exact parameter "
               "count (flavors whose vocabulary comes from the tokenizer are counted with the "
-              "default vocabulary).")
+              "default vocabulary), language models first, then image models.")
         return 0
     from archipelago.models import DEFAULT_VOCAB_SIZE, list_flavors
 
@@ -314,7 +316,24 @@ def cmd_models(argv: list[str]) -> int:
         print(f"{family:<8} {flavor:<7} {args.num_params():>16,} {args.dim:>6} {args.n_layers:>6} "
               f"{args.n_heads:>5} {args.n_kv_heads:>3} {vocab:>7} {args.flops_per_token(2048):>16.3e}")
     print(f"\n* vocabulary taken from the tokenizer at train time; counted here with {DEFAULT_VOCAB_SIZE}")
+    _print_image_flavors()
     return 0
+
+
+def _print_image_flavors() -> None:
+    """The image families' table: shapes of inputs and classes, FLOPs per image."""
+    from archipelago.models import IMAGE_FAMILIES
+    from archipelago.models.resnet import build_resnet
+
+    print(f"\n{'family':<8} {'flavor':<13} {'parameters':>12} {'block':>10} {'layers':>12} {'input':>9} "
+          f"{'classes':>7} {'FLOPs/image':>12}")
+    for family, flavors in IMAGE_FAMILIES.items():
+        for flavor, args in flavors.items():
+            model = build_resnet(args, "meta")  # shapes only
+            shape = f"{args.in_channels}x{args.image_size}x{args.image_size}"
+            layers = "-".join(map(str, args.layers))
+            print(f"{family:<8} {flavor:<13} {model.num_params():>12,} {args.block:>10} {layers:>12} {shape:>9} "
+                  f"{args.num_classes:>7} {model.flops_per_image():>12.3e}")
 
 
 def cmd_report(argv: list[str]) -> int:

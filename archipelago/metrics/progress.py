@@ -23,7 +23,8 @@ class ProgressDisplay:
 
     mode: "auto" (rich bar when `file` is a TTY, else plain lines), "rich",
     "plain" or "off". `update` understands these metric keys (all optional):
-    loss, lr, tokens_per_s, mfu (a fraction: 0.031 shows as 3.1%), val_loss.
+    loss, accuracy, lr, tokens_per_s, mfu (a fraction: 0.031 shows as 3.1%), val_loss,
+    val_accuracy. `unit` names what tokens_per_s counts ("tok", or "img" for images).
     """
 
     def __init__(
@@ -35,6 +36,7 @@ class ProgressDisplay:
         title: str = "train",
         file: TextIO | None = None,
         time_limit_s: float = 0.0,
+        unit: str = "tok",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"progress mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -42,7 +44,7 @@ class ProgressDisplay:
         self.start_step = start_step
         # training.time_budget_s: the run ends by then whatever the step count says.
         self.deadline = time.monotonic() + time_limit_s if time_limit_s > 0 else None
-        self.title = title
+        self.title, self.unit = title, unit
         self.file = file if file is not None else sys.stdout
         self.mode = _resolve_mode(mode, self.file) if enabled else "off"
         self._progress: Any = None
@@ -60,7 +62,7 @@ class ProgressDisplay:
         now = time.monotonic()
         if self._first is None:
             self._first = (step, now)
-        info = format_metrics(metrics)
+        info = format_metrics(metrics, self.unit)
         if self.mode == "rich":
             self._guard(lambda: self._progress.update(self._task, completed=step, info=info))
             return
@@ -161,19 +163,24 @@ def _resolve_mode(mode: str, file: TextIO) -> str:
         return "plain"
 
 
-def format_metrics(metrics: dict[str, Any]) -> str:
-    """'loss 5.123 | lr 3.0e-04 | 12.3k tok/s | mfu 3.1% | val 5.400' (known keys only)."""
+def format_metrics(metrics: dict[str, Any], unit: str = "tok") -> str:
+    """'loss 5.123 | lr 3.0e-04 | 12.3k tok/s | mfu 3.1% | val 5.400' (known keys only;
+    with accuracies: 'loss 0.512 | acc 81.2% | ... | val 0.480 | val acc 83.0%')."""
     parts = []
     if metrics.get("loss") is not None:
         parts.append(f"loss {_fixed(metrics['loss'])}")
+    if metrics.get("accuracy") is not None:
+        parts.append(f"acc {100 * float(metrics['accuracy']):.1f}%")
     if metrics.get("lr") is not None:
         parts.append(f"lr {float(metrics['lr']):.1e}")
     if metrics.get("tokens_per_s") is not None:
-        parts.append(f"{format_count(metrics['tokens_per_s'])} tok/s")
+        parts.append(f"{format_count(metrics['tokens_per_s'])} {unit}/s")
     if metrics.get("mfu") is not None:
         parts.append(f"mfu {100 * float(metrics['mfu']):.1f}%")
     if metrics.get("val_loss") is not None:
         parts.append(f"val {_fixed(metrics['val_loss'])}")
+    if metrics.get("val_accuracy") is not None:
+        parts.append(f"val acc {100 * float(metrics['val_accuracy']):.1f}%")
     return " | ".join(parts)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ class TensorBoardLog:
         """True when scalars are really being written."""
         return self._writer is not None
 
-    def log(self, step: int, scalars: dict[str, float | None]) -> None:
+    def log(self, step: int, scalars: Mapping[str, float | None]) -> None:
         """Add each non-None scalar at `step` (NaN is kept: TensorBoard shows it)."""
         if self._writer is None:
             return

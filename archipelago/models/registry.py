@@ -1,11 +1,15 @@
-"""Flavor registry: (family, flavor) -> ModelArgs, and model construction."""
+"""Flavor registry: (family, flavor) -> ModelArgs, and model construction.
+
+Language-model families (transformers, `ModelArgs`) live in FAMILIES; image families
+(ResNet, their own args class) in IMAGE_FAMILIES. `family_kind` says which a name is.
+"""
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -18,6 +22,7 @@ M = TypeVar("M", bound=torch.nn.Module)
 DEFAULT_VOCAB_SIZE = 4096
 
 FAMILIES: dict[str, dict[str, ModelArgs]] = {}
+IMAGE_FAMILIES: dict[str, dict[str, Any]] = {}
 
 
 def register_family(name: str, flavors: dict[str, ModelArgs]) -> None:
@@ -28,7 +33,28 @@ def register_family(name: str, flavors: dict[str, ModelArgs]) -> None:
     FAMILIES[name] = flavors
 
 
-def _lookup(kind: str, name: str, valid: dict[str, ModelArgs] | dict[str, dict[str, ModelArgs]]):
+def register_image_family(name: str, flavors: dict[str, Any]) -> None:
+    """Register an image-classification family (its flavors' args are the family's own class)."""
+    existing = IMAGE_FAMILIES.get(name)
+    if name in FAMILIES or (existing is not None and existing is not flavors):
+        raise ValueError(f"model family {name!r} is already registered; pick another name")
+    IMAGE_FAMILIES[name] = flavors
+
+
+def family_kind(name: str) -> Literal["language", "image"]:
+    """Whether `name` is a language-model or an image family (ValueError naming the
+    valid families, with a suggestion, when it is neither)."""
+    _lookup("model family", name, {**FAMILIES, **IMAGE_FAMILIES})
+    return "image" if name in IMAGE_FAMILIES else "language"
+
+
+def get_image_model_args(name: str, flavor: str) -> Any:
+    """The args of an image family's flavor (ValueError with a suggestion when unknown)."""
+    flavors = _lookup("image model family", name, IMAGE_FAMILIES)
+    return _lookup(f"{name} flavor", flavor, flavors)
+
+
+def _lookup(kind: str, name: str, valid: dict[str, Any]) -> Any:
     if name in valid:
         return valid[name]
     names = list(valid)
@@ -36,11 +62,14 @@ def _lookup(kind: str, name: str, valid: dict[str, ModelArgs] | dict[str, dict[s
     lowered = {n.lower(): n for n in names}
     close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.5)
     hint = f"; did you mean {lowered[close[0]]!r}?" if close else ""
-    raise ValueError(f"unknown {kind} {name!r}{hint} Valid {kind}s: {', '.join(names)}")
+    raise ValueError(f"unknown {kind} {name!r}{hint} Valid: {', '.join(names)}")
 
 
 def get_model_args(name: str, flavor: str, vocab_size: int | None = None) -> ModelArgs:
     """Return a copy of the flavor's args with vocab_size resolved."""
+    if name in IMAGE_FAMILIES:
+        raise ValueError(f"{name} is an image-classification family, not a language model; "
+                         "train it with --data.dataset fashion_mnist")
     flavors = _lookup("model family", name, FAMILIES)
     args: ModelArgs = _lookup(f"{name} flavor", flavor, flavors)
     if args.vocab_size is None:

@@ -9,7 +9,7 @@ stem (`small_input`: one 3x3 convolution, stride 1, no max-pool) keeps 28x28 inp
 
 BatchNorm keeps running statistics; which of them islands average is the federation's
 choice, not the model's. Built by `build_resnet` from a `FLAVORS` entry; `archipelago train`
-does not train it yet (it needs the image-classification data path and task).
+trains it through the image-classification task (archipelago/tasks.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import build_on
-
-WIDTHS = (64, 128, 256, 512)
+from .registry import build_on, register_image_family
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,13 @@ class ResNetArgs:
     num_classes: int = 1000
     in_channels: int = 3
     small_input: bool = False         # a 3x3 stride-1 stem without max-pool, for 28x28 / 32x32 images
+    image_size: int = 224             # height = width of the input images (for FLOPs and input checks)
+    width: int = 64                   # channels of the first stage; each later stage doubles them
     zero_init_residual: bool = False  # each block's last BatchNorm starts at 0: blocks start as identities
+
+    @property
+    def widths(self) -> tuple[int, int, int, int]:
+        return (self.width, 2 * self.width, 4 * self.width, 8 * self.width)
 
     @property
     def expansion(self) -> int:
@@ -49,8 +53,14 @@ FLAVORS: dict[str, ResNetArgs] = {
     "resnet101": ResNetArgs("bottleneck", (3, 4, 23, 3)),
     "resnet152": ResNetArgs("bottleneck", (3, 8, 36, 3)),
     # Fashion-MNIST: one gray channel, 10 classes, 28x28 images.
-    "fashion_mnist": ResNetArgs("basic", (2, 2, 2, 2), num_classes=10, in_channels=1, small_input=True),
+    "fashion_mnist": ResNetArgs("basic", (2, 2, 2, 2), num_classes=10, in_channels=1, small_input=True,
+                                image_size=28),
+    # A few seconds per hundred steps on a CPU: one block per stage, a quarter of the width.
+    "debug": ResNetArgs("basic", (1, 1, 1, 1), num_classes=10, in_channels=1, small_input=True,
+                        image_size=28, width=16),
 }
+
+register_image_family("resnet", FLAVORS)
 
 
 def _conv(cin: int, cout: int, kernel: int, stride: int = 1) -> nn.Conv2d:
@@ -112,14 +122,15 @@ class ResNet(nn.Module):
         super().__init__()
         self.args = args
         block = Bottleneck if args.block == "bottleneck" else BasicBlock
+        widths = args.widths
         if args.small_input:
-            self.conv1 = _conv(args.in_channels, WIDTHS[0], 3)
+            self.conv1 = _conv(args.in_channels, widths[0], 3)
         else:
-            self.conv1 = nn.Conv2d(args.in_channels, WIDTHS[0], 7, stride=2, padding=3, bias=False)
-        self.bn1 = nn.BatchNorm2d(WIDTHS[0])
+            self.conv1 = nn.Conv2d(args.in_channels, widths[0], 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
         self.maxpool = nn.Identity() if args.small_input else nn.MaxPool2d(3, stride=2, padding=1)
-        cin, stages = WIDTHS[0], []
-        for k, (width, count) in enumerate(zip(WIDTHS, args.layers)):
+        cin, stages = widths[0], []
+        for k, (width, count) in enumerate(zip(widths, args.layers)):
             blocks = []
             for j in range(count):
                 blocks.append(block(cin, width, 2 if (k > 0 and j == 0) else 1))
@@ -128,10 +139,18 @@ class ResNet(nn.Module):
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.fc = nn.Linear(cin, args.num_classes)
 
-    def init_weights(self) -> None:
+    def init_weights(self, seed: int | None = None) -> None:
         """He initialisation of convolutions (fan-out), BatchNorm at identity, the
         classifier as nn.Linear's default; with zero_init_residual each block's last
-        norm at 0."""
+        norm at 0. With `seed`, from that seed without disturbing the caller's RNG."""
+        device = next(self.parameters()).device
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [],
+                                   enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            self._init_params()
+
+    def _init_params(self) -> None:
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -144,6 +163,31 @@ class ResNet(nn.Module):
             for m in self.modules():
                 if isinstance(m, (BasicBlock, Bottleneck)):
                     nn.init.zeros_(m.last_norm.weight)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_image(self) -> int:
+        """Training FLOPs per image: 6 x the multiply-adds of convolutions and the classifier
+        (forward 2, backward 4), counted by running the shapes on the meta device."""
+        macs = 0
+
+        def count(module: nn.Module, _inputs: tuple, out: torch.Tensor) -> None:
+            nonlocal macs
+            if isinstance(module, nn.Conv2d):
+                k = module.kernel_size[0] * module.kernel_size[1] * module.in_channels // module.groups
+                macs += out.numel() * k
+            elif isinstance(module, nn.Linear):
+                macs += out.numel() * module.in_features
+
+        with torch.device("meta"):  # a shape-only copy: no memory, no arithmetic
+            probe = ResNet(self.args)
+        hooks = [m.register_forward_hook(count) for m in probe.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+        size = self.args.image_size
+        probe(torch.empty(1, self.args.in_channels, size, size, device="meta"))
+        for h in hooks:
+            h.remove()
+        return 6 * macs
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(F.relu(self.bn1(self.conv1(images))))
