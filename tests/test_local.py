@@ -184,6 +184,13 @@ def test_bad_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> N
     assert local.main(["--islands", "2,1", "--inject", "nan@3"]) == 2  # which island?
     assert local.main(["--help"]) == 0
     assert "--restart-after" in capsys.readouterr().out
+    # Island options that cannot parse stop the launcher before anything starts.
+    assert local.main(["--islands", "1", "--run-dir", "x"]) == 2  # --job.run_dir is meant
+    assert local.main(["--islands", "1", "--training.steps", "many"]) == 2
+    assert local.main(["--islands", "1", "--config", "no/such/config.toml"]) == 2
+    out = capsys.readouterr()
+    assert "lighthouse at" not in out.out + out.err
+    assert "--run-dir" in out.out + out.err and "no/such/config.toml" in out.err
 
 
 def test_slowdown_and_inject_reach_only_their_island(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -738,12 +738,26 @@ def _ignore_signals() -> None:
     _set_signals(signal.SIG_IGN)
 
 
+def _check_island_options(passthrough: list[str]) -> None:
+    """The options every island gets must at least parse (known keys, values of the right
+    type, a readable config file): a mistake stops here, before a lighthouse or an island
+    starts, instead of in every island. Validation is the islands' own (each names its
+    problems with its rank count)."""
+    from archipelago.config import load_config
+
+    load_config(passthrough, prog="archipelago local", validated=False)
+
+
 def main(argv: list[str]) -> int:
     """`archipelago local ARGS`; returns the exit code."""
     try:
         opts = parse_args(argv)
+        _check_island_options(opts.passthrough)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2, message printed)
         return exc.code if isinstance(exc.code, int) else 2
+    except ConfigError as exc:  # e.g. a config file that is not there
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         tty = sys.stdout.isatty()
     except (AttributeError, ValueError):
