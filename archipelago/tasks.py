@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from archipelago.checkpoint.hf import HFMismatch, read_hf_weights
 from archipelago.config import Config, ConfigError
 from archipelago.data import (
     ImageBatchLoader,
@@ -31,7 +32,14 @@ from archipelago.data import (
     validation_batches,
     validation_image_batches,
 )
-from archipelago.models import DEFAULT_VOCAB_SIZE, build_model, family_kind, get_image_model_args, get_model_args
+from archipelago.models import (
+    DEFAULT_VOCAB_SIZE,
+    ModelArgs,
+    build_model,
+    family_kind,
+    get_image_model_args,
+    get_model_args,
+)
 from archipelago.models.resnet import build_resnet
 
 # Models above this size are built on the meta device and initialised shard by shard;
@@ -84,6 +92,11 @@ class Task(ABC):
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean training loss of a batch."""
 
+    def initial_weights(self, folder: str) -> dict[str, torch.Tensor]:
+        """The full state dict of the model from a pretrained model directory (checkpoint.initial_load_path)."""
+        raise ConfigError(f"checkpoint.initial_load_path: {self.cfg.model.name} cannot start from a Hugging Face "
+                          "directory (language models only: llama3, qwen3)")
+
     def step_metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-batch values logged beside the loss (on the device; no host sync)."""
         return {}
@@ -101,6 +114,7 @@ class LanguageModelling(Task):
     """Next-token prediction on a tokenized text corpus (llama3, qwen3)."""
 
     dataset: PreparedDataset
+    args: ModelArgs  # set by build_model
 
     def prepare(self, log: Callable[[str], None]) -> None:
         self.dataset = prepare_from_config(self.cfg.data, self.cfg.training.seed, log=log)
@@ -114,6 +128,7 @@ class LanguageModelling(Task):
         if args.max_seq_len < self.cfg.data.seq_len:
             raise ConfigError(f"data.seq_len = {self.cfg.data.seq_len} exceeds the model's max_seq_len "
                               f"({args.max_seq_len}); lower --data.seq_len")
+        self.args = args
         model = build_model(args, device="meta")
         if args.num_params() < META_INIT_MIN_PARAMS:
             model.to_empty(device="cpu")
@@ -140,6 +155,12 @@ class LanguageModelling(Task):
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(outputs.flatten(0, 1).float(), targets.flatten())
+
+    def initial_weights(self, folder: str) -> dict[str, torch.Tensor]:
+        try:
+            return read_hf_weights(folder, self.cfg.model.name, self.args)
+        except HFMismatch as exc:
+            raise ConfigError(f"checkpoint.initial_load_path = {folder}: {exc}") from exc
 
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(outputs.flatten(0, 1).float(), targets.flatten(), reduction="sum")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
 from archipelago.config import Config, ConfigError, advice, config_to_dict, validate_for_island
@@ -238,7 +239,10 @@ class Trainer:
         return self.federation.saves_model(self.cfg.checkpoint.scope)
 
     def resume(self) -> None:
+        """Continue from the newest checkpoint; a fresh run starts from
+        checkpoint.initial_load_path when one is set."""
         if self.checkpointer is None or not self.cfg.checkpoint.resume:
+            self.load_initial_weights()
             return
         latest = self.checkpointer.latest_path()
         full = latest is None or _has_model(latest)
@@ -252,6 +256,19 @@ class Trainer:
             apply_optimizer_config(self.optimizer, self.lr_scheduler, self.cfg.optimizer)
             log.info("resumed from step %d (%s tokens)", self.progress.step, f"{self.progress.tokens:,}")
             self.metrics.event("resume", step=self.progress.step)
+        else:
+            self.load_initial_weights()
+
+    def load_initial_weights(self) -> None:
+        """Pretrained weights (a Hugging Face directory) into the freshly built model. Every
+        rank reads the full tensors on CPU and keeps its own shard (FSDP)."""
+        folder = self.cfg.checkpoint.initial_load_path
+        if not folder:
+            return
+        state: dict[str, Any] = dict(self.task.initial_weights(folder))
+        set_model_state_dict(self.model.module, state, options=StateDictOptions(full_state_dict=True))
+        log.info("started from the weights in %s", folder)
+        self.metrics.event("initial_load", path=folder)
 
     def save_checkpoint(self, final: bool = False) -> None:
         if self.checkpointer is None or not self.cfg.checkpoint.enable:

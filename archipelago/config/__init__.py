@@ -5,6 +5,7 @@ from archipelago.config.loading import (
     config_from_dict,
     config_to_dict,
     load_config,
+    load_run_config,
     load_toml,
     parse_overrides,
     split_config_flag,
@@ -27,6 +28,6 @@ from archipelago.config.validate import advice, validate, validate_for_island
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FaultToleranceConfig", "JobConfig",
     "LRSchedulerConfig", "MetricsConfig", "ModelConfig", "OptimizerConfig", "ParallelismConfig",
-    "TrainingConfig", "config_from_dict", "config_to_dict", "load_config", "load_toml",
+    "TrainingConfig", "config_from_dict", "config_to_dict", "load_run_config", "load_config", "load_toml",
     "parse_overrides", "split_config_flag", "advice", "validate", "validate_for_island",
 ]

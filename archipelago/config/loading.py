@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import types
 import typing
@@ -158,3 +159,18 @@ def load_config(argv: list[str], prog: str = "archipelago train",
 def config_to_dict(cfg: Config) -> dict[str, Any]:
     """Plain nested dict of a Config (for config.json in the run directory)."""
     return dataclasses.asdict(cfg)
+
+
+def load_run_config(path: str | Path) -> Config:
+    """The Config a run wrote to RUN_DIR/config.json (`config_to_dict`; its nulls are unset
+    keys, which TOML has no word for)."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable run config ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: not a run config (a JSON object of sections)")
+    tables = {name: {k: v for k, v in table.items() if v is not None} if isinstance(table, dict) else table
+              for name, table in raw.items()}
+    return config_from_dict(tables, str(path))

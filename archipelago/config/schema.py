@@ -128,6 +128,8 @@ class CheckpointConfig:
     """Resume from the newest usable checkpoint in `folder` when one exists."""
     verify: bool = True
     """Check SHA-256 of every checkpoint file before loading (costs one read of the checkpoint)."""
+    initial_load_path: str = ""
+    """A Hugging Face model directory (config.json + *.safetensors, as `huggingface-cli download` leaves it) whose weights a fresh run starts from; ignored when the run resumes from its own checkpoint. Its config.json must describe the chosen flavor (the error names each differing field); language models (llama3, qwen3) only."""
     scope: Literal["island", "leader"] = "island"
     """In a federation: `island` makes every island save its whole state; `leader` lets only the lowest live island save the model (the others save their data position only)."""
 

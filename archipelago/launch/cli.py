@@ -38,6 +38,8 @@ commands:
   models         list every model family and flavor with its parameter count
   report RUN_DIR write a loss plot and a Markdown summary of a run (or a federation);
                  --baseline RUN_DIR puts another run's final val loss beside it
+  export RUN_DIR OUT --format hf
+                 write the run's newest checkpoint as a Hugging Face model directory
   config         `config reference` prints the configuration reference;
                  `config show [--config FILE] [overrides]` prints the resolved config
   secret new     print a new federation secret (`archipelago secret new > fed.key`)
@@ -374,6 +376,12 @@ def cmd_local(argv: list[str]) -> int:
     return run_local(argv)
 
 
+def cmd_export(argv: list[str]) -> int:
+    from archipelago.launch.export import main as run_export
+
+    return run_export(argv)
+
+
 def cmd_config(argv: list[str]) -> int:
     if argv and argv[0] == "reference":
         from archipelago.config.reference import reference_markdown
@@ -392,7 +400,7 @@ def cmd_config(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train, "data": cmd_data, "models": cmd_models, "report": cmd_report,
-    "config": cmd_config, "lighthouse": cmd_lighthouse, "local": cmd_local, "secret": cmd_secret,
+    "config": cmd_config, "export": cmd_export, "lighthouse": cmd_lighthouse, "local": cmd_local, "secret": cmd_secret,
 }
 
 

@@ -1,0 +1,87 @@
+"""`archipelago export RUN_DIR OUT --format hf`: a run's newest checkpoint as a Hugging Face directory.
+
+The run's own config.json says which model to build; the newest usable checkpoint of the
+run (its manifest checked, and its signature when the run has a federation key) fills it;
+checkpoint/hf.py writes it under transformers' names with its config, generation config
+and the run's tokenizer, so `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads
+it with the same outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from archipelago.config import ConfigError, load_run_config
+
+HELP = """\
+Write the newest checkpoint of RUN_DIR as a Hugging Face model directory OUT: config.json,
+model.safetensors (shards with an index above --max-shard-gb), generation_config.json and
+the run's tokenizer.json. Language models (llama3, qwen3) only. For a federation, export one
+island's directory (RUN_DIR/island-0): after the last outer step every island holds the same
+global weights.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="archipelago export", description=HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run directory (holds config.json)")
+    p.add_argument("out", metavar="OUT", type=Path, help="the directory to write (created)")
+    p.add_argument("--format", choices=["hf"], default="hf", help="hf: a transformers model directory")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of the written weights (training keeps fp32 weights; bfloat16 halves the size)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file before sharding")
+    return p
+
+
+def _run_config(run_dir: Path):  # noqa: ANN202 - a Config
+    path = run_dir / "config.json"
+    if not path.is_file():
+        islands = sorted(p.name for p in run_dir.glob("island-*") if (p / "config.json").is_file())
+        hint = f"; a federation run: export one island, e.g. {run_dir / islands[0]}" if islands else ""
+        raise ConfigError(f"{run_dir} holds no config.json: not a run directory{hint}")
+    return load_run_config(path)
+
+
+def export_hf(run_dir: Path, out: Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30) -> int:
+    """Write RUN_DIR's newest checkpoint to OUT; returns the step it came from."""
+    from archipelago.checkpoint import CheckpointManager, ModelOptimizerState
+    from archipelago.checkpoint.hf import HF_FAMILIES, write_hf
+    from archipelago.data import eos_id, load_tokenizer
+    from archipelago.federation.trust import load_key
+    from archipelago.tasks import LanguageModelling, build_task
+
+    cfg = _run_config(run_dir)
+    task = build_task(cfg)
+    if not isinstance(task, LanguageModelling) or cfg.model.name not in HF_FAMILIES:
+        raise ConfigError(f"--format hf: {cfg.model.name} has no Hugging Face mapping (llama3, qwen3 have)")
+    task.prepare(lambda _m: None)  # the run's tokenizer (cached)
+    model = task.build_model().module
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device="cpu")
+    c = cfg.checkpoint
+    folder = Path(c.folder) if Path(c.folder).is_absolute() else run_dir / c.folder
+    key = load_key(cfg.federation_security.key_file)
+    manager = CheckpointManager(folder, keep=0, rank=0, world_size=1, verify=c.verify,
+                                manifest_key=key.manifest_key() if key is not None else None)
+    step = manager.load_latest({"train": ModelOptimizerState(model)})
+    if step is None:
+        raise ConfigError(f"{folder}: no usable checkpoint to export (train with checkpoint.enable)")
+    tokenizer = task.dataset.tokenizer_path
+    write_hf(out, cfg.model.name, task.args, model.state_dict(), dtype, tokenizer=tokenizer,
+             eos_token_id=eos_id(load_tokenizer(tokenizer)), max_shard_bytes=max_shard_bytes)
+    return step
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        step = export_hf(args.run_dir, args.out, args.dtype, int(args.max_shard_gb * 2**30))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out} (step {step} of {args.run_dir}, {args.dtype}): "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r}) loads it")
+    return 0
