@@ -104,6 +104,13 @@ def test_a_trained_run_exports_and_a_new_run_starts_from_the_export(shakespeare,
         p.name for p in (tmp_path / "hf").iterdir()}
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     assert theirs.config.eos_token_id == shakespeare_eos(shakespeare)
+    # Text from the run directory (its checkpoint) and from the export: the same weights, the same words.
+    texts = []
+    for source in (tmp_path / "first", tmp_path / "hf"):
+        said = run_cli_here(["generate", str(source), "--prompt", "ROMEO:", "--greedy", "--max-new-tokens", "8"])
+        assert said.returncode == 0 and said.output.startswith("ROMEO:"), said.output[-2000:]
+        texts.append(said.output)
+    assert texts[0] == texts[1] and len(texts[0]) > len("ROMEO:\n")
 
     second = run_cli_here(["train", *tiny, "--checkpoint.initial_load_path", str(tmp_path / "hf"),
                            "--job.run_dir", str(tmp_path / "second")])
@@ -144,3 +151,20 @@ def test_published_shapes_have_transformers_parameter_counts(family, flavor):
     with torch.device("meta"):  # shapes only
         theirs = transformers.AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in theirs.parameters()) == args.num_params()
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_greedy_generation_equals_transformers_generate(family, tmp_path):
+    from archipelago.models.generation import generate
+
+    args, model = _ours(family)
+    with torch.no_grad():  # livelier than the initial weights, whose greedy text repeats one token
+        generator = torch.Generator().manual_seed(3)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        write_hf(tmp_path / "hf", family, args, model.state_dict()), dtype=torch.float32).eval()
+    prompt = [3, 17, 101, 7, 250]
+    ours = generate(model, prompt, 20)
+    want = theirs.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
+    assert ours == want and len(set(ours)) > 3, (ours, want)

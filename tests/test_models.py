@@ -279,3 +279,30 @@ def test_flops_per_token() -> None:
     # Tying does not remove the output matmul, so FLOPs are shape-only.
     tied = replace(args, tie_embeddings=True)
     assert tied.flops_per_token(128) == args.flops_per_token(128) > 0
+
+
+def test_kv_cache_decoding_equals_the_full_forward() -> None:
+    args = get_model_args("qwen3", "debug", vocab_size=128)
+    model = build_model(args, device="cpu").eval()
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(tokens)
+        caches = model.new_caches(2, 12)
+        parts = [model(tokens[:, :5], caches),      # the prompt at once (causal)
+                 model(tokens[:, 5:9], caches),     # a chunk after cached positions (explicit mask)
+                 *[model(tokens[:, t:t + 1], caches) for t in range(9, 12)]]  # one token at a time
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=1e-5)
+    assert caches[0].length == 12
+    with pytest.raises(ValueError, match="KV cache holds 12 positions"):
+        model(tokens[:, :1], caches)
+
+
+def test_top_p_samples_only_from_the_nucleus() -> None:
+    from archipelago.models.generation import pick
+
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    generator = torch.Generator().manual_seed(0)
+    assert pick(logits, 0.0, 1.0, None) == 0
+    drawn = {pick(logits, 1.0, 0.7, generator) for _ in range(300)}
+    assert drawn == {0, 1}  # 0.5 + 0.3 reaches 0.7; the third token never comes
+    assert {pick(logits, 1.0, 1.0, generator) for _ in range(400)} == {0, 1, 2, 3}

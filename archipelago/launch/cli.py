@@ -40,6 +40,9 @@ commands:
                  --baseline RUN_DIR puts another run's final val loss beside it
   export RUN_DIR OUT --format hf
                  write the run's newest checkpoint as a Hugging Face model directory
+  generate SOURCE --prompt TEXT
+                 text from a run directory or a Hugging Face directory (KV cache;
+                 --greedy, or --temperature T --top-p P; --max-new-tokens N)
   config         `config reference` prints the configuration reference;
                  `config show [--config FILE] [overrides]` prints the resolved config
   secret new     print a new federation secret (`archipelago secret new > fed.key`)
@@ -382,6 +385,12 @@ def cmd_export(argv: list[str]) -> int:
     return run_export(argv)
 
 
+def cmd_generate(argv: list[str]) -> int:
+    from archipelago.launch.generate import main as run_generate
+
+    return run_generate(argv)
+
+
 def cmd_config(argv: list[str]) -> int:
     if argv and argv[0] == "reference":
         from archipelago.config.reference import reference_markdown
@@ -400,7 +409,8 @@ def cmd_config(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train, "data": cmd_data, "models": cmd_models, "report": cmd_report,
-    "config": cmd_config, "export": cmd_export, "lighthouse": cmd_lighthouse, "local": cmd_local, "secret": cmd_secret,
+    "config": cmd_config, "export": cmd_export, "generate": cmd_generate, "lighthouse": cmd_lighthouse,
+    "local": cmd_local, "secret": cmd_secret,
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from archipelago.config import ConfigError, load_run_config
 
@@ -45,18 +46,18 @@ def _run_config(run_dir: Path):  # noqa: ANN202 - a Config
     return load_run_config(path)
 
 
-def export_hf(run_dir: Path, out: Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30) -> int:
-    """Write RUN_DIR's newest checkpoint to OUT; returns the step it came from."""
+def load_run(run_dir: Path) -> tuple[Any, Any, Any, int]:
+    """(config, task, model on CPU, step) of RUN_DIR's newest usable checkpoint of a language
+    model with a Hugging Face mapping (ConfigError naming the problem otherwise)."""
     from archipelago.checkpoint import CheckpointManager, ModelOptimizerState
-    from archipelago.checkpoint.hf import HF_FAMILIES, write_hf
-    from archipelago.data import eos_id, load_tokenizer
+    from archipelago.checkpoint.hf import HF_FAMILIES
     from archipelago.federation.trust import load_key
     from archipelago.tasks import LanguageModelling, build_task
 
     cfg = _run_config(run_dir)
     task = build_task(cfg)
     if not isinstance(task, LanguageModelling) or cfg.model.name not in HF_FAMILIES:
-        raise ConfigError(f"--format hf: {cfg.model.name} has no Hugging Face mapping (llama3, qwen3 have)")
+        raise ConfigError(f"{cfg.model.name} is not a language model with a Hugging Face mapping (llama3, qwen3)")
     task.prepare(lambda _m: None)  # the run's tokenizer (cached)
     model = task.build_model().module
     if any(p.is_meta for p in model.parameters()):
@@ -68,7 +69,16 @@ def export_hf(run_dir: Path, out: Path, dtype: str = "float32", max_shard_bytes:
                                 manifest_key=key.manifest_key() if key is not None else None)
     step = manager.load_latest({"train": ModelOptimizerState(model)})
     if step is None:
-        raise ConfigError(f"{folder}: no usable checkpoint to export (train with checkpoint.enable)")
+        raise ConfigError(f"{folder}: no usable checkpoint (train with checkpoint.enable)")
+    return cfg, task, model, step
+
+
+def export_hf(run_dir: Path, out: Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30) -> int:
+    """Write RUN_DIR's newest checkpoint to OUT; returns the step it came from."""
+    from archipelago.checkpoint.hf import write_hf
+    from archipelago.data import eos_id, load_tokenizer
+
+    cfg, task, model, step = load_run(run_dir)
     tokenizer = task.dataset.tokenizer_path
     write_hf(out, cfg.model.name, task.args, model.state_dict(), dtype, tokenizer=tokenizer,
              eos_token_id=eos_id(load_tokenizer(tokenizer)), max_shard_bytes=max_shard_bytes)

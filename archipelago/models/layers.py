@@ -109,6 +109,27 @@ def _init_linear(linear: nn.Linear, std: float) -> None:
     nn.init.trunc_normal_(linear.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
+class KVCache:
+    """Keys and values of the positions seen so far, for generation: one layer's
+    [batch, kv_heads, max_len, head_dim] buffers and how many positions they hold."""
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.k = torch.zeros(batch, kv_heads, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v [B, H, T, D]; return all keys and values so far."""
+        end = self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; {end} needed (raise max_len)")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention with optional per-head QK RMSNorm (Qwen3)."""
 
@@ -128,7 +149,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
@@ -140,13 +162,17 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        start = 0
+        if cache is not None:  # generation: attend to the cached positions too
+            start = cache.length
+            k, v = cache.extend(k, v)
         n_rep = self.n_heads // self.n_kv_heads
         if n_rep > 1:
             # Explicit repeat (query head h reads kv head h // n_rep) works on
             # every SDPA backend, unlike enable_gqa.
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, **_causal(start, seqlen, q.device))
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim)
         return self.wo(out)
 
@@ -157,6 +183,17 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             self.q_norm.init_weights()
             self.k_norm.init_weights()
+
+
+def _causal(start: int, seqlen: int, device: torch.device) -> dict:
+    """SDPA's causal masking for queries at positions start..start+seqlen-1 over keys 0..end."""
+    if start == 0:
+        return {"is_causal": True}
+    if seqlen == 1:  # one new token sees every cached one
+        return {}
+    keys = torch.arange(start + seqlen, device=device)
+    queries = torch.arange(start, start + seqlen, device=device)
+    return {"attn_mask": keys[None, :] <= queries[:, None]}
 
 
 class FeedForward(nn.Module):
@@ -188,8 +225,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, std: float, out_std: float) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .args import ModelArgs
-from .layers import RMSNorm, TransformerBlock, precompute_rope
+from .layers import KVCache, RMSNorm, TransformerBlock, precompute_rope
 
 INIT_STD = 0.02
 
@@ -59,20 +59,32 @@ class Transformer(nn.Module):
         self._tie_weights()
         return module
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] (int64) -> logits [B, T, vocab] in the parameter dtype."""
-        seqlen = tokens.shape[1]
-        if seqlen > self.args.max_seq_len:
+    def forward(self, tokens: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+        """tokens [B, T] (int64) -> logits [B, T, vocab] in the parameter dtype.
+
+        With `caches` (one KVCache per layer, from `new_caches`; generation) the tokens
+        continue the cached positions, and their keys and values are added to the caches."""
+        start = caches[0].length if caches else 0
+        end = start + tokens.shape[1]
+        if end > self.args.max_seq_len:
             raise ValueError(
-                f"sequence length {seqlen} exceeds max_seq_len {self.args.max_seq_len}; "
+                f"sequence length {end} exceeds max_seq_len {self.args.max_seq_len}; "
                 "raise ModelArgs.max_seq_len or shorten the batch"
             )
-        cos = self.rope_cos[:seqlen]
-        sin = self.rope_sin[:seqlen]
+        cos = self.rope_cos[start:end]
+        sin = self.rope_sin[start:end]
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        for k, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, caches[k]) if caches else layer(h, cos, sin)
         return self.output(self.norm(h))
+
+    def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
+        """Empty KV caches, one per layer, for up to `max_len` positions."""
+        a = self.args
+        assert a.head_dim is not None and a.n_kv_heads is not None
+        weight = self.tok_embeddings.weight
+        return [KVCache(batch, a.n_kv_heads, min(max_len, a.max_seq_len), a.head_dim, weight.device, weight.dtype)
+                for _ in range(a.n_layers)]
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
