@@ -95,11 +95,15 @@ class Task(ABC):
     def initial_weights(self, folder: str) -> dict[str, torch.Tensor]:
         """The full state dict of the model from a pretrained model directory (checkpoint.initial_load_path)."""
         raise ConfigError(f"checkpoint.initial_load_path: {self.cfg.model.name} cannot start from a Hugging Face "
-                          "directory (language models only: llama3, qwen3)")
+                          "directory (language models only: llama3, qwen3, gpt_oss)")
 
-    def step_metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    def step_metrics(self, outputs: torch.Tensor, targets: torch.Tensor, model: nn.Module) -> dict[str, torch.Tensor]:
         """Per-batch values logged beside the loss (on the device; no host sync)."""
         return {}
+
+    def auxiliary_loss(self, model: nn.Module) -> torch.Tensor | None:
+        """A loss the model itself adds to the task's (a mixture of experts' balancing loss)."""
+        return None
 
     @abstractmethod
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -111,7 +115,7 @@ class Task(ABC):
 
 
 class LanguageModelling(Task):
-    """Next-token prediction on a tokenized text corpus (llama3, qwen3)."""
+    """Next-token prediction on a tokenized text corpus (llama3, qwen3, gpt_oss)."""
 
     dataset: PreparedDataset
     args: ModelArgs  # set by build_model
@@ -155,6 +159,22 @@ class LanguageModelling(Task):
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(outputs.flatten(0, 1).float(), targets.flatten())
+
+    def auxiliary_loss(self, model: nn.Module) -> torch.Tensor | None:
+        aux = getattr(model, "aux_loss", None)
+        coef = self.cfg.model.aux_loss_coef
+        return coef * aux if isinstance(aux, torch.Tensor) and coef else None
+
+    def step_metrics(self, outputs: torch.Tensor, targets: torch.Tensor, model: nn.Module) -> dict[str, torch.Tensor]:
+        """For a mixture of experts: the balancing loss and the busiest expert's load over
+        the mean load (1 = balanced), the worst layer's."""
+        expert_load = getattr(model, "expert_load", None)
+        if expert_load is None:
+            return {}
+        load = expert_load().float()
+        aux: torch.Tensor = model.aux_loss  # type: ignore[assignment]  # set with expert_load by the forward
+        return {"aux_loss": aux.detach(),
+                "expert_load_max": (load.max(1).values / load.mean(1)).max()}
 
     def initial_weights(self, folder: str) -> dict[str, torch.Tensor]:
         try:
@@ -210,7 +230,7 @@ class ImageClassification(Task):
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(outputs.float(), targets)
 
-    def step_metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    def step_metrics(self, outputs: torch.Tensor, targets: torch.Tensor, model: nn.Module) -> dict[str, torch.Tensor]:
         return {"accuracy": (outputs.argmax(-1) == targets).float().mean()}
 
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

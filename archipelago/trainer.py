@@ -416,9 +416,10 @@ class Trainer:
             with self.model.gradient_sync(i == len(batches) - 1), self.model.autocast():
                 outputs = self.model.module(inputs)
                 loss = self.task.loss(outputs, targets)
-            (loss / len(batches)).backward()
             total += loss.detach() / len(batches)
-            for name, value in self.task.step_metrics(outputs.detach(), targets).items():
+            aux = self.task.auxiliary_loss(self.model.inner)  # e.g. the experts' balancing loss
+            ((loss if aux is None else loss + aux) / len(batches)).backward()
+            for name, value in self.task.step_metrics(outputs.detach(), targets, self.model.inner).items():
                 extra[name] = extra.get(name, 0) + value / len(batches)
         grad_norm = self.clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]

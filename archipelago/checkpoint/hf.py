@@ -27,9 +27,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from archipelago.models.args import ModelArgs, RopeScaling
+from archipelago.models.gpt_oss import GptOssArgs, YarnScaling
 
 # family -> (config.json model_type, architecture class)
-HF_FAMILIES = {"llama3": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+HF_FAMILIES = {"llama3": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+               "gpt_oss": ("gpt_oss", "GptOssForCausalLM")}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,16 +51,33 @@ _BLOCK_NAMES = {  # ours (under layers.N.) -> transformers' (under model.layers.
 }
 
 
+_GPT_OSS_NAMES = {  # ours (under layers.N.) -> transformers' (under model.layers.N.)
+    "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.sinks": "self_attn.sinks",
+    "moe.router.weight": "mlp.router.weight", "moe.router.bias": "mlp.router.bias",
+    "moe.experts.gate_up": "mlp.experts.gate_up_proj", "moe.experts.gate_up_bias": "mlp.experts.gate_up_proj_bias",
+    "moe.experts.down": "mlp.experts.down_proj", "moe.experts.down_bias": "mlp.experts.down_proj_bias",
+    **{f"attention.{ours}.{kind}": f"self_attn.{theirs}.{kind}" for ours, theirs in
+       (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")) for kind in ("weight", "bias")},
+}
+
+Args = ModelArgs | GptOssArgs
+
+
 class HFMismatch(ValueError):
     """A Hugging Face directory that does not hold the chosen model."""
 
 
-def hf_names(args: ModelArgs) -> dict[str, str]:
+def hf_names(args: Args) -> dict[str, str]:
     """Our parameter name -> transformers' name, for every parameter the model saves
     (a tied output layer is the embedding, saved once)."""
     names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not args.tie_embeddings:
         names["output.weight"] = "lm_head.weight"
+    if isinstance(args, GptOssArgs):
+        for i in range(args.n_layers):
+            names.update({f"layers.{i}.{a}": f"model.layers.{i}.{b}" for a, b in _GPT_OSS_NAMES.items()})
+        return names
     for i in range(args.n_layers):
         for ours, theirs in _BLOCK_NAMES.items():
             if "_norm" in ours and ours.startswith("attention.") and not args.qk_norm:
@@ -67,10 +86,12 @@ def hf_names(args: ModelArgs) -> dict[str, str]:
     return names
 
 
-def hf_config(family: str, args: ModelArgs, dtype: str = "float32", eos_token_id: int | None = None,
+def hf_config(family: str, args: Args, dtype: str = "float32", eos_token_id: int | None = None,
               bos_token_id: int | None = None) -> dict[str, Any]:
     """transformers' config.json for `args` of `family`."""
     model_type, architecture = _family(family)
+    if isinstance(args, GptOssArgs):
+        return _gpt_oss_config(args, architecture, dtype, eos_token_id, bos_token_id)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling is not None:
         s = args.rope_scaling
@@ -93,12 +114,59 @@ def hf_config(family: str, args: ModelArgs, dtype: str = "float32", eos_token_id
     return config
 
 
+def _gpt_oss_config(args: GptOssArgs, architecture: str, dtype: str, eos_token_id: int | None,
+                    bos_token_id: int | None) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.yarn is not None:
+        y = args.yarn
+        rope.update(rope_type="yarn", factor=y.factor, beta_fast=y.beta_fast, beta_slow=y.beta_slow, truncate=False,
+                    original_max_position_embeddings=y.original_max_seq_len)
+    return {
+        "architectures": [architecture], "model_type": "gpt_oss", "vocab_size": args.vocab_size,
+        "hidden_size": args.dim, "intermediate_size": args.ffn_dim, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "num_local_experts": args.n_experts, "num_experts_per_tok": args.top_k, "sliding_window": args.sliding_window,
+        "layer_types": ["sliding_attention" if k % 2 == 0 else "full_attention" for k in range(args.n_layers)],
+        "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps, "rope_parameters": rope,
+        "swiglu_limit": args.swiglu_limit, "attention_bias": True, "tie_word_embeddings": args.tie_embeddings,
+        "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "dtype": dtype, "use_cache": True,
+    }
+
+
+def _gpt_oss_fields(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("quantization_config"):  # the published checkpoints store experts in MXFP4 blocks
+        raise HFMismatch("config.json describes quantized (MXFP4) experts; save a dequantized copy first "
+                         "(transformers: from_pretrained with Mxfp4Config(dequantize=True), then save_pretrained)")
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    yarn = None
+    if rope.get("rope_type", "default") == "yarn":
+        yarn = YarnScaling(float(rope["factor"]), float(rope.get("beta_fast", 32.0)),
+                           float(rope.get("beta_slow", 1.0)), int(rope["original_max_position_embeddings"]))
+    layer_types = config.get("layer_types")
+    layers = int(config["num_hidden_layers"])
+    expected = ["sliding_attention" if k % 2 == 0 else "full_attention" for k in range(layers)]
+    if layer_types is not None and list(layer_types) != expected:
+        raise HFMismatch("config.json's layer_types are not sliding/full alternating from layer 0, as gpt_oss has")
+    return {
+        "dim": int(config["hidden_size"]), "n_layers": int(config["num_hidden_layers"]),
+        "n_heads": int(config["num_attention_heads"]), "n_kv_heads": int(config["num_key_value_heads"]),
+        "head_dim": int(config["head_dim"]), "vocab_size": int(config["vocab_size"]),
+        "ffn_dim": int(config["intermediate_size"]), "n_experts": int(config["num_local_experts"]),
+        "top_k": int(config["num_experts_per_tok"]), "sliding_window": int(config["sliding_window"]),
+        "norm_eps": float(config["rms_norm_eps"]), "rope_theta": float(rope.get("rope_theta", 150000.0)),
+        "yarn": yarn, "swiglu_limit": float(config.get("swiglu_limit", 7.0)),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+    }
+
+
 def args_from_hf_config(config: dict[str, Any], family: str) -> dict[str, Any]:
     """The ModelArgs fields a transformers config.json describes (HFMismatch when it is not
     a `family` model or uses what our models do not have)."""
     model_type, _ = _family(family)
     if config.get("model_type") != model_type:
         raise HFMismatch(f"config.json is a {config.get('model_type')!r} model, not {model_type!r} ({family})")
+    if family == "gpt_oss":
+        return _gpt_oss_fields(config)
     for unsupported in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if config.get(unsupported):
             raise HFMismatch(f"config.json sets {unsupported} = true, which {family} does not have")
@@ -124,7 +192,7 @@ def args_from_hf_config(config: dict[str, Any], family: str) -> dict[str, Any]:
     }
 
 
-def check_hf_config(config: dict[str, Any], family: str, args: ModelArgs) -> None:
+def check_hf_config(config: dict[str, Any], family: str, args: Args) -> None:
     """HFMismatch naming every field where the directory's model differs from `args`."""
     theirs = args_from_hf_config(config, family)
     differing = [f"{name}: {value!r} in config.json, {getattr(args, name)!r} in the flavor"
@@ -163,7 +231,7 @@ def _weight_files(folder: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no iterator
 
 
-def read_hf_weights(folder: str | Path, family: str, args: ModelArgs) -> dict[str, torch.Tensor]:
+def read_hf_weights(folder: str | Path, family: str, args: Args) -> dict[str, torch.Tensor]:
     """Our state dict (float32, CPU; every key of the model's state_dict) from a Hugging
     Face directory of a `family` model of shape `args`; only the files holding the
     tensors the model needs are opened."""
@@ -201,7 +269,7 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> Iterator[dict[s
         yield shard
 
 
-def write_hf(out: str | Path, family: str, args: ModelArgs, state: dict[str, torch.Tensor],
+def write_hf(out: str | Path, family: str, args: Args, state: dict[str, torch.Tensor],
              dtype: str = "float32", tokenizer: Path | None = None, eos_token_id: int | None = None,
              max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write `state` (our names) as a transformers directory `out` and return it."""

@@ -17,9 +17,11 @@ class ModelConfig:
     """Which network to train."""
 
     name: str = "llama3"
-    """Model family: `llama3` or `qwen3` (language models), or `resnet` (image classification, with `data.dataset = "fashion_mnist"`); `archipelago models` lists them."""
+    """Model family: `llama3`, `qwen3` or `gpt_oss` (language models), or `resnet` (image classification, with `data.dataset = "fashion_mnist"`); `archipelago models` lists them."""
     flavor: str = "debug"
     """Named size within the family: `debug`, `small`, or a published shape such as `8B`; for `resnet`, `debug`, `fashion_mnist` (ResNet-18 for 28x28 images) or `resnet18` ... `resnet152`."""
+    aux_loss_coef: float = 0.01
+    """Mixture-of-experts families (`gpt_oss`): weight of the load-balancing loss (experts x sum of each expert's share of the routed tokens x its mean router probability; 1 when balanced) added to the training loss."""
 
 
 @dataclass
@@ -129,7 +131,7 @@ class CheckpointConfig:
     verify: bool = True
     """Check SHA-256 of every checkpoint file before loading (costs one read of the checkpoint)."""
     initial_load_path: str = ""
-    """A Hugging Face model directory (config.json + *.safetensors, as `huggingface-cli download` leaves it) whose weights a fresh run starts from; ignored when the run resumes from its own checkpoint. Its config.json must describe the chosen flavor (the error names each differing field); language models (llama3, qwen3) only."""
+    """A Hugging Face model directory (config.json + *.safetensors, as `huggingface-cli download` leaves it) whose weights a fresh run starts from; ignored when the run resumes from its own checkpoint. Its config.json must describe the chosen flavor (the error names each differing field); language models (llama3, qwen3, gpt_oss) only."""
     scope: Literal["island", "leader"] = "island"
     """In a federation: `island` makes every island save its whole state; `leader` lets only the lowest live island save the model (the others save their data position only)."""
 

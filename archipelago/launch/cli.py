@@ -321,6 +321,12 @@ def cmd_models(argv: list[str]) -> int:
         print(f"{family:<8} {flavor:<7} {args.num_params():>16,} {args.dim:>6} {args.n_layers:>6} "
               f"{args.n_heads:>5} {args.n_kv_heads:>3} {vocab:>7} {args.flops_per_token(2048):>16.3e}")
     print(f"\n* vocabulary taken from the tokenizer at train time; counted here with {DEFAULT_VOCAB_SIZE}")
+    from archipelago.models.gpt_oss import GptOssArgs
+
+    for family, flavor, moe in list_flavors():
+        if isinstance(moe, GptOssArgs):  # a mixture of experts
+            print(f"  {family}/{flavor}: {moe.n_experts} experts, top-{moe.top_k}: "
+                  f"{moe.num_active_params():,} parameters active per token (the embedding table left out)")
     _print_image_flavors()
     return 0
 

@@ -19,7 +19,7 @@ from archipelago.config import ConfigError, load_run_config
 HELP = """\
 Write the newest checkpoint of RUN_DIR as a Hugging Face model directory OUT: config.json,
 model.safetensors (shards with an index above --max-shard-gb), generation_config.json and
-the run's tokenizer.json. Language models (llama3, qwen3) only. For a federation, export one
+the run's tokenizer.json. Language models (llama3, qwen3, gpt_oss) only. For a federation, export one
 island's directory (RUN_DIR/island-0): after the last outer step every island holds the same
 global weights.
 """
@@ -57,7 +57,8 @@ def load_run(run_dir: Path) -> tuple[Any, Any, Any, int]:
     cfg = _run_config(run_dir)
     task = build_task(cfg)
     if not isinstance(task, LanguageModelling) or cfg.model.name not in HF_FAMILIES:
-        raise ConfigError(f"{cfg.model.name} is not a language model with a Hugging Face mapping (llama3, qwen3)")
+        raise ConfigError(f"{cfg.model.name} is not a language model with a Hugging Face mapping "
+                          "(llama3, qwen3, gpt_oss)")
     task.prepare(lambda _m: None)  # the run's tokenizer (cached)
     model = task.build_model().module
     if any(p.is_meta for p in model.parameters()):

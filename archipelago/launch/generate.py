@@ -46,9 +46,9 @@ def load_hf_model(folder: Path) -> tuple[Any, Path]:
     config = read_hf_config(folder)
     families = {model_type: family for family, (model_type, _) in HF_FAMILIES.items()}
     family = families.get(str(config.get("model_type")))
-    if family is None:
-        raise ConfigError(f"{folder}: a {config.get('model_type')!r} model; generate reads "
-                          f"{', '.join(families)} Hugging Face directories")
+    if family is None or family == "gpt_oss":
+        raise ConfigError(f"{folder}: a {config.get('model_type')!r} model; generate reads llama and qwen3 "
+                          "Hugging Face directories")
     args = ModelArgs(**args_from_hf_config(config, family), qk_norm=family == "qwen3",
                      max_seq_len=int(config.get("max_position_embeddings", 2048)))
     model = build_model(args, device="meta")
@@ -67,7 +67,9 @@ def _load(source: Path) -> tuple[Any, Path]:
         return load_hf_model(source)
     from archipelago.launch.export import load_run
 
-    _cfg, task, model, _step = load_run(source)
+    cfg, task, model, _step = load_run(source)
+    if not hasattr(model, "new_caches"):
+        raise ConfigError(f"{source}: generation covers llama3 and qwen3 (a KV cache); not {cfg.model.name} yet")
     return model, task.dataset.tokenizer_path
 
 

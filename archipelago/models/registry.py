@@ -22,15 +22,22 @@ M = TypeVar("M", bound=torch.nn.Module)
 DEFAULT_VOCAB_SIZE = 4096
 
 FAMILIES: dict[str, dict[str, ModelArgs]] = {}
+# Families whose args are not ModelArgs say how to build their model (args type -> builder).
+BUILDERS: dict[type, Callable[[Any], torch.nn.Module]] = {}
 IMAGE_FAMILIES: dict[str, dict[str, Any]] = {}
 
 
-def register_family(name: str, flavors: dict[str, ModelArgs]) -> None:
-    """Register a model family; re-registering the same dict is a no-op."""
+def register_family(name: str, flavors: dict[str, ModelArgs],
+                    builder: Callable[[Any], torch.nn.Module] | None = None) -> None:
+    """Register a language-model family; re-registering the same dict is a no-op. A family
+    whose flavors are not ModelArgs (GPT-OSS) gives the `builder` of its model."""
     existing = FAMILIES.get(name)
     if existing is not None and existing is not flavors:
         raise ValueError(f"model family {name!r} is already registered; pick another name")
     FAMILIES[name] = flavors
+    if builder is not None:
+        for args in flavors.values():
+            BUILDERS[type(args)] = builder
 
 
 def register_image_family(name: str, flavors: dict[str, Any]) -> None:
@@ -101,7 +108,8 @@ def build_on(device: str | torch.device, make: Callable[[], M]) -> M:
 
 def build_model(args: ModelArgs, device: str | torch.device = "meta") -> Transformer:
     """Construct under `device`; off meta, parameters are also initialised."""
-    return build_on(device, lambda: Transformer(args))
+    builder = BUILDERS.get(type(args), Transformer)
+    return build_on(device, lambda: builder(args))  # type: ignore[return-value]
 
 
 def list_flavors(
