@@ -5,8 +5,13 @@ one process; each is timed over the same number of steady-state steps after a wa
 and the two alternate for several repeats so drift in machine speed hits both. Prints
 a table (ratio first) and writes JSON with --out.
 
-    python bench/throughput.py [--flavor debug] [--steps 30] [--repeats 3] [--out FILE]
+    python bench/throughput.py [--model llama3] [--flavor debug] [--steps 30] [--repeats 3] [--out FILE]
     python bench/throughput.py --device cuda --flavor small --batch-size 16   # on a GPU
+    python bench/throughput.py --model gpt_oss                               # + the experts' kernels
+
+With `--model gpt_oss` a second table compares the dropless batched experts (one batched
+matmul per projection over all experts) with a Python loop over experts on the same
+routed tokens, forward and backward, in the same run.
 
 On CUDA both loops compute in bf16 (the trainer's `mixed_precision = "auto"`), the
 minimal one under `torch.autocast`; timing ends with a device synchronize.
@@ -35,6 +40,7 @@ from archipelago.trainer import StepResult, Trainer  # noqa: E402
 
 def bench_config(args: argparse.Namespace, run_dir: Path) -> Config:
     cfg = Config()
+    cfg.model.name = args.model
     cfg.model.flavor = args.flavor
     cfg.data.seq_len = args.seq_len
     cfg.training.batch_size = args.batch_size
@@ -100,6 +106,8 @@ def run_minimal(cfg: Config, dataset_train: Path, vocab: int, dtype: str, warmup
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(x)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        if hasattr(model, "expert_load"):  # a mixture of experts: its balancing loss, as the trainer adds it
+            loss = loss + cfg.model.aux_loss_coef * model.aux_loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
@@ -108,8 +116,36 @@ def run_minimal(cfg: Config, dataset_train: Path, vocab: int, dtype: str, warmup
     return time.perf_counter() - t0
 
 
+def bench_experts(args: argparse.Namespace, vocab: int) -> dict:
+    """Batched dropless experts vs a loop over experts: forward + backward of one layer's
+    experts on the tokens of one batch, routed by that layer's router."""
+    model_args = get_model_args("gpt_oss", args.flavor, vocab_size=vocab)
+    device = torch.device(args.device)
+    experts = build_model(model_args, device="cpu").layers[0].moe.to(device)
+    x = torch.randn(args.batch_size * args.seq_len, model_args.dim, device=device)
+    top, chosen = experts.router(x).topk(model_args.top_k, dim=-1)
+    weights = torch.softmax(top, dim=-1).detach()
+
+    def timed(fn) -> float:  # noqa: ANN001
+        best = float("inf")
+        for _ in range(args.repeats):
+            for k in range(args.warmup + args.steps):
+                if k == args.warmup:
+                    _sync(args.device)
+                    t0 = time.perf_counter()
+                fn(x, chosen, weights).sum().backward()
+            _sync(args.device)
+            best = min(best, (time.perf_counter() - t0) / args.steps)
+        return best
+
+    batched, loop = timed(experts.experts.forward), timed(experts.experts.forward_loop)
+    return {"ratio": loop / batched, "batched_s": batched, "loop_s": loop, "tokens": x.shape[0],
+            "experts": model_args.n_experts, "top_k": model_args.top_k}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama3", choices=["llama3", "qwen3", "gpt_oss"])
     p.add_argument("--flavor", default="debug")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
@@ -137,17 +173,24 @@ def main() -> None:
     trainer_med, minimal_med = statistics.median(trainer_tps), statistics.median(minimal_tps)
     ratio = trainer_med / minimal_med
     result = {
-        "ratio": ratio, "trainer_tokens_per_s": trainer_med, "minimal_tokens_per_s": minimal_med,
+        "model": args.model, "ratio": ratio, "trainer_tokens_per_s": trainer_med, "minimal_tokens_per_s": minimal_med,
         "trainer_runs": trainer_tps, "minimal_runs": minimal_tps, "flavor": args.flavor,
         "seq_len": args.seq_len, "batch_size": args.batch_size, "steps": args.steps,
         "repeats": args.repeats, "device": args.device, "threads": args.threads, "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
     }
-    print(f"\nllama3/{args.flavor} on {args.device}, batch {args.batch_size} x seq {args.seq_len}, "
+    print(f"\n{args.model}/{args.flavor} on {args.device}, batch {args.batch_size} x seq {args.seq_len}, "
           f"{args.threads} threads, {args.steps} timed steps x {args.repeats} repeats (median)\n")
     print("| ratio (trainer / minimal) | trainer tokens/s | minimal loop tokens/s |")
     print("|---:|---:|---:|")
     print(f"| {ratio:.3f} | {trainer_med:,.0f} | {minimal_med:,.0f} |")
+    if args.model == "gpt_oss":
+        kernels = result["experts_kernel"] = bench_experts(args, ds.vocab_size)
+        print(f"\nexperts of one layer, {kernels['tokens']} tokens, {kernels['experts']} experts, "
+              f"top-{kernels['top_k']}, forward + backward (best of the repeats)\n")
+        print("| ratio (loop / batched: speed-up) | batched ms | loop over experts ms |")
+        print("|---:|---:|---:|")
+        print(f"| {kernels['ratio']:.2f} | {1e3 * kernels['batched_s']:.2f} | {1e3 * kernels['loop_s']:.2f} |")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
         print(f"\nwrote {args.out}")
