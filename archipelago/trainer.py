@@ -152,8 +152,13 @@ class Trainer:
     def build_model(self) -> ParallelModel:
         t = self.cfg.training
         built = self.task.build_model()
-        parallel = parallelize(built.module, self.ctx, self.cfg.parallelism.data_parallel,
-                               t.mixed_precision, t.activation_checkpointing, t.compile, seed=t.seed)
+        p = self.cfg.parallelism
+        try:
+            parallel = parallelize(built.module, self.ctx, p.data_parallel, t.mixed_precision,
+                                   t.activation_checkpointing, t.compile, seed=t.seed,
+                                   expert_parallel=p.expert_parallel)
+        except ValueError as exc:  # e.g. experts that do not divide over the ranks
+            raise ConfigError(str(exc)) from exc
         self.model_info = built  # parameter count and FLOPs per token, for metrics
         log.info("model %s: %s parameters, %s FLOPs/token, %s on %d x %s (%s)", built.description,
                  f"{built.num_params:,}", f"{built.flops_per_token:,}",

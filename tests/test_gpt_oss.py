@@ -115,6 +115,7 @@ def test_causal_and_windowed():
 
 @pytest.mark.timeout(400)
 def test_a_federation_of_two_and_one_ranks_trains_gpt_oss(tmp_path):
+    """Island 0 spreads its experts over its 2 ranks (expert parallelism); island 1 holds all."""
     import json
 
     from conftest import losses, records, run_cli
@@ -124,7 +125,7 @@ def test_a_federation_of_two_and_one_ranks_trains_gpt_oss(tmp_path):
                     "--data.seq_len", "64", "--training.steps", "12", "--fault_tolerance.sync_steps", "4",
                     "--training.val_every", "0", "--checkpoint.interval", "4", "--metrics.log_every", "1",
                     "--lr_scheduler.warmup_steps", "2", "--metrics.progress", "plain", "--metrics.no_tensorboard",
-                    "--job.run_dir", str(run)], timeout=380)
+                    "--parallelism.expert_parallel", "--job.run_dir", str(run)], timeout=380)
     assert done.returncode == 0, done.output[-4000:]
     fed = json.loads((run / "federation.json").read_text())
     assert fed["global_hash_agree"], fed["islands"]
@@ -156,3 +157,30 @@ def test_hugging_face_round_trips(tmp_path):
     again.load_state_dict(read_hf_weights(out, "gpt_oss", args))
     for name, tensor in ours.state_dict().items():
         assert torch.equal(again.state_dict()[name], tensor), name
+
+
+def test_expert_parallel_needs_fsdp():
+    from archipelago.config import Config, ConfigError, parse_overrides, validate
+
+    with pytest.raises(ConfigError, match="expert_parallel needs parallelism.data_parallel"):
+        validate(parse_overrides(Config(), ["--parallelism.expert_parallel", "--parallelism.data_parallel", "ddp"]))
+
+
+@pytest.mark.timeout(300)
+def test_an_expert_parallel_island_resumes_to_the_same_losses(tmp_path):
+    from conftest import TINY, events, losses, run_cli
+
+    common = ["train", *TINY, "--model.name", "gpt_oss", "--nproc", "2", "--parallelism.expert_parallel",
+              "--training.steps", "6", "--training.val_every", "0", "--metrics.log_every", "1",
+              "--checkpoint.interval", "3"]
+    reference = run_cli([*common, "--job.run_dir", str(tmp_path / "reference")])
+    assert reference.returncode == 0, reference.output[-3000:]
+    run = tmp_path / "broken"
+    broken = run_cli([*common, "--job.run_dir", str(run)], env={"ARCHIPELAGO_FAULT": "error@5"})
+    assert broken.returncode != 0
+    resumed = run_cli([*common, "--job.run_dir", str(run)])
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert [e["step"] for e in events(run) if e["event"] == "resume"] == [3]
+    want, got = losses(tmp_path / "reference"), losses(run)
+    for step in range(4, 7):  # every rank's experts came back from the checkpoint
+        assert got[step] == pytest.approx(want[step], abs=1e-5), (step, want, got)

@@ -160,3 +160,52 @@ def test_resnet_stages_are_fsdp_units_and_batchnorm_statistics_are_averaged_over
         torch.testing.assert_close(after0[name], (before0[name] + before1[name]) / 2, rtol=0, atol=1e-6)
         assert torch.equal(after0[name], after1[name]), name
     assert differed == len(before0)  # the ranks saw different images: every statistic moved apart
+
+
+def _expert_parallel_worker(rank: int, port: int, out: dict) -> None:
+    from archipelago.models import build_model
+    from archipelago.models.gpt_oss import GptOssArgs
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        ctx = IslandContext(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo")
+        args = GptOssArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64, ffn_dim=16,
+                          n_experts=4, top_k=2, sliding_window=4, max_seq_len=32)
+        torch.manual_seed(0)
+        model = build_model(args, device="cpu")
+        model.init_weights(seed=0)
+        parallel = parallelize(model, ctx, "fsdp", "fp32", seed=0, expert_parallel=True)
+        tokens = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(7))[2 * rank:2 * rank + 2]
+        logits = parallel.module(tokens)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
+        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                 for n, p in parallel.module.named_parameters()}
+        local = parallel.inner.layers[0].moe.experts.gate_up.to_local().shape[0]
+        out[rank] = (logits.detach().clone(), grads, local)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_expert_parallel_equals_one_rank_with_the_whole_batch():
+    from archipelago.models import build_model
+    from archipelago.models.gpt_oss import GptOssArgs
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        spawn_ranks(_expert_parallel_worker, args=(_free_port(), out), nprocs=2)
+        (logits0, grads0, local), (logits1, grads1, _) = out[0], out[1]
+    assert local == 2  # each rank holds half of the 4 experts
+    args = GptOssArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64, ffn_dim=16,
+                      n_experts=4, top_k=2, sliding_window=4, max_seq_len=32)
+    model = build_model(args, device="cpu")
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(7))
+    logits = model(tokens)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
+    torch.testing.assert_close(torch.cat([logits0, logits1]), logits.detach(), rtol=0, atol=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads0[name], param.grad, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(grads1[name], param.grad, rtol=0, atol=1e-5, msg=name)

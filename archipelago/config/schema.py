@@ -112,6 +112,8 @@ class ParallelismConfig:
 
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     """With more than one rank: `fsdp` shards parameters per block (FSDP2), `ddp` replicates them."""
+    expert_parallel: bool = False
+    """Mixture-of-experts families (`gpt_oss`) with more than one rank and `fsdp`: each rank holds its share of every layer's experts and tokens travel to them (two all-to-alls per layer) instead of the experts' weights being gathered on every rank. The expert count must divide by the rank count."""
 
 
 @dataclass

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from archipelago.island.device import IslandContext, all_reduce_
+from archipelago.island.expert_parallel import shard_experts
 
 
 def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
@@ -60,14 +61,16 @@ def _wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile_block
         parent.register_module(name, block)
 
 
-def _shard(model: nn.Module, ctx: IslandContext, dtype: torch.dtype) -> None:
+def _shard(model: nn.Module, ctx: IslandContext, dtype: torch.dtype, expert_parallel: bool = False) -> None:
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp_shard",))
+    # Experts spread over the ranks are already sharded: FSDP leaves them alone.
+    ignored = shard_experts(model, mesh) if expert_parallel else set()
     # Gradients are reduced in fp32 even when compute is bf16: the reduction over many
     # ranks is where bf16 rounding would accumulate.
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for parent, name in _blocks(model):
-        fully_shard(parent.get_submodule(name), mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(parent.get_submodule(name), mesh=mesh, mp_policy=mp, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
 
 
 class ParallelModel:
@@ -130,7 +133,7 @@ def _materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_precision: str,
                 activation_checkpointing: bool = False, compile_blocks: bool = False,
-                seed: int = 0) -> ParallelModel:
+                seed: int = 0, expert_parallel: bool = False) -> ParallelModel:
     """Wrap a model for this island and put it on the island's device.
 
     `model` is either initialised (on CPU) or still on the meta device; a meta model
@@ -150,7 +153,7 @@ def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_
         return ParallelModel(ddp, model, ctx, dtype, "ddp")
     if not on_meta:
         model.to(ctx.device)
-    _shard(model, ctx, dtype)
+    _shard(model, ctx, dtype, expert_parallel)
     if on_meta:  # only now, so each rank allocates just its own shard
         _materialize(model, ctx.device, seed)
     return ParallelModel(model, model, ctx, dtype, "fsdp")

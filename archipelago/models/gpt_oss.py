@@ -178,20 +178,25 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, D]; experts, weights [N, k] -> the weighted sum of each token's experts [N, D]."""
         n, k = experts.shape
-        flat = experts.reshape(-1)
-        order = flat.argsort(stable=True)  # assignments grouped by expert
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0])
-        starts = counts.cumsum(0) - counts
-        expert_of = flat[order]
-        slot = torch.arange(n * k, device=x.device) - starts[expert_of]
-        token_of = order // k
-        # One CPU-GPU sync: the buffer's capacity is the busiest expert's load (dropless).
-        buffer = x.new_zeros(self.gate_up.shape[0], int(counts.max()), x.shape[1])
-        buffer[expert_of, slot] = x[token_of]
-        hidden = self.activation(torch.baddbmm(self.gate_up_bias[:, None, :], buffer, self.gate_up))
-        out = torch.baddbmm(self.down_bias[:, None, :], hidden, self.down)[expert_of, slot]
+        order = experts.reshape(-1).argsort(stable=True)  # assignments grouped by expert
+        out = self.grouped(x[order // k], experts.reshape(-1)[order],
+                           (self.gate_up, self.gate_up_bias, self.down, self.down_bias))
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
-        return x.new_zeros(x.shape).index_add_(0, token_of, out)
+        return x.new_zeros(x.shape).index_add_(0, order // k, out)
+
+    def grouped(self, rows: torch.Tensor, expert_of: torch.Tensor,
+                params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Row i through expert expert_of[i] of `params` (gate_up, its bias, down, its bias:
+        these experts' or a slice of them), rows sorted by expert; one batched matmul per
+        projection over [experts, capacity, width], capacity the busiest expert's rows."""
+        gate_up, gate_up_bias, down, down_bias = params
+        counts = torch.bincount(expert_of, minlength=gate_up.shape[0])
+        slot = torch.arange(rows.shape[0], device=rows.device) - (counts.cumsum(0) - counts)[expert_of]
+        # One CPU-GPU sync: the buffer's capacity is the busiest expert's load (dropless).
+        buffer = rows.new_zeros(gate_up.shape[0], int(counts.max()) if rows.shape[0] else 0, rows.shape[1])
+        buffer[expert_of, slot] = rows
+        hidden = self.activation(torch.baddbmm(gate_up_bias[:, None, :], buffer, gate_up))
+        return torch.baddbmm(down_bias[:, None, :], hidden, down)[expert_of, slot]
 
     def forward_loop(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The same as forward with a Python loop over experts (a reference for tests and benchmarks)."""
