@@ -17,10 +17,11 @@ from archipelago.config import ConfigError
 
 HELP = """\
 Generate text from SOURCE: a run directory (the newest checkpoint; for a federation, one
-island's directory such as RUN_DIR/island-0) or a Hugging Face model directory (llama or
-qwen3 config.json, *.safetensors, tokenizer.json). Greedy with --greedy (or --temperature 0),
-else sampling at --temperature from the smallest set of tokens whose probability reaches
---top-p. Stops at the tokenizer's end-of-text token or after --max-new-tokens.
+island's directory such as RUN_DIR/island-0) or a Hugging Face model directory (llama,
+qwen3 or gpt_oss config.json, *.safetensors, tokenizer.json). Greedy with --greedy (or
+--temperature 0), else sampling at --temperature from the smallest set of tokens whose
+probability reaches --top-p. Stops at the tokenizer's end-of-text token or after
+--max-new-tokens.
 """
 
 
@@ -39,18 +40,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def load_hf_model(folder: Path) -> tuple[Any, Path]:
-    """(model on CPU, tokenizer path) from a Hugging Face directory of a llama or qwen3 model."""
+    """(model on CPU, tokenizer path) from a Hugging Face directory of a llama, qwen3 or gpt_oss model."""
     from archipelago.checkpoint.hf import HF_FAMILIES, args_from_hf_config, read_hf_config, read_hf_weights
     from archipelago.models import ModelArgs, build_model
+    from archipelago.models.gpt_oss import GptOssArgs
 
     config = read_hf_config(folder)
     families = {model_type: family for family, (model_type, _) in HF_FAMILIES.items()}
     family = families.get(str(config.get("model_type")))
-    if family is None or family == "gpt_oss":
-        raise ConfigError(f"{folder}: a {config.get('model_type')!r} model; generate reads llama and qwen3 "
-                          "Hugging Face directories")
-    args = ModelArgs(**args_from_hf_config(config, family), qk_norm=family == "qwen3",
-                     max_seq_len=int(config.get("max_position_embeddings", 2048)))
+    if family is None:
+        raise ConfigError(f"{folder}: a {config.get('model_type')!r} model; generate reads "
+                          f"{', '.join(families)} Hugging Face directories")
+    fields = args_from_hf_config(config, family)
+    max_seq_len = int(config.get("max_position_embeddings", 2048))
+    args: Any = (GptOssArgs(**fields, max_seq_len=max_seq_len) if family == "gpt_oss" else
+                 ModelArgs(**fields, qk_norm=family == "qwen3", max_seq_len=max_seq_len))
     model = build_model(args, device="meta")
     model.to_empty(device="cpu")
     model.init_weights()  # RoPE tables; every parameter is then overwritten
@@ -69,7 +73,7 @@ def _load(source: Path) -> tuple[Any, Path]:
 
     cfg, task, model, _step = load_run(source)
     if not hasattr(model, "new_caches"):
-        raise ConfigError(f"{source}: generation covers llama3 and qwen3 (a KV cache); not {cfg.model.name} yet")
+        raise ConfigError(f"{source}: {cfg.model.name} has no KV cache for generation")
     return model, task.dataset.tokenizer_path
 
 

@@ -8,10 +8,9 @@ one position's compute instead of the whole sequence's. Single device, no parall
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
-
-from .transformer import Transformer
 
 
 def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
@@ -30,11 +29,12 @@ def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torc
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+def generate(model: Any, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, eos_id: int | None = None, seed: int = 0,
              on_token: Callable[[int], None] | None = None) -> list[int]:
     """The tokens that follow `prompt` (at most `max_new_tokens`, ending at `eos_id` if it
-    comes, which is included); `on_token` sees each as it is chosen (streaming)."""
+    comes, which is included); `on_token` sees each as it is chosen (streaming). `model` is
+    a language model with `new_caches` and `forward(tokens, caches)` (Transformer, GptOss)."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     if not 0 < top_p <= 1:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import RMSNorm, apply_rope
+from .layers import KVCache, RMSNorm, apply_rope
 from .registry import register_family
 
 
@@ -138,19 +138,25 @@ class SinkAttention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim)
         self.sinks = nn.Parameter(torch.empty(args.n_heads))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = apply_rope(self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim), cos, sin)
         v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        start = 0
+        if cache is not None:  # generation: the cached positions come first
+            start = cache.length
+            k, v = cache.extend(k, v)
         rep = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
-        pos = torch.arange(seqlen, device=x.device)
-        allowed = pos[None, :] <= pos[:, None]
+        queries = torch.arange(start, start + seqlen, device=x.device)
+        keys = torch.arange(start + seqlen, device=x.device)
+        allowed = keys[None, :] <= queries[:, None]
         if self.window is not None:
-            allowed &= pos[:, None] - pos[None, :] < self.window
+            allowed &= queries[:, None] - keys[None, :] < self.window
         scores = scores.masked_fill(~allowed, float("-inf"))
         sink = self.sinks.float().view(1, -1, 1, 1).expand(bsz, -1, seqlen, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink takes its share
@@ -241,8 +247,9 @@ class GptOssBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe = MixtureOfExperts(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return h + self.moe(self.ffn_norm(h))
 
 
@@ -271,16 +278,25 @@ class GptOss(nn.Module):
         angles = torch.outer(torch.arange(a.max_seq_len, dtype=torch.float64), freqs)
         return ((angles.cos() * scale).float().to(device), (angles.sin() * scale).float().to(device))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seqlen = tokens.shape[1]
-        if seqlen > self.args.max_seq_len:
-            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.args.max_seq_len}")
-        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+    def forward(self, tokens: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab]; with `caches` (generation) the tokens continue
+        the cached positions, as in Transformer.forward."""
+        start = caches[0].length if caches else 0
+        end = start + tokens.shape[1]
+        if end > self.args.max_seq_len:
+            raise ValueError(f"sequence length {end} exceeds max_seq_len {self.args.max_seq_len}")
+        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        for k, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, caches[k]) if caches else layer(h, cos, sin)
         self.aux_loss = torch.stack([moe.aux_loss for moe in self._moes()]).mean()
         return self.output(self.norm(h))
+
+    def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
+        """Empty KV caches, one per layer, for up to `max_len` positions."""
+        a, weight = self.args, self.tok_embeddings.weight
+        return [KVCache(batch, a.n_kv_heads, min(max_len, a.max_seq_len), a.head_dim, weight.device, weight.dtype)
+                for _ in range(a.n_layers)]
 
     def expert_load(self) -> torch.Tensor:
         """Tokens routed to each expert in the last forward, [layers, experts]."""
