@@ -40,6 +40,7 @@ from archipelago.models import (
     get_image_model_args,
     get_model_args,
 )
+from archipelago.models.lora import add_lora, reset_adapters
 from archipelago.models.resnet import build_resnet
 
 # Models above this size are built on the meta device and initialised shard by shard;
@@ -119,8 +120,10 @@ class LanguageModelling(Task):
 
     dataset: PreparedDataset
     args: ModelArgs  # set by build_model
+    log: Callable[[str], None] = staticmethod(print)  # prepare() sets the run's
 
     def prepare(self, log: Callable[[str], None]) -> None:
+        self.log = log
         self.dataset = prepare_from_config(self.cfg.data, self.cfg.training.seed, log=log)
 
     def build_model(self) -> TaskModel:
@@ -137,8 +140,26 @@ class LanguageModelling(Task):
         if args.num_params() < META_INIT_MIN_PARAMS:
             model.to_empty(device="cpu")
             model.init_weights(seed=t.seed)
+        if self.cfg.lora.rank:
+            self._add_lora(model)
         return TaskModel(model, args.num_params(), args.flops_per_token(self.cfg.data.seq_len),
                          f"{m.name}/{m.flavor}")
+
+    def _add_lora(self, model: nn.Module) -> None:
+        lora = self.cfg.lora
+        if any(p.is_meta for p in model.parameters()):
+            raise ConfigError("lora: models initialised on the meta device (1B parameters or more) cannot take "
+                              "adapters yet; use a smaller flavor or lora.rank = 0")
+        try:
+            count = add_lora(model, [t.strip() for t in lora.targets.split(",") if t.strip()], lora.rank,
+                             lora.alpha, lora.dropout)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        reset_adapters(model, self.cfg.training.seed)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        self.log(f"lora: adapters of rank {lora.rank} on {count} layers: {trainable:,} of {total:,} parameters "
+                 f"trained ({100 * trainable / total:.2f}%)")
 
     @property
     def tokens_per_sample(self) -> int:
@@ -197,6 +218,8 @@ class ImageClassification(Task):
     folder: Any  # Path of the IDX files, set by prepare()
 
     def prepare(self, log: Callable[[str], None]) -> None:
+        if self.cfg.lora.rank:
+            raise ConfigError("lora: adapters are for the language-model families; set lora.rank = 0")
         self.folder = prepare_images_from_config(self.cfg.data, log=log)
 
     def build_model(self) -> TaskModel:

@@ -271,7 +271,13 @@ class Trainer:
         if not folder:
             return
         state: dict[str, Any] = dict(self.task.initial_weights(folder))
-        set_model_state_dict(self.model.module, state, options=StateDictOptions(full_state_dict=True))
+        # Not strict: LoRA adapters are not in a pretrained model (they start at zero); anything else must be.
+        result = set_model_state_dict(self.model.module, state,
+                                      options=StateDictOptions(full_state_dict=True, strict=False))
+        missing = [k for k in result.missing_keys if not k.endswith((".lora_a", ".lora_b"))]
+        if missing or result.unexpected_keys:
+            raise ConfigError(f"checkpoint.initial_load_path = {folder}: missing {missing[:3]}, unexpected "
+                              f"{list(result.unexpected_keys)[:3]}")
         log.info("started from the weights in %s", folder)
         self.metrics.event("initial_load", path=folder)
 

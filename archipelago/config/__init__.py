@@ -16,6 +16,7 @@ from archipelago.config.schema import (
     DataConfig,
     FaultToleranceConfig,
     JobConfig,
+    LoRAConfig,
     LRSchedulerConfig,
     MetricsConfig,
     ModelConfig,
@@ -27,7 +28,7 @@ from archipelago.config.validate import advice, validate, validate_for_island
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FaultToleranceConfig", "JobConfig",
-    "LRSchedulerConfig", "MetricsConfig", "ModelConfig", "OptimizerConfig", "ParallelismConfig",
+    "LRSchedulerConfig", "MetricsConfig", "ModelConfig", "OptimizerConfig", "ParallelismConfig", "LoRAConfig",
     "TrainingConfig", "config_from_dict", "config_to_dict", "load_run_config", "load_config", "load_toml",
     "parse_overrides", "split_config_flag", "advice", "validate", "validate_for_island",
 ]

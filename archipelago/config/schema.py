@@ -117,6 +117,20 @@ class ParallelismConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters for fine-tuning a language model (see docs/models.md)."""
+
+    rank: int = 0
+    """Rank of each adapter; 0 trains the whole model (no adapters). With adapters only they are trained, saved with the model, and (in a federation) sent between islands."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+    targets: str = "wq,wk,wv,wo"
+    """Comma-separated names of the linear layers that get adapters (the last part of their name: wq, wk, wv, wo for attention; w1, w2, w3 for a dense family's feed-forward)."""
+
+
+@dataclass
 class CheckpointConfig:
     """Checkpoints on disk (torch.distributed.checkpoint)."""
 
@@ -274,6 +288,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

@@ -75,7 +75,7 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str
         problem = box[0]
     if problem is not None:
         raise (FederationMismatch if problem[0] else LighthouseUnreachable)(problem[1])
-    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
     fp = fingerprint(model_name, shapes, ft, world_size, tokens_per_step,
                      _optimizer_name(optimizer), key, _peak_lr(optimizer))
     poisons = poisons_from_env()  # checked before joining: a typo fails here, not mid-run

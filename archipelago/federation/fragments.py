@@ -17,12 +17,13 @@ from archipelago.config.schema import FaultToleranceConfig
 
 
 def split_fragments(model: nn.Module, n: int) -> list[list[nn.Parameter]]:
-    """The model's parameters in model order, cut into `n` contiguous fragments by layer.
+    """The parameters that train (all of them, or only the LoRA adapters), in model order,
+    cut into `n` contiguous fragments by layer.
 
     Parameters before the first layer (embeddings) go to the first fragment and those
     after the last (final norm, output) to the last, as torchtitan's fragmenting does.
     """
-    named = list(model.named_parameters())
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # LoRA: adapters only
     layer_of = [_layer_index(name) for name, _ in named]
     count = max([i for i in layer_of if i is not None], default=-1) + 1
     if n > max(count, 1):

@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="dtype of the written weights (training keeps fp32 weights; bfloat16 halves the size)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file before sharding")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="a run with LoRA adapters: fold them into the weights (W + alpha/rank B A) and write a "
+                        "plain model")
     return p
 
 
@@ -74,14 +77,21 @@ def load_run(run_dir: Path) -> tuple[Any, Any, Any, int]:
     return cfg, task, model, step
 
 
-def export_hf(run_dir: Path, out: Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30) -> int:
+def export_hf(run_dir: Path, out: Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
+              merge_lora: bool = False) -> int:
     """Write RUN_DIR's newest checkpoint to OUT; returns the step it came from."""
     from archipelago.checkpoint.hf import write_hf
     from archipelago.data import eos_id, load_tokenizer
+    from archipelago.models.lora import merge_lora as merged
 
     cfg, task, model, step = load_run(run_dir)
+    state = model.state_dict()
+    if cfg.lora.rank:
+        if not merge_lora:
+            raise ConfigError(f"{run_dir} trained LoRA adapters: add --merge-lora to fold them into the weights")
+        state = merged(state, model)
     tokenizer = task.dataset.tokenizer_path
-    write_hf(out, cfg.model.name, task.args, model.state_dict(), dtype, tokenizer=tokenizer,
+    write_hf(out, cfg.model.name, task.args, state, dtype, tokenizer=tokenizer,
              eos_token_id=eos_id(load_tokenizer(tokenizer)), max_shard_bytes=max_shard_bytes)
     return step
 
@@ -89,7 +99,7 @@ def export_hf(run_dir: Path, out: Path, dtype: str = "float32", max_shard_bytes:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
-        step = export_hf(args.run_dir, args.out, args.dtype, int(args.max_shard_gb * 2**30))
+        step = export_hf(args.run_dir, args.out, args.dtype, int(args.max_shard_gb * 2**30), args.merge_lora)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
