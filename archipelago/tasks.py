@@ -69,6 +69,7 @@ class Task(ABC):
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.log: Callable[[str], None] = lambda _message: None  # prepare() sets the run's
 
     @abstractmethod
     def prepare(self, log: Callable[[str], None]) -> None:
@@ -120,7 +121,6 @@ class LanguageModelling(Task):
 
     dataset: PreparedDataset
     args: ModelArgs  # set by build_model
-    log: Callable[[str], None] = staticmethod(print)  # prepare() sets the run's
 
     def prepare(self, log: Callable[[str], None]) -> None:
         self.log = log
