@@ -42,6 +42,22 @@ def _their_names(n_layers: int) -> dict[str, str]:
     return names
 
 
+YARN = YarnScaling(factor=4.0, original_max_seq_len=16)  # frequencies visibly different from plain RoPE
+
+
+def _tiny(n_layers: int = 3, yarn: YarnScaling | None = YARN, spread: float = 0.2, seed: int = 0):
+    """A small GPT-OSS with its window shorter than the test sequences, and weights moved off
+    their initial values (biases and sinks start at zero) so that every mapping counts."""
+    args = GptOssArgs(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=96, ffn_dim=32,
+                      n_experts=4, top_k=2, sliding_window=5, yarn=yarn, max_seq_len=64)
+    model = build_model(args, device="cpu").eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * spread)
+    return args, model
+
+
 @pytest.mark.parametrize("flavor", ["20b", "120b"])
 def test_published_shapes_have_transformers_parameter_counts(flavor):
     args = get_model_args("gpt_oss", flavor)
@@ -52,15 +68,9 @@ def test_published_shapes_have_transformers_parameter_counts(flavor):
     assert round(args.num_active_params() / 1e8) == {"20b": 36, "120b": 51}[flavor]
 
 
-@pytest.mark.parametrize("yarn", [None, YarnScaling(factor=4.0, original_max_seq_len=16)], ids=["rope", "yarn"])
+@pytest.mark.parametrize("yarn", [None, YARN], ids=["rope", "yarn"])
 def test_logits_equal_transformers_with_the_same_weights(yarn):
-    args = GptOssArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=96, ffn_dim=32,
-                      n_experts=4, top_k=2, sliding_window=5, yarn=yarn, max_seq_len=64)
-    ours = build_model(args, device="cpu").eval()
-    with torch.no_grad():  # biases and sinks start at zero: give them values so their mapping counts
-        generator = torch.Generator().manual_seed(0)
-        for p in ours.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.2)
+    args, ours = _tiny(yarn=yarn)
     theirs = transformers.AutoModelForCausalLM.from_config(_hf_config(args, 96)).eval()
     theirs.config._attn_implementation = "eager"
     state = ours.state_dict()
@@ -140,13 +150,7 @@ def test_a_federation_of_two_and_one_ranks_trains_gpt_oss(tmp_path):
 def test_hugging_face_round_trips(tmp_path):
     from archipelago.checkpoint.hf import read_hf_weights, write_hf
 
-    args = GptOssArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=96, ffn_dim=32,
-                      n_experts=4, top_k=2, sliding_window=5, yarn=YarnScaling(factor=4.0, original_max_seq_len=16),
-                      max_seq_len=64)
-    ours = build_model(args, device="cpu").eval()
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.2)
+    args, ours = _tiny(n_layers=2)
     out = write_hf(tmp_path / "hf", "gpt_oss", args, ours.state_dict())
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(theirs).__name__ == "GptOssForCausalLM"
@@ -190,13 +194,7 @@ def test_greedy_generation_equals_transformers_generate(tmp_path):
     from archipelago.checkpoint.hf import write_hf
     from archipelago.models.generation import generate
 
-    args = GptOssArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=96, ffn_dim=32,
-                      n_experts=4, top_k=2, sliding_window=5, yarn=YarnScaling(factor=4.0, original_max_seq_len=16),
-                      max_seq_len=64)
-    ours = build_model(args, device="cpu").eval()
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + 1)) * 0.3)
+    args, ours = _tiny(spread=0.3, seed=1)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(write_hf(tmp_path / "hf", "gpt_oss", args,
                                                                         ours.state_dict()), dtype=torch.float32)
     prompt = [5, 17, 33, 2, 80, 41]

@@ -78,18 +78,23 @@ def _free_port() -> int:
 
 
 @contextmanager
-def fsdp_on_two_ranks(rank: int, port: int, device: str, seed: int) -> Iterator[ParallelModel]:
-    """Rank `rank` of a 2-rank gloo island on 127.0.0.1:`port`, holding tiny_model(device,
-    seed) sharded with FSDP2; the process group is destroyed on exit."""
+def two_rank_island(rank: int, port: int) -> Iterator[IslandContext]:
+    """Rank `rank` of a 2-rank gloo island on 127.0.0.1:`port`; the process group is
+    destroyed on exit."""
     torch.set_num_threads(1)  # two ranks share two cores: more threads only wait for each other
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        ctx = IslandContext(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"),
-                            backend="gloo")
-        yield parallelize(tiny_model(device, seed=seed), ctx, "fsdp", "auto", seed=seed)
+        yield IslandContext(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo")
     finally:
         torch.distributed.destroy_process_group()
+
+
+@contextmanager
+def fsdp_on_two_ranks(rank: int, port: int, device: str, seed: int) -> Iterator[ParallelModel]:
+    """Rank `rank` of a 2-rank gloo island holding tiny_model(device, seed) sharded with FSDP2."""
+    with two_rank_island(rank, port) as ctx:
+        yield parallelize(tiny_model(device, seed=seed), ctx, "fsdp", "auto", seed=seed)
 
 
 def _fsdp_worker(rank: int, port: int, meta: bool, out: dict) -> None:
@@ -127,11 +132,7 @@ def _resnet_worker(rank: int, port: int, out: dict) -> None:
     from archipelago.models import get_image_model_args
     from archipelago.models.resnet import build_resnet
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        ctx = IslandContext(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo")
+    with two_rank_island(rank, port) as ctx:
         model = build_resnet(get_image_model_args("resnet", "debug"), "cpu")
         parallel = parallelize(model, ctx, "fsdp", "fp32", seed=0)
         images = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(rank)) * (1 + rank)
@@ -142,8 +143,6 @@ def _resnet_worker(rank: int, port: int, out: dict) -> None:
         units = [type(parallel.inner.get_submodule(f"layer{k}")).__name__ for k in range(1, 5)]
         norms = sum(isinstance(m, torch.nn.BatchNorm2d) for m in parallel.inner.modules())
         out[rank] = (before, after, units, norms)
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
@@ -166,11 +165,7 @@ def _expert_parallel_worker(rank: int, port: int, out: dict) -> None:
     from archipelago.models import build_model
     from archipelago.models.gpt_oss import GptOssArgs
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        ctx = IslandContext(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo")
+    with two_rank_island(rank, port) as ctx:
         args = GptOssArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64, ffn_dim=16,
                           n_experts=4, top_k=2, sliding_window=4, max_seq_len=32)
         torch.manual_seed(0)
@@ -184,8 +179,6 @@ def _expert_parallel_worker(rank: int, port: int, out: dict) -> None:
                  for n, p in parallel.module.named_parameters()}
         local = parallel.inner.layers[0].moe.experts.gate_up.to_local().shape[0]
         out[rank] = (logits.detach().clone(), grads, local)
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
