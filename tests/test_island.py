@@ -161,13 +161,22 @@ def test_resnet_stages_are_fsdp_units_and_batchnorm_statistics_are_averaged_over
     assert differed == len(before0)  # the ranks saw different images: every statistic moved apart
 
 
-def _expert_parallel_worker(rank: int, port: int, out: dict) -> None:
-    from archipelago.models import build_model
+def _moe_args(family: str):  # noqa: ANN202
     from archipelago.models.gpt_oss import GptOssArgs
+    from archipelago.models.qwen3_moe import Qwen3MoeArgs
+
+    if family == "gpt_oss":
+        return GptOssArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64, ffn_dim=16,
+                          n_experts=4, top_k=2, sliding_window=4, max_seq_len=32)
+    return Qwen3MoeArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64, ffn_dim=64,
+                        n_experts=4, top_k=2, moe_ffn_dim=16, qk_norm=True, max_seq_len=32)
+
+
+def _expert_parallel_worker(rank: int, port: int, family: str, out: dict) -> None:
+    from archipelago.models import build_model
 
     with two_rank_island(rank, port) as ctx:
-        args = GptOssArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64, ffn_dim=16,
-                          n_experts=4, top_k=2, sliding_window=4, max_seq_len=32)
+        args = _moe_args(family)
         torch.manual_seed(0)
         model = build_model(args, device="cpu")
         model.init_weights(seed=0)
@@ -177,22 +186,23 @@ def _expert_parallel_worker(rank: int, port: int, out: dict) -> None:
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
         grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
                  for n, p in parallel.module.named_parameters()}
-        local = parallel.inner.layers[0].moe.experts.gate_up.to_local().shape[0]
+        block = parallel.inner.layers[0]
+        moe = block.moe if family == "gpt_oss" else block.feed_forward
+        local = moe.experts.gate_up.to_local().shape[0]
         out[rank] = (logits.detach().clone(), grads, local)
 
 
 @pytest.mark.timeout(120)
-def test_expert_parallel_equals_one_rank_with_the_whole_batch():
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_expert_parallel_equals_one_rank_with_the_whole_batch(family):
     from archipelago.models import build_model
-    from archipelago.models.gpt_oss import GptOssArgs
 
     with mp.Manager() as manager:
         out = manager.dict()
-        spawn_ranks(_expert_parallel_worker, args=(_free_port(), out), nprocs=2)
+        spawn_ranks(_expert_parallel_worker, args=(_free_port(), family, out), nprocs=2)
         (logits0, grads0, local), (logits1, grads1, _) = out[0], out[1]
     assert local == 2  # each rank holds half of the 4 experts
-    args = GptOssArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64, ffn_dim=16,
-                      n_experts=4, top_k=2, sliding_window=4, max_seq_len=32)
+    args = _moe_args(family)
     model = build_model(args, device="cpu")
     model.init_weights(seed=0)
     tokens = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(7))

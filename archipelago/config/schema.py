@@ -17,11 +17,11 @@ class ModelConfig:
     """Which network to train."""
 
     name: str = "llama3"
-    """Model family: `llama3`, `qwen3` or `gpt_oss` (language models), or `resnet` (image classification, with `data.dataset = "fashion_mnist"`); `archipelago models` lists them."""
+    """Model family: `llama3`, `qwen3`, `qwen3_moe` or `gpt_oss` (language models), or `resnet` (image classification, with `data.dataset = "fashion_mnist"`); `archipelago models` lists them."""
     flavor: str = "debug"
     """Named size within the family: `debug`, `small`, or a published shape such as `8B`; for `resnet`, `debug`, `fashion_mnist` (ResNet-18 for 28x28 images) or `resnet18` ... `resnet152`."""
     aux_loss_coef: float = 0.01
-    """Mixture-of-experts families (`gpt_oss`): weight of the load-balancing loss (experts x sum of each expert's share of the routed tokens x its mean router probability; 1 when balanced) added to the training loss."""
+    """Mixture-of-experts families (`gpt_oss`, `qwen3_moe`): weight of the load-balancing loss (experts x sum of each expert's share of the routed tokens x its mean router probability; 1 when balanced) added to the training loss."""
 
 
 @dataclass
@@ -113,7 +113,7 @@ class ParallelismConfig:
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     """With more than one rank: `fsdp` shards parameters per block (FSDP2), `ddp` replicates them."""
     expert_parallel: bool = False
-    """Mixture-of-experts families (`gpt_oss`) with more than one rank and `fsdp`: each rank holds its share of every layer's experts and tokens travel to them (two all-to-alls per layer) instead of the experts' weights being gathered on every rank. The expert count must divide by the rank count."""
+    """Mixture-of-experts families (`gpt_oss`, `qwen3_moe`) with more than one rank and `fsdp`: each rank holds its share of every layer's experts and tokens travel to them (two all-to-alls per layer) instead of the experts' weights being gathered on every rank. The expert count must divide by the rank count."""
 
 
 @dataclass

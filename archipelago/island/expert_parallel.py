@@ -45,8 +45,10 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _expert_modules(model: nn.Module) -> list[Any]:  # models/gpt_oss.py Experts (any module with EXPERT_TENSORS)
-    return [m for m in model.modules() if all(isinstance(getattr(m, n, None), nn.Parameter) for n in EXPERT_TENSORS)]
+def _expert_modules(model: nn.Module) -> list[Any]:
+    """Stacked experts (gpt_oss, qwen3_moe): modules with `gate_up` and `down` parameters, biases optional."""
+    return [m for m in model.modules()
+            if all(isinstance(getattr(m, n, None), nn.Parameter) for n in ("gate_up", "down"))]
 
 
 def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
@@ -68,7 +70,7 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
             raise ValueError("parallelism.expert_parallel: models initialised on the meta device (1B parameters "
                              "or more) are not supported yet; train without expert_parallel")
         per_rank = count // world
-        for name in EXPERT_TENSORS:
+        for name in (n for n in EXPERT_TENSORS if isinstance(getattr(experts, n, None), nn.Parameter)):
             local = getattr(experts, name).detach()[rank * per_rank:(rank + 1) * per_rank].clone()
             param = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
             setattr(experts, name, param)
@@ -94,8 +96,8 @@ def _dispatching_forward(self: Any, x: torch.Tensor, experts: torch.Tensor,
     rows = all_to_all_single_autograd(x[order // k].contiguous(), recv_splits, send_splits, group)
     local_expert = torch.arange(per_rank, device=x.device).repeat(world).repeat_interleave(received)
     regroup = local_expert.argsort(stable=True)  # rows arrive by source rank; group them by expert
-    params = tuple(_ScaleGrad.apply(getattr(self, name).to_local(), 1.0 / world).to(x.dtype)
-                   for name in EXPERT_TENSORS)
+    held = (getattr(self, name, None) for name in EXPERT_TENSORS)  # an absent bias stays None
+    params = tuple(None if p is None else _ScaleGrad.apply(p.to_local(), 1.0 / world).to(x.dtype) for p in held)
     out = self.grouped(rows[regroup], local_expert[regroup], params)[regroup.argsort()]  # back to arrival order
     back = all_to_all_single_autograd(out, send_splits, recv_splits, group)
     back = back * weights.reshape(-1)[order, None].to(back.dtype)

@@ -313,18 +313,19 @@ def cmd_models(argv: list[str]) -> int:
         return 0
     from archipelago.models import DEFAULT_VOCAB_SIZE, list_flavors
 
-    print(f"{'family':<8} {'flavor':<7} {'parameters':>16} {'dim':>6} {'layers':>6} {'heads':>5} "
+    print(f"{'family':<9} {'flavor':<7} {'parameters':>16} {'dim':>6} {'layers':>6} {'heads':>5} "
           f"{'kv':>3} {'vocab':>7} {'FLOPs/token@2k':>16}")
     from_tokenizer = {(f, v) for f, v, a in list_flavors(vocab_size=None) if a.vocab_size is None}
     for family, flavor, args in list_flavors():
         vocab = f"{args.vocab_size}" + ("*" if (family, flavor) in from_tokenizer else "")
-        print(f"{family:<8} {flavor:<7} {args.num_params():>16,} {args.dim:>6} {args.n_layers:>6} "
+        print(f"{family:<9} {flavor:<7} {args.num_params():>16,} {args.dim:>6} {args.n_layers:>6} "
               f"{args.n_heads:>5} {args.n_kv_heads:>3} {vocab:>7} {args.flops_per_token(2048):>16.3e}")
     print(f"\n* vocabulary taken from the tokenizer at train time; counted here with {DEFAULT_VOCAB_SIZE}")
     from archipelago.models.gpt_oss import GptOssArgs
+    from archipelago.models.qwen3_moe import Qwen3MoeArgs
 
     for family, flavor, moe in list_flavors():
-        if isinstance(moe, GptOssArgs):  # a mixture of experts
+        if isinstance(moe, (GptOssArgs, Qwen3MoeArgs)):  # a mixture of experts
             print(f"  {family}/{flavor}: {moe.n_experts} experts, top-{moe.top_k}: "
                   f"{moe.num_active_params():,} parameters active per token (the embedding table left out)")
     _print_image_flavors()

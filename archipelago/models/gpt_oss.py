@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .layers import KVCache, RMSNorm, apply_rope
+from .moe import balancing_loss, grouped_experts
 from .registry import register_family
 
 
@@ -190,19 +190,11 @@ class Experts(nn.Module):
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         return x.new_zeros(x.shape).index_add_(0, order // k, out)
 
-    def grouped(self, rows: torch.Tensor, expert_of: torch.Tensor,
-                params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def grouped(self, rows: torch.Tensor, expert_of: torch.Tensor, params: tuple) -> torch.Tensor:
         """Row i through expert expert_of[i] of `params` (gate_up, its bias, down, its bias:
-        these experts' or a slice of them), rows sorted by expert; one batched matmul per
-        projection over [experts, capacity, width], capacity the busiest expert's rows."""
+        these experts' or a slice of them), rows sorted by expert (moe.grouped_experts)."""
         gate_up, gate_up_bias, down, down_bias = params
-        counts = torch.bincount(expert_of, minlength=gate_up.shape[0])
-        slot = torch.arange(rows.shape[0], device=rows.device) - (counts.cumsum(0) - counts)[expert_of]
-        # One CPU-GPU sync: the buffer's capacity is the busiest expert's load (dropless).
-        buffer = rows.new_zeros(gate_up.shape[0], int(counts.max()) if rows.shape[0] else 0, rows.shape[1])
-        buffer[expert_of, slot] = rows
-        hidden = self.activation(torch.baddbmm(gate_up_bias[:, None, :], buffer, gate_up))
-        return torch.baddbmm(down_bias[:, None, :], hidden, down)[expert_of, slot]
+        return grouped_experts(rows, expert_of, gate_up, down, self.activation, gate_up_bias, down_bias)
 
     def forward_loop(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The same as forward with a Python loop over experts (a reference for tests and benchmarks)."""
@@ -232,10 +224,7 @@ class MixtureOfExperts(nn.Module):
         logits = self.router(x)
         top, chosen = logits.topk(self.top_k, dim=-1)
         weights = torch.softmax(top.float(), dim=-1)  # over the chosen experts only
-        n_experts = logits.shape[-1]
-        self.load = torch.bincount(chosen.reshape(-1), minlength=n_experts).detach()
-        fraction = F.one_hot(chosen, n_experts).float().mean(dim=(0, 1))  # share of assignments per expert
-        self.aux_loss = n_experts * (fraction * torch.softmax(logits.float(), dim=-1).mean(0)).sum()
+        self.aux_loss, self.load = balancing_loss(logits, chosen)
         return self.experts(x, chosen, weights).reshape(shape)
 
 
