@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from archipelago.checkpoint.hf import HFMismatch, read_hf_weights
+from archipelago.checkpoint.hf import HFMismatch, read_hf_tensors, read_hf_weights
 from archipelago.config import Config, ConfigError
 from archipelago.data import (
     ImageBatchLoader,
@@ -199,6 +199,8 @@ class LanguageModelling(Task):
 
     def initial_weights(self, folder: str) -> dict[str, torch.Tensor]:
         try:
+            if self.cfg.model.name == "hf":  # transformers' own names, under the wrapper's `hf.`
+                return read_hf_tensors(folder, prefix="hf.")
             return read_hf_weights(folder, self.cfg.model.name, self.args)
         except HFMismatch as exc:
             raise ConfigError(f"checkpoint.initial_load_path = {folder}: {exc}") from exc

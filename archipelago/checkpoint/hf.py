@@ -255,6 +255,18 @@ def read_hf_weights(folder: str | Path, family: str, args: Args) -> dict[str, to
     return state
 
 
+def read_hf_tensors(folder: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory's safetensors (float32, CPU), names prefixed:
+    for the hf family, whose parameters are transformers' own under `hf.`."""
+    state: dict[str, torch.Tensor] = {}
+    files = _weight_files(Path(folder))
+    for path in sorted(set(files.values())):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no iterator
+                state[prefix + name] = f.get_tensor(name).float()
+    return state
+
+
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
     shard: dict[str, torch.Tensor] = {}
     size = 0

@@ -42,6 +42,9 @@ RESNET_STAGES = ("layer1", "layer2", "layer3", "layer4")
 def _blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(parent, name) of each unit parallelism wraps: a transformer's blocks, or a
     ResNet's stages (a whole stage per FSDP unit: its blocks are small)."""
+    own = getattr(model, "parallel_blocks", None)
+    if callable(own):  # a model that says where its blocks are (the hf family)
+        return own()
     layers = getattr(model, "layers", None)
     if isinstance(layers, nn.Module):
         return [(layers, name) for name, _ in layers.named_children()]

@@ -16,7 +16,7 @@ from .registry import (
 from .transformer import Transformer
 
 # Importing the family modules registers their flavors.
-from . import gpt_oss, llama3, qwen3, qwen3_moe, resnet  # noqa: E402,F401  isort:skip
+from . import gpt_oss, hf_auto, llama3, qwen3, qwen3_moe, resnet  # noqa: E402,F401  isort:skip
 
 __all__ = [
     "DEFAULT_VOCAB_SIZE",
