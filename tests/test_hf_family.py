@@ -46,3 +46,19 @@ def test_a_federation_of_two_and_one_ranks_trains_gpt2(shakespeare, gpt2_dir, tm
     fed = json.loads((run / "federation.json").read_text())
     assert fed["global_hash_agree"], fed["islands"]
     assert [o["participants"] for o in fed["outer_steps"]] == [2, 2, 2]
+
+
+def test_a_model_type_with_overrides_builds_transformers_model_of_that_shape():
+    from archipelago.models import build_model, get_model_args
+
+    args = get_model_args("hf", "gpt2:n_layer=2,n_embd=64,n_head=4,tie_word_embeddings=false", vocab_size=512)
+    ours = build_model(args, device="meta")
+    reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4,
+                                                                     tie_word_embeddings=False))
+    assert {n: tuple(p.shape) for n, p in ours.hf.named_parameters()} == \
+        {n: tuple(p.shape) for n, p in reference.named_parameters()}
+    assert args.num_params() == sum(p.numel() for p in reference.parameters())
+    with pytest.raises(ValueError, match="no field n_layers"):
+        get_model_args("hf", "gpt2:n_layers=2", vocab_size=512)
+    with pytest.raises(ValueError, match="neither a directory"):
+        get_model_args("hf", "no_such_model_type", vocab_size=512)

@@ -17,7 +17,7 @@ class ModelConfig:
     """Which network to train."""
 
     name: str = "llama3"
-    """Model family: `llama3`, `qwen3`, `qwen3_moe`, `gpt_oss` or `hf` (any transformers causal LM; `model.flavor` is then a local directory holding its config.json) (language models), or `resnet` (image classification, with `data.dataset = "fashion_mnist"`); `archipelago models` lists them."""
+    """Model family: `llama3`, `qwen3`, `qwen3_moe`, `gpt_oss` or `hf` (any transformers causal LM; `model.flavor` is then a local directory holding its config.json, or a transformers model type such as `gpt2:n_layer=4,n_embd=256`) (language models), or `resnet` (image classification, with `data.dataset = "fashion_mnist"`); `archipelago models` lists them."""
     flavor: str = "debug"
     """Named size within the family: `debug`, `small`, or a published shape such as `8B`; for `resnet`, `debug`, `fashion_mnist` (ResNet-18 for 28x28 images) or `resnet18` ... `resnet152`."""
     aux_loss_coef: float = 0.01

@@ -3,7 +3,9 @@
 `--model.name hf --model.flavor DIR` trains the architecture DIR/config.json describes
 (`transformers.AutoModelForCausalLM.from_config`, random weights; `--checkpoint.initial_load_path
 DIR` loads its safetensors), so architectures this package has not written still train on
-an island and across islands. transformers is needed for this family only:
+an island and across islands. The flavor may also name a transformers model type with
+its default shape and optional overrides (`gpt2`, `mistral:num_hidden_layers=2,hidden_size=256`).
+transformers is needed for this family only:
 `pip install archipelago[hf]`. Nothing is downloaded: the directory must be local.
 
 Limits: parallelism is FSDP per decoder layer (the model's longest ModuleList); no expert
@@ -44,18 +46,27 @@ class HFAutoArgs:
     tie_embeddings: bool = False
 
     @classmethod
-    def from_directory(cls, folder: str) -> HFAutoArgs:
-        path = Path(folder).expanduser() / "config.json"
-        if not path.is_file():
-            raise ValueError(f"hf flavor {folder!r}: no config.json there (the flavor of the hf family is a "
-                             "local directory holding a transformers config.json)")
-        config = json.loads(path.read_text())
-        return cls(source=str(Path(folder).expanduser()), vocab_size=int(config["vocab_size"]), config=config,
+    def from_flavor(cls, flavor: str) -> HFAutoArgs:
+        """A local directory holding a config.json, or `model_type[:key=value,...]`."""
+        folder = Path(flavor).expanduser()
+        if folder.is_dir():
+            path = folder / "config.json"
+            if not path.is_file():
+                raise ValueError(f"hf flavor {flavor!r}: no config.json in that directory (the flavor of the hf "
+                                 "family is a directory holding a transformers config.json, or a model type)")
+            config = json.loads(path.read_text())
+            source = str(folder)
+        else:
+            config = _config_by_name(flavor).to_dict()
+            source = flavor
+        return cls(source=source, vocab_size=int(config["vocab_size"]), config=config,
                    max_seq_len=int(config.get("max_position_embeddings", config.get("n_positions", 2048))),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
     def hf_config(self) -> Any:
-        return _transformers().AutoConfig.from_pretrained(self.source, local_files_only=True)
+        if Path(self.source).expanduser().is_dir():
+            return _transformers().AutoConfig.from_pretrained(self.source, local_files_only=True)
+        return _config_by_name(self.source)
 
     def _meta_counts(self) -> tuple[int, int]:
         with torch.device("meta"):
@@ -68,6 +79,40 @@ class HFAutoArgs:
 
     def flops_per_token(self, seq_len: int) -> int:
         return 6 * self._meta_counts()[1]
+
+
+def _value(text: str) -> Any:
+    """An override's value: an int, a float, true/false, or the text itself."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def _config_by_name(flavor: str) -> Any:
+    """transformers' default config of a model type, with `key=value` overrides after a colon."""
+    name, _, overrides = flavor.partition(":")
+    values = {}
+    for item in filter(None, (part.strip() for part in overrides.split(","))):
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise ValueError(f"hf flavor {flavor!r}: override {item!r} is not key=value")
+        values[key.strip()] = _value(text)
+    try:
+        config = _transformers().AutoConfig.for_model(name.strip(), **values)
+    except ValueError as exc:
+        raise ValueError(f"hf flavor {flavor!r} is neither a directory with a config.json nor a transformers "
+                         f"model type (gpt2, llama, mistral, ...): {str(exc)[:120]}...") from exc
+    known = type(config)().to_dict()  # for_model keeps unknown keys as attributes: compare with the defaults
+    unknown = [key for key in values if key not in known]
+    if unknown:
+        raise ValueError(f"hf flavor {flavor!r}: {type(config).__name__} has no field {', '.join(unknown)}")
+    return config
 
 
 class HFCausalLM(nn.Module):
@@ -100,13 +145,13 @@ class HFCausalLM(nn.Module):
 
 
 class _Directories(dict):
-    """The hf family's flavors: any local directory with a config.json (made on lookup)."""
+    """The hf family's flavors: any local directory with a config.json, or a model type (made on lookup)."""
 
     def __contains__(self, flavor: object) -> bool:
         return isinstance(flavor, str)  # __getitem__ says what is wrong with a directory
 
     def __getitem__(self, flavor: str) -> HFAutoArgs:
-        return HFAutoArgs.from_directory(flavor)
+        return HFAutoArgs.from_flavor(flavor)
 
 
 FLAVORS: dict[str, Any] = _Directories()
