@@ -51,6 +51,12 @@ META_INIT_MIN_PARAMS = 1_000_000_000
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
 
+def validation_batch_size(batch_size: int, world_size: int) -> int:
+    """Held-out batches split evenly over the ranks, whatever their training shares: the
+    batch size rounded down to a multiple of the rank count (at least one per rank)."""
+    return max(world_size, batch_size - batch_size % world_size)
+
+
 @dataclass(frozen=True)
 class TaskModel:
     """A model for one device, before parallelism: initialised on CPU, or on the meta
@@ -84,8 +90,9 @@ class Task(ABC):
 
     @abstractmethod
     def train_loader(self, rank: int, world_size: int, island: int, num_islands: int,
-                     log: Callable[[str], None]) -> Any:
-        """A resumable loader: next_batch() -> (inputs, targets), state_dict, load_state_dict."""
+                     log: Callable[[str], None], shares: list[int] | None = None) -> Any:
+        """A resumable loader: next_batch() -> (inputs, targets), state_dict, load_state_dict.
+        `shares`: samples per rank when ranks take unequal shares of the batch."""
 
     @abstractmethod
     def validation_batches(self, rank: int, world_size: int) -> Batches: ...
@@ -166,17 +173,17 @@ class LanguageModelling(Task):
         return self.cfg.data.seq_len
 
     def train_loader(self, rank: int, world_size: int, island: int, num_islands: int,
-                     log: Callable[[str], None]) -> TokenSequenceLoader:
+                     log: Callable[[str], None], shares: list[int] | None = None) -> TokenSequenceLoader:
         d = self.dataset
         return TokenSequenceLoader(d.train_path, self.cfg.data.seq_len, self.cfg.training.batch_size,
                                    rank=rank, world_size=world_size, seed=self.cfg.training.seed,
                                    island=island, num_islands=num_islands, dtype=d.dtype, log=log,
-                                   vocab_size=d.vocab_size)
+                                   vocab_size=d.vocab_size, shares=shares)
 
     def validation_batches(self, rank: int, world_size: int) -> Batches:
         t, d = self.cfg.training, self.dataset
-        return validation_batches(d.val_path, self.cfg.data.seq_len, t.batch_size, rank, world_size,
-                                  t.val_batches, d.dtype, d.vocab_size)
+        return validation_batches(d.val_path, self.cfg.data.seq_len, validation_batch_size(t.batch_size, world_size),
+                                  rank, world_size, t.val_batches, d.dtype, d.vocab_size)
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(outputs.flatten(0, 1).float(), targets.flatten())
@@ -244,13 +251,14 @@ class ImageClassification(Task):
         return 1
 
     def train_loader(self, rank: int, world_size: int, island: int, num_islands: int,
-                     log: Callable[[str], None]) -> ImageBatchLoader:
+                     log: Callable[[str], None], shares: list[int] | None = None) -> ImageBatchLoader:
         return ImageBatchLoader(self.folder, self.cfg.training.batch_size, rank, world_size,
-                                self.cfg.training.seed, island, num_islands, log=log)
+                                self.cfg.training.seed, island, num_islands, log=log, shares=shares)
 
     def validation_batches(self, rank: int, world_size: int) -> Batches:
         t = self.cfg.training
-        return validation_image_batches(self.folder, t.batch_size, rank, world_size, t.val_batches)
+        return validation_image_batches(self.folder, validation_batch_size(t.batch_size, world_size), rank,
+                                        world_size, t.val_batches)
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(outputs.float(), targets)

@@ -29,9 +29,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
 from archipelago.config import Config, ConfigError, advice, config_to_dict, validate_for_island
+from archipelago.config.counts import parse_factors
 from archipelago.config.faults import TRAINER_KINDS, faults_from_env
 from archipelago.federation import Alone, build_federation
 from archipelago.federation.trust import FederationKey, load_key, refuse_exposed_without_key
+from archipelago.island.batches import RankBatches, forward_backward, rank_batches
 from archipelago.island.device import IslandContext, all_reduce_, barrier, broadcast_object, close_island, init_island
 from archipelago.island.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer, set_schedule_position
 from archipelago.island.parallelize import ParallelModel, parallelize
@@ -100,6 +102,7 @@ class Trainer:
         self.run_dir = self.build_run_dir()
         self.task = self.build_task()
         self.build_dataset()
+        self.batches = self.build_rank_batches()
         self.model = self.build_model()
         self.optimizer = self.build_optimizer()
         self.lr_scheduler = self.build_lr_scheduler()
@@ -149,6 +152,29 @@ class Trainer:
         """
         self.task.prepare(log.info if self.ctx.is_leader else log.debug)
 
+    def build_rank_batches(self) -> RankBatches:
+        """Each rank's micro-batch size and count (equal shares unless set per rank)."""
+        validate_for_island(self.cfg, self.ctx.world_size)
+        batches = rank_batches(self.cfg, self.ctx.world_size)
+        if not batches.even or batches.uneven_counts:
+            if self.cfg.parallelism.expert_parallel and batches.uneven_counts:
+                raise ConfigError("parallelism.expert_parallel exchanges tokens at every forward, so every rank "
+                                  "must run as many micro-batches: give parallelism.num_micro_batches_per_rank "
+                                  "equal counts (vary the sizes instead)")
+            log.info("island batch split: %s (of %d)", batches.describe(), batches.global_batch)
+        return batches
+
+    @functools.cached_property
+    def rank_slowdown(self) -> float:
+        """This rank's island.rank_slowdown factor (1 = its real speed)."""
+        text = self.cfg.island.rank_slowdown
+        if not text:
+            return 1.0
+        try:
+            return parse_factors(text, self.ctx.world_size, "island.rank_slowdown")[self.ctx.rank]
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
     def build_model(self) -> ParallelModel:
         t = self.cfg.training
         built = self.task.build_model()
@@ -156,7 +182,8 @@ class Trainer:
         try:
             parallel = parallelize(built.module, self.ctx, p.data_parallel, t.mixed_precision,
                                    t.activation_checkpointing, t.compile, seed=t.seed,
-                                   expert_parallel=p.expert_parallel)
+                                   expert_parallel=p.expert_parallel,
+                                   broadcast_buffers=not self.batches.uneven_counts)
         except ValueError as exc:  # e.g. experts that do not divide over the ranks
             raise ConfigError(str(exc)) from exc
         self.model_info = built  # parameter count and FLOPs per token, for metrics
@@ -173,14 +200,13 @@ class Trainer:
 
     def build_train_loader(self):  # noqa: ANN201 - the task's loader (next_batch, state_dict)
         t = self.cfg.training
-        validate_for_island(self.cfg, self.ctx.world_size)
         try:
             if t.val_every:  # checks the held-out split is big enough, before any step
                 self.validation_batches()
             ft = self.cfg.fault_tolerance  # islands read disjoint sequences
             return self.task.train_loader(self.ctx.rank, self.ctx.world_size,
                                           ft.replica_id if ft.enable else 0, ft.group_size if ft.enable else 1,
-                                          log.info)
+                                          log.info, None if self.batches.even else list(self.batches.samples))
         except ValueError as exc:  # too little data for seq_len x batch_size
             raise ConfigError(f"data: {exc} (settings: --data.seq_len, --training.batch_size, "
                               "--training.val_batches)") from exc
@@ -338,6 +364,9 @@ class Trainer:
             log.warning("island.slowdown = %g: EMULATED slow island, each inner step waits %g x its "
                         "compute time (an experiment setting, not a real speed)",
                         self.cfg.island.slowdown, self.cfg.island.slowdown - 1)
+        if self.rank_slowdown > 1:
+            log.warning("island.rank_slowdown: EMULATED slow rank %d, each forward and backward waits %g x its "
+                        "time (an experiment setting, not a real speed)", self.ctx.rank, self.rank_slowdown - 1)
         if self.ctx.is_leader:
             for message in advice(self.cfg):
                 log.warning("%s", message)
@@ -413,31 +442,21 @@ class Trainer:
     def micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's share of the global batch, cut into micro-batches for accumulation."""
         inputs, targets = self.train_loader.next_batch()
-        size = self.cfg.training.micro_batch_size or inputs.shape[0]  # checked in build_train_loader
+        size = self.batches.micro_batch_size[self.ctx.rank]  # checked in build_rank_batches
         dev = self.ctx.device
         return [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
                 for x, y in zip(inputs.split(size), targets.split(size))]
 
     def train_step(self) -> StepResult:
         """One optimizer step (forward/backward over the micro-batches, clip, update)."""
-        batches = self.micro_batches()
-        total = torch.zeros((), device=self.ctx.device)
-        extra: dict[str, torch.Tensor] = {}
-        for i, (inputs, targets) in enumerate(batches):
-            with self.model.gradient_sync(i == len(batches) - 1), self.model.autocast():
-                outputs = self.model.module(inputs)
-                loss = self.task.loss(outputs, targets)
-            total += loss.detach() / len(batches)
-            aux = self.task.auxiliary_loss(self.model.inner)  # e.g. the experts' balancing loss
-            ((loss if aux is None else loss + aux) / len(batches)).backward()
-            for name, value in self.task.step_metrics(outputs.detach(), targets, self.model.inner).items():
-                extra[name] = extra.get(name, 0) + value / len(batches)
+        loss, extra = forward_backward(self.model, self.micro_batches(), self.batches, self.task,
+                                       self.rank_slowdown)
         grad_norm = self.clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        return StepResult(total, grad_norm, lr, extra)
+        return StepResult(loss, grad_norm, lr, extra)
 
     def clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.model.module.parameters() if p.grad is not None]

@@ -112,6 +112,10 @@ class ParallelismConfig:
 
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     """With more than one rank: `fsdp` shards parameters per block (FSDP2), `ddp` replicates them."""
+    micro_batch_size_per_rank: str = ""
+    """Heterogeneous data parallelism: each rank's micro-batch size, one per rank (`"6,2"`) or SynerFuse's pairs of rank count and size (`"1 6 1 2"`). With `num_micro_batches_per_rank`, a rank's share of the batch is size x count; the shares must sum to training.batch_size, and every sample weighs the same in the gradient. Empty: every rank takes batch_size / ranks (docs/parallelism.md)."""
+    num_micro_batches_per_rank: str = ""
+    """Micro-batches per rank per step, with micro_batch_size_per_rank (`"4,4"` or `"1 4 1 4"`); empty means one each."""
     expert_parallel: bool = False
     """Mixture-of-experts families (`gpt_oss`, `qwen3_moe`) with more than one rank and `fsdp`: each rank holds its share of every layer's experts and tokens travel to them (two all-to-alls per layer) instead of the experts' weights being gathered on every rank. The expert count must divide by the rank count."""
 
@@ -254,6 +258,8 @@ class IslandConfig:
 
     slowdown: float = 1.0
     """Emulation for experiments: make each inner step take this many times its measured compute time, by waiting after it (1 = off)."""
+    rank_slowdown: str = ""
+    """Emulation for experiments: one factor per rank of this island (`"1,2"`): each rank's forward and backward take this many times their measured time, by waiting after each forward, so that an island of alike devices behaves like one of unlike devices (empty = off)."""
 
 
 @dataclass

@@ -7,7 +7,7 @@ checked where that is known: in the trainer's build hooks.
 from __future__ import annotations
 
 from archipelago.config.errors import ConfigError
-from archipelago.config.schema import Config
+from archipelago.config.schema import Config, TrainingConfig
 
 
 def _require(ok: bool, message: str, problems: list[str]) -> None:
@@ -181,16 +181,21 @@ def advice(cfg: Config) -> list[str]:
     return found
 
 
-def validate_for_island(cfg: Config, ranks: int) -> None:
-    """Rules that depend on the island's rank count; checked by the launcher and the trainer."""
-    t = cfg.training
+def _check_even_shares(t: TrainingConfig, ranks: int) -> None:
     if t.batch_size % ranks:
         raise ConfigError(f"training.batch_size = {t.batch_size} does not split over the island's "
-                          f"{ranks} ranks; use a multiple of {ranks}")
+                          f"{ranks} ranks; use a multiple of {ranks}, or give ranks unequal shares with "
+                          "parallelism.micro_batch_size_per_rank")
     per_rank = t.batch_size // ranks
     if t.micro_batch_size and per_rank % t.micro_batch_size:
         raise ConfigError(f"training.micro_batch_size = {t.micro_batch_size} does not divide the "
                           f"per-rank batch ({per_rank} = batch_size / {ranks} ranks)")
+
+
+def validate_for_island(cfg: Config, ranks: int) -> None:
+    """Rules that depend on the island's rank count; checked by the launcher and the trainer."""
+    if not cfg.parallelism.micro_batch_size_per_rank:  # uneven shares: island/batches.py checks them
+        _check_even_shares(cfg.training, ranks)
     ft = cfg.fault_tolerance
     if ft.enable and ft.sync_width > ranks:
         raise ConfigError(f"fault_tolerance.sync_width = {ft.sync_width} exceeds this island's {ranks} "

@@ -21,7 +21,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -146,19 +146,19 @@ class ImageBatchLoader:
 
     def __init__(self, folder: Path, global_batch_size: int, rank: int, world_size: int, seed: int,
                  island: int = 0, num_islands: int = 1, augmentation: bool = True,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, shares: Sequence[int] | None = None) -> None:
         images, labels = load_split(Path(folder), "train")
         self.images, self.labels = normalise(images), torch.from_numpy(labels.astype(np.int64))
         self.augmentation = augmentation
         self._shards = ShardOrder(len(labels), global_batch_size, rank, world_size, seed, island, num_islands,
-                                  "images", log)
+                                  "images", log, shares)
 
     @property
     def steps_per_epoch(self) -> int:
         return self._shards.steps_per_epoch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(images float32 [B, 1, 28, 28], labels int64 [B]), B = global_batch_size // world_size."""
+        """(images float32 [B, 1, 28, 28], labels int64 [B]), B = this rank's share of the global batch."""
         shards = self._shards
         key = (shards.seed, shards.island, shards.epoch, shards.cursor, shards.rank)
         index = torch.from_numpy(shards.next_indices().astype(np.int64))

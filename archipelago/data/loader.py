@@ -18,7 +18,7 @@ data. The shard is the island's index, not its ranks (the reference platform's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -76,30 +76,28 @@ class ShardOrder:
     Each epoch draws a permutation of all items from ``default_rng((seed, epoch))``.
     Island k of n takes permutation positions k, k+n, k+2n, ...; each optimizer step the
     island consumes its next ``global_batch_size`` items and rank r gets the r-th
-    contiguous block of ``global_batch_size // world_size`` of them. Hence the union over
-    ranks equals a 1-rank run's batch, and ``state_dict`` does not depend on the rank or
-    world size (a run may resume with a different world size).
+    contiguous block of ``global_batch_size // world_size`` of them, or of ``shares[r]``
+    when ranks take unequal shares (heterogeneous data parallelism). Hence the union over
+    ranks equals a 1-rank run's batch, and ``state_dict`` does not depend on the rank,
+    world size or shares (a run may resume with a different split).
     """
 
     def __init__(self, num_items: int, global_batch_size: int, rank: int, world_size: int, seed: int,
                  island: int = 0, num_islands: int = 1, what: str = "windows",
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, shares: Sequence[int] | None = None) -> None:
         _check_positive(global_batch_size=global_batch_size, world_size=world_size, num_islands=num_islands)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside [0, world_size={world_size}); pass this process's rank")
         if not 0 <= island < num_islands:
             raise ValueError(f"island {island} is outside [0, num_islands={num_islands}); check the island index")
-        if global_batch_size % world_size:
-            raise ValueError(
-                f"global_batch_size {global_batch_size} is not divisible by world_size {world_size}; "
-                f"set global_batch_size to a multiple of {world_size}"
-            )
+        shares = _rank_shares(global_batch_size, world_size, shares)
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         self.num_items, self.global_batch_size = num_items, global_batch_size
         self.rank, self.world_size = rank, world_size
         self.seed, self.island, self.num_islands = seed, island, num_islands
-        self.local_batch_size = global_batch_size // world_size
+        self.local_batch_size = shares[rank]
+        self.first = sum(shares[:rank])  # where this rank's block starts inside the island's batch
         self.what, self._log = what, log
         self.epoch, self.cursor = 0, 0
         self.order = self._island_order(0)
@@ -124,7 +122,7 @@ class ShardOrder:
             if self._log is not None:
                 self._log(f"data: island {self.island} starts epoch {self.epoch} of its own shard "
                           f"(dropped {dropped} leftover {self.what})")
-        lo = self.cursor + self.rank * self.local_batch_size
+        lo = self.cursor + self.first
         self.cursor += self.global_batch_size
         return self.order[lo:lo + self.local_batch_size]
 
@@ -151,6 +149,21 @@ class ShardOrder:
         self.epoch, self.cursor, self.order = epoch, cursor, order
 
 
+def _rank_shares(global_batch_size: int, world_size: int, shares: Sequence[int] | None) -> list[int]:
+    """Samples per rank: equal blocks, or the given shares (checked: one positive share per rank, summing
+    to the global batch)."""
+    if shares is None:
+        if global_batch_size % world_size:
+            raise ValueError(f"global_batch_size {global_batch_size} is not divisible by world_size {world_size}; "
+                             f"set global_batch_size to a multiple of {world_size}")
+        return [global_batch_size // world_size] * world_size
+    shares = [int(n) for n in shares]
+    if len(shares) != world_size or min(shares) < 1 or sum(shares) != global_batch_size:
+        raise ValueError(f"rank shares {shares} must give each of the {world_size} ranks at least one sample and "
+                         f"sum to the global batch ({global_batch_size})")
+    return shares
+
+
 class TokenSequenceLoader:
     """Shuffled training batches of token windows for one rank of one island (ShardOrder)."""
 
@@ -167,6 +180,7 @@ class TokenSequenceLoader:
         dtype: str = "uint16",
         log: Callable[[str], None] | None = None,
         vocab_size: int | None = None,
+        shares: Sequence[int] | None = None,
     ) -> None:
         _check_positive(seq_len=seq_len, global_batch_size=global_batch_size,
                         world_size=world_size, num_islands=num_islands)
@@ -182,11 +196,11 @@ class TokenSequenceLoader:
                 f"or use more data"
             )
         self._shards = ShardOrder(self._num_windows, global_batch_size, rank, world_size, seed, island,
-                                  num_islands, "windows", log)
+                                  num_islands, "windows", log, shares)
         self.seq_len, self.global_batch_size = seq_len, global_batch_size
         self.rank, self.world_size = rank, world_size
         self.seed, self.island, self.num_islands = seed, island, num_islands
-        self.local_batch_size = global_batch_size // world_size
+        self.local_batch_size = self._shards.local_batch_size
         self.vocab_size = vocab_size  # ids at or above it are refused (TokenRangeError)
 
     @property
@@ -204,7 +218,7 @@ class TokenSequenceLoader:
         return self._shards.steps_per_epoch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each int64 of shape [global_batch_size // world_size, seq_len]."""
+        """(inputs, targets), each int64 of shape [this rank's share of the global batch, seq_len]."""
         return _gather(self._tokens, self._shards.next_indices(), self.seq_len, self.vocab_size, self._path)
 
     def state_dict(self) -> dict:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from archipelago.island.device import IslandContext, all_reduce_
@@ -96,16 +96,32 @@ class ParallelModel:
         return torch.autocast(self.ctx.device.type, dtype=self.dtype)
 
     @contextlib.contextmanager
-    def gradient_sync(self, enabled: bool) -> Iterator[None]:
-        """Skip the gradient reduction on all but the last micro-batch of an accumulation."""
+    def gradient_sync(self, enabled: bool, keep_gathered: bool = False) -> Iterator[None]:
+        """Skip the gradient reduction on all but the last micro-batch of an accumulation.
+
+        `keep_gathered` (FSDP, when ranks run different numbers of micro-batches): FSDP
+        gathers a block's parameters at every forward, a collective every rank must join, so
+        a rank with 4 micro-batches beside one with 2 would wait forever at its third. Kept
+        gathered from the first forward until the last backward, each block is gathered once
+        and reduced once per step on every rank, however many micro-batches each runs; it
+        costs the memory of the unsharded blocks for the whole step.
+        """
         if self.strategy == "fsdp":
             self.module.set_requires_gradient_sync(enabled)
+            if keep_gathered:  # the root keeps its parameters gathered after forward anyway
+                for unit in self._fsdp_units():
+                    if unit is not self.module:
+                        unit.set_reshard_after_forward(enabled, recurse=False)
+                    unit.set_reshard_after_backward(enabled, recurse=False)
             yield
         elif self.strategy == "ddp" and not enabled:
             with self.module.no_sync():
                 yield
         else:
             yield
+
+    def _fsdp_units(self) -> list[Any]:
+        return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
 
     @torch.no_grad()
     def average_buffers(self) -> None:
@@ -136,13 +152,15 @@ def _materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_precision: str,
                 activation_checkpointing: bool = False, compile_blocks: bool = False,
-                seed: int = 0, expert_parallel: bool = False) -> ParallelModel:
+                seed: int = 0, expert_parallel: bool = False, broadcast_buffers: bool = True) -> ParallelModel:
     """Wrap a model for this island and put it on the island's device.
 
     `model` is either initialised (on CPU) or still on the meta device; a meta model
     is materialised here, after sharding under FSDP so that each rank only ever
     allocates its own shard, and before wrapping under DDP, which broadcasts
-    rank 0's weights at construction.
+    rank 0's weights at construction. `broadcast_buffers=False` stops DDP's broadcast of
+    buffers at every forward (a collective), for ranks that run different numbers of
+    forwards per step; BatchNorm statistics are then averaged by `average_buffers`.
     """
     dtype = compute_dtype(mixed_precision, ctx.device)
     on_meta = any(p.is_meta for p in model.parameters())
@@ -152,7 +170,8 @@ def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_
         return ParallelModel(model, model, ctx, dtype, "single")
     if data_parallel == "ddp":
         _materialize(model, ctx.device, seed)
-        ddp = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type != "cpu" else None)
+        ddp = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type != "cpu" else None,
+                                      broadcast_buffers=broadcast_buffers)
         return ParallelModel(ddp, model, ctx, dtype, "ddp")
     if not on_meta:
         model.to(ctx.device)

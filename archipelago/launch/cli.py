@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from archipelago.config import Config, ConfigError, config_to_dict, load_config, validate_for_island
+from archipelago.island.batches import rank_batches
 from archipelago.launch.args import pop_option
 from archipelago.netutil import bound_tcp_store, local_address, url_host
 
@@ -221,7 +222,9 @@ def cmd_train(argv: list[str]) -> int:
     cfg = load_config(argv, prog="archipelago train", description=TRAIN_HELP)
     setup_logging(cfg.job.log_level, rank)
     _check_model(cfg)
-    validate_for_island(cfg, int(os.environ.get("WORLD_SIZE", nproc)))
+    ranks = int(os.environ.get("WORLD_SIZE", nproc))
+    validate_for_island(cfg, ranks)
+    rank_batches(cfg, ranks)  # per-rank micro-batches add up, before any process starts
     if nproc > 1 and not _under_torchrun():
         return _spawn_torchrun(nproc, argv, cfg)
     return _train_here(cfg, rank)
