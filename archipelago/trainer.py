@@ -37,6 +37,7 @@ from archipelago.island.batches import RankBatches, forward_backward, rank_batch
 from archipelago.island.device import IslandContext, all_reduce_, barrier, broadcast_object, close_island, init_island
 from archipelago.island.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer, set_schedule_position
 from archipelago.island.parallelize import ParallelModel, parallelize
+from archipelago.island.plan import explain
 from archipelago.metrics import (
     MetricsLog,
     ProgressDisplay,
@@ -46,6 +47,7 @@ from archipelago.metrics import (
     write_json_atomic,
 )
 from archipelago.metrics.progress import format_count
+from archipelago.planning import plan_island, profile_lines, rank_batches_of
 from archipelago.tasks import Task, TaskModel, build_task
 
 log = logging.getLogger("archipelago.trainer")
@@ -156,6 +158,8 @@ class Trainer:
         """Each rank's micro-batch size and count (equal shares unless set per rank)."""
         validate_for_island(self.cfg, self.ctx.world_size)
         batches = rank_batches(self.cfg, self.ctx.world_size)
+        if self.cfg.parallelism.auto:
+            batches = self.plan_rank_batches()
         if not batches.even or batches.uneven_counts:
             if self.cfg.parallelism.expert_parallel and batches.uneven_counts:
                 raise ConfigError("parallelism.expert_parallel exchanges tokens at every forward, so every rank "
@@ -163,6 +167,17 @@ class Trainer:
                                   "equal counts (vary the sizes instead)")
             log.info("island batch split: %s (of %d)", batches.describe(), batches.global_batch)
         return batches
+
+    def plan_rank_batches(self) -> RankBatches:
+        """parallelism.auto: measure every rank and split the batch to their speeds (logged)."""
+        p = self.cfg.parallelism
+        if p.micro_batch_size_per_rank or self.cfg.training.micro_batch_size:
+            raise ConfigError("parallelism.auto chooses the micro-batches itself: leave out "
+                              "parallelism.micro_batch_size_per_rank and training.micro_batch_size, or drop auto")
+        plan, profiles = plan_island(self.cfg, self.ctx, self.task)
+        for line in [*profile_lines(profiles), *explain(plan, [q.device for q in profiles]).splitlines()]:
+            log.info("parallelism.auto: %s", line)
+        return rank_batches_of(plan)
 
     @functools.cached_property
     def rank_slowdown(self) -> float:

@@ -114,6 +114,16 @@ def broadcast_object(value: T, ctx: IslandContext) -> T:
     return box[0]
 
 
+def all_gather_objects(value: T, ctx: IslandContext) -> list[T]:
+    """Every rank's `value`, in rank order (a collective; pickles: inside one island only,
+    whose ranks share an owner, never between islands)."""
+    if not ctx.is_distributed:
+        return [value]
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
 def barrier(ctx: IslandContext) -> None:
     """Wait for every rank of the island (a no-op for one rank)."""
     if ctx.is_distributed:

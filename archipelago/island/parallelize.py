@@ -39,7 +39,7 @@ def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
 RESNET_STAGES = ("layer1", "layer2", "layer3", "layer4")
 
 
-def _blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
+def model_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(parent, name) of each unit parallelism wraps: a transformer's blocks, or a
     ResNet's stages (a whole stage per FSDP unit: its blocks are small)."""
     own = getattr(model, "parallel_blocks", None)
@@ -55,7 +55,7 @@ def _blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
 
 
 def _wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile_blocks: bool) -> None:
-    for parent, name in _blocks(model):
+    for parent, name in model_blocks(model):
         block = parent.get_submodule(name)
         if activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
@@ -71,7 +71,7 @@ def _shard(model: nn.Module, ctx: IslandContext, dtype: torch.dtype, expert_para
     # Gradients are reduced in fp32 even when compute is bf16: the reduction over many
     # ranks is where bf16 rounding would accumulate.
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for parent, name in _blocks(model):
+    for parent, name in model_blocks(model):
         fully_shard(parent.get_submodule(name), mesh=mesh, mp_policy=mp, ignored_params=ignored)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
 

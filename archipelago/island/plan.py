@@ -17,7 +17,8 @@ Two questions, each answered exactly:
   micro-batches that fit its memory.
 
 Ties (equal slowest-stage time) go to the split whose stage times have the smallest sum of
-squares (the most even), then to the smallest layer tuple, so the DP and brute force agree.
+squares (the most even), then to the smallest layer tuple, so the DP and brute force agree;
+for samples, to the smallest sum of squared rank times, then the larger shares first.
 """
 
 from __future__ import annotations
@@ -86,8 +87,12 @@ class StageSplit:
             lo += n
 
 
-def _key(stage_s: Sequence[float], layers: Sequence[int]) -> tuple[float, float, tuple[int, ...]]:
-    return max(stage_s), sum(s * s for s in stage_s), tuple(layers)
+def _sum_of_squares(stage_s: Sequence[float]) -> float:
+    """Summed from the last stage back, as split_layers adds them (the same float rounding)."""
+    total = 0.0
+    for t in reversed(stage_s):
+        total = t * t + total
+    return total
 
 
 def _check_stages(stages: Sequence[StageCosts]) -> int:
@@ -110,28 +115,52 @@ def _no_fit(stages: Sequence[StageCosts]) -> PlanError:
                      "--training.micro_batch_size")
 
 
-def split_layers(stages: Sequence[StageCosts]) -> StageSplit:
-    """The contiguous split minimising the slowest stage (module docstring), exactly."""
-    n_layers, n_stages = _check_stages(stages), len(stages)
-    # best[s][lo]: the best split of layers lo.. over stages s.. as (key, layers, times); None = infeasible.
-    best: list[list[tuple[tuple[float, float, tuple[int, ...]], tuple[int, ...], tuple[float, ...]] | None]] = [
-        [None] * (n_layers + 1) for _ in range(n_stages + 1)]
-    best[n_stages][n_layers] = ((0.0, 0.0, ()), (), ())
+def _choices(stages: Sequence[StageCosts], n_layers: int, s: int, lo: int) -> Iterator[tuple[int, float]]:
+    """(hi, time) for each way stage s can take layers lo..hi-1 and fit in its memory."""
+    n_stages = len(stages)
+    first, last = s == 0, s == n_stages - 1
+    his = [n_layers] if last else range(lo + 1, n_layers - (n_stages - s - 1) + 1)
+    for hi in his:
+        if stages[s].fits(lo, hi, first, last):
+            yield hi, stages[s].time(lo, hi, first, last)
+
+
+def _slowest_stage_s(stages: Sequence[StageCosts], n_layers: int) -> float:
+    """The smallest achievable slowest-stage time (minimax DP; inf when nothing fits)."""
+    n_stages = len(stages)
+    best = [[math.inf] * (n_layers + 1) for _ in range(n_stages + 1)]
+    best[n_stages][n_layers] = 0.0
     for s in range(n_stages - 1, -1, -1):
-        stage, first, last = stages[s], s == 0, s == n_stages - 1
         for lo in range(n_layers - (n_stages - s) + 1):
-            his = [n_layers] if last else range(lo + 1, n_layers - (n_stages - s - 1) + 1)
-            for hi in his:
-                rest = best[s + 1][hi]
-                if rest is None or not stage.fits(lo, hi, first, last):
-                    continue
-                layers, times = (hi - lo, *rest[1]), (stage.time(lo, hi, first, last), *rest[2])
-                key = _key(times, layers)
-                if best[s][lo] is None or key < best[s][lo][0]:  # type: ignore[index]
-                    best[s][lo] = (key, layers, times)
-    found = best[0][0]
-    if found is None:
+            best[s][lo] = min((max(t, best[s + 1][hi]) for hi, t in _choices(stages, n_layers, s, lo)),
+                              default=math.inf)
+    return best[0][0]
+
+
+def split_layers(stages: Sequence[StageCosts]) -> StageSplit:
+    """The contiguous split minimising the slowest stage (module docstring), exactly: a
+    minimax DP finds the slowest-stage time, then a second DP, over the splits no slower
+    than it, the most even one (smallest sum of squared stage times, then smallest layers)."""
+    n_layers, n_stages = _check_stages(stages), len(stages)
+    bound = _slowest_stage_s(stages, n_layers)
+    if math.isinf(bound):
         raise _no_fit(stages)
+    # best[s][lo]: (sum of squares, layers, times) of the best split of layers lo.. over stages s..
+    Best = tuple[float, tuple[int, ...], tuple[float, ...]]
+    best: list[list[Best | None]] = [[None] * (n_layers + 1) for _ in range(n_stages + 1)]
+    best[n_stages][n_layers] = (0.0, (), ())
+    for s in range(n_stages - 1, -1, -1):
+        for lo in range(n_layers - (n_stages - s) + 1):
+            for hi, t in _choices(stages, n_layers, s, lo):
+                rest = best[s + 1][hi]
+                if rest is None or t > bound:
+                    continue
+                here: Best = (t * t + rest[0], (hi - lo, *rest[1]), (t, *rest[2]))
+                current = best[s][lo]
+                if current is None or here[:2] < current[:2]:
+                    best[s][lo] = here
+    found = best[0][0]
+    assert found is not None  # the minimax DP found a split within the bound
     return StageSplit(found[1], found[2])
 
 
@@ -152,7 +181,7 @@ def split_layers_brute(stages: Sequence[StageCosts]) -> StageSplit:
         if not all(st.fits(lo, hi, *f) for st, (lo, hi), f in zip(stages, ranges, flags)):
             continue
         times = tuple(st.time(lo, hi, *f) for st, (lo, hi), f in zip(stages, ranges, flags))
-        key = _key(times, layers)
+        key = (max(times), _sum_of_squares(times), layers)
         if best is None or key < best[0]:
             best = (key, StageSplit(layers, times))
     if best is None:

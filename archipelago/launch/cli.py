@@ -37,6 +37,8 @@ commands:
                  island (--islands 2,1, --kill ISLAND@SECONDS, --restart-after SECONDS)
   data prepare   fetch the corpus, train the tokenizer, write token files (cached); or fetch images
   models         list every model family and flavor with its parameter count
+  plan           measure each rank of this island and split the batch to their speeds
+                 (--config FILE, --nproc N, --out FILE)
   report RUN_DIR write a loss plot and a Markdown summary of a run (or a federation);
                  --baseline RUN_DIR puts another run's final val loss beside it
   export RUN_DIR OUT --format hf
@@ -124,7 +126,7 @@ def _record_failure(cfg: Config, code: int, message: str) -> None:
         pass
 
 
-def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config) -> int:
+def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config, command: str = "train") -> int:
     """Run this command as `nproc` local ranks under torchrun's elastic agent; returns the
     island's exit code.
 
@@ -143,7 +145,7 @@ def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     log.info("starting %d ranks under torchrun; run directory %s", nproc, run_dir)
     code = _run_elastic_agent([*_rendezvous_args(), f"--nproc-per-node={nproc}", "-m", "archipelago.launch.cli",
-                               "train", *argv, f"--job.run_dir={run_dir}"])
+                               command, *argv, f"--job.run_dir={run_dir}"])
     if code != 0:
         failure = Path(run_dir) / FAILURE_FILE
         if failure.is_file():  # the failing rank's own reason and exit code, not torchrun's
@@ -228,6 +230,31 @@ def cmd_train(argv: list[str]) -> int:
     if nproc > 1 and not _under_torchrun():
         return _spawn_torchrun(nproc, argv, cfg)
     return _train_here(cfg, rank)
+
+
+PLAN_HELP = """\
+Measure each rank of this island (forward and backward time per sample and per layer, memory)
+and print how to split the batch over them: each rank's micro-batch size and count, its
+predicted time and idle fraction, and the predicted step time. Options: --config FILE,
+--nproc N, --out FILE (where to write the TOML fragment; default plan.toml), and the
+--section.key VALUE options of `archipelago train` (e.g. --island.rank_slowdown 1,2 to
+emulate a slow rank). Train with the plan by adding the options it prints to `archipelago
+train`, or by pasting the fragment into FILE; or let `--parallelism.auto` plan at start.
+"""
+
+
+def cmd_plan(argv: list[str]) -> int:
+    nproc_arg, argv = pop_option(argv, "--nproc")
+    out_arg, argv = pop_option(argv, "--out")
+    nproc = int(nproc_arg or os.environ.get("NGPU") or "1")
+    cfg = load_config(argv, prog="archipelago plan", description=PLAN_HELP)
+    setup_logging(cfg.job.log_level, int(os.environ.get("RANK", "0")))
+    _check_model(cfg)
+    if nproc > 1 and not _under_torchrun():
+        return _spawn_torchrun(nproc, [*argv, "--out", out_arg or "plan.toml"], cfg, "plan")
+    from archipelago.launch.plan import plan_here
+
+    return plan_here(cfg, out_arg or "plan.toml")
 
 
 def _train_here(cfg: Config, rank: int) -> int:
@@ -420,7 +447,7 @@ def cmd_config(argv: list[str]) -> int:
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train, "data": cmd_data, "models": cmd_models, "report": cmd_report,
     "config": cmd_config, "export": cmd_export, "generate": cmd_generate, "lighthouse": cmd_lighthouse,
-    "local": cmd_local, "secret": cmd_secret,
+    "local": cmd_local, "secret": cmd_secret, "plan": cmd_plan,
 }
 
 

@@ -1,0 +1,36 @@
+"""`archipelago plan` on one rank: measure, solve, and (rank 0) print and write the plan."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from archipelago.config import Config
+from archipelago.island.device import close_island, init_island
+from archipelago.island.plan import explain, to_toml
+from archipelago.planning import plan_island, profile_lines
+from archipelago.tasks import build_task
+
+log = logging.getLogger("archipelago.plan")
+
+
+def plan_here(cfg: Config, out: str) -> int:
+    """Run as one rank of the island being planned; returns the exit code."""
+    ctx = init_island(cfg.training.device)
+    try:
+        task = build_task(cfg)
+        task.prepare(log.info if ctx.is_leader else log.debug)
+        plan, profiles = plan_island(cfg, ctx, task)
+    finally:
+        close_island()
+    if ctx.is_leader:
+        fragment = to_toml(plan)
+        Path(out).write_text(fragment)
+        flags = " ".join(f"--parallelism.{line.split(' = ')[0]} {line.split(' = ')[1].strip(chr(34))}"
+                         for line in fragment.splitlines()[1:])
+        print("\n".join(["measured:", *profile_lines(profiles), "", "plan:",
+                         explain(plan, [p.device for p in profiles]), "",
+                         f"written to {out}; train with it: archipelago train ... {flags}"]))
+        sys.stdout.flush()
+    return 0
