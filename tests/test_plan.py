@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import random
-import tomllib
 
 import pytest
+import tomllib
 
 from archipelago.config.counts import parse_counts
 from archipelago.island.plan import (
