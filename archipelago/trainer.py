@@ -37,6 +37,7 @@ from archipelago.island.batches import RankBatches, forward_backward, rank_batch
 from archipelago.island.device import IslandContext, all_reduce_, barrier, broadcast_object, close_island, init_island
 from archipelago.island.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer, set_schedule_position
 from archipelago.island.parallelize import ParallelModel, parallelize
+from archipelago.island.pipeline import check_pipelinable, pipeline_layout
 from archipelago.island.plan import explain
 from archipelago.metrics import (
     MetricsLog,
@@ -156,8 +157,8 @@ class Trainer:
 
     def build_rank_batches(self) -> RankBatches:
         """Each rank's micro-batch size and count (equal shares unless set per rank)."""
-        validate_for_island(self.cfg, self.ctx.world_size)
-        batches = rank_batches(self.cfg, self.ctx.world_size)
+        validate_for_island(self.cfg, self.data_ranks)
+        batches = rank_batches(self.cfg, self.data_ranks)
         if self.cfg.parallelism.auto:
             batches = self.plan_rank_batches()
         if not batches.even or batches.uneven_counts:
@@ -179,6 +180,16 @@ class Trainer:
             log.info("parallelism.auto: %s", line)
         return rank_batches_of(plan)
 
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read different data: all of them, or one for a pipeline (its stages
+        share each batch)."""
+        return 1 if self.cfg.parallelism.pipeline_stages > 1 else self.ctx.world_size
+
+    @property
+    def data_rank(self) -> int:
+        return 0 if self.cfg.parallelism.pipeline_stages > 1 else self.ctx.rank
+
     @functools.cached_property
     def rank_slowdown(self) -> float:
         """This rank's island.rank_slowdown factor (1 = its real speed)."""
@@ -194,11 +205,17 @@ class Trainer:
         t = self.cfg.training
         built = self.task.build_model()
         p = self.cfg.parallelism
+        layout = pipeline_layout(self.cfg, len(getattr(built.module, "layers", ())), self.ctx.world_size)
+        if layout is not None:
+            check_pipelinable(built.module)
+            log.info("pipeline of %d stages (%s), %s schedule, %d micro-batches per step", layout.stages,
+                     layout.describe(), layout.schedule, layout.micro_batches)
         try:
             parallel = parallelize(built.module, self.ctx, p.data_parallel, t.mixed_precision,
                                    t.activation_checkpointing, t.compile, seed=t.seed,
                                    expert_parallel=p.expert_parallel,
-                                   broadcast_buffers=not self.batches.uneven_counts)
+                                   broadcast_buffers=not self.batches.uneven_counts,
+                                   pipeline=layout, loss_fn=self.task.loss)
         except ValueError as exc:  # e.g. experts that do not divide over the ranks
             raise ConfigError(str(exc)) from exc
         self.model_info = built  # parameter count and FLOPs per token, for metrics
@@ -219,7 +236,7 @@ class Trainer:
             if t.val_every:  # checks the held-out split is big enough, before any step
                 self.validation_batches()
             ft = self.cfg.fault_tolerance  # islands read disjoint sequences
-            return self.task.train_loader(self.ctx.rank, self.ctx.world_size,
+            return self.task.train_loader(self.data_rank, self.data_ranks,
                                           ft.replica_id if ft.enable else 0, ft.group_size if ft.enable else 1,
                                           log.info, None if self.batches.even else list(self.batches.samples))
         except ValueError as exc:  # too little data for seq_len x batch_size
@@ -227,7 +244,7 @@ class Trainer:
                               "--training.val_batches)") from exc
 
     def validation_batches(self):  # noqa: ANN201 - an iterator of (inputs, targets)
-        return self.task.validation_batches(self.ctx.rank, self.ctx.world_size)
+        return self.task.validation_batches(self.data_rank, self.data_ranks)
 
     def build_federation(self) -> Alone:
         """The seam to the other islands: `Alone` when fault_tolerance is off, else a
@@ -462,10 +479,18 @@ class Trainer:
         return [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
                 for x, y in zip(inputs.split(size), targets.split(size))]
 
+    def forward_backward(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This rank's gradients for the step, and the step's loss (and task metrics)."""
+        pipeline = self.model.pipeline
+        if pipeline is None:
+            return forward_backward(self.model, self.micro_batches(), self.batches, self.task, self.rank_slowdown)
+        inputs, targets = (t.to(self.ctx.device) for t in self.train_loader.next_batch())
+        with self.model.autocast():
+            return pipeline.step(inputs, targets), {}
+
     def train_step(self) -> StepResult:
         """One optimizer step (forward/backward over the micro-batches, clip, update)."""
-        loss, extra = forward_backward(self.model, self.micro_batches(), self.batches, self.task,
-                                       self.rank_slowdown)
+        loss, extra = self.forward_backward()
         grad_norm = self.clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -476,6 +501,8 @@ class Trainer:
     def clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.model.module.parameters() if p.grad is not None]
         max_norm = self.cfg.training.max_norm or float("inf")
+        if self.model.pipeline is not None:  # each stage holds only its own gradients
+            return self.model.pipeline.clip_gradients(params, max_norm)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         # Under FSDP2 the norm is a DTensor; full_tensor() is a (small) collective.
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -541,14 +568,23 @@ class Trainer:
         for inputs, targets in self.validation_batches():
             inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
             with self.model.autocast():
-                outputs = self.model.module(inputs)
-            batch = self.task.eval_sums(outputs, targets)
+                outputs = self.model_outputs(inputs)
+            # [loss, count, ...] padded to 3 (what the image task sums); zeros on pipeline
+            # stages without the output, so the island's sum is the last stage's.
+            batch = (torch.zeros(3, dtype=torch.float64, device=self.ctx.device) if outputs is None else
+                     torch.nn.functional.pad(self.task.eval_sums(outputs, targets), (0, 1)).narrow(0, 0, 3))
             sums = batch if sums is None else sums + batch
         self.model.module.train()
         if sums is None:  # every rank yields as many batches, so all take this branch together
             return self.task.eval_metrics(torch.zeros(3, dtype=torch.float64))
         all_reduce_(sums, self.ctx)
         return self.task.eval_metrics(sums)
+
+    def model_outputs(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The model's outputs (forward only); None on pipeline stages before the last."""
+        if self.model.pipeline is not None:
+            return self.model.pipeline.outputs(inputs)
+        return self.model.module(inputs)
 
     def finish(self) -> dict[str, Any]:
         self.federation.leave()

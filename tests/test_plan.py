@@ -1,13 +1,13 @@
-"""The planner's solvers against brute force, and its outputs (explanation, TOML)."""
+"""The planner's solvers against brute force, and its outputs (explanation, TOML, counts)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 import tomllib
 
-from archipelago.config.counts import parse_counts
 from archipelago.island.plan import (
     IslandPlan,
     PlanError,
@@ -15,6 +15,7 @@ from archipelago.island.plan import (
     StageCosts,
     bubble_fraction,
     explain,
+    parse_counts,
     predict_pipeline_step_s,
     split_batch,
     split_batch_brute,
@@ -23,96 +24,218 @@ from archipelago.island.plan import (
     to_toml,
 )
 
+GIB = 2**30
 
-def _random_stages(rng: random.Random, layers: int, stages: int, memory: bool) -> list[StageCosts]:
-    base = [rng.uniform(0.5, 2.0) for _ in range(layers)]
+
+def _random_stages(rng: random.Random, layers: int, stages: int, memory: bool, whole: bool) -> list[StageCosts]:
+    """Unlike devices on one model; `whole`: costs in whole seconds, so many splits tie exactly."""
+    def cost(lo: float, hi: float) -> float:
+        return float(rng.randint(int(lo), int(hi) + 1)) if whole else rng.uniform(lo, hi)
+
+    base = [cost(0.5, 2.0) for _ in range(layers)]
     weights = [float(rng.randint(1, 4)) for _ in range(layers)]
     out = []
     for _ in range(stages):
         speed = rng.choice([0.5, 1.0, 1.0, 2.0, 3.0])  # seconds multiplier: unlike devices
-        out.append(StageCosts(tuple(b * speed for b in base), first_extra_s=rng.uniform(0, 1),
-                              last_extra_s=rng.uniform(0, 2),
+        out.append(StageCosts(tuple(b * speed for b in base), first_extra_s=cost(0, 1), last_extra_s=cost(0, 2),
                               memory_bytes=rng.uniform(3, 12) if memory else float("inf"),
                               layer_bytes=tuple(weights), first_extra_bytes=1.0, last_extra_bytes=1.0))
     return out
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_the_layer_split_equals_brute_force(seed):
-    rng = random.Random(seed)
-    for _ in range(25):
+def _count_splits_at(stages: list[StageCosts], bottleneck_s: float) -> int:
+    """How many contiguous splits fit memory and reach this slowest-stage time (the tie-break's work)."""
+    n_layers, last = len(stages[0].layer_s), len(stages) - 1
+    count = 0
+    for cuts in itertools.combinations(range(1, n_layers), last):
+        bounds = (0, *cuts, n_layers)
+        spans = list(zip(bounds, bounds[1:]))
+        if all(st.fits(lo, hi, k == 0, k == last) for k, (st, (lo, hi)) in enumerate(zip(stages, spans))):
+            count += max(st.time(lo, hi, k == 0, k == last) for k, (st, (lo, hi)) in enumerate(zip(stages, spans))) \
+                == bottleneck_s
+    return count
+
+
+def test_the_layer_split_equals_brute_force_with_binding_memory_infeasible_cases_and_ties():
+    rng = random.Random(0)
+    seen = {"infeasible": 0, "memory binds": 0, "several best splits": 0}
+    for case in range(600):
         layers = rng.randint(1, 8)
-        stages = _random_stages(rng, layers, rng.randint(1, min(4, layers)), memory=rng.random() < 0.5)
+        stages = _random_stages(rng, layers, rng.randint(1, min(4, layers)), memory=case % 2 == 0,
+                                whole=case % 3 == 0)
         try:
             expected = split_layers_brute(stages)
-        except PlanError:
+        except PlanError as exc:
+            assert "does not fit" in str(exc)
             with pytest.raises(PlanError, match="does not fit"):
                 split_layers(stages)
+            seen["infeasible"] += 1
             continue
         got = split_layers(stages)
-        assert got.layers == expected.layers and got.stage_s == expected.stage_s
-        assert sum(got.layers) == layers and min(got.layers) >= 1
-        for stage, (lo, hi), k in zip(stages, got.ranges(), range(len(stages))):
+        assert got == expected  # the same split, by the same tie-break, not only the same bottleneck
+        assert sum(got.layers) == layers and min(got.layers) >= 1 and len(got.layers) == len(stages)
+        for k, (stage, (lo, hi)) in enumerate(zip(stages, got.ranges())):
             assert stage.fits(lo, hi, k == 0, k == len(stages) - 1)
+        unlimited = [StageCosts(s.layer_s, s.first_extra_s, s.last_extra_s) for s in stages]
+        seen["memory binds"] += split_layers(unlimited).bottleneck_s < got.bottleneck_s
+        seen["several best splits"] += _count_splits_at(stages, got.bottleneck_s) > 1
+    assert min(seen.values()) >= 20, seen  # every kind of case was exercised
+
+
+def test_the_layer_split_beats_random_splits_at_model_scale():
+    rng = random.Random(7)
+    n_layers, n_stages = 48, 6
+    stages = _random_stages(rng, n_layers, n_stages, memory=False, whole=False)
+    best = split_layers(stages)
+    for _ in range(300):
+        cuts = sorted(rng.sample(range(1, n_layers), n_stages - 1))
+        bounds = (0, *cuts, n_layers)
+        spans = enumerate(zip(bounds, bounds[1:]))
+        times = [stages[k].time(lo, hi, k == 0, k == n_stages - 1) for k, (lo, hi) in spans]
+        assert best.bottleneck_s <= max(times)
 
 
 def test_a_slower_stage_gets_fewer_layers_and_every_stage_a_layer():
     fast, slow = StageCosts((1.0,) * 6), StageCosts((2.0,) * 6)
     split = split_layers([fast, slow])
-    assert split.layers == (4, 2) and split.bottleneck_s == 4.0 and split.idle == (0.0, 0.0)
+    assert split.layers == (4, 2) and split.stage_s == (4.0, 4.0) and split.bottleneck_s == 4.0
+    assert split.idle == (0.0, 0.0)
     assert split_layers([slow, fast]).layers == (2, 4)
+    # 5 layers cannot balance: (3, 2) takes (3, 4) s and (4, 1) takes (4, 2) s, both a 4 s bottleneck;
+    # the tie-break's smaller sum of squares (20 against 25) keeps the slow device idle, not busy.
+    uneven = split_layers([StageCosts((1.0,) * 5), StageCosts((2.0,) * 5)])
+    assert uneven.layers == (4, 1) and uneven.idle == (0.0, 0.5)
     with pytest.raises(PlanError, match="each stage needs a layer"):
         split_layers([fast] * 7)
 
 
+def test_the_embedding_and_head_count_on_the_first_and_last_stage():
+    stages = [StageCosts((1.0,) * 6, first_extra_s=2.0, last_extra_s=2.0)] * 2
+    split = split_layers(stages)
+    assert split.layers == (3, 3) and split.stage_s == (5.0, 5.0)
+    head_heavy = [StageCosts((1.0,) * 6, last_extra_s=4.0)] * 2
+    assert split_layers(head_heavy).layers == (5, 1)
+
+
 def test_a_split_that_does_not_fit_memory_is_refused_naming_the_fix():
-    stages = [StageCosts((1.0,) * 4, memory_bytes=2 * 2**30, layer_bytes=(2**30,) * 4)] * 2
+    stages = [StageCosts((1.0,) * 4, memory_bytes=2 * GIB, layer_bytes=(GIB,) * 4)] * 2
     assert split_layers(stages).layers == (2, 2)
-    small = [StageCosts((1.0,) * 4, memory_bytes=1.5 * 2**30, layer_bytes=(2**30,) * 4)] * 2
-    with pytest.raises(PlanError, match=r"needs 4.0 GiB .* hold 3.0 GiB in all; add pipeline stages"):
+    lopsided = [StageCosts((1.0,) * 4, memory_bytes=3 * GIB, layer_bytes=(GIB,) * 4),
+                StageCosts((3.0,) * 4, memory_bytes=1 * GIB, layer_bytes=(GIB,) * 4)]
+    assert split_layers(lopsided).layers == (3, 1)  # memory, not speed, decides: (2, 2) would be faster
+    small = [StageCosts((1.0,) * 4, memory_bytes=1.5 * GIB, layer_bytes=(GIB,) * 4)] * 2
+    with pytest.raises(PlanError, match=r"needs 4.0 GiB and the 2 stage\(s\) hold 3.0 GiB in all; add pipeline stages"):
         split_layers(small)
+    big_layer = [StageCosts((1.0,) * 4, memory_bytes=10 * GIB, layer_bytes=(GIB, GIB, 12 * GIB, GIB))] * 2
+    with pytest.raises(PlanError, match="layer 2 alone needs 12.0 GiB on stage .*; add pipeline stages"):
+        split_layers(big_layer)
+    with pytest.raises(PlanError, match="same model"):
+        split_layers([StageCosts((1.0,) * 4), StageCosts((1.0,) * 3)])
+    with pytest.raises(PlanError, match="negative or non-finite"):
+        split_layers([StageCosts((1.0, -1.0))])
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_the_batch_split_equals_brute_force(seed):
-    rng = random.Random(100 + seed)
-    for _ in range(20):
-        ranks = [RankSpeed(rng.choice([0.5, 1.0, 1.5, 2.0, 3.0]) * rng.uniform(0.9, 1.1),
-                           rng.choice([0, 0, 3, 5])) for _ in range(rng.randint(1, 4))]
-        batch = rng.randint(len(ranks), 14)
-        got, expected = split_batch(ranks, batch), split_batch_brute(ranks, batch)
+def _brute_makespan(ranks: list[RankSpeed], batch: int) -> float:
+    """The smallest step time over every split (independent of split_batch_brute)."""
+    return min(max(n * r.sample_s for n, r in zip(samples, ranks))
+               for samples in itertools.product(range(1, batch + 1), repeat=len(ranks)) if sum(samples) == batch)
+
+
+def test_the_batch_split_reaches_brute_forces_step_time():
+    rng = random.Random(100)
+    for _ in range(200):
+        ranks = [RankSpeed(rng.choice([0.5, 1.0, 1.5, 2.0, 3.0]) * rng.uniform(0.9, 1.1), rng.choice([0, 0, 3, 5]))
+                 for _ in range(rng.randint(1, 4))]
+        batch = rng.randint(len(ranks), 12)
+        got = split_batch(ranks, batch)
         assert sum(got.samples) == batch and min(got.samples) >= 1
-        assert got.step_s == pytest.approx(expected.step_s, rel=1e-12)
+        assert got.step_s == _brute_makespan(ranks, batch) == split_batch_brute(ranks, batch).step_s
         for size, count, rank in zip(got.micro_batch_size, got.num_micro_batches, ranks):
             cap = rank.max_micro_batch or size * count
             assert size <= cap  # fits, in the fewest equal micro-batches that do
             assert not any((size * count) % fewer == 0 and (size * count) // fewer <= cap for fewer in range(1, count))
 
 
+def test_the_batch_split_equals_brute_force_where_times_are_exact():
+    rng = random.Random(200)  # speeds in eighths of a second: every product and sum exact, so ties are real
+    for _ in range(300):
+        ranks = [RankSpeed(rng.randint(1, 24) / 8, rng.choice([0, 2, 3, 5])) for _ in range(rng.randint(1, 4))]
+        batch = rng.randint(len(ranks), 16)
+        assert split_batch(ranks, batch) == split_batch_brute(ranks, batch)
+
+
 def test_a_rank_twice_as_slow_gets_a_third_of_the_batch():
+    # 21 + 11 ends at max(21, 22) = 22 and 22 + 10 at max(22, 20) = 22; 20 + 12 at 24, 23 + 9 at 23.
+    # The tie goes to the faster rank: the same step in fewer device-seconds.
     split = split_batch([RankSpeed(1.0), RankSpeed(2.0)], 32)
-    assert split.samples == (21, 11) or split.samples == (22, 10)
-    assert split.step_s == 22.0  # 21 x 1 vs 11 x 2, or 22 x 1 vs 10 x 2: both end at 22
+    assert split.samples == (22, 10) and split.step_s == 22.0 and split.idle == (0.0, pytest.approx(1 / 11))
+    assert split_batch([RankSpeed(2.0), RankSpeed(1.0)], 32).samples == (10, 22)
     capped = split_batch([RankSpeed(1.0, max_micro_batch=6), RankSpeed(2.0, max_micro_batch=4)], 32)
-    assert all(size <= cap for size, cap in zip(capped.micro_batch_size, (6, 4)))
+    assert capped.micro_batch_size == (2, 2) and capped.num_micro_batches == (11, 5)  # 22 = 2 x 11, 10 = 2 x 5
+    assert split_batch([RankSpeed(1.0, max_micro_batch=4)], 7).num_micro_batches == (7,)  # a prime share: ones
     with pytest.raises(PlanError, match="raise it to at least 3"):
         split_batch([RankSpeed(1.0)] * 3, 2)
+    with pytest.raises(PlanError, match="rank 1 has no positive measured time"):
+        split_batch([RankSpeed(1.0), RankSpeed(0.0)], 4)
 
 
 def test_bubble_model():
     split = split_layers([StageCosts((1.0,) * 4), StageCosts((1.0,) * 4)])
-    assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
-    assert predict_pipeline_step_s(split, 4, "gpipe") == pytest.approx(5 * 2.0)
+    assert bubble_fraction(2, 4) == pytest.approx(1 / 5) and bubble_fraction(1, 8) == 0.0
+    assert predict_pipeline_step_s(split, 4, "gpipe") == predict_pipeline_step_s(split, 4, "1f1b") == 5 * 2.0
+    with pytest.raises(PlanError, match="use one of gpipe, 1f1b"):
+        predict_pipeline_step_s(split, 4, "interleaved")
+    plan = IslandPlan(split_batch([RankSpeed(1.0)], 8), split, pipeline_micro_batches=4)
+    assert plan.step_s == 10.0
 
 
-def test_the_plan_is_explained_and_written_as_toml_our_loader_reads():
-    plan = IslandPlan(split_batch([RankSpeed(0.01), RankSpeed(0.02)], 32),
-                      split_layers([StageCosts((0.01,) * 6), StageCosts((0.02,) * 6)]), pipeline_micro_batches=4)
-    text = explain(plan, ["cpu", "cpu (EMULATED 2x)"])
-    assert "stage 0 (cpu): layers 0-3" in text and "stage 1 (cpu (EMULATED 2x)): layers 4-5" in text
-    assert "rank 1 (cpu (EMULATED 2x))" in text and "predicted step time" in text
-    fragment = tomllib.loads(to_toml(plan))["parallelism"]
-    assert parse_counts(fragment["stage_layers"], 2, "x") == plan.stages.layers
+@pytest.mark.parametrize(("text", "expected", "values"), [
+    ("6,2", 2, (6, 2)), (" 6, 2 ", 2, (6, 2)), ("1 6 1 2", 2, (6, 2)), ("2 3", 2, (3, 3)), ("7", 1, (7,)),
+    ("2 4 1 8", 3, (4, 4, 8)),
+])
+def test_counts_are_read_in_our_form_and_synerfuses(text, expected, values):
+    assert parse_counts(text, expected, "parallelism.stage_layers") == values
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("6,2", 3), ("2 3", 3), ("1 6 1", 2), ("6,0", 2), ("6,-2", 2), ("a,b", 2), ("", 1), ("1.5,2", 2), ("0 4 2 3", 2),
+])
+def test_bad_counts_are_refused_naming_both_forms(text, expected):
+    with pytest.raises(PlanError, match="parallelism.stage_layers") as refused:
+        parse_counts(text, expected, "parallelism.stage_layers")
+    assert '"6,2"' in str(refused.value) and '"1 6 1 2"' in str(refused.value)
+
+
+def _two_rank_plan(pipelined: bool) -> IslandPlan:
+    stages = split_layers([StageCosts((0.01,) * 6), StageCosts((0.02,) * 6)]) if pipelined else None
+    return IslandPlan(split_batch([RankSpeed(0.01, 6), RankSpeed(0.02, 4)], 32), stages, pipeline_micro_batches=4)
+
+
+def test_the_plan_is_explained_in_words_with_every_rank_and_stage():
+    text = explain(_two_rank_plan(True), ["cpu", "cpu (EMULATED 2x)"])
+    assert "stage 0 (cpu): layers 0-3, 40.0 ms per micro-batch, idle 0%" in text
+    assert "stage 1 (cpu (EMULATED 2x)): layers 4-5, 40.0 ms per micro-batch" in text
+    assert "rank 0 (cpu): 2 samples x 11 micro-batches = 22 of 32 samples, 220.0 ms per step, idle 0%" in text
+    assert ("rank 1 (cpu (EMULATED 2x)): 2 samples x 5 micro-batches = 10 of 32 samples, 200.0 ms per step, "
+            "idle 9%") in text
+    assert "predicted step time 200.0 ms" in text  # the pipeline's: (4 + 2 - 1) x 40 ms
+    plain = explain(_two_rank_plan(False), ["cuda H100", "cuda A100"])
+    assert "stage" not in plain and "rank 0 (cuda H100)" in plain and "rank 1 (cuda A100)" in plain
+    assert "predicted step time 220.0 ms" in plain
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_the_toml_fragment_parses_and_round_trips_through_parse_counts(pipelined):
+    plan = _two_rank_plan(pipelined)
+    text = to_toml(plan)
+    fragment = tomllib.loads(text)["parallelism"]
+    assert ('stage_layers = "4,2"' in text) == pipelined and 'micro_batch_size_per_rank = "2,2"' in text
+    assert 'num_micro_batches_per_rank = "11,5"' in text
+    if pipelined:
+        assert plan.stages is not None
+        assert parse_counts(fragment["stage_layers"], 2, "stage_layers") == plan.stages.layers
+    else:
+        assert "stage_layers" not in fragment
     assert parse_counts(fragment["micro_batch_size_per_rank"], 2, "x") == plan.batch.micro_batch_size
     assert parse_counts(fragment["num_micro_batches_per_rank"], 2, "x") == plan.batch.num_micro_batches
 

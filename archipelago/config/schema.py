@@ -112,6 +112,16 @@ class ParallelismConfig:
 
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     """With more than one rank: `fsdp` shards parameters per block (FSDP2), `ddp` replicates them."""
+    pipeline_stages: int = 1
+    """Split the model's layers over this many pipeline stages, one rank each (torch.distributed.pipelining); the island's rank count must equal it. Transformer families without tied embeddings (llama3, qwen3 flavors that do not tie); 1 = no pipeline (docs/parallelism.md)."""
+    stage_layers: str = ""
+    """Layers per pipeline stage, one count per stage (`"4,2"`: stage 0 the first 4 layers and the embedding, stage 1 the last 2 and the output); empty splits them evenly. Must sum to the model's layers."""
+    hetero_pipeline_stages: str = ""
+    """SynerFuse's form of stage_layers: pairs of (devices in the stage, layers), `"1 4 1 2"`; each stage has one device here."""
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule: `1f1b` (one forward, one backward: fewer activations held) or `gpipe` (all forwards, then all backwards)."""
+    pipeline_micro_batches: int = 0
+    """Micro-batches each step's batch is cut into for the pipeline; 0 means twice the stage count (bubble (S-1)/(M+S-1): a third with 2 stages). Must divide training.batch_size."""
     micro_batch_size_per_rank: str = ""
     """Heterogeneous data parallelism: each rank's micro-batch size, one per rank (`"6,2"`) or SynerFuse's pairs of rank count and size (`"1 6 1 2"`). With `num_micro_batches_per_rank`, a rank's share of the batch is size x count; the shares must sum to training.batch_size, and every sample weighs the same in the gradient. Empty: every rank takes batch_size / ranks (docs/parallelism.md)."""
     auto: bool = False

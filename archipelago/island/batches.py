@@ -113,6 +113,13 @@ def _wait_for_device(model: ParallelModel) -> None:
         torch.cuda.synchronize(model.ctx.device)
 
 
+def _compute_clock(model: ParallelModel) -> float:
+    """For the emulation: on a CPU this thread's CPU time, which stands still while a
+    collective (FSDP's gathers in the forward) waits for the other ranks, so a slow rank's
+    wait is its own compute's, not the fast rank's; on a GPU the wall clock."""
+    return time.thread_time() if model.ctx.device.type == "cpu" else time.perf_counter()
+
+
 def emulate_slow_rank(model: ParallelModel, slowdown: float, forward_s: float) -> None:
     """island.rank_slowdown: after a forward of `forward_s`, wait as long as (slowdown - 1) x
     the forward and its backward would take (backward taken as twice the forward)."""
@@ -134,12 +141,12 @@ def forward_backward(model: ParallelModel, micro_batches: list[tuple[torch.Tenso
     extra: dict[str, torch.Tensor] = {}
     for i, (inputs, targets) in enumerate(micro_batches):
         with model.gradient_sync(i == len(micro_batches) - 1, split.uneven_counts), model.autocast():
-            began = time.perf_counter()
+            began = _compute_clock(model)
             outputs = model.module(inputs)
             loss = objective.loss(outputs, targets)
             if slowdown > 1:
                 _wait_for_device(model)
-                emulate_slow_rank(model, slowdown, time.perf_counter() - began)
+                emulate_slow_rank(model, slowdown, _compute_clock(model) - began)
         weight = split.loss_weight(len(inputs))  # 1 / micro-batches when shares are equal
         total += loss.detach() * weight
         aux = objective.auxiliary_loss(model.inner)  # e.g. the experts' balancing loss

@@ -15,7 +15,7 @@ island holds one set; DDP already broadcasts rank 0's at every forward.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from archipelago.island.device import IslandContext, all_reduce_
 from archipelago.island.expert_parallel import shard_experts
+from archipelago.island.pipeline import Pipeline, PipelineLayout, keep_stage
 
 
 def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
@@ -87,7 +88,8 @@ class ParallelModel:
         self.inner = inner            # the unwrapped model (args, flops, num_params)
         self.ctx = ctx
         self.dtype = dtype
-        self.strategy = strategy      # "single", "fsdp" or "ddp"
+        self.strategy = strategy      # "single", "fsdp", "ddp" or "pipeline"
+        self.pipeline: Pipeline | None = None  # this rank's stage and schedule, when pipelined
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Autocast where FSDP's mixed-precision policy does not already cast."""
@@ -150,19 +152,39 @@ def _materialize(model: nn.Module, device: torch.device, seed: int) -> None:
         model.to(device)
 
 
+def _pipelined(model: nn.Module, ctx: IslandContext, dtype: torch.dtype, layout: PipelineLayout,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], seed: int,
+               activation_checkpointing: bool, compile_blocks: bool) -> ParallelModel:
+    # Materialised whole, then cut: every stage starts from the one model's weights (a
+    # meta-initialised model is allocated whole on each stage's device for a moment).
+    _materialize(model, ctx.device, seed)
+    keep_stage(model, ctx.rank, layout)
+    _wrap_blocks(model, activation_checkpointing, compile_blocks)
+    parallel = ParallelModel(model, model, ctx, dtype, "pipeline")
+    parallel.pipeline = Pipeline(model, ctx, layout, loss_fn)
+    return parallel
+
+
 def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_precision: str,
                 activation_checkpointing: bool = False, compile_blocks: bool = False,
-                seed: int = 0, expert_parallel: bool = False, broadcast_buffers: bool = True) -> ParallelModel:
+                seed: int = 0, expert_parallel: bool = False, broadcast_buffers: bool = True,
+                pipeline: PipelineLayout | None = None,
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> ParallelModel:
     """Wrap a model for this island and put it on the island's device.
 
     `model` is either initialised (on CPU) or still on the meta device; a meta model
     is materialised here, after sharding under FSDP so that each rank only ever
     allocates its own shard, and before wrapping under DDP, which broadcasts
-    rank 0's weights at construction. `broadcast_buffers=False` stops DDP's broadcast of
-    buffers at every forward (a collective), for ranks that run different numbers of
-    forwards per step; BatchNorm statistics are then averaged by `average_buffers`.
+    rank 0's weights at construction. With `pipeline`, this rank keeps its stage of the
+    model (island/pipeline.py) and `loss_fn` is what the last stage computes.
+    `broadcast_buffers=False` stops DDP's broadcast of buffers at every forward (a
+    collective), for ranks that run different numbers of forwards per step; BatchNorm
+    statistics are then averaged by `average_buffers`.
     """
     dtype = compute_dtype(mixed_precision, ctx.device)
+    if pipeline is not None:
+        assert loss_fn is not None, "a pipeline computes the loss on its last stage: pass loss_fn"
+        return _pipelined(model, ctx, dtype, pipeline, loss_fn, seed, activation_checkpointing, compile_blocks)
     on_meta = any(p.is_meta for p in model.parameters())
     _wrap_blocks(model, activation_checkpointing, compile_blocks)
     if ctx.world_size == 1:

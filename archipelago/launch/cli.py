@@ -225,6 +225,8 @@ def cmd_train(argv: list[str]) -> int:
     setup_logging(cfg.job.log_level, rank)
     _check_model(cfg)
     ranks = int(os.environ.get("WORLD_SIZE", nproc))
+    if cfg.parallelism.pipeline_stages > 1:  # the stages share each batch: one data-parallel rank
+        ranks = 1
     validate_for_island(cfg, ranks)
     rank_batches(cfg, ranks)  # per-rank micro-batches add up, before any process starts
     if nproc > 1 and not _under_torchrun():

@@ -1,0 +1,213 @@
+"""Pipeline stages inside an island: the model's layers split over ranks, unevenly if asked.
+
+Stage k runs a contiguous run of the transformer's blocks on its own rank; the embedding
+sits on the first stage, the final norm and the output projection on the last. Stages are
+built by keeping the blocks of the stage and replacing every other part with a
+pass-through, not by tracing: the model's own forward runs unchanged on every stage (the
+first turns tokens into hidden states, the middle ones pass them through their blocks, the
+last turns them into logits), and the parameters keep the model's names ("layers.4.
+attention.wq.weight" on whichever stage holds layer 4), so checkpoints and the federation
+see the one model.
+
+torch.distributed.pipelining moves activations forward and gradients backward between the
+stages (point-to-point sends over the island's process group: gloo on CPU, NCCL on GPUs)
+and runs the schedule: GPipe (all micro-batches forward, then all backward) or 1F1B (one
+forward, one backward in the steady state: at most S micro-batches' activations held).
+Each micro-batch's loss is its mean, and the schedule divides gradients by the micro-batch
+count, so the step's gradient is the mean over the whole batch, as without a pipeline.
+
+Uneven stages (`stage_layers = "4,2"`) let a faster or larger device take more layers; the
+planner (island/plan.py) chooses them from measurements. Pipelines here take one rank per
+stage; FSDP inside a stage and the federation over a pipelined island come later (refused
+with a message until then).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from archipelago.config import Config, ConfigError
+from archipelago.config.counts import parse_counts
+from archipelago.island.device import IslandContext
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """How many layers each stage holds, and how a step is cut into micro-batches."""
+
+    layers: tuple[int, ...]
+    schedule: str
+    micro_batches: int
+
+    @property
+    def stages(self) -> int:
+        return len(self.layers)
+
+    def ranges(self) -> Iterator[tuple[int, int]]:
+        lo = 0
+        for n in self.layers:
+            yield lo, lo + n
+            lo += n
+
+    def describe(self) -> str:
+        return ", ".join(f"stage {k}: layers {lo}-{hi - 1}" for k, (lo, hi) in enumerate(self.ranges()))
+
+
+def _stage_layers(cfg: Config, n_layers: int) -> tuple[int, ...]:
+    p = cfg.parallelism
+    if p.stage_layers and p.hetero_pipeline_stages:
+        raise ConfigError("parallelism.stage_layers and parallelism.hetero_pipeline_stages both set the stages' "
+                          "layers; keep one")
+    if p.hetero_pipeline_stages:
+        tokens = p.hetero_pipeline_stages.split()
+        if len(tokens) % 2 or any(t != "1" for t in tokens[::2]):
+            raise ConfigError(f"parallelism.hetero_pipeline_stages = {p.hetero_pipeline_stages!r}: write pairs of "
+                              "(devices, layers) with one device per stage, e.g. \"1 4 1 2\"")
+        text = ",".join(tokens[1::2])
+    else:
+        text = p.stage_layers
+    if not text:
+        if n_layers < p.pipeline_stages:
+            raise ConfigError(f"parallelism.pipeline_stages = {p.pipeline_stages} exceeds the model's {n_layers} "
+                              "layers; each stage needs at least one")
+        base, extra = divmod(n_layers, p.pipeline_stages)
+        return tuple(base + (1 if k < extra else 0) for k in range(p.pipeline_stages))
+    try:
+        layers = parse_counts(text, p.pipeline_stages, "parallelism.stage_layers")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if sum(layers) != n_layers:
+        raise ConfigError(f"parallelism.stage_layers = {text!r} sums to {sum(layers)} layers; the model has "
+                          f"{n_layers}: make the counts sum to {n_layers}")
+    return layers
+
+
+def pipeline_layout(cfg: Config, n_layers: int, ranks: int) -> PipelineLayout | None:
+    """The island's pipeline, or None without one (ConfigError naming the fix when the
+    settings do not fit the model, the ranks or the batch)."""
+    p, t = cfg.parallelism, cfg.training
+    if p.pipeline_stages <= 1:
+        if p.stage_layers or p.hetero_pipeline_stages:
+            raise ConfigError("parallelism.stage_layers needs parallelism.pipeline_stages > 1")
+        return None
+    if ranks != p.pipeline_stages:
+        raise ConfigError(f"parallelism.pipeline_stages = {p.pipeline_stages} needs one rank per stage; this "
+                          f"island has {ranks}: start it with --nproc {p.pipeline_stages}")
+    if p.micro_batch_size_per_rank or t.micro_batch_size or p.auto or p.expert_parallel:
+        raise ConfigError("a pipelined island cuts its batch with parallelism.pipeline_micro_batches; leave out "
+                          "training.micro_batch_size, parallelism.micro_batch_size_per_rank, parallelism.auto and "
+                          "parallelism.expert_parallel")
+    if cfg.fault_tolerance.enable:
+        raise ConfigError("a pipelined island cannot join a federation yet; train it alone (fault_tolerance.enable "
+                          "= false) or without pipeline_stages")
+    layers = _stage_layers(cfg, n_layers)
+    micro = p.pipeline_micro_batches or 2 * p.pipeline_stages
+    if micro < p.pipeline_stages:
+        raise ConfigError(f"parallelism.pipeline_micro_batches = {micro} is fewer than the {p.pipeline_stages} stages: "
+                          "every stage needs a micro-batch in flight; use at least as many micro-batches as stages")
+    if t.batch_size % micro:
+        raise ConfigError(f"parallelism.pipeline_micro_batches = {micro} does not divide training.batch_size = "
+                          f"{t.batch_size}; choose a divisor")
+    return PipelineLayout(layers, p.pipeline_schedule, micro)
+
+
+class PassThrough(nn.Module):
+    """Stands in for a part of the model another stage holds: returns its input."""
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden
+
+
+def check_pipelinable(model: nn.Module) -> None:
+    """Pipelines take transformers whose forward is embedding -> blocks -> norm -> output."""
+    parts = ("tok_embeddings", "layers", "norm", "output")
+    if not all(isinstance(getattr(model, name, None), nn.Module) for name in parts):
+        raise ConfigError(f"{type(model).__name__} cannot be pipelined: pipelines take the llama3 and qwen3 "
+                          "families; set parallelism.pipeline_stages = 1")
+    if getattr(model, "expert_load", None) is not None:
+        raise ConfigError("mixture-of-experts families cannot be pipelined yet (their balancing loss spans every "
+                          "layer); set parallelism.pipeline_stages = 1")
+    if getattr(getattr(model, "args", None), "tie_embeddings", False):
+        raise ConfigError("this flavor ties the output to the embedding, which would sit on two stages; choose a "
+                          "flavor without tied embeddings or parallelism.pipeline_stages = 1")
+
+
+def keep_stage(model: nn.Module, stage: int, layout: PipelineLayout) -> None:
+    """Replace, in place, every part of `model` that another stage holds by a pass-through."""
+    check_pipelinable(model)
+    lo, hi = list(layout.ranges())[stage]
+    layers: Any = model.layers
+    for k in range(len(layers)):
+        if not lo <= k < hi:
+            layers[k] = PassThrough()
+    if stage > 0:
+        model.tok_embeddings = PassThrough()
+    if stage < layout.stages - 1:
+        model.norm = PassThrough()
+        model.output = PassThrough()
+
+
+class Pipeline:
+    """One stage's share of a pipelined step: runs the schedule, reports the batch's loss."""
+
+    def __init__(self, model: nn.Module, ctx: IslandContext, layout: PipelineLayout,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.ctx, self.layout = ctx, layout
+        self.stage_index = ctx.rank
+        self.is_first, self.is_last = ctx.rank == 0, ctx.rank == layout.stages - 1
+        self.stage = PipelineStage(model, self.stage_index, layout.stages, ctx.device)
+        # scale_grads: each micro-batch's loss is its mean, so gradients are divided by
+        # the micro-batch count to give the batch's mean (the schedule does it once, after).
+        self.schedule = SCHEDULES[layout.schedule](self.stage, n_microbatches=layout.micro_batches,
+                                                   loss_fn=loss_fn, scale_grads=True)
+        self.eval_schedule = SCHEDULES[layout.schedule](self.stage, n_microbatches=layout.micro_batches)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of the whole batch; the batch's mean loss on every rank."""
+        losses: list[torch.Tensor] = []
+        if self.is_first:
+            self.schedule.step(inputs, target=targets if self.is_last else None, losses=losses)
+        elif self.is_last:
+            self.schedule.step(target=targets, losses=losses)
+        else:
+            self.schedule.step()
+        loss = (torch.stack([x.detach().float() for x in losses]).mean() if losses
+                else torch.zeros((), device=self.ctx.device))
+        dist.broadcast(loss, src=self.layout.stages - 1)  # the last stage computed it
+        return loss
+
+    @torch.no_grad()
+    def outputs(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The model's output for `inputs` (forward only), on the last stage; None elsewhere."""
+        if self.is_first:
+            out = self.eval_schedule.eval(inputs)
+        else:
+            out = self.eval_schedule.eval()
+        return out if self.is_last else None
+
+    @torch.no_grad()
+    def clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip by the norm over every stage's gradients (each stage holds only its own)."""
+        # Per-parameter norms first, as torch.nn.utils.clip_grad_norm_ takes them, so a
+        # pipeline clips exactly as one rank with the whole model would.
+        grads = [p.grad for p in params if p.grad is not None]
+        norms = torch._foreach_norm(grads) if grads else []
+        local = sum((n.float() ** 2 for n in norms), torch.zeros((), device=self.ctx.device))
+        dist.all_reduce(local)
+        norm = local.sqrt()
+        if math.isfinite(max_norm):
+            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm

@@ -1,0 +1,122 @@
+"""Unlike ranks inside one island: how the batch split sets throughput.
+
+A 2-rank island of llama3 debug on Shakespeare where rank 1 is emulated 2x slower
+(`--island.rank_slowdown 1,2`: it waits as long again as its forward and backward took).
+Settings, each a real `archipelago train --nproc 2` run in this one benchmark:
+
+* even:    every rank takes batch/2 samples (the default; the fast rank waits half the step)
+* hand:    SynerFuse's README split, 6 x 3 and 2 x 3 micro-batches: a 3:1 guess for a 2:1 gap
+* planned: what `archipelago plan` measured and chose for these two ranks (run first, here)
+* ideal:   the sum of what each rank trains alone at its own speed (two 1-rank runs,
+           rank_slowdown 1 and 2): no waiting and no communication
+
+Throughput is the median tokens/s of the step records after the first (warm-up) one.
+Every rank runs one OpenMP thread (2 ranks share the machine's 2 cores); the 1-rank ideal
+runs too, so a rank is the same speed alone as in the island. Table: ratio to ideal first,
+then ratio to even.
+
+    python bench/island.py [--steps 16] [--batch-size 24] [--out FILE]
+
+About 4 minutes on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import num, ratio, read_jsonl, run_job, run_main, work_root, write_json  # noqa: E402
+
+HAND = ("6,2", "3,3")  # SynerFuse's README: --micro-batch-size-per-dp 1 6 1 2 ... 3 micro-batches each
+SLOWDOWN = "1,2"
+
+
+def _common(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    return ["--config", "configs/llama3/debug.toml", "--training.steps", str(args.steps),
+            "--training.batch_size", str(args.batch_size), "--training.val_every", "0", "--checkpoint.no_enable",
+            "--metrics.no_tensorboard", "--metrics.log_every", "2", "--metrics.progress", "plain",
+            "--lr_scheduler.warmup_steps", "2", "--job.run_dir", str(run_dir)]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "archipelago.launch.cli", *args]
+
+
+def tokens_per_s(run_dir: Path) -> float:
+    rates = [r["tokens_per_s"] for r in read_jsonl(run_dir / "metrics.jsonl") if "tokens_per_s" in r]
+    if len(rates) < 2:
+        raise RuntimeError(f"{run_dir}: fewer than two step records")
+    return statistics.median(rates[1:])
+
+
+def _run(args: argparse.Namespace, root: Path, name: str, cmd: list[str]) -> Path:
+    result = run_job(cmd, root / f"{name}.log", args.timeout)
+    if result.exit_code != 0:
+        raise RuntimeError(f"{name}: exit code {result.exit_code}; see {root / f'{name}.log'}")
+    return root / name
+
+
+def planned_split(args: argparse.Namespace, root: Path) -> tuple[str, str]:
+    out = root / "plan.toml"
+    _run(args, root, "plan", _cli("plan", "--nproc", "2", *_common(args, root / "plan-run"),
+                                  "--island.rank_slowdown", SLOWDOWN, "--out", str(out)))
+    fragment = tomllib.loads(out.read_text())["parallelism"]
+    return fragment["micro_batch_size_per_rank"], fragment["num_micro_batches_per_rank"]
+
+
+def island_run(args: argparse.Namespace, root: Path, name: str, split: tuple[str, str] | None) -> float:
+    extra = [] if split is None else ["--parallelism.micro_batch_size_per_rank", split[0],
+                                      "--parallelism.num_micro_batches_per_rank", split[1]]
+    run_dir = _run(args, root, name, _cli("train", "--nproc", "2", *_common(args, root / name),
+                                          "--island.rank_slowdown", SLOWDOWN, *extra))
+    return tokens_per_s(run_dir)
+
+
+def ideal(args: argparse.Namespace, root: Path) -> float:
+    """Each rank alone at its own speed, on the same per-rank batch as the even split."""
+    total = 0.0
+    for k, factor in enumerate(SLOWDOWN.split(",")):
+        name = f"alone-{k}"
+        cmd = _cli("train", *_common(args, root / name), "--training.batch_size", str(args.batch_size // 2),
+                   "--island.rank_slowdown", factor)
+        total += tokens_per_s(_run(args, root, name, cmd))
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=24)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--root", type=Path, default=None, help="folder for the run directories")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank, alone or in the island
+    root = work_root(args.root, "bench-island-")
+    plan = planned_split(args, root)
+    speeds = {"even": island_run(args, root, "even", None), "hand": island_run(args, root, "hand", HAND),
+              "planned": island_run(args, root, "planned", plan), "ideal": ideal(args, root)}
+    splits = {"even": f"{args.batch_size // 2} x 1 each", "hand": f"{HAND[0]} x {HAND[1]}",
+              "planned": f"{plan[0]} x {plan[1]}", "ideal": "each rank alone"}
+    results: list[dict[str, Any]] = [
+        {"setting": name, "tokens_per_s": speed, "ratio_to_ideal": ratio(speed, speeds["ideal"]),
+         "ratio_to_even": ratio(speed, speeds["even"]), "split": splits[name]} for name, speed in speeds.items()]
+    print(f"\n2-rank island, rank 1 emulated 2x slower, llama3 debug, batch {args.batch_size}, {args.steps} steps")
+    print(f"{'setting':<9} {'vs ideal':>8} {'vs even':>8} {'tok/s':>8}  split (sizes x counts)")
+    for r in results:
+        print(f"{r['setting']:<9} {num(r['ratio_to_ideal'], '.3f'):>8} {num(r['ratio_to_even'], '.3f'):>8} "
+              f"{r['tokens_per_s']:>8.0f}  {r['split']}")
+    if args.out:
+        write_json(args.out, results)
+
+
+if __name__ == "__main__":
+    run_main(main)

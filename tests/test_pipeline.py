@@ -1,0 +1,105 @@
+"""Pipeline stages inside an island: uneven layer splits reproduce one rank's training."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TINY, events, losses, records, run_cli, run_cli_here
+
+from archipelago.config import ConfigError, load_config
+from archipelago.island.pipeline import PassThrough, keep_stage, pipeline_layout
+from archipelago.models import build_model, get_model_args
+
+
+def _layout(*flags: str, ranks: int = 2, layers: int = 6):
+    return pipeline_layout(load_config(["--training.batch_size", "8", *flags]), layers, ranks)
+
+
+def test_stage_layers_in_our_form_and_synerfuses_or_an_error_naming_the_fix():
+    assert _layout() is None
+    even = _layout("--parallelism.pipeline_stages", "2")
+    assert even.layers == (3, 3) and even.micro_batches == 4 and even.schedule == "1f1b"
+    assert _layout("--parallelism.pipeline_stages", "2", "--parallelism.stage_layers", "4,2").layers == (4, 2)
+    assert _layout("--parallelism.pipeline_stages", "2", "--parallelism.hetero_pipeline_stages", "1 4 1 2",
+                   "--parallelism.pipeline_schedule", "gpipe").layers == (4, 2)
+    for flags, match in [
+        (["--parallelism.stage_layers", "4,3"], "sums to 7 layers; the model has 6"),
+        (["--parallelism.stage_layers", "4,1,1"], "3 entries for 2"),
+        (["--parallelism.hetero_pipeline_stages", "2 3"], "one device per stage"),
+        (["--parallelism.pipeline_micro_batches", "3"], "does not divide training.batch_size = 8"),
+        (["--training.micro_batch_size", "2"], "pipeline_micro_batches; leave out"),
+        (["--fault_tolerance.enable"], "cannot join a federation yet"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            _layout("--parallelism.pipeline_stages", "2", *flags)
+    with pytest.raises(ConfigError, match="start it with --nproc 2"):
+        _layout("--parallelism.pipeline_stages", "2", ranks=4)
+    with pytest.raises(ConfigError, match="exceeds the model's 6 layers"):
+        _layout("--parallelism.pipeline_stages", "7", ranks=7)
+
+
+def test_stages_keep_the_models_names_and_together_hold_every_parameter():
+    def model():
+        return build_model(get_model_args("llama3", "debug", vocab_size=256), device="cpu")
+
+    layout = _layout("--parallelism.pipeline_stages", "2", "--parallelism.stage_layers", "4,2")
+    whole = dict(model().named_parameters())
+    stages = []
+    for k in range(2):
+        stage = model()
+        keep_stage(stage, k, layout)
+        stages.append(dict(stage.named_parameters()))
+    assert not set(stages[0]) & set(stages[1])
+    assert set(stages[0]) | set(stages[1]) == set(whole)
+    assert "layers.3.attention.wq.weight" in stages[0] and "layers.4.attention.wq.weight" in stages[1]
+    assert "tok_embeddings.weight" in stages[0] and "output.weight" in stages[1]
+    tied = build_model(get_model_args("qwen3", "debug", vocab_size=256), device="cpu")
+    if tied.args.tie_embeddings:
+        with pytest.raises(ConfigError, match="ties the output to the embedding"):
+            keep_stage(tied, 0, layout)
+    assert isinstance(stage.layers[0], PassThrough) and not isinstance(stage.layers[4], PassThrough)
+
+
+COMMON = ["train", *TINY, "--training.val_every", "10", "--metrics.log_every", "1", "--checkpoint.no_enable"]
+
+
+@pytest.mark.timeout(600)
+def test_an_uneven_two_stage_pipeline_reproduces_one_rank_for_20_steps(shakespeare, tmp_path):
+    one = run_cli_here([*COMMON, "--training.steps", "20", "--job.run_dir", str(tmp_path / "one")])
+    assert one.returncode == 0, one.output[-3000:]
+    want = losses(tmp_path / "one")
+    want_val = [r["val_loss"] for r in _records(tmp_path / "one")]
+    for schedule in ("gpipe", "1f1b"):
+        run = tmp_path / schedule
+        done = run_cli([*COMMON, "--training.steps", "20", "--nproc", "2", "--parallelism.pipeline_stages", "2",
+                        "--parallelism.stage_layers", "4,2", "--parallelism.pipeline_schedule", schedule,
+                        "--job.run_dir", str(run)], timeout=280)
+        assert done.returncode == 0, done.output[-3000:]
+        assert "stage 0: layers 0-3, stage 1: layers 4-5" in done.output
+        got = losses(run)
+        assert sorted(got) == list(range(1, 21))
+        for step, loss in want.items():
+            assert got[step] == pytest.approx(loss, abs=1e-4), (schedule, step, got[step], loss)
+        # validation runs through the pipeline too (forward only)
+        assert [r["val_loss"] for r in _records(run)] == pytest.approx(want_val, abs=1e-4)
+
+
+def _records(run):
+    return [r for r in records(run) if "val_loss" in r]
+
+
+@pytest.mark.timeout(600)
+def test_a_crashed_pipelined_run_resumes_to_the_uninterrupted_losses(shakespeare, tmp_path):
+    common = [*COMMON[:-1], "--training.steps", "8", "--checkpoint.interval", "3", "--training.val_every", "0",
+              "--nproc", "2", "--parallelism.pipeline_stages", "2", "--parallelism.stage_layers", "2,4"]
+    reference = run_cli([*common, "--job.run_dir", str(tmp_path / "reference")])
+    assert reference.returncode == 0, reference.output[-3000:]
+    run = tmp_path / "crashy"
+    crashed = run_cli([*common, "--job.run_dir", str(run)], env={"ARCHIPELAGO_FAULT": "crash@5"})
+    assert crashed.returncode != 0
+    resumed = run_cli([*common, "--job.run_dir", str(run)])
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert [e["step"] for e in events(run) if e["event"] == "resume"] == [3]
+    want, got = losses(tmp_path / "reference"), losses(run)
+    assert sorted(got) == list(range(1, 9))
+    for step in range(4, 9):
+        assert got[step] == pytest.approx(want[step], abs=1e-5), (step, want, got)
