@@ -15,7 +15,15 @@ from archipelago.config.counts import parse_factors
 from archipelago.island.batches import RankBatches
 from archipelago.island.device import IslandContext, all_gather_objects
 from archipelago.island.parallelize import model_blocks
-from archipelago.island.plan import IslandPlan, PlanError, RankSpeed, split_batch
+from archipelago.island.plan import (
+    BatchSplit,
+    IslandPlan,
+    PlanError,
+    RankSpeed,
+    StageCosts,
+    split_batch,
+    split_layers,
+)
 from archipelago.island.profile import RankProfile, profile_rank
 from archipelago.tasks import Task
 
@@ -60,11 +68,34 @@ def plan_from_profiles(profiles: list[RankProfile], global_batch: int) -> Island
     return IslandPlan(split_batch(speeds, global_batch))
 
 
+def stage_costs(profile: RankProfile, micro_batch: int) -> StageCosts:
+    """What a stage on this rank's device would spend per pipeline micro-batch, and hold."""
+    return StageCosts(layer_s=tuple(t * micro_batch for t in profile.layer_s),
+                      first_extra_s=profile.first_s * micro_batch, last_extra_s=profile.last_s * micro_batch,
+                      memory_bytes=profile.memory_bytes,
+                      layer_bytes=tuple(b + profile.activation_bytes * micro_batch / len(profile.layer_bytes)
+                                        for b in profile.layer_bytes))
+
+
+def plan_pipeline(profiles: list[RankProfile], global_batch: int, micro_batches: int, schedule: str) -> IslandPlan:
+    """Layers per stage (stage k on rank k) for these measured ranks, exactly (island/plan.py)."""
+    micro_batch = global_batch // micro_batches
+    stages = split_layers([stage_costs(p, micro_batch) for p in profiles])
+    # A pipelined island is one data-parallel rank: the whole batch, in the pipeline's micro-batches.
+    batch = BatchSplit((micro_batch,), (micro_batches,), (stages.bottleneck_s / micro_batch,))
+    return IslandPlan(batch, stages, pipeline_micro_batches=micro_batches, schedule=schedule)
+
+
 def plan_island(cfg: Config, ctx: IslandContext, task: Task) -> tuple[IslandPlan, list[RankProfile]]:
-    """Measure every rank (a collective), then the plan every rank derives the same way."""
+    """Measure every rank (a collective), then the plan every rank derives the same way: the
+    batch split, or with parallelism.pipeline_stages > 1 the layers of each stage."""
     profiles = all_gather_objects(measure_rank(cfg, ctx, task), ctx)
+    p, batch = cfg.parallelism, cfg.training.batch_size
     try:
-        return plan_from_profiles(profiles, cfg.training.batch_size), profiles
+        if p.pipeline_stages > 1:
+            return plan_pipeline(profiles, batch, p.pipeline_micro_batches or 2 * p.pipeline_stages,
+                                 p.pipeline_schedule), profiles
+        return plan_from_profiles(profiles, batch), profiles
     except PlanError as exc:
         raise ConfigError(f"plan: {exc}") from exc
 

@@ -19,7 +19,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -159,7 +159,7 @@ class Trainer:
         """Each rank's micro-batch size and count (equal shares unless set per rank)."""
         validate_for_island(self.cfg, self.data_ranks)
         batches = rank_batches(self.cfg, self.data_ranks)
-        if self.cfg.parallelism.auto:
+        if self.cfg.parallelism.auto and self.cfg.parallelism.pipeline_stages <= 1:  # pipelines: in build_model
             batches = self.plan_rank_batches()
         if not batches.even or batches.uneven_counts:
             if self.cfg.parallelism.expert_parallel and batches.uneven_counts:
@@ -179,6 +179,15 @@ class Trainer:
         for line in [*profile_lines(profiles), *explain(plan, [q.device for q in profiles]).splitlines()]:
             log.info("parallelism.auto: %s", line)
         return rank_batches_of(plan)
+
+    def plan_stage_layers(self) -> tuple[int, ...]:
+        """parallelism.auto on a pipelined island: measure every rank, give each stage the
+        layers its device runs fastest (logged)."""
+        plan, profiles = plan_island(self.cfg, self.ctx, self.task)
+        for line in [*profile_lines(profiles), *explain(plan, [q.device for q in profiles]).splitlines()]:
+            log.info("parallelism.auto: %s", line)
+        assert plan.stages is not None  # plan_island plans stages when pipeline_stages > 1
+        return plan.stages.layers
 
     @property
     def data_ranks(self) -> int:
@@ -208,6 +217,8 @@ class Trainer:
         layout = pipeline_layout(self.cfg, len(getattr(built.module, "layers", ())), self.ctx.world_size)
         if layout is not None:
             check_pipelinable(built.module)
+            if p.auto:
+                layout = replace(layout, layers=self.plan_stage_layers())
             log.info("pipeline of %d stages (%s), %s schedule, %d micro-batches per step", layout.stages,
                      layout.describe(), layout.schedule, layout.micro_batches)
         try:
@@ -215,7 +226,7 @@ class Trainer:
                                    t.activation_checkpointing, t.compile, seed=t.seed,
                                    expert_parallel=p.expert_parallel,
                                    broadcast_buffers=not self.batches.uneven_counts,
-                                   pipeline=layout, loss_fn=self.task.loss)
+                                   pipeline=layout, loss_fn=self.task.loss, slowdown=self.rank_slowdown)
         except ValueError as exc:  # e.g. experts that do not divide over the ranks
             raise ConfigError(str(exc)) from exc
         self.model_info = built  # parameter count and FLOPs per token, for metrics

@@ -5,10 +5,14 @@ A 2-rank island of llama3 debug on Shakespeare where rank 1 is emulated 2x slowe
 Settings, each a real `archipelago train --nproc 2` run in this one benchmark:
 
 * even:    every rank takes batch/2 samples (the default; the fast rank waits half the step)
-* hand:    SynerFuse's README split, 6 x 3 and 2 x 3 micro-batches: a 3:1 guess for a 2:1 gap
+* hand:    SynerFuse's README split, 6 x 3 and 2 x 3 micro-batches of 24 (scaled to the batch):
+           a 3:1 guess for a 2:1 gap
 * planned: what `archipelago plan` measured and chose for these two ranks (run first, here)
 * ideal:   the sum of what each rank trains alone at its own speed (two 1-rank runs,
            rank_slowdown 1 and 2): no waiting and no communication
+* pipeline-*: the same two ranks as a 2-stage pipeline (4 micro-batches): layers 3+3, and
+           the layers `archipelago plan --parallelism.pipeline_stages 2` chose, under 1F1B and
+           GPipe
 
 Throughput is the median tokens/s of the step records after the first (warm-up) one.
 Every rank runs one OpenMP thread (2 ranks share the machine's 2 cores); the 1-rank ideal
@@ -17,7 +21,7 @@ then ratio to even.
 
     python bench/island.py [--steps 16] [--batch-size 24] [--out FILE]
 
-About 4 minutes on a 2-core machine.
+About 10 minutes on a 2-core machine at --batch-size 48.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import num, ratio, read_jsonl, run_job, run_main, work_root, write_json  # noqa: E402
 
-HAND = ("6,2", "3,3")  # SynerFuse's README: --micro-batch-size-per-dp 1 6 1 2 ... 3 micro-batches each
+from archipelago.island.plan import bubble_fraction  # noqa: E402
+
+HAND_COUNTS = 3  # SynerFuse's README example, 6 x 3 and 2 x 3 of 24: a 3:1 guess, scaled to the batch
 SLOWDOWN = "1,2"
 
 
@@ -91,6 +97,30 @@ def ideal(args: argparse.Namespace, root: Path) -> float:
     return total
 
 
+def planned_stages(args: argparse.Namespace, root: Path) -> str:
+    out = root / "plan-pipeline.toml"
+    _run(args, root, "plan-pipeline", _cli("plan", "--nproc", "2", *_common(args, root / "plan-pipeline-run"),
+                                           "--parallelism.pipeline_stages", "2", "--island.rank_slowdown", SLOWDOWN,
+                                           "--out", str(out)))
+    return tomllib.loads(out.read_text())["parallelism"]["stage_layers"]
+
+
+def pipeline_run(args: argparse.Namespace, root: Path, name: str, layers: str, schedule: str) -> float:
+    run_dir = _run(args, root, name, _cli("train", "--nproc", "2", *_common(args, root / name),
+                                          "--island.rank_slowdown", SLOWDOWN, "--parallelism.pipeline_stages", "2",
+                                          "--parallelism.stage_layers", layers,
+                                          "--parallelism.pipeline_schedule", schedule))
+    return tokens_per_s(run_dir)
+
+
+def hand_split(batch: int) -> tuple[str, str]:
+    if batch % (4 * HAND_COUNTS):
+        raise SystemExit(f"--batch-size must be a multiple of {4 * HAND_COUNTS} (the hand split is 3:1 in "
+                         f"{HAND_COUNTS} micro-batches)")
+    unit = batch // (4 * HAND_COUNTS)
+    return f"{3 * unit},{unit}", f"{HAND_COUNTS},{HAND_COUNTS}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=16)
@@ -100,12 +130,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank, alone or in the island
+    hand = hand_split(args.batch_size)
     root = work_root(args.root, "bench-island-")
     plan = planned_split(args, root)
-    speeds = {"even": island_run(args, root, "even", None), "hand": island_run(args, root, "hand", HAND),
-              "planned": island_run(args, root, "planned", plan), "ideal": ideal(args, root)}
-    splits = {"even": f"{args.batch_size // 2} x 1 each", "hand": f"{HAND[0]} x {HAND[1]}",
-              "planned": f"{plan[0]} x {plan[1]}", "ideal": "each rank alone"}
+    stages = planned_stages(args, root)
+    speeds = {"even": island_run(args, root, "even", None), "hand": island_run(args, root, "hand", hand),
+              "planned": island_run(args, root, "planned", plan), "ideal": ideal(args, root),
+              "pipeline-even-1f1b": pipeline_run(args, root, "pipeline-even-1f1b", "3,3", "1f1b"),
+              "pipeline-planned-1f1b": pipeline_run(args, root, "pipeline-planned-1f1b", stages, "1f1b"),
+              "pipeline-planned-gpipe": pipeline_run(args, root, "pipeline-planned-gpipe", stages, "gpipe")}
+    splits = {"even": f"{args.batch_size // 2} x 1 each", "hand": f"{hand[0]} x {hand[1]}",
+              "planned": f"{plan[0]} x {plan[1]}", "ideal": "each rank alone",
+              "pipeline-even-1f1b": "layers 3,3", "pipeline-planned-1f1b": f"layers {stages}",
+              "pipeline-planned-gpipe": f"layers {stages}"}
     results: list[dict[str, Any]] = [
         {"setting": name, "tokens_per_s": speed, "ratio_to_ideal": ratio(speed, speeds["ideal"]),
          "ratio_to_even": ratio(speed, speeds["even"]), "split": splits[name]} for name, speed in speeds.items()]
@@ -114,6 +151,8 @@ def main() -> None:
     for r in results:
         print(f"{r['setting']:<9} {num(r['ratio_to_ideal'], '.3f'):>8} {num(r['ratio_to_even'], '.3f'):>8} "
               f"{r['tokens_per_s']:>8.0f}  {r['split']}")
+    print(f"pipeline bubble (idle share of a step, (S-1)/(M+S-1), 2 stages, 4 micro-batches): "
+          f"{bubble_fraction(2, 4):.0%} for both gpipe and 1f1b (1f1b holds fewer activations, not less time)")
     if args.out:
         write_json(args.out, results)
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -120,3 +121,23 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def events(run_dir: Path) -> list[dict]:
     return [r for r in records(run_dir) if "event" in r]
+
+
+def assert_crash_resume_reproduces(train: Callable[..., Finished], tmp_path: Path) -> None:
+    """`train(run_dir, env=None)` runs 8 steps, checkpointing every 3. A run whose rank is
+    killed at step 5 (after the step-3 checkpoint) and restarted resumes from step 3 and
+    logs the losses of an uninterrupted run: model, optimizer, scheduler, data position and
+    RNG all restored."""
+    reference = train(tmp_path / "reference")
+    assert reference.returncode == 0, reference.output[-3000:]
+    run = tmp_path / "crashy"
+    crashed = train(run, env={"ARCHIPELAGO_FAULT": "crash@5"})
+    assert crashed.returncode != 0
+    assert max(losses(run)) < 8
+    resumed = train(run)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert [e["step"] for e in events(run) if e["event"] == "resume"] == [3]
+    want, got = losses(tmp_path / "reference"), losses(run)
+    assert sorted(got) == list(range(1, 9))
+    for step in range(4, 9):
+        assert got[step] == pytest.approx(want[step], abs=1e-5), (step, want, got)

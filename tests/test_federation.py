@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from conftest import spawn_ranks
-from test_island import _free_port, fsdp_on_two_ranks, tiny_model
+from test_island import _free_port, fsdp_on_two_ranks, tiny_model, two_rank_island
 from torch import nn
 
 from archipelago.config.schema import FaultToleranceConfig
@@ -220,6 +220,51 @@ def test_bridge_gathers_the_canonical_layout_and_scatters_back_into_fsdp_shards(
     assert width == 2 or out["chunk1"] is None
     for rank in range(2):
         assert torch.equal(out[f"after{rank}"], expected_after)
+
+
+def _stage_layout_worker(rank: int, port: int, width: int, out: dict) -> None:
+    with two_rank_island(rank, port):
+        model = tiny_model("cpu", seed=5)
+        params = list(model.parameters())
+        split = len(params) // 3  # rank 0 holds the first third (a stage), rank 1 the rest
+        mine = range(split) if rank == 0 else range(split, len(params))
+        held = [p if i in mine else torch.empty_like(p, device="meta") for i, p in enumerate(params)]
+        layout = FlatLayout(held, width, rank, 2)
+        chunk = layout.gather()
+        out[f"chunk{rank}"] = None if chunk is None else chunk.clone()
+        layout.scatter(None if chunk is None else chunk * 2 + rank)
+        out[f"after{rank}"] = {i: params[i].detach().clone() for i in mine}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("width", [1, 2])
+def test_bridge_takes_each_parameter_from_the_stage_that_holds_it(width):
+    """Pipeline stages: each parameter lives on one rank only, yet the bridge ranks' chunks
+    are the canonical flat vector, and each stage gets back exactly its parameters."""
+    params = list(tiny_model("cpu", seed=5).parameters())
+    flat = torch.cat([p.detach().flatten() for p in params])
+    with mp.Manager() as manager:
+        out = manager.dict()
+        spawn_ranks(_stage_layout_worker, args=(_free_port(), width, out), nprocs=2)
+        out = dict(out)
+    size = -(-flat.numel() // width)
+    expected = flat.clone() * 2
+    for s in range(width):
+        lo, hi = s * size, min((s + 1) * size, flat.numel())
+        assert torch.equal(out[f"chunk{s}"], flat[lo:hi]), f"chunk {s}"
+        expected[lo:hi] += s
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+    for rank in range(2):
+        for i, tensor in out[f"after{rank}"].items():
+            assert torch.equal(tensor.flatten(), expected[offsets[i]:offsets[i + 1]]), (rank, i)
+
+
+def test_bridge_refuses_a_parameter_no_rank_holds():
+    params = [torch.empty(3, device="meta"), torch.zeros(2)]
+    with pytest.raises(ValueError, match=r"parameters \[0\] are held by no rank"):
+        FlatLayout(params, 1, 0, 1)
 
 
 def test_bridge_on_one_rank_is_a_plain_copy():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import TINY, events, losses, records, run_cli, run_cli_here
+from conftest import TINY, assert_crash_resume_reproduces, losses, records, run_cli, run_cli_here
 
 from archipelago.config import ConfigError, load_config
 from archipelago.island.pipeline import PassThrough, keep_stage, pipeline_layout
@@ -91,15 +91,5 @@ def _records(run):
 def test_a_crashed_pipelined_run_resumes_to_the_uninterrupted_losses(shakespeare, tmp_path):
     common = [*COMMON[:-1], "--training.steps", "8", "--checkpoint.interval", "3", "--training.val_every", "0",
               "--nproc", "2", "--parallelism.pipeline_stages", "2", "--parallelism.stage_layers", "2,4"]
-    reference = run_cli([*common, "--job.run_dir", str(tmp_path / "reference")])
-    assert reference.returncode == 0, reference.output[-3000:]
-    run = tmp_path / "crashy"
-    crashed = run_cli([*common, "--job.run_dir", str(run)], env={"ARCHIPELAGO_FAULT": "crash@5"})
-    assert crashed.returncode != 0
-    resumed = run_cli([*common, "--job.run_dir", str(run)])
-    assert resumed.returncode == 0, resumed.output[-3000:]
-    assert [e["step"] for e in events(run) if e["event"] == "resume"] == [3]
-    want, got = losses(tmp_path / "reference"), losses(run)
-    assert sorted(got) == list(range(1, 9))
-    for step in range(4, 9):
-        assert got[step] == pytest.approx(want[step], abs=1e-5), (step, want, got)
+    assert_crash_resume_reproduces(lambda run, env=None: run_cli([*common, "--job.run_dir", str(run)], env=env),
+                                   tmp_path)

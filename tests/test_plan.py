@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 
 import pytest
 import tomllib
@@ -259,3 +260,31 @@ def test_plan_gives_an_emulated_slow_rank_fewer_samples_and_auto_trains_with_it(
                        "--job.run_dir", str(tmp_path / "auto")], timeout=300)
     assert trained.returncode == 0, trained.output[-3000:]
     assert "parallelism.auto: rank 1 (cpu (EMULATED 2x slower))" in trained.output
+    piped = run_cli(["train", *TINY, "--nproc", "2", "--training.steps", "3", "--training.val_every", "0",
+                     "--checkpoint.no_enable", "--parallelism.pipeline_stages", "2", "--parallelism.auto",
+                     "--island.rank_slowdown", "1,2", "--job.run_dir", str(tmp_path / "piped")], timeout=300)
+    assert piped.returncode == 0, piped.output[-3000:]
+    stage0 = re.search(r"pipeline of 2 stages \(stage 0: layers 0-(\d+), stage 1", piped.output)
+    assert stage0 and int(stage0.group(1)) + 1 > 3, piped.output[-3000:]  # the fast stage takes more of the 6
+
+
+def test_a_pipelined_island_is_planned_from_its_ranks_profiles_and_the_fragment_configures_it():
+    import math
+
+    from archipelago.config import load_config
+    from archipelago.island.pipeline import pipeline_layout
+    from archipelago.island.profile import RankProfile
+    from archipelago.planning import plan_pipeline
+
+    def profile(rank, per_layer_s):
+        return RankProfile(rank=rank, device="cpu", sample_s=6 * per_layer_s, layer_s=(per_layer_s,) * 6,
+                           first_s=0.0, last_s=0.0, memory_bytes=math.inf, layer_bytes=(1.0,) * 6,
+                           activation_bytes=0.0, micro_batch=4)
+
+    plan = plan_pipeline([profile(0, 0.001), profile(1, 0.002)], global_batch=8, micro_batches=4, schedule="gpipe")
+    assert plan.stages.layers == (4, 2)  # the rank twice as slow takes half as many layers
+    fragment = tomllib.loads(to_toml(plan))["parallelism"]
+    assert fragment == {"stage_layers": "4,2", "pipeline_micro_batches": 4}
+    flags = [f"--parallelism.{k}={v}" for k, v in fragment.items()]
+    cfg = load_config(["--training.batch_size", "8", "--parallelism.pipeline_stages", "2", *flags])
+    assert pipeline_layout(cfg, 6, 2).layers == (4, 2)

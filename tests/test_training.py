@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TINY, events, losses, records, run_cli, run_cli_here
+from conftest import TINY, assert_crash_resume_reproduces, events, losses, records, run_cli, run_cli_here
 
 
 def train(run_dir, *extra, nproc=1, env=None, timeout=240):
@@ -73,22 +73,7 @@ def test_gradient_accumulation_matches_the_full_batch(shakespeare, tmp_path):
 def test_crashed_run_resumes_and_reproduces_the_uninterrupted_losses(shakespeare, tmp_path):
     common = ["--training.steps", "8", "--metrics.log_every", "1", "--training.val_every", "0",
               "--checkpoint.interval", "3"]
-    reference = train(tmp_path / "reference", *common, nproc=2)
-    assert reference.returncode == 0, reference.output[-3000:]
-
-    run = tmp_path / "crashy"
-    crashed = train(run, *common, nproc=2, env={"ARCHIPELAGO_FAULT": "crash@5"})
-    assert crashed.returncode != 0  # SIGKILL of a rank at step 5, after the step-3 checkpoint
-    assert max(losses(run)) < 8
-    resumed = train(run, *common, nproc=2)
-    assert resumed.returncode == 0, resumed.output[-3000:]
-    assert [e["step"] for e in events(run) if e["event"] == "resume"] == [3]
-
-    want, got = losses(tmp_path / "reference"), losses(run)
-    assert sorted(got) == list(range(1, 9))
-    for step in range(4, 9):
-        # Model, optimizer, scheduler, data position and RNG all restored: same numbers.
-        assert got[step] == pytest.approx(want[step], abs=1e-5), (step, want, got)
+    assert_crash_resume_reproduces(lambda run, env=None: train(run, *common, nproc=2, env=env), tmp_path)
 
 
 def test_corrupt_checkpoint_is_skipped_for_the_previous_one(shakespeare, tmp_path):

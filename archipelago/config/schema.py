@@ -125,7 +125,7 @@ class ParallelismConfig:
     micro_batch_size_per_rank: str = ""
     """Heterogeneous data parallelism: each rank's micro-batch size, one per rank (`"6,2"`) or SynerFuse's pairs of rank count and size (`"1 6 1 2"`). With `num_micro_batches_per_rank`, a rank's share of the batch is size x count; the shares must sum to training.batch_size, and every sample weighs the same in the gradient. Empty: every rank takes batch_size / ranks (docs/parallelism.md)."""
     auto: bool = False
-    """Measure every rank at start and set micro_batch_size_per_rank and num_micro_batches_per_rank from the measurements (what `archipelago plan` prints); the plan is logged."""
+    """Measure every rank at start and set micro_batch_size_per_rank and num_micro_batches_per_rank (or, with pipeline_stages > 1, stage_layers) from the measurements, as `archipelago plan` would print them; the plan is logged."""
     num_micro_batches_per_rank: str = ""
     """Micro-batches per rank per step, with micro_batch_size_per_rank (`"4,4"` or `"1 4 1 4"`); empty means one each."""
     expert_parallel: bool = False

@@ -6,6 +6,9 @@ vector that is the same on every island: the parameters of a fragment, in model 
 each flattened. That vector is cut into `width` (= `sync_width`) equal chunks, and
 bridge rank s of every island holds chunk s.
 
+A parameter held by some ranks only (a pipeline stage's) is a meta tensor on the others:
+it keeps its place in the flat vector and is sent by a rank that holds it.
+
 `FlatLayout.gather` moves the island's current parameter values into the bridge
 ranks' chunks; `FlatLayout.scatter` writes chunk values back into every rank's own
 shard. Both are one `all_to_all` inside the island; no rank ever materialises more
@@ -15,8 +18,9 @@ any tensors sharded like the parameters (the inner optimizer's moments) in their
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +58,9 @@ def _holdings(params: Sequence[torch.Tensor]) -> list[tuple[Holding, int]]:
     """This rank's holdings and, for each, the flat index of its local tensor's element 0."""
     out, base = [], 0
     for i, p in enumerate(params):
+        if p.is_meta:  # held by other ranks only (another pipeline stage): a place in the layout, no data
+            base += p.numel()
+            continue
         if isinstance(p, DTensor):
             if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
                 raise ValueError(f"parameter {i}: only 1-D Shard(0) sharding (FSDP2) is supported "
@@ -69,6 +76,39 @@ def _holdings(params: Sequence[torch.Tensor]) -> list[tuple[Holding, int]]:
     return out
 
 
+def _replica_holders(everyone: list[list[Holding]], n_params: int) -> list[list[int]]:
+    """For each parameter, the ranks holding it whole (all of them under DDP, one stage's
+    ranks in a pipeline, none under FSDP); ValueError if no rank holds some of it."""
+    holders: list[list[int]] = [[] for _ in range(n_params)]
+    sharded = set()
+    for rank, holdings in enumerate(everyone):
+        for h in holdings:
+            if h.replicated:
+                holders[h.param].append(rank)
+            else:
+                sharded.add(h.param)
+    missing = [i for i in range(n_params) if not holders[i] and i not in sharded]
+    if missing:
+        raise ValueError(f"parameters {missing[:5]} are held by no rank of the island")
+    return holders
+
+
+def _owner(holders: list[int], dst: int) -> int | None:
+    """Which rank sends a whole-held run to bridge rank `dst`: dst itself if it holds one
+    (nothing crosses the wire), else the lowest holder (None: the run is sharded)."""
+    if not holders:
+        return None
+    return dst if dst in holders else holders[0]
+
+
+def _sends(holders: list[list[int]], src: int, dst: int, holding: Holding) -> bool:
+    return _owner(holders[holding.param], dst) == src
+
+
+def _always(holding: Holding) -> bool:
+    return True
+
+
 class FlatLayout:
     """Gather/scatter between an island's parameter shards and the bridge ranks' chunks."""
 
@@ -77,15 +117,18 @@ class FlatLayout:
         if not 1 <= width <= world_size:
             raise ValueError(f"sync_width {width} must be between 1 and the island's {world_size} rank(s)")
         self.params, self.width, self.rank, self.world_size = params, width, rank, world_size
+        # where this rank's data lives (a pipeline stage holds some parameters only)
+        self.device = next((local_tensor(p).device for p in params if not p.is_meta), torch.device("cpu"))
         self.group = group
         self.numel = sum(p.numel() for p in params)
         self.chunk_size = -(-self.numel // width)  # ceil: chunks are equal but the last
         mine = _holdings(params)
         self._bases = {h.param: base for h, base in mine}
         everyone = self._exchange([h for h, _ in mine])
-        self.gather_plan = {(src, dst): self._pieces(everyone[src], dst, take_replicated=src == dst)
+        holders = _replica_holders(everyone, len(params))
+        self.gather_plan = {(src, dst): self._pieces(everyone[src], dst, functools.partial(_sends, holders, src, dst))
                             for src in range(world_size) for dst in range(width)}
-        self.scatter_plan = {(src, dst): self._pieces(everyone[dst], src, take_replicated=True)
+        self.scatter_plan = {(src, dst): self._pieces(everyone[dst], src, _always)
                              for src in range(width) for dst in range(world_size)}
 
     # ---- geometry ------------------------------------------------------------------
@@ -105,13 +148,13 @@ class FlatLayout:
         dist.all_gather_object(everyone, mine, group=self.group)
         return everyone
 
-    def _pieces(self, holdings: list[Holding], chunk: int, take_replicated: bool) -> list[Piece]:
-        """Parts of `holdings` inside `chunk`. A replicated run is sent by its bridge rank's
-        own copy only (every rank has it), so it is taken only when `take_replicated`."""
+    def _pieces(self, holdings: list[Holding], chunk: int, take_replicated: Callable[[Holding], bool]) -> list[Piece]:
+        """Parts of `holdings` inside `chunk`. A run several ranks hold whole is sent by one of
+        them only: those for which `take_replicated(holding)` is true."""
         lo, hi = self.chunk_range(chunk)
         out = []
         for h in holdings:
-            if h.replicated and not take_replicated:
+            if h.replicated and not take_replicated(h):
                 continue
             a, b = max(h.start, lo), min(h.stop, hi)
             if a < b:
@@ -131,7 +174,7 @@ class FlatLayout:
 
         A collective over the island: every rank must call it.
         """
-        device = local_tensor(self.params[0]).device
+        device = self.device
         sends = [self._pack(self.gather_plan[(self.rank, d)], dtype, device, tensors) if d < self.width else
                  torch.empty(0, dtype=dtype, device=device) for d in range(self.world_size)]
         recv_plans = [self.gather_plan[(src, self.rank)] if self.is_bridge else []
@@ -149,7 +192,7 @@ class FlatLayout:
     def scatter(self, chunk: torch.Tensor | None, tensors: Sequence[torch.Tensor] | None = None) -> None:
         """Write the bridge ranks' chunks into every rank's own shard (a collective);
         into `tensors` instead of the parameters when given."""
-        device = local_tensor(self.params[0]).device
+        device = self.device
         dtype = chunk.dtype if chunk is not None else torch.float32
         lo = self.chunk_range(self.rank)[0] if self.is_bridge else 0
         if chunk is not None:

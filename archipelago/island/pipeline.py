@@ -25,6 +25,7 @@ with a message until then).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -103,10 +104,13 @@ def pipeline_layout(cfg: Config, n_layers: int, ranks: int) -> PipelineLayout | 
     if ranks != p.pipeline_stages:
         raise ConfigError(f"parallelism.pipeline_stages = {p.pipeline_stages} needs one rank per stage; this "
                           f"island has {ranks}: start it with --nproc {p.pipeline_stages}")
-    if p.micro_batch_size_per_rank or t.micro_batch_size or p.auto or p.expert_parallel:
+    if p.micro_batch_size_per_rank or t.micro_batch_size or p.expert_parallel:
         raise ConfigError("a pipelined island cuts its batch with parallelism.pipeline_micro_batches; leave out "
-                          "training.micro_batch_size, parallelism.micro_batch_size_per_rank, parallelism.auto and "
+                          "training.micro_batch_size, parallelism.micro_batch_size_per_rank and "
                           "parallelism.expert_parallel")
+    if p.auto and (p.stage_layers or p.hetero_pipeline_stages):
+        raise ConfigError("parallelism.auto chooses the stages' layers itself: leave out parallelism.stage_layers "
+                          "and hetero_pipeline_stages, or drop auto")
     if cfg.fault_tolerance.enable:
         raise ConfigError("a pipelined island cannot join a federation yet; train it alone (fault_tolerance.enable "
                           "= false) or without pipeline_stages")
@@ -157,12 +161,35 @@ def keep_stage(model: nn.Module, stage: int, layout: PipelineLayout) -> None:
         model.output = PassThrough()
 
 
+def _emulate_slow_stage(model: nn.Module, slowdown: float, device: torch.device) -> None:
+    """island.rank_slowdown on a stage: after each micro-batch's forward, wait (slowdown - 1)
+    x its forward and backward time (backward taken as twice the forward; forward only when
+    evaluating). On a CPU the forward is timed in this thread's CPU time, which stands still
+    while the stage waits for activations from the previous one."""
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter
+    began: list[float] = [0.0]
+
+    def start(*_args: object) -> None:
+        began[0] = clock()
+
+    def stop(*_args: object) -> None:
+        if device.type == "cuda":  # a CPU-GPU sync point; only under emulation
+            torch.cuda.synchronize(device)
+        passes = 3 if torch.is_grad_enabled() else 1
+        time.sleep((slowdown - 1) * passes * (clock() - began[0]))
+
+    model.register_forward_pre_hook(start)
+    model.register_forward_hook(stop)
+
+
 class Pipeline:
     """One stage's share of a pipelined step: runs the schedule, reports the batch's loss."""
 
     def __init__(self, model: nn.Module, ctx: IslandContext, layout: PipelineLayout,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], slowdown: float = 1.0) -> None:
         self.ctx, self.layout = ctx, layout
+        if slowdown > 1:
+            _emulate_slow_stage(model, slowdown, ctx.device)
         self.stage_index = ctx.rank
         self.is_first, self.is_last = ctx.rank == 0, ctx.rank == layout.stages - 1
         self.stage = PipelineStage(model, self.stage_index, layout.stages, ctx.device)

@@ -457,6 +457,8 @@ def to_toml(plan: IslandPlan) -> str:
     lines = ["[parallelism]"]
     if plan.stages is not None:
         lines.append(f'stage_layers = "{_csv(plan.stages.layers)}"')
-    lines.append(f'micro_batch_size_per_rank = "{_csv(plan.batch.micro_batch_size)}"')
-    lines.append(f'num_micro_batches_per_rank = "{_csv(plan.batch.num_micro_batches)}"')
+        lines.append(f"pipeline_micro_batches = {plan.pipeline_micro_batches}")
+    if plan.stages is None or len(plan.batch.samples) > 1:  # a one-rank-per-stage pipeline has one data rank
+        lines.append(f'micro_batch_size_per_rank = "{_csv(plan.batch.micro_batch_size)}"')
+        lines.append(f'num_micro_batches_per_rank = "{_csv(plan.batch.num_micro_batches)}"')
     return "\n".join(lines) + "\n"

@@ -143,7 +143,7 @@ def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config, command: str = "tr
     # torchrun would set 1 with a warning; say it ourselves: cores / ranks threads each.
     # The ranks inherit this process's environment.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    log.info("starting %d ranks under torchrun; run directory %s", nproc, run_dir)
+    log.info("starting %d ranks under torchrun%s", nproc, f"; run directory {run_dir}" if command == "train" else "")
     code = _run_elastic_agent([*_rendezvous_args(), f"--nproc-per-node={nproc}", "-m", "archipelago.launch.cli",
                                command, *argv, f"--job.run_dir={run_dir}"])
     if code != 0:

@@ -27,8 +27,8 @@ def plan_here(cfg: Config, out: str) -> int:
     if ctx.is_leader:
         fragment = to_toml(plan)
         Path(out).write_text(fragment)
-        flags = " ".join(f"--parallelism.{line.split(' = ')[0]} {line.split(' = ')[1].strip(chr(34))}"
-                         for line in fragment.splitlines()[1:])
+        flags = " ".join(f"--parallelism.{key} {value.strip(chr(34))}"
+                         for key, value in (line.split(" = ") for line in fragment.splitlines()[1:]))
         print("\n".join(["measured:", *profile_lines(profiles), "", "plan:",
                          explain(plan, [p.device for p in profiles]), "",
                          f"written to {out}; train with it: archipelago train ... {flags}"]))
