@@ -157,7 +157,7 @@ class Trainer:
 
     def build_rank_batches(self) -> RankBatches:
         """Each rank's micro-batch size and count (equal shares unless set per rank)."""
-        validate_for_island(self.cfg, self.data_ranks)
+        validate_for_island(self.cfg, self.ctx.world_size)
         batches = rank_batches(self.cfg, self.data_ranks)
         if self.cfg.parallelism.auto and self.cfg.parallelism.pipeline_stages <= 1:  # pipelines: in build_model
             batches = self.plan_rank_batches()
@@ -264,8 +264,9 @@ class Trainer:
         if self.cfg.fault_tolerance.enable:
             key = self.federation_key
             refuse_exposed_without_key(key, self.cfg.federation_security.insecure)
-        return build_federation(self.cfg.fault_tolerance, self.cfg.training.steps, self.model.inner,
-                                f"{self.cfg.model.name}/{self.cfg.model.flavor}", self.ctx.rank,
+        return build_federation(self.cfg.fault_tolerance, self.cfg.training.steps,
+                                self.model.federation_parameters(), f"{self.cfg.model.name}/{self.cfg.model.flavor}",
+                                self.ctx.rank,
                                 self.ctx.world_size, self.tokens_per_step, _Hooks(self), self.optimizer, key)
 
     @functools.cached_property

@@ -389,3 +389,15 @@ def test_with_a_federation_key_the_local_lighthouse_admits_members_only(tmp_path
     assert keyed.returncode == 0 and plain.returncode == 0, keyed.output[-2000:] + plain.output[-2000:]
     assert "(members only: the islands' federation key)" in keyed.output
     assert "lighthouse at http://127.0.0.1:" in plain.output and "members only" not in plain.output
+
+
+def test_island_options_reach_only_their_island_after_the_shared_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    opts = local.parse_args(["--islands", "2,1", "--island-options", "0:--parallelism.pipeline_stages 2",
+                             "--island-options", "0:--parallelism.stage_layers 4,2", "--training.steps", "5"])
+    assert opts.island_options == {0: ["--parallelism.pipeline_stages", "2", "--parallelism.stage_layers", "4,2"]}
+    assert local.main(["--islands", "2,1", "--island-options", "2:--training.steps 3"]) == 2
+    assert local.main(["--islands", "2,1", "--island-options", "--training.steps 3"]) == 2
+    assert local.main(["--islands", "2,1", "--island-options", "1:--training.stepz 3"]) == 2  # checked early
+    out = capsys.readouterr()
+    assert "there are only islands 0..1" in out.err and "ISLAND:OPTIONS" in out.err and "stepz" in out.out + out.err
+    assert "lighthouse at" not in out.out + out.err

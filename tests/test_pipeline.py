@@ -93,3 +93,24 @@ def test_a_crashed_pipelined_run_resumes_to_the_uninterrupted_losses(shakespeare
               "--nproc", "2", "--parallelism.pipeline_stages", "2", "--parallelism.stage_layers", "2,4"]
     assert_crash_resume_reproduces(lambda run, env=None: run_cli([*common, "--job.run_dir", str(run)], env=env),
                                    tmp_path)
+
+
+@pytest.mark.timeout(600)
+def test_a_pipelined_island_federates_with_a_one_rank_island_and_heals_after_a_kill(shakespeare, tmp_path):
+    """Island 0 is an uneven 2-stage pipeline, island 1 one rank: the bridge takes each
+    parameter from the stage holding it, so both hold the same global weights after the
+    outer steps; killed and restarted, the pipelined island resumes and heals."""
+    import json
+
+    run = tmp_path / "federation"
+    done = run_cli(["local", "--islands", "2,1", "--no-table", *TINY, "--training.steps", "40",
+                    "--fault_tolerance.sync_steps", "4", "--training.val_every", "0", "--checkpoint.interval", "4",
+                    "--island-options", "0:--parallelism.pipeline_stages 2 --parallelism.stage_layers 4,2",
+                    "--kill", "0@15", "--restart-after", "1", "--job.run_dir", str(run)], timeout=560)
+    assert done.returncode == 0, done.output[-4000:]
+    fed = json.loads((run / "federation.json").read_text())
+    assert fed["global_hash_agree"], fed["islands"]
+    assert all(i["final_step"] == 40 for i in fed["islands"]), fed["islands"]
+    log = (run / "island-0" / "train.log").read_text()
+    assert "pipeline of 2 stages (stage 0: layers 0-3, stage 1: layers 4-5)" in log
+    assert fed["islands"][0]["restarts"] == 1, fed["islands"]

@@ -194,8 +194,10 @@ def _check_even_shares(t: TrainingConfig, ranks: int) -> None:
 
 def validate_for_island(cfg: Config, ranks: int) -> None:
     """Rules that depend on the island's rank count; checked by the launcher and the trainer."""
+    # The ranks that read different data: all of them, or one when pipeline stages share each batch.
+    data_ranks = 1 if cfg.parallelism.pipeline_stages > 1 else ranks
     if not cfg.parallelism.micro_batch_size_per_rank:  # uneven shares: island/batches.py checks them
-        _check_even_shares(cfg.training, ranks)
+        _check_even_shares(cfg.training, data_ranks)
     ft = cfg.fault_tolerance
     if ft.enable and ft.sync_width > ranks:
         raise ConfigError(f"fault_tolerance.sync_width = {ft.sync_width} exceeds this island's {ranks} "

@@ -11,7 +11,7 @@ from torch import nn
 from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.diloco import FederationError, OuterLoop, OuterReport, report_record
-from archipelago.federation.fragments import split_fragments
+from archipelago.federation.fragments import NamedParameters, named_parameters, split_fragments
 from archipelago.federation.guard import poisons_from_env
 from archipelago.federation.membership import (
     FederationMismatch,
@@ -32,7 +32,8 @@ __all__ = ["Alone", "FederationError", "FederationMismatch", "IslandHooks", "Lig
            "report_record", "split_fragments"]
 
 
-def build_federation(ft: FaultToleranceConfig, steps: int, model: nn.Module, model_name: str, rank: int,
+def build_federation(ft: FaultToleranceConfig, steps: int, model: nn.Module | NamedParameters, model_name: str,
+                     rank: int,
                      world_size: int, tokens_per_step: int, hooks: IslandHooks,
                      optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None) -> Alone:
     """The trainer's side of the seam: `Alone` without fault tolerance, else a `Member`
@@ -55,12 +56,13 @@ def check_exchange_device(ft: FaultToleranceConfig, device: torch.device) -> Non
                           "cannot carry; use process_group = \"gloo\" or copy_pseudogradients_to_cpu = false")
 
 
-def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str, rank: int,
+def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module | NamedParameters, model_name: str, rank: int,
                      world_size: int, tokens_per_step: int = 0,
                      optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None) -> OuterLoop:
     """Join the federation: check the lighthouse, make the bridge ranks' managers, and
     take the current weights as the first global weights (a collective over the island)."""
-    check_exchange_device(ft, next(model.parameters()).device)
+    named = named_parameters(model)  # a pipeline stage: the whole model's, others' parameters on meta
+    check_exchange_device(ft, next((p.device for _, p in named if not p.is_meta), torch.device("cpu")))
     url = lighthouse_address(ft)
     problem: tuple[bool, str] | None = None  # (refused by the gate, message)
     if rank == 0:
@@ -75,13 +77,13 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module, model_name: str
         problem = box[0]
     if problem is not None:
         raise (FederationMismatch if problem[0] else LighthouseUnreachable)(problem[1])
-    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
+    shapes = [(name, tuple(p.shape)) for name, p in named if p.requires_grad]
     fp = fingerprint(model_name, shapes, ft, world_size, tokens_per_step,
                      _optimizer_name(optimizer), key, _peak_lr(optimizer))
     poisons = poisons_from_env()  # checked before joining: a typo fails here, not mid-run
     width = 1 if ft.rank0_synchronization_only else ft.sync_width
     manager = build_manager(ft, rank, width, key) if rank < width else None
-    fragments = split_fragments(model, ft.num_fragments if ft.semi_sync_method == "diloco" else 1)
+    fragments = split_fragments(named, ft.num_fragments if ft.semi_sync_method == "diloco" else 1)
     if rank == 0:
         log.info("joining the federation at %s as island %d (%d rank(s), sync_width %d, %s, "
                  "sync every %d steps, %d fragment(s), %s)", url, ft.replica_id, world_size, width,

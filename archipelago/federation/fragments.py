@@ -8,6 +8,7 @@ own outer optimizer, whose state is saved and sent to healing peers as plain ten
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -15,15 +16,23 @@ from torch import nn
 
 from archipelago.config.schema import FaultToleranceConfig
 
+NamedParameters = Sequence[tuple[str, nn.Parameter]]
 
-def split_fragments(model: nn.Module, n: int) -> list[list[nn.Parameter]]:
+
+def named_parameters(model: nn.Module | NamedParameters) -> list[tuple[str, nn.Parameter]]:
+    """The model's (name, parameter) pairs in model order; a pipeline stage passes the whole
+    model's, with meta placeholders for the parameters other stages hold."""
+    return list(model.named_parameters()) if isinstance(model, nn.Module) else list(model)
+
+
+def split_fragments(model: nn.Module | NamedParameters, n: int) -> list[list[nn.Parameter]]:
     """The parameters that train (all of them, or only the LoRA adapters), in model order,
     cut into `n` contiguous fragments by layer.
 
     Parameters before the first layer (embeddings) go to the first fragment and those
     after the last (final norm, output) to the last, as torchtitan's fragmenting does.
     """
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # LoRA: adapters only
+    named = [(name, p) for name, p in named_parameters(model) if p.requires_grad]  # LoRA: adapters only
     layer_of = [_layer_index(name) for name, _ in named]
     count = max([i for i in layer_of if i is not None], default=-1) + 1
     if n > max(count, 1):

@@ -107,9 +107,10 @@ class StateExchange:
 
 def _finite(tensors: list[torch.Tensor]) -> bool:
     """Every value finite; one device sync for all of them."""
-    if not tensors:
+    held = [t for t in tensors if not t.is_meta]  # a pipeline stage checks its own
+    if not held:
         return True
-    return bool(torch.stack([torch.isfinite(local_tensor(t)).all() for t in tensors]).all())
+    return bool(torch.stack([torch.isfinite(local_tensor(t)).all() for t in held]).all())
 
 
 class InnerStateAverager:
@@ -123,8 +124,11 @@ class InnerStateAverager:
         self.bound = adam_moment_bound(tuple(betas)) if betas is not None else None
 
     def _moments(self, fragment: int, key: str) -> list[torch.Tensor] | None:
-        tensors = []
+        tensors: list[torch.Tensor] = []
         for p in self.fragments[fragment]:
+            if p.is_meta:  # another pipeline stage holds it, and its moments
+                tensors.append(p)
+                continue
             t = self.optimizer.state.get(p, {}).get(key)
             if not isinstance(t, torch.Tensor):  # before the first step; SGD without momentum
                 return None
@@ -153,7 +157,7 @@ class InnerStateAverager:
             payload = torch.cat(gathered).float()
         else:
             lo, hi = layout.chunk_range(layout.rank)
-            payload = torch.zeros(len(self.keys) * (hi - lo), device=local_tensor(layout.params[0]).device)
+            payload = torch.zeros(len(self.keys) * (hi - lo), device=layout.device)
         if device is not None:
             payload = payload.to(device)
         raw = payload.contiguous().view(torch.uint8)

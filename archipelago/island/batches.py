@@ -64,15 +64,19 @@ class RankBatches:
                          in enumerate(zip(self.micro_batch_size, self.num_micro_batches)))
 
 
-def rank_batches(cfg: Config, ranks: int) -> RankBatches:
-    """The island's split of `training.batch_size` over `ranks` data-parallel ranks
-    (ConfigError naming the fix when the settings do not add up)."""
-    p, t = cfg.parallelism, cfg.training
-    if cfg.island.rank_slowdown:  # checked here too, so a launcher finds it before starting ranks
+def check_rank_slowdown(cfg: Config, ranks: int) -> None:
+    """island.rank_slowdown has one factor >= 1 per rank of the island (ConfigError naming the form)."""
+    if cfg.island.rank_slowdown:
         try:
             parse_factors(cfg.island.rank_slowdown, ranks, "island.rank_slowdown")
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+
+
+def rank_batches(cfg: Config, ranks: int) -> RankBatches:
+    """The island's split of `training.batch_size` over `ranks` data-parallel ranks
+    (ConfigError naming the fix when the settings do not add up)."""
+    p, t = cfg.parallelism, cfg.training
     if not p.micro_batch_size_per_rank:
         if p.num_micro_batches_per_rank:
             raise ConfigError("parallelism.num_micro_batches_per_rank needs parallelism.micro_batch_size_per_rank "

@@ -90,6 +90,12 @@ class ParallelModel:
         self.dtype = dtype
         self.strategy = strategy      # "single", "fsdp", "ddp" or "pipeline"
         self.pipeline: Pipeline | None = None  # this rank's stage and schedule, when pipelined
+        # A pipeline stage's view of the whole model for the federation (others' on meta).
+        self.whole_model_parameters: list[tuple[str, nn.Parameter]] | None = None
+
+    def federation_parameters(self) -> nn.Module | list[tuple[str, nn.Parameter]]:
+        """What the federation lays out: the model, or a stage's view of the whole model."""
+        return self.inner if self.whole_model_parameters is None else self.whole_model_parameters
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Autocast where FSDP's mixed-precision policy does not already cast."""
@@ -158,9 +164,10 @@ def _pipelined(model: nn.Module, ctx: IslandContext, dtype: torch.dtype, layout:
     # Materialised whole, then cut: every stage starts from the one model's weights (a
     # meta-initialised model is allocated whole on each stage's device for a moment).
     _materialize(model, ctx.device, seed)
-    keep_stage(model, ctx.rank, layout)
+    whole = keep_stage(model, ctx.rank, layout)
     _wrap_blocks(model, activation_checkpointing, compile_blocks)
     parallel = ParallelModel(model, model, ctx, dtype, "pipeline")
+    parallel.whole_model_parameters = whole
     parallel.pipeline = Pipeline(model, ctx, layout, loss_fn, slowdown)
     return parallel
 

@@ -19,7 +19,9 @@ count, so the step's gradient is the mean over the whole batch, as without a pip
 Uneven stages (`stage_layers = "4,2"`) let a faster or larger device take more layers; the
 planner (island/plan.py) chooses them from measurements. Pipelines here take one rank per
 stage; FSDP inside a stage and the federation over a pipelined island come later (refused
-with a message until then).
+with a message until then). In a federation the stages' parameters are laid out as
+the one model's (federation/layout.py takes each from the stage that holds it), so a
+pipelined island meets islands split any other way.
 """
 
 from __future__ import annotations
@@ -111,9 +113,6 @@ def pipeline_layout(cfg: Config, n_layers: int, ranks: int) -> PipelineLayout | 
     if p.auto and (p.stage_layers or p.hetero_pipeline_stages):
         raise ConfigError("parallelism.auto chooses the stages' layers itself: leave out parallelism.stage_layers "
                           "and hetero_pipeline_stages, or drop auto")
-    if cfg.fault_tolerance.enable:
-        raise ConfigError("a pipelined island cannot join a federation yet; train it alone (fault_tolerance.enable "
-                          "= false) or without pipeline_stages")
     layers = _stage_layers(cfg, n_layers)
     micro = p.pipeline_micro_batches or 2 * p.pipeline_stages
     if micro < p.pipeline_stages:
@@ -146,9 +145,15 @@ def check_pipelinable(model: nn.Module) -> None:
                           "flavor without tied embeddings or parallelism.pipeline_stages = 1")
 
 
-def keep_stage(model: nn.Module, stage: int, layout: PipelineLayout) -> None:
-    """Replace, in place, every part of `model` that another stage holds by a pass-through."""
+def keep_stage(model: nn.Module, stage: int, layout: PipelineLayout) -> list[tuple[str, nn.Parameter]]:
+    """Replace, in place, every part of `model` that another stage holds by a pass-through.
+
+    Returns the whole model's (name, parameter) pairs in model order, this stage's own
+    parameters and meta placeholders (same shape, no storage) for the others': what the
+    federation lays out, so a pipelined island exchanges the one model like any other.
+    """
     check_pipelinable(model)
+    before = list(model.named_parameters())
     lo, hi = list(layout.ranges())[stage]
     layers: Any = model.layers
     for k in range(len(layers)):
@@ -159,6 +164,9 @@ def keep_stage(model: nn.Module, stage: int, layout: PipelineLayout) -> None:
     if stage < layout.stages - 1:
         model.norm = PassThrough()
         model.output = PassThrough()
+    kept = {id(p) for p in model.parameters()}
+    return [(name, p if id(p) in kept else nn.Parameter(torch.empty_like(p, device="meta"),
+                                                       requires_grad=p.requires_grad)) for name, p in before]
 
 
 def _emulate_slow_stage(model: nn.Module, slowdown: float, device: torch.device) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from archipelago.config import Config, ConfigError, config_to_dict, load_config, validate_for_island
-from archipelago.island.batches import rank_batches
+from archipelago.island.batches import check_rank_slowdown, rank_batches
 from archipelago.launch.args import pop_option
 from archipelago.netutil import bound_tcp_store, local_address, url_host
 
@@ -225,10 +225,10 @@ def cmd_train(argv: list[str]) -> int:
     setup_logging(cfg.job.log_level, rank)
     _check_model(cfg)
     ranks = int(os.environ.get("WORLD_SIZE", nproc))
-    if cfg.parallelism.pipeline_stages > 1:  # the stages share each batch: one data-parallel rank
-        ranks = 1
     validate_for_island(cfg, ranks)
-    rank_batches(cfg, ranks)  # per-rank micro-batches add up, before any process starts
+    # per-rank micro-batches add up, before any process starts (a pipeline's stages share each batch)
+    rank_batches(cfg, 1 if cfg.parallelism.pipeline_stages > 1 else ranks)
+    check_rank_slowdown(cfg, ranks)
     if nproc > 1 and not _under_torchrun():
         return _spawn_torchrun(nproc, argv, cfg)
     return _train_here(cfg, rank)

@@ -14,6 +14,9 @@ Fault drills: `--kill 1@30` SIGKILLs every process of island 1 thirty seconds af
 start; with `--restart-after 10` the island is started again ten seconds later with the
 same command, resumes from its own checkpoint and catches up from a live peer.
 
+Islands set up differently: `--island-options "0:--parallelism.pipeline_stages 2"` adds
+options to island 0's command only (repeatable; after the shared options, so they win).
+
 Experiments (emulations, not real conditions): `--slowdown 1,3` makes island 1's inner
 steps take 3x their compute time (--island.slowdown); `--inject 1:nan@3` makes island 1
 send a poisoned update (NaN, or `scale1000`: 1000x) in outer step 3, which the update
@@ -90,6 +93,7 @@ class Options:
     passthrough: list[str]
     slowdowns: list[float] = field(default_factory=list)
     injections: dict[int, list[Fault]] = field(default_factory=dict)  # island -> its --inject faults
+    island_options: dict[int, list[str]] = field(default_factory=dict)  # island -> its own extra options
 
 
 def _number_list(text: str, kind: type, least: float, expected: str) -> list:
@@ -121,6 +125,15 @@ def _slowdown_arg(text: str) -> list[float]:
     return _number_list(text, float, 1, "one factor >= 1 per island, e.g. 1,3")
 
 
+def _island_options_arg(text: str) -> tuple[int, list[str]]:
+    """`ISLAND:OPTIONS`, e.g. `0:--parallelism.pipeline_stages 2`: options for that island only."""
+    island, sep, options = text.partition(":")
+    if not sep or not island.strip().isdigit() or not options.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ISLAND:OPTIONS, e.g. "
+                                         "\"0:--parallelism.pipeline_stages 2\"")
+    return int(island), shlex.split(options)
+
+
 def _inject_arg(text: str) -> Fault:
     """`ISLAND:KIND@AT` with a trainer or update kind (config/faults.py)."""
     try:
@@ -147,6 +160,10 @@ def _parser() -> argparse.ArgumentParser:
                         "scale1000) or lies about it (forge_tokens, forge_weight, unsigned), or its trainer "
                         "fails at inner step AT (crash, error, nan-loss); "
                         "repeatable, every entry is kept")
+    p.add_argument("--island-options", action="append", default=[], type=_island_options_arg,
+                   metavar="ISLAND:OPTIONS",
+                   help="options for one island only, after the shared ones (repeatable): "
+                        "\"0:--parallelism.pipeline_stages 2\" pipelines island 0 alone")
     p.add_argument("--lighthouse-bind", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="address of the in-process lighthouse (port 0: any free port)")
     p.add_argument("--min-replicas", type=int, default=1, help="islands needed for a quorum")
@@ -179,6 +196,11 @@ def parse_args(argv: list[str]) -> Options:
         if island >= len(args.islands):
             parser.error(f"--inject {island}:...: there are only islands 0..{len(args.islands) - 1}")
         injections.setdefault(island, []).append(fault)
+    island_options: dict[int, list[str]] = {}
+    for island, options in args.island_options:
+        if island >= len(args.islands):
+            parser.error(f"--island-options {island}:...: there are only islands 0..{len(args.islands) - 1}")
+        island_options.setdefault(island, []).extend(options)
     run_dir, passthrough = pop_option(passthrough, "--job.run_dir")
     return Options(
         islands=args.islands, kills=args.kill,
@@ -186,7 +208,7 @@ def parse_args(argv: list[str]) -> Options:
         min_replicas=args.min_replicas, join_timeout_ms=args.join_timeout_ms,
         quorum_tick_ms=args.quorum_tick_ms, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         table=not args.no_table, passthrough=passthrough, slowdowns=args.slowdown or [],
-        injections=injections,
+        injections=injections, island_options=island_options,
         run_dir=Path(run_dir or f"runs/local-{datetime.now():%Y%m%d-%H%M%S}"))
 
 
@@ -450,6 +472,7 @@ class LocalFederation:
                                  self.opts.run_dir, self.url)
             if self.opts.slowdowns:
                 cmd += ["--island.slowdown", f"{self.opts.slowdowns[k]:g}"]
+            cmd += self.opts.island_options.get(k, [])
             token = f"{run_token}-island-{k}"
             folder = self.opts.run_dir / f"island-{k}"
             env = island_env(token, self.url, total)
@@ -753,6 +776,8 @@ def main(argv: list[str]) -> int:
     try:
         opts = parse_args(argv)
         _check_island_options(opts.passthrough)
+        for options in opts.island_options.values():
+            _check_island_options([*opts.passthrough, *options])
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2, message printed)
         return exc.code if isinstance(exc.code, int) else 2
     except ConfigError as exc:  # e.g. a config file that is not there
