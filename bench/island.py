@@ -12,7 +12,8 @@ Settings, each a real `archipelago train --nproc 2` run in this one benchmark:
            rank_slowdown 1 and 2): no waiting and no communication
 * pipeline-*: the same two ranks as a 2-stage pipeline (4 micro-batches): layers 3+3, and
            the layers `archipelago plan --parallelism.pipeline_stages 2` chose, under 1F1B and
-           GPipe
+           GPipe; and interleaved 1F1B with 2 stages per rank (layers 2,1,2,1: rank 0 holds
+           stages 0 and 2, 4 layers, rank 1 stages 1 and 3, 2 layers)
 
 Throughput is the median tokens/s of the step records after the first (warm-up) one.
 Every rank runs one OpenMP thread (2 ranks share the machine's 2 cores); the 1-rank ideal
@@ -105,11 +106,13 @@ def planned_stages(args: argparse.Namespace, root: Path) -> str:
     return tomllib.loads(out.read_text())["parallelism"]["stage_layers"]
 
 
-def pipeline_run(args: argparse.Namespace, root: Path, name: str, layers: str, schedule: str) -> float:
+def pipeline_run(args: argparse.Namespace, root: Path, name: str, layers: str, schedule: str,
+                 stages_per_rank: int = 1) -> float:
     run_dir = _run(args, root, name, _cli("train", "--nproc", "2", *_common(args, root / name),
                                           "--island.rank_slowdown", SLOWDOWN, "--parallelism.pipeline_stages", "2",
                                           "--parallelism.stage_layers", layers,
-                                          "--parallelism.pipeline_schedule", schedule))
+                                          "--parallelism.pipeline_schedule", schedule,
+                                          "--parallelism.stages_per_rank", str(stages_per_rank)))
     return tokens_per_s(run_dir)
 
 
@@ -138,21 +141,24 @@ def main() -> None:
               "planned": island_run(args, root, "planned", plan), "ideal": ideal(args, root),
               "pipeline-even-1f1b": pipeline_run(args, root, "pipeline-even-1f1b", "3,3", "1f1b"),
               "pipeline-planned-1f1b": pipeline_run(args, root, "pipeline-planned-1f1b", stages, "1f1b"),
-              "pipeline-planned-gpipe": pipeline_run(args, root, "pipeline-planned-gpipe", stages, "gpipe")}
+              "pipeline-planned-gpipe": pipeline_run(args, root, "pipeline-planned-gpipe", stages, "gpipe"),
+              "pipeline-interleaved": pipeline_run(args, root, "pipeline-interleaved", "2,1,2,1", "interleaved_1f1b",
+                                                   stages_per_rank=2)}
     splits = {"even": f"{args.batch_size // 2} x 1 each", "hand": f"{hand[0]} x {hand[1]}",
               "planned": f"{plan[0]} x {plan[1]}", "ideal": "each rank alone",
               "pipeline-even-1f1b": "layers 3,3", "pipeline-planned-1f1b": f"layers {stages}",
-              "pipeline-planned-gpipe": f"layers {stages}"}
+              "pipeline-planned-gpipe": f"layers {stages}", "pipeline-interleaved": "layers 2,1,2,1"}
     results: list[dict[str, Any]] = [
         {"setting": name, "tokens_per_s": speed, "ratio_to_ideal": ratio(speed, speeds["ideal"]),
          "ratio_to_even": ratio(speed, speeds["even"]), "split": splits[name]} for name, speed in speeds.items()]
     print(f"\n2-rank island, rank 1 emulated 2x slower, llama3 debug, batch {args.batch_size}, {args.steps} steps")
-    print(f"{'setting':<9} {'vs ideal':>8} {'vs even':>8} {'tok/s':>8}  split (sizes x counts)")
+    print(f"{'setting':<22} {'vs ideal':>8} {'vs even':>8} {'tok/s':>8}  split (sizes x counts)")
     for r in results:
-        print(f"{r['setting']:<9} {num(r['ratio_to_ideal'], '.3f'):>8} {num(r['ratio_to_even'], '.3f'):>8} "
+        print(f"{r['setting']:<22} {num(r['ratio_to_ideal'], '.3f'):>8} {num(r['ratio_to_even'], '.3f'):>8} "
               f"{r['tokens_per_s']:>8.0f}  {r['split']}")
     print(f"pipeline bubble (idle share of a step, (S-1)/(M+S-1), 2 stages, 4 micro-batches): "
-          f"{bubble_fraction(2, 4):.0%} for both gpipe and 1f1b (1f1b holds fewer activations, not less time)")
+          f"{bubble_fraction(2, 4):.0%} for both gpipe and 1f1b (1f1b holds fewer activations, not less time); "
+          f"interleaved with 2 stages per rank, (R-1)/(V*M+R-1): {bubble_fraction(2, 8):.0%}")
     if args.out:
         write_json(args.out, results)
 

@@ -8,12 +8,12 @@ same config, for several seeds, and is compared in the same run with two baselin
 * ddp: one island of 2 ranks, per-step gradient all-reduce (`data_parallel = "ddp"`), the
   islands' combined batch: the same tokens as a 2-island federation, the expensive way.
 
-Settings: diloco (2 x 1 rank, the config's outer step, sync_steps 20), reference-outer (the
-reference platform's outer Nesterov SGD, lr 0.7, momentum 0.9), averaged-moments (diloco
-with the islands' AdamW moments averaged at each outer step), diloco-3 (3 x 1 rank: 1.5x
-DDP's tokens, so compared with one island only), int8, topk (the defaults: 20% of 256, 2 bits),
-topk-5pct-1bit (the sparser defaults before), streaming int8 (4 fragments,
-tau 2), sync_steps 5 / 50 / 100, and het-1:3 (a 2-rank and a
+Settings: diloco (2 x 1 rank, the config's outer step: sync_steps 10 with the islands' AdamW
+moments averaged), own-moments (the defaults before: sync_steps 20, each island keeping its
+own moments), reference-outer (the reference platform's outer Nesterov SGD, lr 0.7, momentum
+0.9, sync_steps 20), diloco-3 (3 x 1 rank: 1.5x DDP's tokens, so compared with one island
+only), int8, topk (20% of 256, 2 bits), topk-5pct-1bit (the sparser top-k before), streaming
+int8 (2 fragments, tau 1), sync_steps 5 / 50 / 100, and het-1:3 (a 2-rank and a
 1-rank island, the 1-rank one emulated 3x slower, time-paced rounds as long as the diloco
 run's median round, token-weighted): the same token budget, unequal steps. Its single-
 island baseline at equal wall-clock is the fast island alone for as many steps as it ran
@@ -56,8 +56,10 @@ from archipelago.metrics.report import final_validation  # noqa: E402
 EVAL_WINDOWS = 256
 # Settings that train other token counts than DDP (2 islands' worth): no val-loss ratio to it.
 NOT_DDP_TOKENS = ("single", "single-fast", "diloco-3")
-STREAM = ("--fault_tolerance.codec", "int8", "--fault_tolerance.num_fragments", "4",
-          "--fault_tolerance.fragment_sync_delay", "2")
+STREAM = ("--fault_tolerance.codec", "int8", "--fault_tolerance.num_fragments", "2",
+          "--fault_tolerance.fragment_sync_delay", "1")
+# The defaults before: a round every 20 steps, each island keeping its own AdamW moments.
+OWN_MOMENTS = ("--fault_tolerance.sync_steps", "20", "--fault_tolerance.no_average_optimizer_state")
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,9 @@ SETTINGS = {s.name: s for s in (
     Setting("single", islands=""),
     Setting("ddp", islands="", ranks=2, batch_factor=2, args=("--parallelism.data_parallel", "ddp")),
     Setting("diloco"),
-    Setting("reference-outer", args=("--fault_tolerance.outer_lr", "0.7", "--fault_tolerance.outer_momentum", "0.9")),
-    Setting("averaged-moments", args=("--fault_tolerance.average_optimizer_state",)),
+    Setting("reference-outer", args=(*OWN_MOMENTS, "--fault_tolerance.outer_lr", "0.7",
+                                     "--fault_tolerance.outer_momentum", "0.9")),
+    Setting("own-moments", args=OWN_MOMENTS),
     Setting("diloco-3", islands="1,1,1"),
     Setting("het-1:3", islands="2,1", slowdown="1,3", time_paced=True),
     Setting("single-fast", islands="", ranks=2),

@@ -6,7 +6,7 @@ import pytest
 from conftest import TINY, assert_crash_resume_reproduces, losses, records, run_cli, run_cli_here
 
 from archipelago.config import ConfigError, load_config
-from archipelago.island.pipeline import PassThrough, keep_stage, pipeline_layout
+from archipelago.island.pipeline import PassThrough, keep_stage, pipeline_layout, stage_modules
 from archipelago.models import build_model, get_model_args
 
 
@@ -27,13 +27,52 @@ def test_stage_layers_in_our_form_and_synerfuses_or_an_error_naming_the_fix():
         (["--parallelism.hetero_pipeline_stages", "2 3"], "one device per stage"),
         (["--parallelism.pipeline_micro_batches", "3"], "does not divide training.batch_size = 8"),
         (["--training.micro_batch_size", "2"], "pipeline_micro_batches; leave out"),
+        (["--parallelism.pipeline_schedule", "interleaved_1f1b"], "needs parallelism.stages_per_rank >= 2"),
+        (["--parallelism.stages_per_rank", "2"], "needs parallelism.pipeline_schedule"),
+        (["--parallelism.pipeline_schedule", "interleaved_1f1b", "--parallelism.stages_per_rank", "2",
+          "--parallelism.pipeline_micro_batches", "3", "--training.batch_size", "6"], "multiple of the 2 pipeline"),
+        (["--parallelism.pipeline_schedule", "interleaved_1f1b", "--parallelism.stages_per_rank", "2",
+          "--parallelism.stage_layers", "4,2"], "2 entries for 4"),
     ]:
         with pytest.raises(ConfigError, match=match):
             _layout("--parallelism.pipeline_stages", "2", *flags)
     with pytest.raises(ConfigError, match="start it with --nproc 2"):
         _layout("--parallelism.pipeline_stages", "2", ranks=4)
-    with pytest.raises(ConfigError, match="exceeds the model's 6 layers"):
+    with pytest.raises(ConfigError, match="exceed the model's 6 layers"):
         _layout("--parallelism.pipeline_stages", "7", ranks=7)
+    interleaved = _layout("--parallelism.pipeline_stages", "2", "--parallelism.pipeline_schedule", "interleaved_1f1b",
+                          "--parallelism.stages_per_rank", "3")
+    assert interleaved.layers == (1,) * 6 and interleaved.ranks == 2 and interleaved.stages_of(1) == [1, 3, 5]
+
+
+def test_interleaved_stages_share_their_ranks_parameters_and_chain_to_the_whole_model():
+    """Rank r holds stages r and r + 2 as copies of one kept model: each copy's parameters
+    are the rank's own, and running the four stages in order gives the whole model's output."""
+    import torch
+
+    def model():
+        torch.manual_seed(0)
+        return build_model(get_model_args("llama3", "debug", vocab_size=256), device="cpu")
+
+    layout = _layout("--parallelism.pipeline_stages", "2", "--parallelism.pipeline_schedule", "interleaved_1f1b",
+                     "--parallelism.stages_per_rank", "2", "--parallelism.stage_layers", "2,1,2,1")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    want = model()(tokens)
+    ranks = [model(), model()]
+    chunks = {}
+    for rank, kept in enumerate(ranks):
+        keep_stage(kept, rank, layout)
+        own = {id(p) for p in kept.parameters()}
+        for stage, chunk in zip(layout.stages_of(rank), stage_modules(kept, rank, layout)):
+            assert {id(p) for p in chunk.parameters()} <= own
+            chunks[stage] = chunk
+    assert not isinstance(ranks[0].layers[3], PassThrough) and isinstance(ranks[0].layers[2], PassThrough)
+    assert isinstance(chunks[0].layers[3], PassThrough) and not isinstance(chunks[2].layers[3], PassThrough)
+    assert isinstance(chunks[2].tok_embeddings, PassThrough) and not isinstance(ranks[0].tok_embeddings, PassThrough)
+    hidden = tokens
+    for stage in range(4):
+        hidden = chunks[stage](hidden)
+    torch.testing.assert_close(hidden, want, rtol=0, atol=0)
 
 
 def test_stages_keep_the_models_names_and_together_hold_every_parameter():
@@ -67,13 +106,19 @@ def test_an_uneven_two_stage_pipeline_reproduces_one_rank_for_20_steps(shakespea
     assert one.returncode == 0, one.output[-3000:]
     want = losses(tmp_path / "one")
     want_val = [r["val_loss"] for r in _records(tmp_path / "one")]
-    for schedule in ("gpipe", "1f1b"):
+    for schedule, layers, stages in [
+        ("gpipe", "4,2", "stage 0: layers 0-3, stage 1: layers 4-5"),
+        ("1f1b", "4,2", "stage 0: layers 0-3, stage 1: layers 4-5"),
+        ("interleaved_1f1b", "2,1,2,1", "stage 0 (rank 0): layers 0-1, stage 1 (rank 1): layers 2-2, "
+                                        "stage 2 (rank 0): layers 3-4, stage 3 (rank 1): layers 5-5"),
+    ]:
         run = tmp_path / schedule
+        per_rank = "2" if schedule == "interleaved_1f1b" else "1"
         done = run_cli([*COMMON, "--training.steps", "20", "--nproc", "2", "--parallelism.pipeline_stages", "2",
-                        "--parallelism.stage_layers", "4,2", "--parallelism.pipeline_schedule", schedule,
-                        "--job.run_dir", str(run)], timeout=280)
+                        "--parallelism.stage_layers", layers, "--parallelism.pipeline_schedule", schedule,
+                        "--parallelism.stages_per_rank", per_rank, "--job.run_dir", str(run)], timeout=280)
         assert done.returncode == 0, done.output[-3000:]
-        assert "stage 0: layers 0-3, stage 1: layers 4-5" in done.output
+        assert stages in done.output
         got = losses(run)
         assert sorted(got) == list(range(1, 21))
         for step, loss in want.items():

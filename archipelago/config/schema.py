@@ -113,13 +113,15 @@ class ParallelismConfig:
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     """With more than one rank: `fsdp` shards parameters per block (FSDP2), `ddp` replicates them."""
     pipeline_stages: int = 1
-    """Split the model's layers over this many pipeline stages, one rank each (torch.distributed.pipelining); the island's rank count must equal it. Transformer families without tied embeddings (llama3, qwen3 flavors that do not tie); 1 = no pipeline (docs/parallelism.md)."""
+    """Split the model's layers over this many pipeline ranks, one stage each (`stages_per_rank` each with interleaved_1f1b; torch.distributed.pipelining); the island's rank count must equal it. Transformer families without tied embeddings (llama3, qwen3 flavors that do not tie); 1 = no pipeline (docs/parallelism.md)."""
     stage_layers: str = ""
     """Layers per pipeline stage, one count per stage (`"4,2"`: stage 0 the first 4 layers and the embedding, stage 1 the last 2 and the output); empty splits them evenly. Must sum to the model's layers."""
     hetero_pipeline_stages: str = ""
     """SynerFuse's form of stage_layers: pairs of (devices in the stage, layers), `"1 4 1 2"`; each stage has one device here."""
-    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    """Pipeline schedule: `1f1b` (one forward, one backward: fewer activations held) or `gpipe` (all forwards, then all backwards)."""
+    pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
+    """Pipeline schedule: `1f1b` (one forward, one backward: fewer activations held), `gpipe` (all forwards, then all backwards) or `interleaved_1f1b` (1F1B over `stages_per_rank` stages per rank: a smaller bubble for more messages)."""
+    stages_per_rank: int = 1
+    """Stages each rank holds with `pipeline_schedule = "interleaved_1f1b"` (2 or more): rank r holds stages r, r + pipeline_stages, ...; stage_layers then lists pipeline_stages x stages_per_rank counts, in stage order. 1 with the other schedules."""
     pipeline_micro_batches: int = 0
     """Micro-batches each step's batch is cut into for the pipeline; 0 means twice the stage count (bubble (S-1)/(M+S-1): a third with 2 stages). Must divide training.batch_size."""
     micro_batch_size_per_rank: str = ""

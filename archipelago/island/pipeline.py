@@ -11,21 +11,24 @@ see the one model.
 
 torch.distributed.pipelining moves activations forward and gradients backward between the
 stages (point-to-point sends over the island's process group: gloo on CPU, NCCL on GPUs)
-and runs the schedule: GPipe (all micro-batches forward, then all backward) or 1F1B (one
-forward, one backward in the steady state: at most S micro-batches' activations held).
+and runs the schedule: GPipe (all micro-batches forward, then all backward), 1F1B (one
+forward, one backward in the steady state: at most S micro-batches' activations held) or
+interleaved 1F1B (each rank holds V stages, rank r the stages r, r + R, ...: the bubble
+shrinks about V-fold for V times the messages; each of a rank's stages is a shallow copy
+of its model that shares the parameters and passes through the others' layers).
 Each micro-batch's loss is its mean, and the schedule divides gradients by the micro-batch
 count, so the step's gradient is the mean over the whole batch, as without a pipeline.
 
 Uneven stages (`stage_layers = "4,2"`) let a faster or larger device take more layers; the
-planner (island/plan.py) chooses them from measurements. Pipelines here take one rank per
-stage; FSDP inside a stage and the federation over a pipelined island come later (refused
-with a message until then). In a federation the stages' parameters are laid out as
+planner (island/plan.py) chooses them from measurements. Each stage runs on one rank (FSDP
+inside a stage is not built yet). In a federation the stages' parameters are laid out as
 the one model's (federation/layout.py takes each from the stage that holds it), so a
 pipelined island meets islands split any other way.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -35,26 +38,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from archipelago.config import Config, ConfigError
 from archipelago.config.counts import parse_counts
 from archipelago.island.device import IslandContext
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                             "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
 @dataclass(frozen=True)
 class PipelineLayout:
-    """How many layers each stage holds, and how a step is cut into micro-batches."""
+    """How many layers each stage holds, which rank holds it, and how a step is cut into
+    micro-batches. Stage k sits on rank k % ranks (one stage per rank unless per_rank > 1)."""
 
     layers: tuple[int, ...]
     schedule: str
     micro_batches: int
+    per_rank: int = 1
 
     @property
     def stages(self) -> int:
         return len(self.layers)
+
+    @property
+    def ranks(self) -> int:
+        return self.stages // self.per_rank
+
+    def stages_of(self, rank: int) -> list[int]:
+        return list(range(rank, self.stages, self.ranks))
 
     def ranges(self) -> Iterator[tuple[int, int]]:
         lo = 0
@@ -63,10 +76,11 @@ class PipelineLayout:
             lo += n
 
     def describe(self) -> str:
-        return ", ".join(f"stage {k}: layers {lo}-{hi - 1}" for k, (lo, hi) in enumerate(self.ranges()))
+        where = (lambda k: f" (rank {k % self.ranks})") if self.per_rank > 1 else (lambda k: "")
+        return ", ".join(f"stage {k}{where(k)}: layers {lo}-{hi - 1}" for k, (lo, hi) in enumerate(self.ranges()))
 
 
-def _stage_layers(cfg: Config, n_layers: int) -> tuple[int, ...]:
+def _stage_layers(cfg: Config, n_layers: int, stages: int) -> tuple[int, ...]:
     p = cfg.parallelism
     if p.stage_layers and p.hetero_pipeline_stages:
         raise ConfigError("parallelism.stage_layers and parallelism.hetero_pipeline_stages both set the stages' "
@@ -80,13 +94,13 @@ def _stage_layers(cfg: Config, n_layers: int) -> tuple[int, ...]:
     else:
         text = p.stage_layers
     if not text:
-        if n_layers < p.pipeline_stages:
-            raise ConfigError(f"parallelism.pipeline_stages = {p.pipeline_stages} exceeds the model's {n_layers} "
-                              "layers; each stage needs at least one")
-        base, extra = divmod(n_layers, p.pipeline_stages)
-        return tuple(base + (1 if k < extra else 0) for k in range(p.pipeline_stages))
+        if n_layers < stages:
+            raise ConfigError(f"{stages} pipeline stages exceed the model's {n_layers} layers; each stage needs at "
+                              "least one: lower parallelism.pipeline_stages (or stages_per_rank)")
+        base, extra = divmod(n_layers, stages)
+        return tuple(base + (1 if k < extra else 0) for k in range(stages))
     try:
-        layers = parse_counts(text, p.pipeline_stages, "parallelism.stage_layers")
+        layers = parse_counts(text, stages, "parallelism.stage_layers")
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if sum(layers) != n_layers:
@@ -100,8 +114,8 @@ def pipeline_layout(cfg: Config, n_layers: int, ranks: int) -> PipelineLayout | 
     settings do not fit the model, the ranks or the batch)."""
     p, t = cfg.parallelism, cfg.training
     if p.pipeline_stages <= 1:
-        if p.stage_layers or p.hetero_pipeline_stages:
-            raise ConfigError("parallelism.stage_layers needs parallelism.pipeline_stages > 1")
+        if p.stage_layers or p.hetero_pipeline_stages or p.stages_per_rank != 1:
+            raise ConfigError("parallelism.stage_layers and stages_per_rank need parallelism.pipeline_stages > 1")
         return None
     if ranks != p.pipeline_stages:
         raise ConfigError(f"parallelism.pipeline_stages = {p.pipeline_stages} needs one rank per stage; this "
@@ -113,15 +127,34 @@ def pipeline_layout(cfg: Config, n_layers: int, ranks: int) -> PipelineLayout | 
     if p.auto and (p.stage_layers or p.hetero_pipeline_stages):
         raise ConfigError("parallelism.auto chooses the stages' layers itself: leave out parallelism.stage_layers "
                           "and hetero_pipeline_stages, or drop auto")
-    layers = _stage_layers(cfg, n_layers)
+    per_rank = _stages_per_rank(cfg)
+    layers = _stage_layers(cfg, n_layers, p.pipeline_stages * per_rank)
     micro = p.pipeline_micro_batches or 2 * p.pipeline_stages
+    if per_rank > 1 and micro % p.pipeline_stages:
+        raise ConfigError(f"parallelism.pipeline_micro_batches = {micro}: interleaved_1f1b takes a multiple of the "
+                          f"{p.pipeline_stages} pipeline ranks")
     if micro < p.pipeline_stages:
         raise ConfigError(f"parallelism.pipeline_micro_batches = {micro} is fewer than the {p.pipeline_stages} stages: "
                           "every stage needs a micro-batch in flight; use at least as many micro-batches as stages")
     if t.batch_size % micro:
         raise ConfigError(f"parallelism.pipeline_micro_batches = {micro} does not divide training.batch_size = "
                           f"{t.batch_size}; choose a divisor")
-    return PipelineLayout(layers, p.pipeline_schedule, micro)
+    return PipelineLayout(layers, p.pipeline_schedule, micro, per_rank)
+
+
+def _stages_per_rank(cfg: Config) -> int:
+    p = cfg.parallelism
+    if p.pipeline_schedule == "interleaved_1f1b":
+        if p.stages_per_rank < 2:
+            raise ConfigError("parallelism.pipeline_schedule = \"interleaved_1f1b\" needs parallelism.stages_per_rank "
+                              ">= 2 (the stages each rank interleaves); or use \"1f1b\"")
+        if p.auto:
+            raise ConfigError("parallelism.auto plans one stage per rank; with interleaved_1f1b set "
+                              "parallelism.stage_layers yourself, or drop auto")
+    elif p.stages_per_rank != 1:
+        raise ConfigError(f"parallelism.stages_per_rank = {p.stages_per_rank} needs "
+                          "parallelism.pipeline_schedule = \"interleaved_1f1b\"")
+    return p.stages_per_rank
 
 
 class PassThrough(nn.Module):
@@ -145,28 +178,51 @@ def check_pipelinable(model: nn.Module) -> None:
                           "flavor without tied embeddings or parallelism.pipeline_stages = 1")
 
 
-def keep_stage(model: nn.Module, stage: int, layout: PipelineLayout) -> list[tuple[str, nn.Parameter]]:
-    """Replace, in place, every part of `model` that another stage holds by a pass-through.
+def _pass_through_others(model: nn.Module, stages: list[int], layout: PipelineLayout) -> None:
+    """Replace, in place, every part of `model` that none of `stages` holds by a pass-through."""
+    ranges = list(layout.ranges())
+    layers: Any = model.layers
+    for k in range(len(layers)):
+        if not any(ranges[s][0] <= k < ranges[s][1] for s in stages):
+            layers[k] = PassThrough()
+    if 0 not in stages:
+        model.tok_embeddings = PassThrough()
+    if layout.stages - 1 not in stages:
+        model.norm = PassThrough()
+        model.output = PassThrough()
 
-    Returns the whole model's (name, parameter) pairs in model order, this stage's own
+
+def keep_stage(model: nn.Module, rank: int, layout: PipelineLayout) -> list[tuple[str, nn.Parameter]]:
+    """Replace, in place, every part of `model` that none of `rank`'s stages holds by a pass-through.
+
+    Returns the whole model's (name, parameter) pairs in model order, this rank's own
     parameters and meta placeholders (same shape, no storage) for the others': what the
     federation lays out, so a pipelined island exchanges the one model like any other.
     """
     check_pipelinable(model)
     before = list(model.named_parameters())
-    lo, hi = list(layout.ranges())[stage]
-    layers: Any = model.layers
-    for k in range(len(layers)):
-        if not lo <= k < hi:
-            layers[k] = PassThrough()
-    if stage > 0:
-        model.tok_embeddings = PassThrough()
-    if stage < layout.stages - 1:
-        model.norm = PassThrough()
-        model.output = PassThrough()
+    _pass_through_others(model, layout.stages_of(rank), layout)
     kept = {id(p) for p in model.parameters()}
     return [(name, p if id(p) in kept else nn.Parameter(torch.empty_like(p, device="meta"),
                                                        requires_grad=p.requires_grad)) for name, p in before]
+
+
+def stage_modules(model: nn.Module, rank: int, layout: PipelineLayout) -> list[nn.Module]:
+    """The module each of `rank`'s stages runs, in stage order: `model` itself with one stage
+    per rank; else, per stage, a shallow copy of `model` (kept by keep_stage) that shares its
+    parameters, buffers and hooks and passes through the layers of the rank's other stages.
+    Gradients of every copy land on the shared parameters, which the optimizer, the
+    checkpoint and the federation see through `model`."""
+    if layout.per_rank == 1:
+        return [model]
+    chunks = []
+    for stage in layout.stages_of(rank):
+        chunk = copy.copy(model)  # the instance dict is copied; its module dicts must not be shared
+        chunk._modules = dict(model._modules)
+        chunk.layers = nn.ModuleList(list(model.layers))  # type: ignore[arg-type]
+        _pass_through_others(chunk, [stage], layout)
+        chunks.append(chunk)
+    return chunks
 
 
 def _emulate_slow_stage(model: nn.Module, slowdown: float, device: torch.device) -> None:
@@ -198,14 +254,17 @@ class Pipeline:
         self.ctx, self.layout = ctx, layout
         if slowdown > 1:
             _emulate_slow_stage(model, slowdown, ctx.device)
-        self.stage_index = ctx.rank
-        self.is_first, self.is_last = ctx.rank == 0, ctx.rank == layout.stages - 1
-        self.stage = PipelineStage(model, self.stage_index, layout.stages, ctx.device)
+        # Rank 0 holds stage 0 (the embedding), the last rank the last stage (the output).
+        self.is_first, self.is_last = ctx.rank == 0, ctx.rank == layout.ranks - 1
+        modules = stage_modules(model, ctx.rank, layout)
+        stages = [PipelineStage(m, k, layout.stages, ctx.device) for m, k in zip(modules, layout.stages_of(ctx.rank))]
+        # Single-stage schedules take the stage, interleaved ones the rank's list of stages.
+        held: Any = stages if layout.per_rank > 1 else stages[0]
         # scale_grads: each micro-batch's loss is its mean, so gradients are divided by
         # the micro-batch count to give the batch's mean (the schedule does it once, after).
-        self.schedule = SCHEDULES[layout.schedule](self.stage, n_microbatches=layout.micro_batches,
+        self.schedule = SCHEDULES[layout.schedule](held, n_microbatches=layout.micro_batches,
                                                    loss_fn=loss_fn, scale_grads=True)
-        self.eval_schedule = SCHEDULES[layout.schedule](self.stage, n_microbatches=layout.micro_batches)
+        self.eval_schedule = SCHEDULES[layout.schedule](held, n_microbatches=layout.micro_batches)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the whole batch; the batch's mean loss on every rank."""
@@ -218,7 +277,7 @@ class Pipeline:
             self.schedule.step()
         loss = (torch.stack([x.detach().float() for x in losses]).mean() if losses
                 else torch.zeros((), device=self.ctx.device))
-        dist.broadcast(loss, src=self.layout.stages - 1)  # the last stage computed it
+        dist.broadcast(loss, src=self.layout.ranks - 1)  # the last stage computed it
         return loss
 
     @torch.no_grad()
