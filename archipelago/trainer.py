@@ -191,13 +191,13 @@ class Trainer:
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that read different data: all of them, or one for a pipeline (its stages
-        share each batch)."""
-        return 1 if self.cfg.parallelism.pipeline_stages > 1 else self.ctx.world_size
+        """Ranks that read different data: all of them, or in a pipeline one per stage's
+        rank (a pipeline rank's stages share each batch; ranks are pipeline-major)."""
+        return self.ctx.world_size // max(self.cfg.parallelism.pipeline_stages, 1)
 
     @property
     def data_rank(self) -> int:
-        return 0 if self.cfg.parallelism.pipeline_stages > 1 else self.ctx.rank
+        return self.ctx.rank % self.data_ranks
 
     @functools.cached_property
     def rank_slowdown(self) -> float:
@@ -219,8 +219,9 @@ class Trainer:
             check_pipelinable(built.module)
             if p.auto:
                 layout = replace(layout, layers=self.plan_stage_layers())
-            log.info("pipeline of %d stages (%s), %s schedule, %d micro-batches per step", layout.stages,
-                     layout.describe(), layout.schedule, layout.micro_batches)
+            log.info("pipeline of %d stages (%s), %s schedule, %d micro-batches per step%s", layout.stages,
+                     layout.describe(), layout.schedule, layout.micro_batches,
+                     f", {layout.data} data ranks per stage (FSDP)" if layout.data > 1 else "")
         try:
             parallel = parallelize(built.module, self.ctx, p.data_parallel, t.mixed_precision,
                                    t.activation_checkpointing, t.compile, seed=t.seed,

@@ -130,13 +130,28 @@ def base_args(args: argparse.Namespace, seed: int, steps: int, batch: int, every
             "--metrics.log_every", str(every)]
 
 
+def ranks_here(args: argparse.Namespace, s: Setting) -> int:
+    """The ranks a one-island setting runs with. On a machine with fewer GPUs than DDP's 2
+    ranks (NCCL takes one GPU per rank) DDP runs as one rank with the whole batch: the same
+    mean gradient of the same 16 sequences, up to summation order; its bytes stay 2 ranks'."""
+    if s.ranks > 1 and args.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.device_count() < s.ranks:
+            if s.name != "ddp":
+                raise SystemExit(f"{s.name} needs {s.ranks} GPUs (one per rank); this machine has "
+                                 f"{torch.cuda.device_count()}: leave it out of --settings")
+            return 1
+    return s.ranks
+
+
 def command(args: argparse.Namespace, s: Setting, seed: int, run_dir: Path, steps: int,
             round_s: float | None) -> list[str]:
     cli = [sys.executable, "-m", "archipelago.launch.cli"]
     common = [*base_args(args, seed, steps, args.batch_size * s.batch_factor, eval_every(args, s, steps)),
               "--job.run_dir", str(run_dir), *s.args]
     if not s.islands:
-        return [*cli, "train", "--nproc", str(s.ranks), *common]
+        return [*cli, "train", "--nproc", str(ranks_here(args, s)), *common]
     cmd = [*cli, "local", "--islands", s.islands, "--no-table", *common]
     if s.slowdown:
         cmd += ["--slowdown", s.slowdown]

@@ -36,8 +36,8 @@ def test_stage_layers_in_our_form_and_synerfuses_or_an_error_naming_the_fix():
     ]:
         with pytest.raises(ConfigError, match=match):
             _layout("--parallelism.pipeline_stages", "2", *flags)
-    with pytest.raises(ConfigError, match="start it with --nproc 2"):
-        _layout("--parallelism.pipeline_stages", "2", ranks=4)
+    with pytest.raises(ConfigError, match="start it with --nproc 2 or 4"):
+        _layout("--parallelism.pipeline_stages", "2", ranks=3)
     with pytest.raises(ConfigError, match="exceed the model's 6 layers"):
         _layout("--parallelism.pipeline_stages", "7", ranks=7)
     interleaved = _layout("--parallelism.pipeline_stages", "2", "--parallelism.pipeline_schedule", "interleaved_1f1b",
@@ -127,6 +127,30 @@ def test_an_uneven_two_stage_pipeline_reproduces_one_rank_for_20_steps(shakespea
         assert [r["val_loss"] for r in _records(run)] == pytest.approx(want_val, abs=1e-4)
 
 
+@pytest.mark.timeout(600)
+def test_fsdp_inside_each_stage_reproduces_one_rank(shakespeare, tmp_path):
+    """4 ranks as 2 pipeline ranks x 2 data ranks: each stage sharded by FSDP over its 2
+    ranks, each data rank reading half the batch; losses and validation as on one rank."""
+    common = [*COMMON, "--training.steps", "8", "--training.val_every", "4"]
+    one = run_cli_here([*common, "--job.run_dir", str(tmp_path / "one")])
+    assert one.returncode == 0, one.output[-3000:]
+    run = tmp_path / "grid"
+    done = run_cli([*common, "--nproc", "4", "--parallelism.pipeline_stages", "2", "--parallelism.stage_layers", "4,2",
+                    "--parallelism.pipeline_micro_batches", "2", "--job.run_dir", str(run)], timeout=400)
+    assert done.returncode == 0, done.output[-3000:]
+    assert "2 data ranks per stage" in done.output
+    got, want = losses(run), losses(tmp_path / "one")
+    assert sorted(got) == list(range(1, 9))
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, abs=1e-4), (step, got[step], loss)
+    assert [r["val_loss"] for r in _records(run)] == pytest.approx([r["val_loss"] for r in _records(tmp_path / "one")],
+                                                                    abs=1e-4)
+    with pytest.raises(ConfigError, match="needs a multiple of 2 ranks"):
+        _layout("--parallelism.pipeline_stages", "2", ranks=3)
+    with pytest.raises(ConfigError, match="shard it with FSDP"):
+        _layout("--parallelism.pipeline_stages", "2", "--parallelism.data_parallel", "ddp", ranks=4)
+
+
 def _records(run):
     return [r for r in records(run) if "val_loss" in r]
 
@@ -141,15 +165,17 @@ def test_a_crashed_pipelined_run_resumes_to_the_uninterrupted_losses(shakespeare
 
 @pytest.mark.timeout(600)
 def test_a_pipelined_island_federates_with_a_one_rank_island_and_heals_after_a_kill(shakespeare, tmp_path):
-    """Island 0 is an uneven 2-stage pipeline, island 1 one rank: the bridge takes each
-    parameter from the stage holding it, so both hold the same global weights after the
-    outer steps; killed and restarted, the pipelined island resumes and heals."""
+    """Island 0 is an uneven 2-stage pipeline with FSDP inside each stage (4 ranks), island 1
+    one rank: the bridge takes each parameter's shards from the ranks of the stage holding
+    it, so both hold the same global weights after the outer steps; killed and restarted,
+    the pipelined island resumes from its sharded checkpoint and heals."""
     import json
 
     run = tmp_path / "federation"
-    done = run_cli(["local", "--islands", "2,1", "--no-table", *TINY, "--training.steps", "40",
+    done = run_cli(["local", "--islands", "4,1", "--no-table", *TINY, "--training.steps", "40",
                     "--fault_tolerance.sync_steps", "4", "--training.val_every", "0", "--checkpoint.interval", "4",
-                    "--island-options", "0:--parallelism.pipeline_stages 2 --parallelism.stage_layers 4,2",
+                    "--island-options", "0:--parallelism.pipeline_stages 2 --parallelism.stage_layers 4,2 "
+                                        "--parallelism.pipeline_micro_batches 2",
                     "--kill", "0@15", "--restart-after", "1", "--job.run_dir", str(run)], timeout=560)
     assert done.returncode == 0, done.output[-4000:]
     fed = json.loads((run / "federation.json").read_text())
@@ -157,4 +183,5 @@ def test_a_pipelined_island_federates_with_a_one_rank_island_and_heals_after_a_k
     assert all(i["final_step"] == 40 for i in fed["islands"]), fed["islands"]
     log = (run / "island-0" / "train.log").read_text()
     assert "pipeline of 2 stages (stage 0: layers 0-3, stage 1: layers 4-5)" in log
+    assert "2 data ranks per stage (FSDP)" in log
     assert fed["islands"][0]["restarts"] == 1, fed["islands"]

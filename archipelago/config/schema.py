@@ -113,7 +113,7 @@ class ParallelismConfig:
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     """With more than one rank: `fsdp` shards parameters per block (FSDP2), `ddp` replicates them."""
     pipeline_stages: int = 1
-    """Split the model's layers over this many pipeline ranks, one stage each (`stages_per_rank` each with interleaved_1f1b; torch.distributed.pipelining); the island's rank count must equal it. Transformer families without tied embeddings (llama3, qwen3 flavors that do not tie); 1 = no pipeline (docs/parallelism.md)."""
+    """Split the model's layers over this many pipeline ranks, one stage each (`stages_per_rank` each with interleaved_1f1b; torch.distributed.pipelining); the island's rank count must be a multiple of it, and with more ranks FSDP shards each stage over ranks / pipeline_stages data ranks. Transformer families without tied embeddings (llama3, qwen3 flavors that do not tie); 1 = no pipeline (docs/parallelism.md)."""
     stage_layers: str = ""
     """Layers per pipeline stage, one count per stage (`"4,2"`: stage 0 the first 4 layers and the embedding, stage 1 the last 2 and the output); empty splits them evenly. Must sum to the model's layers."""
     hetero_pipeline_stages: str = ""

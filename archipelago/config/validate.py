@@ -194,8 +194,8 @@ def _check_even_shares(t: TrainingConfig, ranks: int) -> None:
 
 def validate_for_island(cfg: Config, ranks: int) -> None:
     """Rules that depend on the island's rank count; checked by the launcher and the trainer."""
-    # The ranks that read different data: all of them, or one when pipeline stages share each batch.
-    data_ranks = 1 if cfg.parallelism.pipeline_stages > 1 else ranks
+    # The ranks that read different data: all of them, or one per stage's rank in a pipeline.
+    data_ranks = ranks // cfg.parallelism.pipeline_stages if ranks % cfg.parallelism.pipeline_stages == 0 else 1
     if not cfg.parallelism.micro_batch_size_per_rank:  # uneven shares: island/batches.py checks them
         _check_even_shares(cfg.training, data_ranks)
     ft = cfg.fault_tolerance

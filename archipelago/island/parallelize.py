@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -164,12 +164,29 @@ def _pipelined(model: nn.Module, ctx: IslandContext, dtype: torch.dtype, layout:
     # Materialised whole, then cut: every stage starts from the one model's weights (a
     # meta-initialised model is allocated whole on each stage's device for a moment).
     _materialize(model, ctx.device, seed)
-    whole = keep_stage(model, ctx.rank, layout)
+    whole = keep_stage(model, layout.pipeline_rank(ctx.rank), layout)
     _wrap_blocks(model, activation_checkpointing, compile_blocks)
+    group = None
+    if layout.data > 1:  # FSDP inside each stage: a 2-D mesh, pipeline ranks x data ranks
+        mesh = init_device_mesh(ctx.device.type, (layout.ranks, layout.data), mesh_dim_names=("pp", "dp"))
+        _shard_stage(model, mesh["dp"], dtype)
+        group = mesh["pp"].get_group()
+        sharded = dict(model.named_parameters())  # FSDP put DTensor parameters in place
+        whole = [(name, sharded.get(name, p)) for name, p in whole]
     parallel = ParallelModel(model, model, ctx, dtype, "pipeline")
     parallel.whole_model_parameters = whole
-    parallel.pipeline = Pipeline(model, ctx, layout, loss_fn, slowdown)
+    parallel.pipeline = Pipeline(model, ctx, layout, loss_fn, slowdown, group)
     return parallel
+
+
+def _shard_stage(model: nn.Module, mesh: DeviceMesh, dtype: torch.dtype) -> None:
+    """FSDP2 over a stage's data ranks: each block the stage holds, then the rest of it."""
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for parent, name in model_blocks(model):
+        block = parent.get_submodule(name)
+        if any(True for _ in block.parameters()):  # pass-throughs of other stages' blocks hold none
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_precision: str,

@@ -20,10 +20,11 @@ Each micro-batch's loss is its mean, and the schedule divides gradients by the m
 count, so the step's gradient is the mean over the whole batch, as without a pipeline.
 
 Uneven stages (`stage_layers = "4,2"`) let a faster or larger device take more layers; the
-planner (island/plan.py) chooses them from measurements. Each stage runs on one rank (FSDP
-inside a stage is not built yet). In a federation the stages' parameters are laid out as
-the one model's (federation/layout.py takes each from the stage that holds it), so a
-pipelined island meets islands split any other way.
+planner (island/plan.py) chooses them from measurements. A stage runs on one rank, or on
+several that shard it with FSDP2 (a 2-D mesh of pipeline ranks x data ranks; each data
+rank runs its own pipeline on its share of the batch). In a federation the stages'
+parameters are laid out as the one model's (federation/layout.py takes each from the ranks
+of the stage that holds it), so a pipelined island meets islands split any other way.
 """
 
 from __future__ import annotations
@@ -39,10 +40,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
 
 from archipelago.config import Config, ConfigError
 from archipelago.config.counts import parse_counts
 from archipelago.island.device import IslandContext
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A rank's own part of a tensor: the local shard of an FSDP (DTensor) one."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
                              "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -51,12 +58,21 @@ SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
 @dataclass(frozen=True)
 class PipelineLayout:
     """How many layers each stage holds, which rank holds it, and how a step is cut into
-    micro-batches. Stage k sits on rank k % ranks (one stage per rank unless per_rank > 1)."""
+    micro-batches. Stage k sits on pipeline rank k % ranks (one stage per rank unless
+    per_rank > 1); each pipeline rank is `data` island ranks that shard its stages."""
 
     layers: tuple[int, ...]
     schedule: str
     micro_batches: int
     per_rank: int = 1
+    data: int = 1  # ranks per pipeline rank: FSDP shards each stage over them, each reads its own data
+
+    def pipeline_rank(self, rank: int) -> int:
+        """Which pipeline rank an island rank is (ranks are pipeline-major: data varies fastest)."""
+        return rank // self.data
+
+    def data_rank(self, rank: int) -> int:
+        return rank % self.data
 
     @property
     def stages(self) -> int:
@@ -117,9 +133,7 @@ def pipeline_layout(cfg: Config, n_layers: int, ranks: int) -> PipelineLayout | 
         if p.stage_layers or p.hetero_pipeline_stages or p.stages_per_rank != 1:
             raise ConfigError("parallelism.stage_layers and stages_per_rank need parallelism.pipeline_stages > 1")
         return None
-    if ranks != p.pipeline_stages:
-        raise ConfigError(f"parallelism.pipeline_stages = {p.pipeline_stages} needs one rank per stage; this "
-                          f"island has {ranks}: start it with --nproc {p.pipeline_stages}")
+    data = _data_ranks(cfg, ranks)
     if p.micro_batch_size_per_rank or t.micro_batch_size or p.expert_parallel:
         raise ConfigError("a pipelined island cuts its batch with parallelism.pipeline_micro_batches; leave out "
                           "training.micro_batch_size, parallelism.micro_batch_size_per_rank and "
@@ -136,10 +150,31 @@ def pipeline_layout(cfg: Config, n_layers: int, ranks: int) -> PipelineLayout | 
     if micro < p.pipeline_stages:
         raise ConfigError(f"parallelism.pipeline_micro_batches = {micro} is fewer than the {p.pipeline_stages} stages: "
                           "every stage needs a micro-batch in flight; use at least as many micro-batches as stages")
-    if t.batch_size % micro:
+    if t.batch_size % (micro * data):
+        per = f" / {data} data ranks" if data > 1 else ""
         raise ConfigError(f"parallelism.pipeline_micro_batches = {micro} does not divide training.batch_size = "
-                          f"{t.batch_size}; choose a divisor")
-    return PipelineLayout(layers, p.pipeline_schedule, micro, per_rank)
+                          f"{t.batch_size}{per}; choose a divisor")
+    if per_rank > 1 and data > 1:
+        raise ConfigError("interleaved_1f1b runs one rank per pipeline rank: start the island with --nproc "
+                          f"{p.pipeline_stages}, or use \"1f1b\" to shard each stage over {data} ranks")
+    return PipelineLayout(layers, p.pipeline_schedule, micro, per_rank, data)
+
+
+def _data_ranks(cfg: Config, ranks: int) -> int:
+    """Ranks per pipeline stage: 1, or more that shard the stage with FSDP and read different data."""
+    p = cfg.parallelism
+    if ranks % p.pipeline_stages:
+        raise ConfigError(f"parallelism.pipeline_stages = {p.pipeline_stages} needs a multiple of {p.pipeline_stages} "
+                          f"ranks (one per stage, or several sharding each stage); this island has {ranks}: start "
+                          f"it with --nproc {p.pipeline_stages} or {2 * p.pipeline_stages}")
+    data = ranks // p.pipeline_stages
+    if data > 1 and p.data_parallel != "fsdp":
+        raise ConfigError(f"{data} ranks per pipeline stage shard it with FSDP: set parallelism.data_parallel = "
+                          "\"fsdp\", or start the island with one rank per stage")
+    if data > 1 and p.auto:
+        raise ConfigError("parallelism.auto plans pipelines of one rank per stage: set parallelism.stage_layers "
+                          f"yourself with {data} ranks per stage, or drop auto")
+    return data
 
 
 def _stages_per_rank(cfg: Config) -> int:
@@ -250,14 +285,19 @@ class Pipeline:
     """One stage's share of a pipelined step: runs the schedule, reports the batch's loss."""
 
     def __init__(self, model: nn.Module, ctx: IslandContext, layout: PipelineLayout,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], slowdown: float = 1.0) -> None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], slowdown: float = 1.0,
+                 group: dist.ProcessGroup | None = None) -> None:
+        """`group`: this rank's pipeline ranks (one per stage, the same data rank); the
+        island's whole group when each stage has one rank."""
         self.ctx, self.layout = ctx, layout
         if slowdown > 1:
             _emulate_slow_stage(model, slowdown, ctx.device)
-        # Rank 0 holds stage 0 (the embedding), the last rank the last stage (the output).
-        self.is_first, self.is_last = ctx.rank == 0, ctx.rank == layout.ranks - 1
-        modules = stage_modules(model, ctx.rank, layout)
-        stages = [PipelineStage(m, k, layout.stages, ctx.device) for m, k in zip(modules, layout.stages_of(ctx.rank))]
+        # Pipeline rank 0 holds stage 0 (the embedding), the last one the last stage (the output).
+        me = layout.pipeline_rank(ctx.rank)
+        self.is_first, self.is_last = me == 0, me == layout.ranks - 1
+        modules = stage_modules(model, me, layout)
+        stages = [PipelineStage(m, k, layout.stages, ctx.device, group=group)
+                  for m, k in zip(modules, layout.stages_of(me))]
         # Single-stage schedules take the stage, interleaved ones the rank's list of stages.
         held: Any = stages if layout.per_rank > 1 else stages[0]
         # scale_grads: each micro-batch's loss is its mean, so gradients are divided by
@@ -277,8 +317,10 @@ class Pipeline:
             self.schedule.step()
         loss = (torch.stack([x.detach().float() for x in losses]).mean() if losses
                 else torch.zeros((), device=self.ctx.device))
-        dist.broadcast(loss, src=self.layout.ranks - 1)  # the last stage computed it
-        return loss
+        # The last stage of each data rank computed its batch's loss, the others hold 0: the
+        # sum over the island's ranks divided by the data ranks is the global batch's mean.
+        dist.all_reduce(loss)
+        return loss / self.layout.data
 
     @torch.no_grad()
     def outputs(self, inputs: torch.Tensor) -> torch.Tensor | None:
@@ -294,7 +336,9 @@ class Pipeline:
         """Clip by the norm over every stage's gradients (each stage holds only its own)."""
         # Per-parameter norms first, as torch.nn.utils.clip_grad_norm_ takes them, so a
         # pipeline clips exactly as one rank with the whole model would.
-        grads = [p.grad for p in params if p.grad is not None]
+        # FSDP inside a stage: each rank holds a distinct shard of its stage's (reduced)
+        # gradients, so squares summed over every rank of the island are the global norm's.
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         norms = torch._foreach_norm(grads) if grads else []
         local = sum((n.float() ** 2 for n in norms), torch.zeros((), device=self.ctx.device))
         dist.all_reduce(local)
