@@ -89,8 +89,12 @@ def plan_pipeline(profiles: list[RankProfile], global_batch: int, micro_batches:
 def plan_island(cfg: Config, ctx: IslandContext, task: Task) -> tuple[IslandPlan, list[RankProfile]]:
     """Measure every rank (a collective), then the plan every rank derives the same way: the
     batch split, or with parallelism.pipeline_stages > 1 the layers of each stage."""
-    profiles = all_gather_objects(measure_rank(cfg, ctx, task), ctx)
     p, batch = cfg.parallelism, cfg.training.batch_size
+    if p.pipeline_stages > 1 and (ctx.world_size != p.pipeline_stages or p.pipeline_schedule == "interleaved_1f1b"):
+        raise ConfigError(f"plan: pipelines are planned with one rank per stage (--nproc {p.pipeline_stages}) under "
+                          "the 1f1b or gpipe schedule; plan that layout, then set parallelism.stage_layers for "
+                          "more ranks per stage or the interleaved schedule")
+    profiles = all_gather_objects(measure_rank(cfg, ctx, task), ctx)
     try:
         if p.pipeline_stages > 1:
             return plan_pipeline(profiles, batch, p.pipeline_micro_batches or 2 * p.pipeline_stages,

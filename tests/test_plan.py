@@ -288,3 +288,19 @@ def test_a_pipelined_island_is_planned_from_its_ranks_profiles_and_the_fragment_
     flags = [f"--parallelism.{k}={v}" for k, v in fragment.items()]
     cfg = load_config(["--training.batch_size", "8", "--parallelism.pipeline_stages", "2", *flags])
     assert pipeline_layout(cfg, 6, 2).layers == (4, 2)
+
+
+@pytest.mark.parametrize("flags,ranks", [([], 4), (["--parallelism.pipeline_schedule", "interleaved_1f1b",
+                                                   "--parallelism.stages_per_rank", "2"], 2)],
+                         ids=["two-ranks-per-stage", "interleaved"])
+def test_pipelines_the_planner_cannot_model_are_refused_before_measuring(flags, ranks):
+    import torch
+
+    from archipelago.config import ConfigError, load_config
+    from archipelago.island.device import IslandContext
+    from archipelago.planning import plan_island
+
+    cfg = load_config(["--parallelism.pipeline_stages", "2", *flags])
+    ctx = IslandContext(rank=0, local_rank=0, world_size=ranks, device=torch.device("cpu"), backend="gloo")
+    with pytest.raises(ConfigError, match="one rank per stage .--nproc 2. under the 1f1b or gpipe schedule"):
+        plan_island(cfg, ctx, task=None)  # refused before any collective: no process group here
