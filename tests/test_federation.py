@@ -368,5 +368,8 @@ def test_diloco_rounds_match_the_golden_numbers():
     start = _fingerprint_of(dict(tiny_model("cpu", seed=3).named_parameters()))
     assert all(got["island0"][name] != start[name] for name in start)  # every parameter moved
     assert got["island0"] == got["island1"]  # both hold the global weights, bit for bit
+    # 1e-5: two x86 machines (their matmul kernels round differently) ended up to 2.4e-6
+    # apart after the 12 inner AdamW steps; a change to what a round computes moves these
+    # numbers by orders of magnitude more.
     for name, values in want["island0"].items():
-        assert got["island0"][name] == pytest.approx(values, rel=1e-6, abs=1e-9), name
+        assert got["island0"][name] == pytest.approx(values, rel=1e-5, abs=1e-5), name

@@ -164,18 +164,23 @@ def test_a_crashed_pipelined_run_resumes_to_the_uninterrupted_losses(shakespeare
 
 
 @pytest.mark.timeout(600)
-def test_a_pipelined_island_federates_with_a_one_rank_island_and_heals_after_a_kill(shakespeare, tmp_path):
-    """Island 0 is an uneven 2-stage pipeline with FSDP inside each stage (4 ranks), island 1
-    one rank: the bridge takes each parameter's shards from the ranks of the stage holding
-    it, so both hold the same global weights after the outer steps; killed and restarted,
-    the pipelined island resumes from its sharded checkpoint and heals."""
+@pytest.mark.parametrize("ranks,options,data_ranks", [
+    ("2", "", 1),
+    # FSDP inside each stage: 5 processes on the machine, so run by `make test-slow`.
+    pytest.param("4", " --parallelism.pipeline_micro_batches 2", 2, marks=pytest.mark.slow),
+], ids=["one-rank-per-stage", "fsdp-inside-stages"])
+def test_a_pipelined_island_federates_with_a_one_rank_island_and_heals_after_a_kill(shakespeare, tmp_path, ranks,
+                                                                                     options, data_ranks):
+    """Island 0 is an uneven 2-stage pipeline (with FSDP inside each stage on 4 ranks),
+    island 1 one rank: the bridge takes each parameter (or its shards) from the ranks of the
+    stage holding it, so both hold the same global weights after the outer steps; killed and
+    restarted, the pipelined island resumes from its checkpoint and heals."""
     import json
 
     run = tmp_path / "federation"
-    done = run_cli(["local", "--islands", "4,1", "--no-table", *TINY, "--training.steps", "40",
+    done = run_cli(["local", "--islands", f"{ranks},1", "--no-table", *TINY, "--training.steps", "40",
                     "--fault_tolerance.sync_steps", "4", "--training.val_every", "0", "--checkpoint.interval", "4",
-                    "--island-options", "0:--parallelism.pipeline_stages 2 --parallelism.stage_layers 4,2 "
-                                        "--parallelism.pipeline_micro_batches 2",
+                    "--island-options", "0:--parallelism.pipeline_stages 2 --parallelism.stage_layers 4,2" + options,
                     "--kill", "0@15", "--restart-after", "1", "--job.run_dir", str(run)], timeout=560)
     assert done.returncode == 0, done.output[-4000:]
     fed = json.loads((run / "federation.json").read_text())
@@ -183,5 +188,5 @@ def test_a_pipelined_island_federates_with_a_one_rank_island_and_heals_after_a_k
     assert all(i["final_step"] == 40 for i in fed["islands"]), fed["islands"]
     log = (run / "island-0" / "train.log").read_text()
     assert "pipeline of 2 stages (stage 0: layers 0-3, stage 1: layers 4-5)" in log
-    assert "2 data ranks per stage (FSDP)" in log
+    assert ("2 data ranks per stage (FSDP)" in log) == (data_ranks == 2)
     assert fed["islands"][0]["restarts"] == 1, fed["islands"]
