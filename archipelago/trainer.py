@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
-from archipelago.config import Config, ConfigError, advice, config_to_dict, validate_for_island
+from archipelago.config import Config, ConfigError, advice, config_to_dict, data_ranks, validate_for_island
 from archipelago.config.counts import parse_factors
 from archipelago.config.faults import TRAINER_KINDS, faults_from_env
 from archipelago.federation import Alone, build_federation
@@ -191,9 +191,8 @@ class Trainer:
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that read different data: all of them, or in a pipeline one per stage's
-        rank (a pipeline rank's stages share each batch; ranks are pipeline-major)."""
-        return self.ctx.world_size // max(self.cfg.parallelism.pipeline_stages, 1)
+        """Ranks that read different data (a pipeline's stages share each batch)."""
+        return data_ranks(self.cfg, self.ctx.world_size)
 
     @property
     def data_rank(self) -> int:

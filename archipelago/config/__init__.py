@@ -24,11 +24,11 @@ from archipelago.config.schema import (
     ParallelismConfig,
     TrainingConfig,
 )
-from archipelago.config.validate import advice, validate, validate_for_island
+from archipelago.config.validate import advice, data_ranks, validate, validate_for_island
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FaultToleranceConfig", "JobConfig",
     "LRSchedulerConfig", "MetricsConfig", "ModelConfig", "OptimizerConfig", "ParallelismConfig", "LoRAConfig",
     "TrainingConfig", "config_from_dict", "config_to_dict", "load_run_config", "load_config", "load_toml",
-    "parse_overrides", "split_config_flag", "advice", "validate", "validate_for_island",
+    "parse_overrides", "split_config_flag", "advice", "data_ranks", "validate", "validate_for_island",
 ]

@@ -123,7 +123,7 @@ class ParallelismConfig:
     stages_per_rank: int = 1
     """Stages each rank holds with `pipeline_schedule = "interleaved_1f1b"` (2 or more): rank r holds stages r, r + pipeline_stages, ...; stage_layers then lists pipeline_stages x stages_per_rank counts, in stage order. 1 with the other schedules."""
     pipeline_micro_batches: int = 0
-    """Micro-batches each step's batch is cut into for the pipeline; 0 means twice the stage count (bubble (S-1)/(M+S-1): a third with 2 stages). Must divide training.batch_size."""
+    """Micro-batches each step's batch is cut into for the pipeline; 0 means twice the stage count (bubble (S-1)/(M+S-1): a third with 2 stages). Must divide training.batch_size (per data rank when FSDP shards each stage over several ranks)."""
     micro_batch_size_per_rank: str = ""
     """Heterogeneous data parallelism: each rank's micro-batch size, one per rank (`"6,2"`) or SynerFuse's pairs of rank count and size (`"1 6 1 2"`). With `num_micro_batches_per_rank`, a rank's share of the batch is size x count; the shares must sum to training.batch_size, and every sample weighs the same in the gradient. Empty: every rank takes batch_size / ranks (docs/parallelism.md)."""
     auto: bool = False

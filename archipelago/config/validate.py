@@ -192,12 +192,18 @@ def _check_even_shares(t: TrainingConfig, ranks: int) -> None:
                           f"per-rank batch ({per_rank} = batch_size / {ranks} ranks)")
 
 
+def data_ranks(cfg: Config, ranks: int) -> int:
+    """The island's ranks that read different data: all of them, or in a pipeline one per
+    rank of a stage (a pipeline's stages share each batch). 1 where the ranks do not divide
+    into the stages, which the pipeline's own check refuses."""
+    stages = max(cfg.parallelism.pipeline_stages, 1)
+    return ranks // stages if ranks % stages == 0 else 1
+
+
 def validate_for_island(cfg: Config, ranks: int) -> None:
     """Rules that depend on the island's rank count; checked by the launcher and the trainer."""
-    # The ranks that read different data: all of them, or one per stage's rank in a pipeline.
-    data_ranks = ranks // cfg.parallelism.pipeline_stages if ranks % cfg.parallelism.pipeline_stages == 0 else 1
     if not cfg.parallelism.micro_batch_size_per_rank:  # uneven shares: island/batches.py checks them
-        _check_even_shares(cfg.training, data_ranks)
+        _check_even_shares(cfg.training, data_ranks(cfg, ranks))
     ft = cfg.fault_tolerance
     if ft.enable and ft.sync_width > ranks:
         raise ConfigError(f"fault_tolerance.sync_width = {ft.sync_width} exceeds this island's {ranks} "

@@ -68,12 +68,19 @@ def _wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile_block
 def _shard(model: nn.Module, ctx: IslandContext, dtype: torch.dtype, expert_parallel: bool = False) -> None:
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp_shard",))
     # Experts spread over the ranks are already sharded: FSDP leaves them alone.
-    ignored = shard_experts(model, mesh) if expert_parallel else set()
+    _shard_blocks(model, mesh, dtype, shard_experts(model, mesh) if expert_parallel else set())
+
+
+def _shard_blocks(model: nn.Module, mesh: DeviceMesh, dtype: torch.dtype, ignored: set[nn.Parameter]) -> None:
+    """FSDP2 over `mesh`: each block that holds parameters (a pipeline stage's pass-throughs
+    for other stages' blocks hold none), then the rest of the model."""
     # Gradients are reduced in fp32 even when compute is bf16: the reduction over many
     # ranks is where bf16 rounding would accumulate.
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for parent, name in model_blocks(model):
-        fully_shard(parent.get_submodule(name), mesh=mesh, mp_policy=mp, ignored_params=ignored)
+        block = parent.get_submodule(name)
+        if any(True for _ in block.parameters()):
+            fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
 
 
@@ -169,7 +176,7 @@ def _pipelined(model: nn.Module, ctx: IslandContext, dtype: torch.dtype, layout:
     group = None
     if layout.data > 1:  # FSDP inside each stage: a 2-D mesh, pipeline ranks x data ranks
         mesh = init_device_mesh(ctx.device.type, (layout.ranks, layout.data), mesh_dim_names=("pp", "dp"))
-        _shard_stage(model, mesh["dp"], dtype)
+        _shard_blocks(model, mesh["dp"], dtype, ignored=set())
         group = mesh["pp"].get_group()
         sharded = dict(model.named_parameters())  # FSDP put DTensor parameters in place
         whole = [(name, sharded.get(name, p)) for name, p in whole]
@@ -177,16 +184,6 @@ def _pipelined(model: nn.Module, ctx: IslandContext, dtype: torch.dtype, layout:
     parallel.whole_model_parameters = whole
     parallel.pipeline = Pipeline(model, ctx, layout, loss_fn, slowdown, group)
     return parallel
-
-
-def _shard_stage(model: nn.Module, mesh: DeviceMesh, dtype: torch.dtype) -> None:
-    """FSDP2 over a stage's data ranks: each block the stage holds, then the rest of it."""
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for parent, name in model_blocks(model):
-        block = parent.get_submodule(name)
-        if any(True for _ in block.parameters()):  # pass-throughs of other stages' blocks hold none
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_precision: str,

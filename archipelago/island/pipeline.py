@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from archipelago.config import Config, ConfigError
+from archipelago.config import Config, ConfigError, data_ranks
 from archipelago.config.counts import parse_counts
 from archipelago.island.device import IslandContext
 
@@ -50,6 +50,7 @@ from archipelago.island.device import IslandContext
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A rank's own part of a tensor: the local shard of an FSDP (DTensor) one."""
     return t.to_local() if isinstance(t, DTensor) else t
+
 
 SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
                              "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -70,9 +71,6 @@ class PipelineLayout:
     def pipeline_rank(self, rank: int) -> int:
         """Which pipeline rank an island rank is (ranks are pipeline-major: data varies fastest)."""
         return rank // self.data
-
-    def data_rank(self, rank: int) -> int:
-        return rank % self.data
 
     @property
     def stages(self) -> int:
@@ -167,7 +165,7 @@ def _data_ranks(cfg: Config, ranks: int) -> int:
         raise ConfigError(f"parallelism.pipeline_stages = {p.pipeline_stages} needs a multiple of {p.pipeline_stages} "
                           f"ranks (one per stage, or several sharding each stage); this island has {ranks}: start "
                           f"it with --nproc {p.pipeline_stages} or {2 * p.pipeline_stages}")
-    data = ranks // p.pipeline_stages
+    data = data_ranks(cfg, ranks)
     if data > 1 and p.data_parallel != "fsdp":
         raise ConfigError(f"{data} ranks per pipeline stage shard it with FSDP: set parallelism.data_parallel = "
                           "\"fsdp\", or start the island with one rank per stage")
