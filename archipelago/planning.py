@@ -9,8 +9,9 @@ same plan from them (island/plan.py), so all ranks agree without another message
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
-from archipelago.config import Config, ConfigError
+from archipelago.config import Config, ConfigError, data_ranks
 from archipelago.config.counts import parse_factors
 from archipelago.island.batches import RankBatches
 from archipelago.island.device import IslandContext, all_gather_objects
@@ -21,6 +22,7 @@ from archipelago.island.plan import (
     PlanError,
     RankSpeed,
     StageCosts,
+    explain,
     split_batch,
     split_layers,
 )
@@ -68,37 +70,71 @@ def plan_from_profiles(profiles: list[RankProfile], global_batch: int) -> Island
     return IslandPlan(split_batch(speeds, global_batch))
 
 
-def stage_costs(profile: RankProfile, micro_batch: int) -> StageCosts:
-    """What a stage on this rank's device would spend per pipeline micro-batch, and hold."""
+def stage_costs(profile: RankProfile, micro_batch: int, shards: int = 1) -> StageCosts:
+    """What a stage on this rank's device would spend per pipeline micro-batch, and hold
+    (its weights and optimizer state split over `shards` FSDP ranks)."""
     return StageCosts(layer_s=tuple(t * micro_batch for t in profile.layer_s),
                       first_extra_s=profile.first_s * micro_batch, last_extra_s=profile.last_s * micro_batch,
                       memory_bytes=profile.memory_bytes,
-                      layer_bytes=tuple(b + profile.activation_bytes * micro_batch / len(profile.layer_bytes)
+                      layer_bytes=tuple(b / shards + profile.activation_bytes * micro_batch / len(profile.layer_bytes)
                                         for b in profile.layer_bytes))
 
 
-def plan_pipeline(profiles: list[RankProfile], global_batch: int, micro_batches: int, schedule: str) -> IslandPlan:
-    """Layers per stage (stage k on rank k) for these measured ranks, exactly (island/plan.py)."""
-    micro_batch = global_batch // micro_batches
-    stages = split_layers([stage_costs(p, micro_batch) for p in profiles])
-    # A pipelined island is one data-parallel rank: the whole batch, in the pipeline's micro-batches.
-    batch = BatchSplit((micro_batch,), (micro_batches,), (stages.bottleneck_s / micro_batch,))
-    return IslandPlan(batch, stages, pipeline_micro_batches=micro_batches, schedule=schedule)
+def _slowest_of(costs: list[StageCosts]) -> StageCosts:
+    """A stage sharded over several ranks (FSDP): they meet at every block, so each layer
+    takes the slowest rank's time, and the stage fits where its smallest device does."""
+    return StageCosts(layer_s=tuple(map(max, zip(*(c.layer_s for c in costs)))),
+                      first_extra_s=max(c.first_extra_s for c in costs),
+                      last_extra_s=max(c.last_extra_s for c in costs),
+                      memory_bytes=min(c.memory_bytes for c in costs),
+                      layer_bytes=tuple(map(max, zip(*(c.layer_bytes for c in costs)))))
+
+
+def plan_pipeline(profiles: list[RankProfile], global_batch: int, micro_batches: int, schedule: str,
+                  data: int = 1, stages_per_rank: int = 1) -> IslandPlan:
+    """Layers per stage for these measured ranks, exactly (island/plan.py). Ranks are
+    pipeline-major: pipeline rank r is island ranks r x data .. r x data + data - 1, each
+    running the stage on its own share (global_batch / data, cut into micro_batches); stage k
+    sits on pipeline rank k % R (R = len(profiles) / data). Interleaved, the contiguous split
+    of the V x R stages minimises the slowest stage, each costed on its rank's device."""
+    micro_batch = global_batch // (micro_batches * data)
+    ranks = len(profiles) // data
+    per_rank = [_slowest_of([stage_costs(p, micro_batch, data) for p in profiles[r * data:(r + 1) * data]])
+                for r in range(ranks)]
+    stages = split_layers([per_rank[k % ranks] for k in range(ranks * stages_per_rank)])
+    plan = IslandPlan(BatchSplit((), (), ()), stages, micro_batches, schedule, stages_per_rank)
+    # Each data rank is one pipeline: its share of the batch, in the pipeline's micro-batches.
+    sample_s = plan.step_s / (micro_batch * micro_batches)
+    batch = BatchSplit((micro_batch,) * data, (micro_batches,) * data, (sample_s,) * data)
+    return replace(plan, batch=batch)
+
+
+def describe_plan(plan: IslandPlan, profiles: list[RankProfile]) -> str:
+    """explain() with the measured devices' names: per rank, and per stage the device of its
+    pipeline rank (with several ranks per stage or stages per rank, "pipeline rank r: ...")."""
+    if plan.stages is None:
+        return explain(plan, [p.device for p in profiles])
+    data = len(plan.batch.samples)
+    ranks = len(profiles) // data
+    stage_names = []
+    for k in range(len(plan.stages.layers)):
+        r = k % ranks
+        devices = " + ".join(sorted({p.device for p in profiles[r * data:(r + 1) * data]}))
+        stage_names.append(devices if data == 1 and ranks == len(plan.stages.layers) else
+                           f"pipeline rank {r}: {devices}")
+    return explain(plan, [f"data rank {j}'s pipeline" for j in range(data)], stage_names)
 
 
 def plan_island(cfg: Config, ctx: IslandContext, task: Task) -> tuple[IslandPlan, list[RankProfile]]:
     """Measure every rank (a collective), then the plan every rank derives the same way: the
     batch split, or with parallelism.pipeline_stages > 1 the layers of each stage."""
     p, batch = cfg.parallelism, cfg.training.batch_size
-    if p.pipeline_stages > 1 and (ctx.world_size != p.pipeline_stages or p.pipeline_schedule == "interleaved_1f1b"):
-        raise ConfigError(f"plan: pipelines are planned with one rank per stage (--nproc {p.pipeline_stages}) under "
-                          "the 1f1b or gpipe schedule; plan that layout, then set parallelism.stage_layers for "
-                          "more ranks per stage or the interleaved schedule")
     profiles = all_gather_objects(measure_rank(cfg, ctx, task), ctx)
     try:
         if p.pipeline_stages > 1:
             return plan_pipeline(profiles, batch, p.pipeline_micro_batches or 2 * p.pipeline_stages,
-                                 p.pipeline_schedule), profiles
+                                 p.pipeline_schedule, data=data_ranks(cfg, ctx.world_size),
+                                 stages_per_rank=p.stages_per_rank), profiles
         return plan_from_profiles(profiles, batch), profiles
     except PlanError as exc:
         raise ConfigError(f"plan: {exc}") from exc

@@ -18,7 +18,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -35,10 +35,11 @@ from archipelago.federation import Alone, build_federation
 from archipelago.federation.trust import FederationKey, load_key, refuse_exposed_without_key
 from archipelago.island.batches import RankBatches, forward_backward, rank_batches
 from archipelago.island.device import IslandContext, all_reduce_, barrier, broadcast_object, close_island, init_island
+from archipelago.island.emulation import SlowDevice
 from archipelago.island.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer, set_schedule_position
 from archipelago.island.parallelize import ParallelModel, parallelize
 from archipelago.island.pipeline import check_pipelinable, pipeline_layout
-from archipelago.island.plan import explain
+from archipelago.island.plan import IslandPlan
 from archipelago.metrics import (
     MetricsLog,
     ProgressDisplay,
@@ -48,7 +49,7 @@ from archipelago.metrics import (
     write_json_atomic,
 )
 from archipelago.metrics.progress import format_count
-from archipelago.planning import plan_island, profile_lines, rank_batches_of
+from archipelago.planning import describe_plan, plan_island, profile_lines, rank_batches_of
 from archipelago.tasks import Task, TaskModel, build_task
 
 log = logging.getLogger("archipelago.trainer")
@@ -107,6 +108,7 @@ class Trainer:
         self.build_dataset()
         self.batches = self.build_rank_batches()
         self.model = self.build_model()
+        self.slow_device = self.build_slow_device()
         self.optimizer = self.build_optimizer()
         self.lr_scheduler = self.build_lr_scheduler()
         self.train_loader = self.build_train_loader()
@@ -175,19 +177,21 @@ class Trainer:
         if p.micro_batch_size_per_rank or self.cfg.training.micro_batch_size:
             raise ConfigError("parallelism.auto chooses the micro-batches itself: leave out "
                               "parallelism.micro_batch_size_per_rank and training.micro_batch_size, or drop auto")
-        plan, profiles = plan_island(self.cfg, self.ctx, self.task)
-        for line in [*profile_lines(profiles), *explain(plan, [q.device for q in profiles]).splitlines()]:
-            log.info("parallelism.auto: %s", line)
-        return rank_batches_of(plan)
+        return rank_batches_of(self.measured_plan())
 
     def plan_stage_layers(self) -> tuple[int, ...]:
         """parallelism.auto on a pipelined island: measure every rank, give each stage the
         layers its device runs fastest (logged)."""
-        plan, profiles = plan_island(self.cfg, self.ctx, self.task)
-        for line in [*profile_lines(profiles), *explain(plan, [q.device for q in profiles]).splitlines()]:
-            log.info("parallelism.auto: %s", line)
+        plan = self.measured_plan()
         assert plan.stages is not None  # plan_island plans stages when pipeline_stages > 1
         return plan.stages.layers
+
+    def measured_plan(self) -> IslandPlan:
+        """parallelism.auto: measure every rank (a collective) and plan; the plan is logged."""
+        plan, profiles = plan_island(self.cfg, self.ctx, self.task)
+        for line in [*profile_lines(profiles), *describe_plan(plan, profiles).splitlines()]:
+            log.info("parallelism.auto: %s", line)
+        return plan
 
     @property
     def data_ranks(self) -> int:
@@ -226,7 +230,7 @@ class Trainer:
                                    t.activation_checkpointing, t.compile, seed=t.seed,
                                    expert_parallel=p.expert_parallel,
                                    broadcast_buffers=not self.batches.uneven_counts,
-                                   pipeline=layout, loss_fn=self.task.loss, slowdown=self.rank_slowdown)
+                                   pipeline=layout, loss_fn=self.task.loss)
         except ValueError as exc:  # e.g. experts that do not divide over the ranks
             raise ConfigError(str(exc)) from exc
         self.model_info = built  # parameter count and FLOPs per token, for metrics
@@ -234,6 +238,11 @@ class Trainer:
                  f"{built.num_params:,}", f"{built.flops_per_token:,}",
                  parallel.strategy, self.ctx.world_size, self.ctx.device.type, parallel.dtype)
         return parallel
+
+    def build_slow_device(self) -> SlowDevice:
+        """island.rank_slowdown: this rank's model made that many times slower, unit by unit
+        (an emulation for tests and benchmarks; a factor of 1 adds nothing)."""
+        return SlowDevice(self.model.inner, self.rank_slowdown, self.ctx.device)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return build_optimizer(self.model.module, self.cfg.optimizer, self.ctx.device)
@@ -285,7 +294,7 @@ class Trainer:
 
     def build_metrics(self) -> RunMetrics:
         return RunMetrics(self.cfg, self.ctx, self.run_dir, self.model, self.model_info.flops_per_token,
-                          self.tokens_per_step, self.task.unit)
+                          self.tokens_per_step, self.task.unit, emulated_s=lambda: self.slow_device.slept_s)
 
     # ---- state ---------------------------------------------------------------------
 
@@ -495,7 +504,7 @@ class Trainer:
         """This rank's gradients for the step, and the step's loss (and task metrics)."""
         pipeline = self.model.pipeline
         if pipeline is None:
-            return forward_backward(self.model, self.micro_batches(), self.batches, self.task, self.rank_slowdown)
+            return forward_backward(self.model, self.micro_batches(), self.batches, self.task)
         inputs, targets = (t.to(self.ctx.device) for t in self.train_loader.next_batch())
         with self.model.autocast():
             return pipeline.step(inputs, targets), {}
@@ -666,7 +675,9 @@ class RunMetrics:
     """
 
     def __init__(self, cfg: Config, ctx: IslandContext, run_dir: Path, model: ParallelModel,
-                 flops_per_token: float, tokens_per_step: int, unit: str = "tok") -> None:
+                 flops_per_token: float, tokens_per_step: int, unit: str = "tok",
+                 emulated_s: Callable[[], float] = lambda: 0.0) -> None:
+        """`emulated_s`: seconds an emulated slow rank has waited so far (counted as busy)."""
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.tokens_per_step, self.unit = tokens_per_step, unit
         leader = ctx.is_leader
@@ -681,6 +692,12 @@ class RunMetrics:
         self.started = self.window_start = time.perf_counter()
         self.window_steps = 0
         self.window_untimed = 0.0  # seconds of validation/checkpointing inside the window
+        # Each rank's idle share of the step (`rank_idle`, a pipeline's bubble): busy is this
+        # thread's CPU time plus emulated waits. Only on a CPU: a GPU's host thread mostly
+        # waits for the device, so its CPU time says nothing about the device being busy.
+        self.busy_clock = (lambda: time.thread_time() + emulated_s()) if ctx.device.type == "cpu" else None
+        self.window_busy = self.busy_clock() if self.busy_clock else 0.0
+        self.window_untimed_busy = 0.0
         self.start_step, self.wall_before = 0, 0.0
 
     def start(self, progress: Progress) -> None:
@@ -690,6 +707,7 @@ class RunMetrics:
                                        title=self.cfg.job.name, time_limit_s=self.cfg.training.time_budget_s,
                                        unit=self.unit)
         self.started = self.window_start = time.perf_counter()
+        self.window_busy = self.busy_clock() if self.busy_clock else 0.0
         self.start_step, self.wall_before = progress.step, progress.wall_s
         log.info("peak %.2f TFLOP/s per rank (%s) used for MFU", self.peak / 1e12, self.peak_source)
 
@@ -700,11 +718,13 @@ class RunMetrics:
     @contextlib.contextmanager
     def untimed(self) -> Iterator[None]:
         """Leave the enclosed work (validation, checkpointing) out of tokens/s and MFU."""
-        began = time.perf_counter()
+        began, busy = time.perf_counter(), self.busy_clock() if self.busy_clock else 0.0
         try:
             yield
         finally:
             self.window_untimed += time.perf_counter() - began
+            if self.busy_clock:
+                self.window_untimed_busy += self.busy_clock() - busy
 
     def observe(self, step: int, loss: torch.Tensor) -> None:
         """Record the first step whose loss is not finite, without a host sync."""
@@ -733,13 +753,17 @@ class RunMetrics:
         loss_avg = float(all_reduce_(result.loss.detach().clone(), self.ctx, op="avg"))
         now = time.perf_counter()
         window_tokens = self.window_steps * self.tokens_per_step
-        self.meter.update(window_tokens, now - self.window_start - self.window_untimed)
+        timed = now - self.window_start - self.window_untimed
+        self.meter.update(window_tokens, timed)
+        idle = self.rank_idle(timed)
         self.window_start, self.window_steps, self.window_untimed = now, 0, 0.0
         tokens_per_s = self.meter.tokens_per_s()
         mfu = self.meter.mfu(self.flops_per_token, self.peak * self.ctx.world_size)
         record = {"step": step, "loss": loss_avg, "lr": result.lr, "grad_norm": float(result.grad_norm),
                   "tokens": tokens, "tokens_per_s": tokens_per_s, "mfu": mfu,
                   "elapsed_s": now - self.started, "time": time.time()}
+        if idle is not None:
+            record["rank_idle"] = idle
         for name, value in result.extra.items():  # the task's own, e.g. accuracy
             record[name] = float(all_reduce_(value.detach().clone(), self.ctx, op="avg"))
         record.update(validation or {})
@@ -748,6 +772,18 @@ class RunMetrics:
         if self.display is not None:
             self.display.update(step, record)
         return loss_avg
+
+    def rank_idle(self, timed_s: float) -> list[float] | None:
+        """Every rank's idle share of the window's training time (a collective), on a CPU
+        island of several ranks; None elsewhere. Restarts the busy count."""
+        if self.busy_clock is None or self.ctx.world_size == 1:
+            return None
+        now = self.busy_clock()
+        busy = now - self.window_busy - self.window_untimed_busy
+        self.window_busy, self.window_untimed_busy = now, 0.0
+        shares = torch.zeros(self.ctx.world_size, dtype=torch.float64, device=self.ctx.device)
+        shares[self.ctx.rank] = min(1.0, max(0.0, 1.0 - busy / timed_s)) if timed_s > 0 else 0.0
+        return [round(float(x), 4) for x in all_reduce_(shares, self.ctx)]
 
     def log_validation(self, step: int, validation: dict[str, float]) -> None:
         """A validation-only record (the evaluation before the first step)."""

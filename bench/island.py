@@ -15,7 +15,10 @@ Settings, each a real `archipelago train --nproc 2` run in this one benchmark:
            GPipe; and interleaved 1F1B with 2 stages per rank (layers 2,1,2,1: rank 0 holds
            stages 0 and 2, 4 layers, rank 1 stages 1 and 3, 2 layers)
 
-Throughput is the median tokens/s of the step records after the first (warm-up) one.
+Throughput is the median tokens/s of the step records after the first (warm-up) one; the
+idle share of each rank is the median of the step records' `rank_idle` (measured: 1 - the
+rank's CPU time plus emulated waits over the step's time), beside the pipeline bubble the
+schedule's formula predicts.
 Every rank runs one OpenMP thread (2 ranks share the machine's 2 cores); the 1-rank ideal
 runs too, so a rank is the same speed alone as in the island. Table: ratio to ideal first,
 then ratio to even.
@@ -64,6 +67,16 @@ def tokens_per_s(run_dir: Path) -> float:
     return statistics.median(rates[1:])
 
 
+def rank_idle(run_dir: Path) -> list[float] | None:
+    """Each rank's median idle share of a step (warm-up record left out)."""
+    shares = [r["rank_idle"] for r in read_jsonl(run_dir / "metrics.jsonl") if "rank_idle" in r][1:]
+    return [statistics.median(column) for column in zip(*shares)] if shares else None
+
+
+def measured(run_dir: Path) -> tuple[float, list[float] | None]:
+    return tokens_per_s(run_dir), rank_idle(run_dir)
+
+
 def _run(args: argparse.Namespace, root: Path, name: str, cmd: list[str]) -> Path:
     result = run_job(cmd, root / f"{name}.log", args.timeout)
     if result.exit_code != 0:
@@ -79,15 +92,16 @@ def planned_split(args: argparse.Namespace, root: Path) -> tuple[str, str]:
     return fragment["micro_batch_size_per_rank"], fragment["num_micro_batches_per_rank"]
 
 
-def island_run(args: argparse.Namespace, root: Path, name: str, split: tuple[str, str] | None) -> float:
+def island_run(args: argparse.Namespace, root: Path, name: str,
+               split: tuple[str, str] | None) -> tuple[float, list[float] | None]:
     extra = [] if split is None else ["--parallelism.micro_batch_size_per_rank", split[0],
                                       "--parallelism.num_micro_batches_per_rank", split[1]]
     run_dir = _run(args, root, name, _cli("train", "--nproc", "2", *_common(args, root / name),
                                           "--island.rank_slowdown", SLOWDOWN, *extra))
-    return tokens_per_s(run_dir)
+    return measured(run_dir)
 
 
-def ideal(args: argparse.Namespace, root: Path) -> float:
+def ideal(args: argparse.Namespace, root: Path) -> tuple[float, None]:
     """Each rank alone at its own speed, on the same per-rank batch as the even split."""
     total = 0.0
     for k, factor in enumerate(SLOWDOWN.split(",")):
@@ -95,7 +109,7 @@ def ideal(args: argparse.Namespace, root: Path) -> float:
         cmd = _cli("train", *_common(args, root / name), "--training.batch_size", str(args.batch_size // 2),
                    "--island.rank_slowdown", factor)
         total += tokens_per_s(_run(args, root, name, cmd))
-    return total
+    return total, None
 
 
 def planned_stages(args: argparse.Namespace, root: Path) -> str:
@@ -107,13 +121,13 @@ def planned_stages(args: argparse.Namespace, root: Path) -> str:
 
 
 def pipeline_run(args: argparse.Namespace, root: Path, name: str, layers: str, schedule: str,
-                 stages_per_rank: int = 1) -> float:
+                 stages_per_rank: int = 1) -> tuple[float, list[float] | None]:
     run_dir = _run(args, root, name, _cli("train", "--nproc", "2", *_common(args, root / name),
                                           "--island.rank_slowdown", SLOWDOWN, "--parallelism.pipeline_stages", "2",
                                           "--parallelism.stage_layers", layers,
                                           "--parallelism.pipeline_schedule", schedule,
                                           "--parallelism.stages_per_rank", str(stages_per_rank)))
-    return tokens_per_s(run_dir)
+    return measured(run_dir)
 
 
 def hand_split(batch: int) -> tuple[str, str]:
@@ -137,7 +151,7 @@ def main() -> None:
     root = work_root(args.root, "bench-island-")
     plan = planned_split(args, root)
     stages = planned_stages(args, root)
-    speeds = {"even": island_run(args, root, "even", None), "hand": island_run(args, root, "hand", hand),
+    runs = {"even": island_run(args, root, "even", None), "hand": island_run(args, root, "hand", hand),
               "planned": island_run(args, root, "planned", plan), "ideal": ideal(args, root),
               "pipeline-even-1f1b": pipeline_run(args, root, "pipeline-even-1f1b", "3,3", "1f1b"),
               "pipeline-planned-1f1b": pipeline_run(args, root, "pipeline-planned-1f1b", stages, "1f1b"),
@@ -148,17 +162,23 @@ def main() -> None:
               "planned": f"{plan[0]} x {plan[1]}", "ideal": "each rank alone",
               "pipeline-even-1f1b": "layers 3,3", "pipeline-planned-1f1b": f"layers {stages}",
               "pipeline-planned-gpipe": f"layers {stages}", "pipeline-interleaved": "layers 2,1,2,1"}
+    # The schedule's formula: (S-1)/(M+S-1) for gpipe and 1f1b (2 stages, 4 micro-batches),
+    # (R-1)/(V*M+R-1) interleaved with V = 2 stages per rank.
+    modelled = {"pipeline-even-1f1b": bubble_fraction(2, 4), "pipeline-planned-1f1b": bubble_fraction(2, 4),
+                "pipeline-planned-gpipe": bubble_fraction(2, 4), "pipeline-interleaved": bubble_fraction(2, 8)}
+    speeds = {name: speed for name, (speed, _) in runs.items()}
     results: list[dict[str, Any]] = [
         {"setting": name, "tokens_per_s": speed, "ratio_to_ideal": ratio(speed, speeds["ideal"]),
-         "ratio_to_even": ratio(speed, speeds["even"]), "split": splits[name]} for name, speed in speeds.items()]
+         "ratio_to_even": ratio(speed, speeds["even"]), "split": splits[name], "rank_idle": idle,
+         "modelled_bubble": modelled.get(name)} for name, (speed, idle) in runs.items()]
     print(f"\n2-rank island, rank 1 emulated 2x slower, llama3 debug, batch {args.batch_size}, {args.steps} steps")
-    print(f"{'setting':<22} {'vs ideal':>8} {'vs even':>8} {'tok/s':>8}  split (sizes x counts)")
+    print(f"{'setting':<22} {'vs ideal':>8} {'vs even':>8} {'tok/s':>8} {'idle r0/r1':>11} {'model':>6}  "
+          "split (sizes x counts)")
     for r in results:
+        idle = "/".join(f"{x:.2f}" for x in r["rank_idle"]) if r["rank_idle"] else "-"
         print(f"{r['setting']:<22} {num(r['ratio_to_ideal'], '.3f'):>8} {num(r['ratio_to_even'], '.3f'):>8} "
-              f"{r['tokens_per_s']:>8.0f}  {r['split']}")
-    print(f"pipeline bubble (idle share of a step, (S-1)/(M+S-1), 2 stages, 4 micro-batches): "
-          f"{bubble_fraction(2, 4):.0%} for both gpipe and 1f1b (1f1b holds fewer activations, not less time); "
-          f"interleaved with 2 stages per rank, (R-1)/(V*M+R-1): {bubble_fraction(2, 8):.0%}")
+              f"{r['tokens_per_s']:>8.0f} {idle:>11} {num(r['modelled_bubble'], '.2f'):>6}  {r['split']}")
+    print("idle r0/r1: each rank's measured idle share of a step; model: the schedule's bubble formula")
     if args.out:
         write_json(args.out, results)
 

@@ -108,6 +108,12 @@ class Run:
 # ------------------------------------------------------------------ commands
 
 
+def model_name(args: argparse.Namespace) -> str:
+    from archipelago.config import load_toml
+
+    return load_toml(args.config).model.name
+
+
 def sync_steps_of(args: argparse.Namespace, s: Setting) -> int:
     from archipelago.config import load_toml
 
@@ -248,7 +254,7 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
 
 
 def print_table(table: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    print(f"\nllama3 {args.flavor}, {args.steps} inner steps per island of {args.batch_size} sequences "
+    print(f"\n{model_name(args)} {args.flavor}, {args.steps} inner steps per island of {args.batch_size} sequences "
           f"(ddp: {2 * args.batch_size}), seeds {' '.join(map(str, args.seeds))}; ratios paired by seed; "
           f"het-1:3 compared with single-fast (its fast island alone, as long)\n")
     print("| val loss / DDP's | val loss / single island's | bytes per token / DDP's | val loss (mean) "
@@ -289,7 +295,7 @@ def plot(table: list[dict[str, Any]], path: Path, title: str) -> None:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=REPO / "configs/llama3/federation.toml")
-    p.add_argument("--flavor", default="debug", help="llama3 flavor (small on a GPU machine)")
+    p.add_argument("--flavor", default="debug", help="the config's model flavor (llama3 small on a GPU machine)")
     p.add_argument("--device", default="cpu", help="training.device of every run")
     p.add_argument("--steps", type=int, default=200, help="inner steps per island (demo: 200)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per island per step")
@@ -360,7 +366,7 @@ def main() -> None:
         args.out.write_text(json.dumps({"meta": meta, "settings": table}, indent=2))
         print(f"wrote {args.out}")
     if args.plot:
-        plot(table, args.plot, f"llama3 {args.flavor}: validation loss vs tokens ({len(args.seeds)} seeds)")
+        plot(table, args.plot, f"{model_name(args)} {args.flavor}: validation loss vs tokens ({len(args.seeds)} seeds)")
         print(f"wrote {args.plot}")
 
 

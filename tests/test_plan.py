@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import re
 
@@ -24,6 +25,7 @@ from archipelago.island.plan import (
     split_layers_brute,
     to_toml,
 )
+from archipelago.island.profile import RankProfile
 
 GIB = 2**30
 
@@ -230,13 +232,13 @@ def test_the_toml_fragment_parses_and_round_trips_through_parse_counts(pipelined
     plan = _two_rank_plan(pipelined)
     text = to_toml(plan)
     fragment = tomllib.loads(text)["parallelism"]
-    assert ('stage_layers = "4,2"' in text) == pipelined and 'micro_batch_size_per_rank = "2,2"' in text
-    assert 'num_micro_batches_per_rank = "11,5"' in text
-    if pipelined:
+    if pipelined:  # a pipeline's batch is cut by pipeline_micro_batches (the config refuses per-rank shares)
         assert plan.stages is not None
-        assert parse_counts(fragment["stage_layers"], 2, "stage_layers") == plan.stages.layers
-    else:
-        assert "stage_layers" not in fragment
+        assert set(fragment) == {"stage_layers", "pipeline_micro_batches"}
+        assert parse_counts(fragment["stage_layers"], 2, "stage_layers") == plan.stages.layers == (4, 2)
+        return
+    assert set(fragment) == {"micro_batch_size_per_rank", "num_micro_batches_per_rank"}
+    assert 'micro_batch_size_per_rank = "2,2"' in text and 'num_micro_batches_per_rank = "11,5"' in text
     assert parse_counts(fragment["micro_batch_size_per_rank"], 2, "x") == plan.batch.micro_batch_size
     assert parse_counts(fragment["num_micro_batches_per_rank"], 2, "x") == plan.batch.num_micro_batches
 
@@ -266,6 +268,16 @@ def test_plan_gives_an_emulated_slow_rank_fewer_samples_and_auto_trains_with_it(
     assert piped.returncode == 0, piped.output[-3000:]
     stage0 = re.search(r"pipeline of 2 stages \(stage 0: layers 0-(\d+), stage 1", piped.output)
     assert stage0 and int(stage0.group(1)) + 1 > 3, piped.output[-3000:]  # the fast stage takes more of the 6
+    # Interleaved, 2 stages per rank: the fast rank's two stages hold more of the 6 layers.
+    interleaved = run_cli(["train", *TINY, "--nproc", "2", "--training.steps", "3", "--training.val_every", "0",
+                           "--checkpoint.no_enable", "--parallelism.pipeline_stages", "2", "--parallelism.auto",
+                           "--parallelism.pipeline_schedule", "interleaved_1f1b", "--parallelism.stages_per_rank",
+                           "2", "--island.rank_slowdown", "1,2", "--job.run_dir", str(tmp_path / "interleaved")],
+                          timeout=300)
+    assert interleaved.returncode == 0, interleaved.output[-3000:]
+    spans = re.findall(r"stage \d \(rank (\d)\): layers (\d+)-(\d+)", interleaved.output)
+    held = [sum(int(hi) - int(lo) + 1 for r, lo, hi in spans[:4] if int(r) == rank) for rank in (0, 1)]
+    assert len(spans) >= 4 and sum(held) == 6 and held[0] > held[1], interleaved.output[-3000:]
 
 
 def test_a_pipelined_island_is_planned_from_its_ranks_profiles_and_the_fragment_configures_it():
@@ -290,17 +302,46 @@ def test_a_pipelined_island_is_planned_from_its_ranks_profiles_and_the_fragment_
     assert pipeline_layout(cfg, 6, 2).layers == (4, 2)
 
 
-@pytest.mark.parametrize("flags,ranks", [([], 4), (["--parallelism.pipeline_schedule", "interleaved_1f1b",
-                                                   "--parallelism.stages_per_rank", "2"], 2)],
-                         ids=["two-ranks-per-stage", "interleaved"])
-def test_pipelines_the_planner_cannot_model_are_refused_before_measuring(flags, ranks):
-    import torch
+def _profile(rank: int, per_layer_s: float, memory: float = math.inf) -> RankProfile:
+    return RankProfile(rank=rank, device=f"cpu{rank}", sample_s=6 * per_layer_s, layer_s=(per_layer_s,) * 6,
+                       first_s=0.0, last_s=0.0, memory_bytes=memory, layer_bytes=(1.0,) * 6,
+                       activation_bytes=0.0, micro_batch=4)
 
-    from archipelago.config import ConfigError, load_config
-    from archipelago.island.device import IslandContext
-    from archipelago.planning import plan_island
 
-    cfg = load_config(["--parallelism.pipeline_stages", "2", *flags])
-    ctx = IslandContext(rank=0, local_rank=0, world_size=ranks, device=torch.device("cpu"), backend="gloo")
-    with pytest.raises(ConfigError, match="one rank per stage .--nproc 2. under the 1f1b or gpipe schedule"):
-        plan_island(cfg, ctx, task=None)  # refused before any collective: no process group here
+def test_a_stage_sharded_over_ranks_runs_at_its_slowest_ranks_pace_and_holds_a_share_of_its_layers():
+    from archipelago.planning import describe_plan, plan_pipeline
+
+    # Pipeline rank 0 = island ranks 0 and 1 (alike); pipeline rank 1 = ranks 2 and 3, rank 3 2x slower.
+    profiles = [_profile(0, 0.001), _profile(1, 0.001), _profile(2, 0.001), _profile(3, 0.002)]
+    plan = plan_pipeline(profiles, global_batch=16, micro_batches=4, schedule="1f1b", data=2)
+    # Each data rank's pipeline takes 16 / 2 = 8 samples in micro-batches of 2: a layer costs
+    # 2 x 1 ms on stage 0 and 2 x 2 ms on stage 1 (its slow rank sets the pace).
+    expected = split_layers_brute([StageCosts(layer_s=(0.002,) * 6), StageCosts(layer_s=(0.004,) * 6)])
+    assert plan.stages.layers == expected.layers == (4, 2)
+    assert plan.batch.samples == (8, 8)
+    assert plan.step_s == pytest.approx((4 + 2 - 1) * 0.008)
+    text = describe_plan(plan, profiles)
+    assert "stage 1 (pipeline rank 1: cpu2 + cpu3)" in text and "data rank 1's pipeline" in text
+    # Two ranks per stage hold half of each layer's weights: 6 layers (1 byte each) fit on two
+    # stages of devices of 2.5 bytes; with one rank per stage they need 3 bytes a stage.
+    small = [_profile(k, 0.001, memory=2.5) for k in range(4)]
+    assert sum(plan_pipeline(small, 16, 4, "1f1b", data=2).stages.layers) == 6
+    with pytest.raises(PlanError, match="needs"):
+        plan_pipeline(small[:2], 16, 4, "1f1b")
+
+
+def test_interleaved_stages_are_costed_on_their_ranks_and_the_step_uses_the_interleaved_bubble():
+    from archipelago.planning import plan_pipeline
+
+    fast, slow = _profile(0, 0.001), _profile(1, 0.002)
+    plan = plan_pipeline([fast, slow], global_batch=8, micro_batches=4, schedule="interleaved_1f1b",
+                         stages_per_rank=2)
+    # Stages 0 and 2 on rank 0, 1 and 3 on rank 1 (micro-batches of 2 samples).
+    costs = [StageCosts(layer_s=(0.002,) * 6), StageCosts(layer_s=(0.004,) * 6)] * 2
+    assert plan.stages.layers == split_layers_brute(costs).layers
+    ranks_layers = (plan.stages.layers[0] + plan.stages.layers[2], plan.stages.layers[1] + plan.stages.layers[3])
+    assert ranks_layers[0] > ranks_layers[1]  # the fast rank holds more of the model
+    busiest = max(plan.stages.stage_s[0] + plan.stages.stage_s[2], plan.stages.stage_s[1] + plan.stages.stage_s[3])
+    assert plan.step_s == pytest.approx((4 + (2 - 1) / 2) * busiest)
+    assert plan.bubble == pytest.approx(1 / (2 * 4 + 1))
+    assert predict_pipeline_step_s(plan.stages, 4, "1f1b") == pytest.approx((4 + 4 - 1) * plan.stages.bottleneck_s)

@@ -132,7 +132,7 @@ def test_unequal_shares_give_the_full_batch_gradient(strategy, split):
 
 @pytest.mark.timeout(300)
 def test_a_two_rank_island_with_unequal_shares_trains_like_one_rank(shakespeare, tmp_path):
-    from conftest import TINY, losses, run_cli, run_cli_here
+    from conftest import TINY, losses, records, run_cli, run_cli_here
 
     common = ["train", *TINY, "--training.steps", "4", "--training.val_every", "0", "--metrics.log_every", "1",
               "--checkpoint.no_enable", "--training.seed", "1"]
@@ -146,6 +146,10 @@ def test_a_two_rank_island_with_unequal_shares_trains_like_one_rank(shakespeare,
     assert "rank 0: 3 x 2 = 6, rank 1: 2 x 1 = 2" in two.output and "EMULATED slow rank 1" in two.output
     expected, got = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
+    # A CPU island of several ranks records each rank's idle share of the step.
+    idle = [r["rank_idle"] for r in records(tmp_path / "two") if "rank_idle" in r]
+    assert len(idle) == 4 and all(len(shares) == 2 and all(0 <= x <= 1 for x in shares) for shares in idle)
+    assert "rank_idle" not in next(r for r in records(tmp_path / "one") if "loss" in r)
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, abs=1e-4), (step, got, expected)
     bad = run_cli_here([*common, "--parallelism.micro_batch_size_per_rank", "3,2", "--job.run_dir",

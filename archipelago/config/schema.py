@@ -273,7 +273,7 @@ class IslandConfig:
     slowdown: float = 1.0
     """Emulation for experiments: make each inner step take this many times its measured compute time, by waiting after it (1 = off)."""
     rank_slowdown: str = ""
-    """Emulation for experiments: one factor per rank of this island (`"1,2"`): each rank's forward and backward take this many times their measured time, by waiting after each forward, so that an island of alike devices behaves like one of unlike devices (empty = off)."""
+    """Emulation for experiments: one factor per rank of this island (`"1,2"`): each rank's forward and backward take this many times their measured time, by waiting after the forward and before the backward of every block, embedding and head, so that an island of alike devices behaves like one of unlike devices (empty = off)."""
 
 
 @dataclass

@@ -16,7 +16,6 @@ samples as much weight as rank 0's 24.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -112,45 +111,20 @@ class Objective(Protocol):
                      model: nn.Module) -> dict[str, torch.Tensor]: ...
 
 
-def _wait_for_device(model: ParallelModel) -> None:
-    if model.ctx.device.type == "cuda":  # a CPU-GPU sync point; only under emulation
-        torch.cuda.synchronize(model.ctx.device)
-
-
-def _compute_clock(model: ParallelModel) -> float:
-    """For the emulation: on a CPU this thread's CPU time, which stands still while a
-    collective (FSDP's gathers in the forward) waits for the other ranks, so a slow rank's
-    wait is its own compute's, not the fast rank's; on a GPU the wall clock."""
-    return time.thread_time() if model.ctx.device.type == "cpu" else time.perf_counter()
-
-
-def emulate_slow_rank(model: ParallelModel, slowdown: float, forward_s: float) -> None:
-    """island.rank_slowdown: after a forward of `forward_s`, wait as long as (slowdown - 1) x
-    the forward and its backward would take (backward taken as twice the forward)."""
-    if slowdown > 1:
-        time.sleep((slowdown - 1) * 3 * forward_s)
-
-
 def forward_backward(model: ParallelModel, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                     split: RankBatches, objective: Objective,
-                     slowdown: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                     split: RankBatches, objective: Objective) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Accumulate this rank's gradients over its micro-batches, each sample weighted as one
     of the island's global batch; the gradient reduction runs with the last backward.
 
     Returns the rank's weighted loss and metrics: averaged over the island's ranks they are
-    the global batch's means (no host sync here, unless `slowdown` emulates a slow rank:
-    timing a forward on a GPU waits for it).
+    the global batch's means (no host sync here).
     """
     total = torch.zeros((), device=model.ctx.device)
     extra: dict[str, torch.Tensor] = {}
     for i, (inputs, targets) in enumerate(micro_batches):
         with model.gradient_sync(i == len(micro_batches) - 1, split.uneven_counts), model.autocast():
-            began = _compute_clock(model)
             outputs = model.module(inputs)
             loss = objective.loss(outputs, targets)
-            if slowdown > 1:
-                _wait_for_device(model)
-                emulate_slow_rank(model, slowdown, _compute_clock(model) - began)
         weight = split.loss_weight(len(inputs))  # 1 / micro-batches when shares are equal
         total += loss.detach() * weight
         aux = objective.auxiliary_loss(model.inner)  # e.g. the experts' balancing loss

@@ -167,7 +167,7 @@ def _materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 def _pipelined(model: nn.Module, ctx: IslandContext, dtype: torch.dtype, layout: PipelineLayout,
                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], seed: int,
-               activation_checkpointing: bool, compile_blocks: bool, slowdown: float) -> ParallelModel:
+               activation_checkpointing: bool, compile_blocks: bool) -> ParallelModel:
     # Materialised whole, then cut: every stage starts from the one model's weights (a
     # meta-initialised model is allocated whole on each stage's device for a moment).
     _materialize(model, ctx.device, seed)
@@ -182,7 +182,7 @@ def _pipelined(model: nn.Module, ctx: IslandContext, dtype: torch.dtype, layout:
         whole = [(name, sharded.get(name, p)) for name, p in whole]
     parallel = ParallelModel(model, model, ctx, dtype, "pipeline")
     parallel.whole_model_parameters = whole
-    parallel.pipeline = Pipeline(model, ctx, layout, loss_fn, slowdown, group)
+    parallel.pipeline = Pipeline(model, ctx, layout, loss_fn, group)
     return parallel
 
 
@@ -190,16 +190,14 @@ def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_
                 activation_checkpointing: bool = False, compile_blocks: bool = False,
                 seed: int = 0, expert_parallel: bool = False, broadcast_buffers: bool = True,
                 pipeline: PipelineLayout | None = None,
-                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                slowdown: float = 1.0) -> ParallelModel:
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> ParallelModel:
     """Wrap a model for this island and put it on the island's device.
 
     `model` is either initialised (on CPU) or still on the meta device; a meta model
     is materialised here, after sharding under FSDP so that each rank only ever
     allocates its own shard, and before wrapping under DDP, which broadcasts
     rank 0's weights at construction. With `pipeline`, this rank keeps its stage of the
-    model (island/pipeline.py), `loss_fn` is what the last stage computes and `slowdown`
-    emulates a slow stage (island.rank_slowdown).
+    model (island/pipeline.py) and `loss_fn` is what the last stage computes.
     `broadcast_buffers=False` stops DDP's broadcast of buffers at every forward (a
     collective), for ranks that run different numbers of forwards per step; BatchNorm
     statistics are then averaged by `average_buffers`.
@@ -207,8 +205,7 @@ def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_
     dtype = compute_dtype(mixed_precision, ctx.device)
     if pipeline is not None:
         assert loss_fn is not None, "a pipeline computes the loss on its last stage: pass loss_fn"
-        return _pipelined(model, ctx, dtype, pipeline, loss_fn, seed, activation_checkpointing, compile_blocks,
-                          slowdown)
+        return _pipelined(model, ctx, dtype, pipeline, loss_fn, seed, activation_checkpointing, compile_blocks)
     on_meta = any(p.is_meta for p in model.parameters())
     _wrap_blocks(model, activation_checkpointing, compile_blocks)
     if ctx.world_size == 1:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -169,9 +168,6 @@ def _data_ranks(cfg: Config, ranks: int) -> int:
     if data > 1 and p.data_parallel != "fsdp":
         raise ConfigError(f"{data} ranks per pipeline stage shard it with FSDP: set parallelism.data_parallel = "
                           "\"fsdp\", or start the island with one rank per stage")
-    if data > 1 and p.auto:
-        raise ConfigError("parallelism.auto plans pipelines of one rank per stage: set parallelism.stage_layers "
-                          f"yourself with {data} ranks per stage, or drop auto")
     return data
 
 
@@ -181,9 +177,6 @@ def _stages_per_rank(cfg: Config) -> int:
         if p.stages_per_rank < 2:
             raise ConfigError("parallelism.pipeline_schedule = \"interleaved_1f1b\" needs parallelism.stages_per_rank "
                               ">= 2 (the stages each rank interleaves); or use \"1f1b\"")
-        if p.auto:
-            raise ConfigError("parallelism.auto plans one stage per rank; with interleaved_1f1b set "
-                              "parallelism.stage_layers yourself, or drop auto")
     elif p.stages_per_rank != 1:
         raise ConfigError(f"parallelism.stages_per_rank = {p.stages_per_rank} needs "
                           "parallelism.pipeline_schedule = \"interleaved_1f1b\"")
@@ -258,38 +251,15 @@ def stage_modules(model: nn.Module, rank: int, layout: PipelineLayout) -> list[n
     return chunks
 
 
-def _emulate_slow_stage(model: nn.Module, slowdown: float, device: torch.device) -> None:
-    """island.rank_slowdown on a stage: after each micro-batch's forward, wait (slowdown - 1)
-    x its forward and backward time (backward taken as twice the forward; forward only when
-    evaluating). On a CPU the forward is timed in this thread's CPU time, which stands still
-    while the stage waits for activations from the previous one."""
-    clock = time.thread_time if device.type == "cpu" else time.perf_counter
-    began: list[float] = [0.0]
-
-    def start(*_args: object) -> None:
-        began[0] = clock()
-
-    def stop(*_args: object) -> None:
-        if device.type == "cuda":  # a CPU-GPU sync point; only under emulation
-            torch.cuda.synchronize(device)
-        passes = 3 if torch.is_grad_enabled() else 1
-        time.sleep((slowdown - 1) * passes * (clock() - began[0]))
-
-    model.register_forward_pre_hook(start)
-    model.register_forward_hook(stop)
-
-
 class Pipeline:
     """One stage's share of a pipelined step: runs the schedule, reports the batch's loss."""
 
     def __init__(self, model: nn.Module, ctx: IslandContext, layout: PipelineLayout,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], slowdown: float = 1.0,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  group: dist.ProcessGroup | None = None) -> None:
         """`group`: this rank's pipeline ranks (one per stage, the same data rank); the
         island's whole group when each stage has one rank."""
         self.ctx, self.layout = ctx, layout
-        if slowdown > 1:
-            _emulate_slow_stage(model, slowdown, ctx.device)
         # Pipeline rank 0 holds stage 0 (the embedding), the last one the last stage (the output).
         me = layout.pipeline_rank(ctx.rank)
         self.is_first, self.is_last = me == 0, me == layout.ranks - 1

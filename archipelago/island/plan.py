@@ -53,7 +53,7 @@ __all__ = ["BatchSplit", "IslandPlan", "PlanError", "RankSpeed", "StageCosts", "
            "split_layers_brute", "to_toml"]
 
 GIB = 2**30
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 _FORMS = 'write one value per entry separated by commas ("6,2") or SynerFuse\'s pairs of count and value ("1 6 1 2")'
 
 
@@ -389,16 +389,23 @@ def bubble_fraction(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
-def predict_pipeline_step_s(split: StageSplit, num_micro_batches: int, schedule: str = "1f1b") -> float:
+def predict_pipeline_step_s(split: StageSplit, num_micro_batches: int, schedule: str = "1f1b",
+                            stages_per_rank: int = 1) -> float:
     """(M + S - 1) x the slowest stage's micro-batch time: the standard bubble model for GPipe
     and 1F1B alike (both fill and drain the pipeline once per step; 1F1B holds fewer
-    activations, not less time). An approximation: it counts every stage at the slowest's
-    pace during fill and drain, and leaves out the sends between stages and the optimizer step."""
+    activations, not less time). Interleaved, with V stages per rank on R ranks (stage k on
+    rank k % R): (M + (R - 1) / V) x the busiest rank's time for its V stages, the bubble
+    (R - 1) / (V M + R - 1). An approximation: it counts every stage at the slowest's pace
+    during fill and drain, and leaves out the sends between stages and the optimizer step."""
     if schedule not in SCHEDULES:
         raise PlanError(f"no step-time model for schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     if num_micro_batches < 1:
         raise PlanError(f"a pipeline step needs at least one micro-batch, not {num_micro_batches}")
-    return (num_micro_batches + len(split.layers) - 1) * split.bottleneck_s
+    if stages_per_rank == 1:
+        return (num_micro_batches + len(split.layers) - 1) * split.bottleneck_s
+    ranks = len(split.layers) // stages_per_rank
+    busiest = max(math.fsum(split.stage_s[r::ranks]) for r in range(ranks))
+    return (num_micro_batches + (ranks - 1) / stages_per_rank) * busiest
 
 
 @dataclass(frozen=True)
@@ -409,13 +416,22 @@ class IslandPlan:
     stages: StageSplit | None = None
     pipeline_micro_batches: int = 1
     schedule: str = "1f1b"
+    stages_per_rank: int = 1  # interleaved_1f1b: stage k on pipeline rank k % (stages / stages_per_rank)
 
     @property
     def step_s(self) -> float:
         """The predicted step time: the slowest rank's, or the pipeline's bubble model."""
         if self.stages is None:
             return self.batch.step_s
-        return predict_pipeline_step_s(self.stages, self.pipeline_micro_batches, self.schedule)
+        return predict_pipeline_step_s(self.stages, self.pipeline_micro_batches, self.schedule, self.stages_per_rank)
+
+    @property
+    def bubble(self) -> float:
+        """The pipeline's modelled idle share of a step (0 without a pipeline)."""
+        if self.stages is None:
+            return 0.0
+        ranks = len(self.stages.layers) // self.stages_per_rank
+        return bubble_fraction(ranks, self.stages_per_rank * self.pipeline_micro_batches)
 
 
 def _ms(seconds: float) -> str:
@@ -426,16 +442,18 @@ def _name(names: Sequence[str], k: int, fallback: str) -> str:
     return names[k] if k < len(names) else fallback
 
 
-def explain(plan: IslandPlan, rank_names: Sequence[str]) -> str:
+def explain(plan: IslandPlan, rank_names: Sequence[str], stage_names: Sequence[str] | None = None) -> str:
     """The plan in plain words and numbers: one line per stage and per rank, then the
-    predicted step time. rank_names[k] names the device of stage k and of rank k."""
+    predicted step time. rank_names[k] names the device of rank k (and of stage k, unless
+    `stage_names` are given)."""
+    stage_names = rank_names if stage_names is None else stage_names
     lines = []
     if plan.stages is not None:
         s = plan.stages
         lines.append(f"pipeline of {len(s.layers)} stages, {plan.pipeline_micro_batches} micro-batches per step "
-                     f"({plan.schedule}), bubble {bubble_fraction(len(s.layers), plan.pipeline_micro_batches):.0%}:")
+                     f"({plan.schedule}), bubble {plan.bubble:.0%}:")
         for k, ((lo, hi), t, idle) in enumerate(zip(s.ranges(), s.stage_s, s.idle)):
-            lines.append(f"  stage {k} ({_name(rank_names, k, f'rank {k}')}): layers {lo}-{hi - 1}, {_ms(t)} per "
+            lines.append(f"  stage {k} ({_name(stage_names, k, f'rank {k}')}): layers {lo}-{hi - 1}, {_ms(t)} per "
                          f"micro-batch, idle {idle:.0%}")
     b = plan.batch
     total = sum(b.samples)
@@ -458,7 +476,7 @@ def to_toml(plan: IslandPlan) -> str:
     if plan.stages is not None:
         lines.append(f'stage_layers = "{_csv(plan.stages.layers)}"')
         lines.append(f"pipeline_micro_batches = {plan.pipeline_micro_batches}")
-    if plan.stages is None or len(plan.batch.samples) > 1:  # a one-rank-per-stage pipeline has one data rank
+    if plan.stages is None:  # a pipeline's batch is cut by pipeline_micro_batches
         lines.append(f'micro_batch_size_per_rank = "{_csv(plan.batch.micro_batch_size)}"')
         lines.append(f'num_micro_batches_per_rank = "{_csv(plan.batch.num_micro_batches)}"')
     return "\n".join(lines) + "\n"

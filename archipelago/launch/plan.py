@@ -8,8 +8,8 @@ from pathlib import Path
 
 from archipelago.config import Config
 from archipelago.island.device import close_island, init_island
-from archipelago.island.plan import explain, to_toml
-from archipelago.planning import plan_island, profile_lines
+from archipelago.island.plan import to_toml
+from archipelago.planning import describe_plan, plan_island, profile_lines
 from archipelago.tasks import build_task
 
 log = logging.getLogger("archipelago.plan")
@@ -30,7 +30,7 @@ def plan_here(cfg: Config, out: str) -> int:
         flags = " ".join(f"--parallelism.{key} {value.strip(chr(34))}"
                          for key, value in (line.split(" = ") for line in fragment.splitlines()[1:]))
         print("\n".join(["measured:", *profile_lines(profiles), "", "plan:",
-                         explain(plan, [p.device for p in profiles]), "",
+                         describe_plan(plan, profiles), "",
                          f"written to {out}; train with it: archipelago train ... {flags}"]))
         sys.stdout.flush()
     return 0
