@@ -13,8 +13,9 @@
 #   MASTER_ADDR         host of the island's rendezvous store (default localhost; needed with NNODES > 1)
 #   MASTER_PORT         port of that store; unset with NNODES=1 means `torchrun --standalone`
 #                       (a free port, so several islands on one host never collide)
-#   ISHOST              1 on the node that hosts the rendezvous store at MASTER_ADDR:MASTER_PORT
-#                       (the island's first node), 0 on the others; unset: torchrun decides by
+#   ISHOST              1 (or yes/true) on the node that hosts the rendezvous store at
+#                       MASTER_ADDR:MASTER_PORT (the island's first node), 0 (no/false) on the
+#                       others, as the reference platform's README writes it; unset: torchrun decides by
 #                       comparing MASTER_ADDR with this host's names (always 1 with NNODES=1)
 #   LOCAL_ADDR          this host's address as the other islands (and the island's other nodes)
 #                       reach it, e.g. its Tailscale IP; exported for the trainer, and given to
@@ -22,6 +23,7 @@
 #                       islands need ARCHIPELAGO_FEDERATION_KEY_FILE (`archipelago secret new`)
 #   CONFIG_FILE         TOML run file (default configs/llama3/debug.toml)
 #   TORCHFT_LIGHTHOUSE  lighthouse URL (default http://localhost:29510)
+#   ARCHIPELAGO_DRY_RUN 1: check the configuration, print the torchrun command, start nothing
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -39,7 +41,12 @@ if [[ -n "${LOCAL_ADDR:-}" ]]; then export LOCAL_ADDR; fi
 fail() { echo "run_train.sh: $*" >&2; exit 2; }
 [[ "$NGPU" =~ ^[1-9][0-9]*$ ]] || fail "NGPU=$NGPU: expected the number of ranks per node (1, 2, ...)"
 [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || fail "NNODES=$NNODES: expected the number of nodes of this island (1, 2, ...)"
-[[ -z "${ISHOST:-}" || "$ISHOST" == 0 || "$ISHOST" == 1 ]] || fail "ISHOST=$ISHOST: expected 1 (this node hosts the rendezvous) or 0"
+case "${ISHOST:-}" in  # the reference platform's README writes yes/no; torchrun takes 1/0
+  "" | 0 | 1) ;;
+  [Yy][Ee][Ss] | [Tt][Rr][Uu][Ee]) ISHOST=1 ;;
+  [Nn][Oo] | [Ff][Aa][Ll][Ss][Ee]) ISHOST=0 ;;
+  *) fail "ISHOST=$ISHOST: expected 1 or yes (this node hosts the rendezvous), 0 or no (it does not)" ;;
+esac
 
 # Check the configuration (and answer --help) here, in a second, instead of inside torchrun,
 # which would report a configuration error as a crashed worker with exit code 1.
@@ -79,4 +86,5 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / 
 cmd=("$PYTHON" -m torch.distributed.run "${launcher[@]}"
      -m archipelago.launch.cli train --config "$CONFIG_FILE" "$@")
 echo "TORCHFT_LIGHTHOUSE=$TORCHFT_LIGHTHOUSE${LOCAL_ADDR:+ LOCAL_ADDR=$LOCAL_ADDR} OMP_NUM_THREADS=$OMP_NUM_THREADS ${cmd[*]}"
+if [[ "${ARCHIPELAGO_DRY_RUN:-0}" == 1 ]]; then exit 0; fi
 exec "${cmd[@]}"
