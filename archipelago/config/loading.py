@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import os
 import types
 import typing
@@ -20,6 +21,9 @@ import tomllib
 
 from archipelago.config.errors import ConfigError
 from archipelago.config.schema import Config
+from archipelago.config.torchtitan import convert, is_torchtitan
+
+log = logging.getLogger("archipelago.config")
 
 
 def closest(name: str, choices: typing.Iterable[str]) -> str | None:
@@ -100,15 +104,26 @@ def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
     return Config(**sections)
 
 
-def load_toml(path: str | Path) -> Config:
-    """Read one TOML run file into a Config (without validation)."""
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file's document (ConfigError naming the file when it is missing or not TOML)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; shipped configs live under configs/")
     try:
-        raw = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+
+
+def load_toml(path: str | Path) -> Config:
+    """Read one TOML run file into a Config (without validation). A file in torchtitan's
+    format is mapped onto ours first (config/torchtitan.py), its left-out keys logged."""
+    raw = read_toml(path)
+    if is_torchtitan(raw):
+        conversion = convert(raw, str(path))
+        if conversion.warning(str(path)):
+            log.warning("%s", conversion.warning(str(path)))
+        raw = conversion.ours
     return config_from_dict(raw, str(path))
 
 

@@ -9,6 +9,7 @@ overrides work everywhere.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -47,7 +48,8 @@ commands:
                  text from a run directory or a Hugging Face directory (KV cache;
                  --greedy, or --temperature T --top-p P; --max-new-tokens N)
   config         `config reference` prints the configuration reference;
-                 `config show [--config FILE] [overrides]` prints the resolved config
+                 `config show [--config FILE] [overrides]` prints the resolved config;
+                 `config convert FILE` prints a torchtitan-format run file as ours
   secret new     print a new federation secret (`archipelago secret new > fed.key`)
 
 Run `archipelago COMMAND --help` for the options of one command.
@@ -441,9 +443,38 @@ def cmd_config(argv: list[str]) -> int:
                           description="Print the configuration after the TOML file and overrides.")
         print(json.dumps(config_to_dict(cfg), indent=2))
         return 0
-    print("usage: archipelago config reference | config show [--config FILE] [overrides]",
+    if argv and argv[0] == "convert":
+        return convert_config(argv[1:])
+    print("usage: archipelago config reference | config show [--config FILE] [overrides] | config convert FILE",
           file=sys.stderr)
     return 2
+
+
+def convert_config(argv: list[str]) -> int:
+    """`archipelago config convert FILE`: a torchtitan-format run file as our TOML."""
+    import tomli_w
+
+    from archipelago.config.loading import config_from_dict, read_toml
+    from archipelago.config.torchtitan import convert, is_torchtitan
+
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print("usage: archipelago config convert FILE\n\nPrint a torchtitan-format run file (the reference "
+              "platform's) as an Archipelago TOML run file; keys with no equivalent are listed as comments.",
+              file=sys.stderr if len(argv) != 1 else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    raw = read_toml(argv[0])
+    if not is_torchtitan(raw):
+        print(f"{argv[0]} is already in Archipelago's format (no torchtitan-only key such as "
+              "[training] local_batch_size); nothing to convert", file=sys.stderr)
+        return 2
+    conversion = convert(raw, argv[0])
+    config_from_dict(conversion.ours, argv[0])  # every mapped value fits our schema (ConfigError if not)
+    order = [f.name for f in dataclasses.fields(Config)]  # sections in the order of our reference
+    ours = {name: conversion.ours[name] for name in order if name in conversion.ours}
+    header = [f"# Converted from {argv[0]} (torchtitan format) by `archipelago config convert`."]
+    header += [f"# left out (no equivalent): {key}" for key in conversion.dropped]
+    print("\n".join(header) + "\n\n" + tomli_w.dumps(ours), end="")
+    return 0
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {

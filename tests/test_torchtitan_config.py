@@ -1,0 +1,183 @@
+"""Run files in torchtitan's format (the reference platform's) are mapped onto ours."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from archipelago.config import ConfigError, config_to_dict, load_toml
+from archipelago.config.torchtitan import convert, is_torchtitan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The sections and keys of torchtitan's llama3 debug run file (its JobConfig names), with values of our choosing.
+TORCHTITAN = """
+[job]
+dump_folder = "./outputs"
+description = "a debug run"
+
+[profiling]
+enable_profiling = false
+
+[metrics]
+log_freq = 5
+enable_tensorboard = true
+
+[model]
+name = "llama3"
+flavor = "debugmodel"
+hf_assets_path = "./no/such/folder"
+
+[optimizer]
+name = "AdamW"
+lr = 8e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 3
+decay_ratio = 0.8
+decay_type = "linear"
+min_lr_factor = 0.05
+
+[training]
+local_batch_size = 4
+seq_len = 64
+max_norm = 0.5
+steps = 12
+dataset = "c4_test"
+mixed_precision_param = "float32"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+pipeline_parallel_degree = 1
+context_parallel_degree = 1
+
+[checkpoint]
+enable_checkpoint = true
+folder = "ckpt"
+interval = 6
+keep_latest_k = 2
+async_mode = "disabled"
+
+[activation_checkpoint]
+mode = "full"
+
+[float8]
+enable_fsdp_float8_all_gather = false
+
+[validation]
+enabled = true
+freq = 4
+steps = 2
+
+[fault_tolerance]
+enable = true
+replica_id = 1
+group_size = 2
+semi_sync_method = "diloco"
+sync_steps = 6
+"""
+
+
+@pytest.fixture()
+def titan_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("NGPU", "2")  # data_parallel_shard_degree = -1: every rank of the island
+    monkeypatch.setenv("NNODES", "1")
+    path = tmp_path / "debug_model.toml"
+    path.write_text(TORCHTITAN)
+    return path
+
+
+def test_a_torchtitan_file_loads_key_by_key_and_lists_what_it_leaves_out(titan_file, caplog):
+    with caplog.at_level(logging.WARNING, logger="archipelago.config"):
+        cfg = load_toml(titan_file)
+    assert (cfg.model.name, cfg.model.flavor) == ("llama3", "debug")
+    assert cfg.training.batch_size == 8  # 4 per rank x 2 ranks: our batch is the island's
+    assert (cfg.training.steps, cfg.training.max_norm, cfg.data.seq_len) == (12, 0.5, 64)
+    assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.optimizer.eps) == ("adamw", 8e-4, 1e-8)
+    schedule = cfg.lr_scheduler
+    assert (schedule.warmup_steps, schedule.decay, schedule.min_lr_ratio) == (3, "linear", 0.05)
+    ckpt = cfg.checkpoint
+    assert (ckpt.enable, ckpt.folder, ckpt.interval, ckpt.keep) == (True, "ckpt", 6, 2)
+    assert cfg.training.activation_checkpointing and cfg.training.mixed_precision == "fp32"
+    assert (cfg.training.val_every, cfg.training.val_batches) == (4, 2)
+    assert (cfg.metrics.log_every, cfg.metrics.tensorboard, cfg.job.run_dir) == (5, True, "./outputs")
+    ft = cfg.fault_tolerance
+    assert (ft.enable, ft.replica_id, ft.group_size, ft.semi_sync_method, ft.sync_steps) == (True, 1, 2, "diloco", 6)
+    assert cfg.parallelism.data_parallel == "fsdp"
+    assert len(caplog.records) == 1  # one warning, every key left out in it
+    warning = caplog.records[0].getMessage()
+    for left_out in ("job.description", "profiling.enable_profiling", "checkpoint.async_mode",
+                     "float8.enable_fsdp_float8_all_gather", "lr_scheduler.decay_ratio", "training.dataset (c4_test",
+                     "model.hf_assets_path"):
+        assert left_out in warning, left_out
+
+
+@pytest.mark.parametrize("section,key,value,named", [
+    ("parallelism", "tensor_parallel_degree", 2, "tensor parallelism"),
+    ("parallelism", "context_parallel_degree", 4, "context parallelism"),
+    ("optimizer", "name", "Lion", "use AdamW or SGD"),
+    ("lr_scheduler", "decay_type", "sqrt", "use linear or cosine"),
+])
+def test_keys_that_would_change_the_run_are_refused_naming_the_fix(section, key, value, named):
+    raw = tomllib.loads(TORCHTITAN)
+    raw[section][key] = value
+    with pytest.raises(ConfigError, match=named) as refused:
+        convert(raw, "their.toml", ranks=1)
+    assert "their.toml" in str(refused.value) and key in str(refused.value)
+
+
+def test_parallel_degrees_map_onto_ddp_fsdp_and_pipelines():
+    raw = tomllib.loads(TORCHTITAN)
+    raw["parallelism"].update(data_parallel_replicate_degree=2, data_parallel_shard_degree=1)
+    ours = convert(raw, ranks=2).ours
+    assert ours["parallelism"]["data_parallel"] == "ddp" and ours["training"]["batch_size"] == 8
+    raw["parallelism"].update(data_parallel_replicate_degree=1, data_parallel_shard_degree=-1,
+                              pipeline_parallel_degree=2, pipeline_parallel_schedule="Interleaved1F1B",
+                              pipeline_parallel_microbatch_size=1)
+    ours = convert(raw, ranks=4).ours
+    assert ours["parallelism"]["pipeline_stages"] == 2
+    assert ours["parallelism"]["pipeline_schedule"] == "interleaved_1f1b"
+    assert ours["parallelism"]["pipeline_micro_batches"] == 4  # local batch 4 in micro-batches of 1
+    assert ours["training"]["batch_size"] == 8  # 4 ranks / 2 stages = 2 data ranks x 4
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "NGPU": "2", "NNODES": "1"}
+    return subprocess.run([sys.executable, "-m", "archipelago.launch.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=ROOT)
+
+
+def test_config_convert_prints_our_toml_that_loads_to_the_same_config(titan_file, tmp_path):
+    done = _cli("config", "convert", str(titan_file))
+    assert done.returncode == 0, done.stderr
+    assert "# left out (no equivalent): profiling.enable_profiling" in done.stdout
+    assert not is_torchtitan(tomllib.loads(done.stdout))
+    ours = tmp_path / "ours.toml"
+    ours.write_text(done.stdout)
+    assert config_to_dict(load_toml(ours)) == config_to_dict(load_toml(titan_file))
+    again = _cli("config", "convert", str(ours))
+    assert again.returncode == 2 and "already in Archipelago's format" in again.stderr
+
+
+def test_no_shipped_config_is_taken_for_torchtitans():
+    shipped = sorted((ROOT / "configs").rglob("*.toml"))
+    assert shipped
+    for path in shipped:
+        assert not is_torchtitan(tomllib.loads(path.read_text())), path
+
+
+@pytest.mark.timeout(120)
+def test_run_train_sh_takes_a_torchtitan_config_file(titan_file):
+    env = {"PATH": "/usr/bin:/bin", "CONFIG_FILE": str(titan_file), "ARCHIPELAGO_DRY_RUN": "1", "ISHOST": "yes"}
+    done = subprocess.run([str(ROOT / "run_train.sh"), "--fault_tolerance.replica_id=0"], capture_output=True,
+                          text=True, timeout=100, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "torchtitan-format file" in done.stderr and "torch.distributed.run" in done.stdout
