@@ -181,3 +181,38 @@ def test_run_train_sh_takes_a_torchtitan_config_file(titan_file):
                           text=True, timeout=100, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "torchtitan-format file" in done.stderr and "torch.distributed.run" in done.stdout
+
+
+REAL = ROOT / "tests" / "data" / "torchtitan"  # torchtitan's own run files (BSD-3, see the folder's LICENSE)
+
+
+@pytest.mark.parametrize("name,model,flavor,batch,steps", [
+    ("llama3_debug_model.toml", "llama3", "debug", 8, 10),
+    ("llama3_ft_debug_model.toml", "llama3", "debug", 8, 100),
+    ("gpt_oss_debug_model.toml", "gpt_oss", "debug", 8, 10),
+    ("qwen3_moe_debug.toml", "qwen3_moe", "debug", 4, 10),
+    ("qwen3_0.6b.toml", "qwen3", "0.6B", 4, 10),
+    ("llama3_8b.toml", "llama3", "8B", 1, 1000),
+])
+def test_torchtitans_own_run_files_load_and_validate(name, model, flavor, batch, steps, monkeypatch, caplog):
+    from archipelago.config import validate
+
+    monkeypatch.setenv("NGPU", "1")
+    monkeypatch.setenv("NNODES", "1")
+    raw = tomllib.loads((REAL / name).read_text())
+    assert is_torchtitan(raw)
+    with caplog.at_level(logging.WARNING, logger="archipelago.config"):
+        cfg = load_toml(REAL / name)
+    validate(cfg)  # our own checks pass on the mapped file
+    assert (cfg.model.name, cfg.model.flavor) == (model, flavor)
+    assert (cfg.training.batch_size, cfg.training.steps) == (batch, steps)
+    assert cfg.data.seq_len == raw["training"]["seq_len"] and cfg.optimizer.lr == raw["optimizer"]["lr"]
+    # torchtitan's defaults fill what the file leaves out: a linear decay to 0, no validation.
+    assert (cfg.lr_scheduler.decay, cfg.training.val_every) == ("linear", 0)
+    assert cfg.lr_scheduler.min_lr_ratio == raw["lr_scheduler"].get("min_lr_factor", 0.0)
+    assert cfg.checkpoint.enable == raw["checkpoint"]["enable"] and cfg.checkpoint.folder == "checkpoint"
+    warning = caplog.records[0].getMessage()
+    assert "profiling.enable_profiling" in warning and "quantize.linear.float8.filter_fqns" in warning
+    if "fault_tolerance" in raw:
+        ft = cfg.fault_tolerance
+        assert (ft.enable, ft.sync_steps, ft.num_fragments, ft.semi_sync_method) == (True, 10, 2, "diloco")

@@ -27,7 +27,21 @@ MARKERS = {("training", "local_batch_size"), ("training", "global_batch_size"), 
            ("checkpoint", "enable_checkpoint"), ("model", "hf_assets_path"), ("activation_checkpoint", "mode"),
            ("lr_scheduler", "decay_type"), ("training", "mixed_precision_param")}
 
-FLAVORS = {"debugmodel": "debug"}  # torchtitan's flavor names that differ from ours
+# torchtitan's (model, flavor) names that differ from ours; other flavors keep their name.
+MODELS = {("qwen3", "debugmodel_moe"): ("qwen3_moe", "debug")}
+FLAVORS = {"debugmodel": "debug"}
+# torchtitan's defaults where they differ from ours, so an absent key means what it means
+# there (its JobConfig); only keys that map onto ours.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "model": {"name": "llama3", "flavor": "debugmodel"},
+    "optimizer": {"name": "AdamW", "lr": 8e-4, "eps": 1e-8, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95},
+    "lr_scheduler": {"warmup_steps": 200, "decay_type": "linear", "min_lr_factor": 0.0},
+    "training": {"local_batch_size": 8, "seq_len": 2048, "max_norm": 1.0, "steps": 10000},
+    "checkpoint": {"enable": False, "folder": "checkpoint", "interval": 500, "keep_latest_k": 10},
+    "metrics": {"log_freq": 10, "enable_tensorboard": False},
+    "validation": {"enable": False, "freq": 10},
+    "activation_checkpoint": {"mode": "selective"},
+}
 OPTIMIZERS = {"adamw": "adamw", "sgd": "sgd"}
 DECAYS = {"linear": "linear", "cosine": "cosine"}
 SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved1f1b": "interleaved_1f1b"}
@@ -87,6 +101,7 @@ def _refuse_degree(par: dict[str, Any], key: str, what: str) -> None:
 def _parallelism(par: dict[str, Any], training: dict[str, Any], out: Conversion, ranks: int) -> None:
     _refuse_degree(par, "tensor_parallel_degree", "tensor parallelism")
     _refuse_degree(par, "context_parallel_degree", "context parallelism")
+    _refuse_degree(par, "expert_tensor_parallel_degree", "tensor parallelism of the experts")
     shard, replicate = int(par.get("data_parallel_shard_degree", -1)), int(par.get("data_parallel_replicate_degree", 1))
     out.put("parallelism", "data_parallel", "ddp" if shard == 1 and replicate > 1 else "fsdp")
     stages = int(par.get("pipeline_parallel_degree", 1))
@@ -104,7 +119,7 @@ def _parallelism(par: dict[str, Any], training: dict[str, Any], out: Conversion,
         out.put("parallelism", "expert_parallel", True)
     handled = {"tensor_parallel_degree", "context_parallel_degree", "data_parallel_shard_degree",
                "data_parallel_replicate_degree", "pipeline_parallel_degree", "pipeline_parallel_schedule",
-               "pipeline_parallel_microbatch_size", "expert_parallel_degree"}
+               "pipeline_parallel_microbatch_size", "expert_parallel_degree", "expert_tensor_parallel_degree"}
     out.dropped += [f"parallelism.{k}" for k in par if k not in handled]
 
 
@@ -130,10 +145,9 @@ def _training(t: dict[str, Any], par: dict[str, Any], out: Conversion, ranks: in
 
 
 def _model(m: dict[str, Any], out: Conversion) -> None:
-    if "name" in m:
-        out.put("model", "name", m["name"])
-    if "flavor" in m:
-        out.put("model", "flavor", FLAVORS.get(m["flavor"], m["flavor"]))
+    name, flavor = MODELS.get((m["name"], m["flavor"]), (m["name"], FLAVORS.get(m["flavor"], m["flavor"])))
+    out.put("model", "name", name)
+    out.put("model", "flavor", flavor)
     assets = m.get("hf_assets_path") or m.get("tokenizer_path")
     if assets and (Path(assets) / "tokenizer.json").is_file():
         out.put("data", "tokenizer", str(Path(assets) / "tokenizer.json"))
@@ -209,11 +223,11 @@ def _compile(c: dict[str, Any], out: Conversion) -> None:
 
 
 def _validation(v: dict[str, Any], out: Conversion) -> None:
-    enabled = bool(v.get("enabled", False))
-    out.put("training", "val_every", int(v.get("freq", 50)) if enabled else 0)
-    if enabled and int(v.get("steps", -1)) > 0:
+    enabled = bool(v.get("enabled", v.get("enable", False)))  # `enabled` in older releases
+    out.put("training", "val_every", int(v["freq"]) if enabled else 0)
+    if enabled and int(v.get("steps", -1)) > 0:  # -1: torchtitan's whole held-out set; ours: val_batches
         out.put("training", "val_batches", int(v["steps"]))
-    out.dropped += [f"validation.{k}" for k in v if k not in {"enabled", "freq", "steps"}]
+    out.dropped += [f"validation.{k}" for k in v if k not in {"enabled", "enable", "freq", "steps"}]
 
 
 def _fault_tolerance(f: dict[str, Any], out: Conversion) -> None:
@@ -230,6 +244,14 @@ SECTIONS: dict[str, Callable[[dict[str, Any], Conversion], None]] = {
 }
 
 
+def _flat_keys(prefix: str, table: dict[str, Any]) -> list[str]:
+    """Dotted names of a table's keys, nested tables included ([quantize.linear.float8])."""
+    keys = []
+    for key, value in table.items():
+        keys += _flat_keys(f"{prefix}.{key}", value) if isinstance(value, dict) else [f"{prefix}.{key}"]
+    return keys
+
+
 def _ranks_from_environment() -> int:
     """The island's ranks as run_train.sh knows them (NGPU x NNODES), for data-parallel degree -1."""
     try:
@@ -243,15 +265,19 @@ def convert(raw: dict[str, Any], source: str = "config", ranks: int | None = Non
     `ranks` sizes a data-parallel degree of -1 (default: $NGPU x $NNODES, else 1)."""
     ranks = _ranks_from_environment() if ranks is None else ranks
     out = Conversion()
-    par, training = raw.get("parallelism", {}), raw.get("training", {})
+    given = {name: table for name, table in raw.items() if isinstance(table, dict)}
+    names = [*given, *(name for name in DEFAULTS if name not in given)]
+    full = {name: {**DEFAULTS.get(name, {}), **given.get(name, {})} for name in names}
+    par, training = full.get("parallelism", {}), full["training"]
     try:
         _parallelism(par, training, out, ranks)
         _training(training, par, out, ranks)
-        for name, table in raw.items():
+        for name in full:
             if name in SECTIONS:
-                SECTIONS[name](table, out)
+                SECTIONS[name](full[name], out)
             elif name not in ("parallelism", "training"):
-                out.dropped += [f"{name}.{k}" for k in table] if isinstance(table, dict) else [name]
+                out.dropped += _flat_keys(name, full[name])
+        out.dropped += [name for name, value in raw.items() if not isinstance(value, dict)]
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
     except (TypeError, ValueError) as exc:
