@@ -51,6 +51,9 @@ commands:
                  `config show [--config FILE] [overrides]` prints the resolved config;
                  `config convert FILE` prints a torchtitan-format run file as ours
   secret new     print a new federation secret (`archipelago secret new > fed.key`)
+  doctor         check, in seconds, why this island cannot reach the others: lighthouse,
+                 LOCAL_ADDR, interfaces, ports, peers (latency, bandwidth, versions,
+                 config fingerprint, clocks), devices, disk; a fix per failing line
 
 Run `archipelago COMMAND --help` for the options of one command.
 """
@@ -432,6 +435,12 @@ def cmd_generate(argv: list[str]) -> int:
     return run_generate(argv)
 
 
+def cmd_doctor(argv: list[str]) -> int:
+    from archipelago.launch.doctor import main as run_doctor
+
+    return run_doctor(argv)
+
+
 def cmd_config(argv: list[str]) -> int:
     if argv and argv[0] == "reference":
         from archipelago.config.reference import reference_markdown
@@ -480,7 +489,7 @@ def convert_config(argv: list[str]) -> int:
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train, "data": cmd_data, "models": cmd_models, "report": cmd_report,
     "config": cmd_config, "export": cmd_export, "generate": cmd_generate, "lighthouse": cmd_lighthouse,
-    "local": cmd_local, "secret": cmd_secret, "plan": cmd_plan,
+    "local": cmd_local, "secret": cmd_secret, "plan": cmd_plan, "doctor": cmd_doctor,
 }
 
 

@@ -1,0 +1,437 @@
+"""`archipelago doctor`: why can this island not reach the others? Checks in seconds, with a fix per failure.
+
+    archipelago doctor [--config FILE] [--lighthouse URL] [--peer HOST:PORT ...] [--port N ...]
+    archipelago doctor --serve HOST:PORT [--config FILE]     # on a peer: answer its checks
+
+Each check prints one row: ok / warn / FAIL / info, what was found, and for a failure the fix.
+Against a peer (which runs `doctor --serve`), it measures latency and bandwidth and compares
+versions, the config fingerprint and the clocks. The exchange is small JSON lines; what a
+peer sends is read with a size cap and parsed as data only (a peer is another owner's machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from archipelago.netutil import listening_socket
+
+TIMEOUT_S = 3.0
+LINE_LIMIT = 4096                  # bytes of one JSON line from a peer
+BANDWIDTH_BYTES = 8 * 2**20        # sent to a peer to measure bandwidth
+BANDWIDTH_LIMIT = 64 * 2**20       # the most a serving doctor accepts in one measurement
+SKEW_LIMIT_S = 1.0                 # clocks further apart than this get a warning
+# Settings every island of a federation shares (the per-island ones, such as replica_id, left out).
+PER_ISLAND = {"enable", "replica_id", "lighthouse", "connect_timeout_ms", "quorum_timeout_ms", "join_wait_ms"}
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok, warn, FAIL, info
+    detail: str
+    fix: str = ""
+
+
+# ---- what this machine has ---------------------------------------------------------------
+
+def _installed(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def versions() -> dict[str, str]:
+    import torch
+
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "torchft": _installed("torchft"),
+            "archipelago": _installed("archipelago")}
+
+
+def check_versions() -> Check:
+    return Check("versions", "info", ", ".join(f"{k} {v}" for k, v in versions().items()))
+
+
+def check_devices() -> Check:
+    import torch
+
+    found = []
+    if torch.cuda.is_available():
+        kind = "ROCm" if torch.version.hip else "CUDA"
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        found.append(f"{torch.cuda.device_count()} x {kind} ({', '.join(names)}), backend nccl")
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        found.append(f"{torch.xpu.device_count()} x XPU, backend xccl")
+    if torch.backends.mps.is_available():
+        found.append("MPS (Apple GPU), backend gloo")
+    found.append(f"CPU ({os.cpu_count()} cores), backend gloo")
+    return Check("devices", "info", "; ".join(found))
+
+
+def config_fingerprint(cfg: Any) -> str:
+    """12 hex digits over what every island must share: the model and the federation's settings."""
+    from archipelago.config import config_to_dict
+
+    shared = config_to_dict(cfg)
+    description = {"model": shared["model"], "vocab": [shared["data"].get("tokenizer"), shared["data"]["vocab_size"]],
+                   "seq_len": shared["data"]["seq_len"],
+                   "fault_tolerance": {k: v for k, v in shared["fault_tolerance"].items() if k not in PER_ISLAND}}
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def check_disk(cfg: Any) -> Check:
+    """Room for `checkpoint.keep` checkpoints (weights and AdamW state, fp32) where the run writes."""
+    from archipelago.models import get_model_args
+
+    where = Path(cfg.job.run_dir or "runs").resolve()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    try:
+        params = get_model_args(cfg.model.name, cfg.model.flavor, vocab_size=cfg.data.vocab_size).num_params()
+    except Exception:  # noqa: BLE001 - a family without a cheap count: report the space only
+        return Check("disk", "info", f"{free / 2**30:.1f} GiB free at {where}")
+    need = params * 12 * max(1, cfg.checkpoint.keep) if cfg.checkpoint.enable else 0  # fp32 weights + 2 moments
+    detail = f"{free / 2**30:.1f} GiB free at {where}; {cfg.checkpoint.keep} checkpoints need {need / 2**30:.1f} GiB"
+    if need > free:
+        return Check("disk", "FAIL", detail, "free space there, lower checkpoint.keep, or set --job.run_dir on "
+                                             "a larger disk")
+    return Check("disk", "ok", detail)
+
+
+# ---- the network ---------------------------------------------------------------------------
+
+def _host_port(text: str, default_port: int | None = None) -> tuple[str, int]:
+    parts = urlsplit(text if "//" in text else f"//{text}")
+    if parts.hostname is None or (parts.port is None and default_port is None):
+        raise ValueError(f"{text!r}: expected HOST:PORT or a URL with a port")
+    return parts.hostname, parts.port or default_port  # type: ignore[return-value]
+
+
+def _connect(host: str, port: int) -> tuple[socket.socket | None, str]:
+    try:
+        return socket.create_connection((host, port), timeout=TIMEOUT_S), ""
+    except OSError as exc:
+        return None, exc.strerror or str(exc)
+
+
+def check_lighthouse(url: str) -> Check:
+    try:
+        host, port = _host_port(url)
+    except ValueError as exc:
+        return Check("lighthouse", "FAIL", str(exc), "write it as http://HOST:PORT (TORCHFT_LIGHTHOUSE)")
+    began = time.perf_counter()
+    conn, why = _connect(host, port)
+    if conn is None:
+        return Check("lighthouse", "FAIL", f"{url}: cannot connect ({why})",
+                     f"start it there (`archipelago lighthouse --bind {host}:{port}`), or open TCP port {port} "
+                     "between this host and it, or fix TORCHFT_LIGHTHOUSE")
+    conn.close()
+    return Check("lighthouse", "ok", f"{url} accepts connections ({(time.perf_counter() - began) * 1e3:.1f} ms)")
+
+
+def interface_addresses() -> dict[str, str]:
+    """IPv4 address of each network interface that has one (Linux: SIOCGIFADDR)."""
+    found = {}
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:
+                continue
+        found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def _listing(addresses: dict[str, str]) -> str:
+    return ", ".join(f"{name} ({addr})" for name, addr in addresses.items()) or "none with an IPv4 address"
+
+
+def check_local_addr(addr: str) -> Check:
+    """LOCAL_ADDR must be an address of this host (the islands and torchrun bind and advertise it)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+    except OSError as exc:
+        return Check("LOCAL_ADDR", "FAIL", f"{addr} is not an address of this host ({exc.strerror})",
+                     f"set LOCAL_ADDR to the address peers reach this host at, one of: "
+                     f"{_listing(interface_addresses())}")
+    return Check("LOCAL_ADDR", "ok", f"{addr} belongs to this host")
+
+
+def check_interfaces(env: dict[str, str], local_addr: str | None) -> list[Check]:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name interfaces that exist and carry LOCAL_ADDR."""
+    checks = []
+    addresses = interface_addresses()
+    names = {name for _, name in socket.if_nameindex()}
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        value = env.get(variable)
+        if not value or value.startswith("^"):  # unset, or NCCL's exclusion list: nothing to check
+            continue
+        wanted = [v.lstrip("=") for v in value.split(",")]
+        missing = [w for w in wanted if w not in names]
+        carrying = [n for n, a in addresses.items() if a == local_addr]
+        if missing:
+            checks.append(Check(variable, "FAIL", f"{value}: no interface named {', '.join(missing)} here",
+                                f"set {variable} to one of this host's interfaces: {_listing(addresses)}"
+                                + (f" ({carrying[0]} carries LOCAL_ADDR {local_addr})" if carrying else "")))
+        elif local_addr and carrying and not set(wanted) & set(carrying):
+            checks.append(Check(variable, "FAIL", f"{value} does not carry LOCAL_ADDR {local_addr}",
+                                f"set {variable}={carrying[0]} (the interface with {local_addr})"))
+        else:
+            checks.append(Check(variable, "ok", f"{value} exists" + (f" ({addresses.get(wanted[0])})"
+                                                                     if wanted[0] in addresses else "")))
+    return checks
+
+
+def check_port(host: str, port: int) -> Check:
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, port))
+    except OSError as exc:
+        return Check(f"port {port}", "FAIL", f"{host}:{port} cannot be bound ({exc.strerror})",
+                     "another process holds it: choose another port (MASTER_PORT, --bind) or stop that process")
+    return Check(f"port {port}", "ok", f"{host}:{port} is free")
+
+
+# ---- peers: a serving doctor answers hello, ping and bandwidth -----------------------------
+
+def _send(conn: socket.socket, message: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _receive(reader: Any) -> dict[str, Any]:
+    line = reader.readline(LINE_LIMIT + 1)
+    if not line or len(line) > LINE_LIMIT or not line.endswith(b"\n"):
+        raise ConnectionError("the peer sent no answer, or a line over the size limit")
+    message = json.loads(line)
+    if not isinstance(message, dict):
+        raise ConnectionError("the peer's answer is not a JSON object")
+    return message
+
+
+def hello(fingerprint: str | None) -> dict[str, Any]:
+    return {"op": "hello", "versions": versions(), "fingerprint": fingerprint, "time": time.time()}
+
+
+def _serve_one(conn: socket.socket, fingerprint: str | None) -> None:
+    with conn, conn.makefile("rb") as reader:
+        conn.settimeout(30)
+        while True:
+            message = _receive(reader)
+            if message.get("op") == "hello":
+                _send(conn, hello(fingerprint))
+            elif message.get("op") == "ping":
+                _send(conn, {"op": "pong", "time": time.time()})
+            elif message.get("op") == "bandwidth" and isinstance(message.get("bytes"), int) \
+                    and 0 < message["bytes"] <= BANDWIDTH_LIMIT:
+                left = message["bytes"]
+                while left:
+                    chunk = reader.read(min(left, 2**20))
+                    if not chunk:
+                        raise ConnectionError("the peer stopped sending")
+                    left -= len(chunk)
+                _send(conn, {"op": "received", "bytes": message["bytes"]})
+            else:
+                return
+
+
+def serve(host: str, port: int, fingerprint: str | None, stop: threading.Event) -> socket.socket:
+    """Answer peers' checks on host:port in a background thread until `stop` is set."""
+    listener = listening_socket(host, port)
+    listener.settimeout(0.2)
+
+    def loop() -> None:
+        with listener:
+            while not stop.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                threading.Thread(target=_serve_quietly, args=(conn, fingerprint), daemon=True).start()
+
+    threading.Thread(target=loop, daemon=True).start()
+    return listener
+
+
+def _serve_quietly(conn: socket.socket, fingerprint: str | None) -> None:
+    try:
+        _serve_one(conn, fingerprint)
+    except (OSError, ConnectionError, ValueError):
+        pass  # a peer that misbehaves or leaves ends only its own connection
+
+
+def check_peer(address: str, fingerprint: str | None) -> list[Check]:
+    """Reach a peer's `doctor --serve`; compare versions, fingerprint and clocks; measure the link."""
+    name = f"peer {address}"
+    try:
+        host, port = _host_port(address)
+    except ValueError as exc:
+        return [Check(name, "FAIL", str(exc), "write the peer as HOST:PORT")]
+    conn, why = _connect(host, port)
+    if conn is None:
+        return [Check(name, "FAIL", f"cannot connect ({why})",
+                      f"run `archipelago doctor --serve {host}:{port}` on the peer and open TCP port {port} "
+                      "between the hosts (firewall, security group), or join both to one Tailscale/WireGuard net")]
+    try:
+        with conn, conn.makefile("rb") as reader:
+            return _peer_checks(name, conn, reader, fingerprint)
+    except (OSError, ConnectionError, ValueError) as exc:
+        return [Check(name, "FAIL", f"the peer answered wrongly or not at all ({exc})",
+                      "check that `archipelago doctor --serve` runs there (not another service on that port)")]
+
+
+def _peer_checks(name: str, conn: socket.socket, reader: Any, fingerprint: str | None) -> list[Check]:
+    sent = time.time()
+    _send(conn, hello(fingerprint))
+    theirs = _receive(reader)
+    skew = float(theirs.get("time", 0)) - (sent + time.time()) / 2
+    rtts = []
+    for _ in range(5):
+        began = time.perf_counter()
+        _send(conn, {"op": "ping"})
+        _receive(reader)
+        rtts.append(time.perf_counter() - began)
+    began = time.perf_counter()
+    _send(conn, {"op": "bandwidth", "bytes": BANDWIDTH_BYTES})
+    conn.sendall(bytes(BANDWIDTH_BYTES))
+    _receive(reader)
+    mbit = BANDWIDTH_BYTES * 8 / (time.perf_counter() - began) / 1e6
+    checks = [Check(name, "ok", f"reached: latency {statistics.median(rtts) * 1e3:.2f} ms (median of 5), "
+                                f"bandwidth {mbit:,.0f} Mbit/s (8 MiB one way)")]
+    checks.append(_compare_versions(name, theirs.get("versions")))
+    checks.append(_compare_fingerprints(name, fingerprint, theirs.get("fingerprint")))
+    if abs(skew) > SKEW_LIMIT_S:
+        checks.append(Check(f"{name} clock", "warn", f"clocks differ by {skew:+.1f} s",
+                            "synchronise both clocks (timedatectl set-ntp true, or chrony): time-paced rounds "
+                            "and logs compare times across hosts"))
+    else:
+        checks.append(Check(f"{name} clock", "ok", f"clocks within {abs(skew):.3f} s"))
+    return checks
+
+
+def _compare_versions(name: str, theirs: Any) -> Check:
+    mine = versions()
+    if not isinstance(theirs, dict):
+        return Check(f"{name} versions", "FAIL", "the peer sent no versions", "update archipelago on the peer")
+    differ = [f"{k} {mine[k]} here, {theirs.get(k)!s:.40} there" for k in ("torch", "torchft", "archipelago")
+              if theirs.get(k) != mine[k]]
+    if differ:
+        return Check(f"{name} versions", "warn", "; ".join(differ),
+                     "install the same versions on every island (`make setup` from one commit)")
+    return Check(f"{name} versions", "ok", "torch, torchft and archipelago equal")
+
+
+def _compare_fingerprints(name: str, mine: str | None, theirs: Any) -> Check:
+    if mine is None or theirs is None:
+        return Check(f"{name} config", "info", "not compared (give --config on both hosts)")
+    if mine != theirs:
+        return Check(f"{name} config", "FAIL", f"config fingerprint {mine} here, {str(theirs):.16} there",
+                     "start every island from the same config file: the model, data.vocab_size/tokenizer, seq_len "
+                     "and [fault_tolerance] (except replica_id and lighthouse) must be equal")
+    return Check(f"{name} config", "ok", f"config fingerprint {mine} on both")
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+def run_checks(args: argparse.Namespace, cfg: Any | None, env: dict[str, str]) -> list[Check]:
+    fingerprint = config_fingerprint(cfg) if cfg is not None else None
+    checks = [check_versions(), check_devices()]
+    if cfg is not None:
+        checks += [Check("config", "info", f"{args.config}: fingerprint {fingerprint}"), check_disk(cfg)]
+    lighthouse = args.lighthouse or env.get("TORCHFT_LIGHTHOUSE")
+    if lighthouse:
+        checks.append(check_lighthouse(lighthouse))
+    local = env.get("LOCAL_ADDR")
+    if local:
+        checks.append(check_local_addr(local))
+    checks += check_interfaces(env, local)
+    for port in args.port:
+        checks.append(check_port(local or "127.0.0.1", port))
+    for peer in args.peer:
+        checks += check_peer(peer, fingerprint)
+    return checks
+
+
+def print_table(checks: list[Check]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="archipelago doctor", show_lines=False)
+    for column in ("", "check", "found", "fix"):
+        table.add_column(column, overflow="fold")
+    styles = {"ok": "green", "warn": "yellow", "FAIL": "bold red", "info": "dim"}
+    for c in checks:
+        table.add_row(f"[{styles[c.status]}]{c.status}[/]", c.name, c.detail, c.fix)
+    Console(width=max(120, shutil.get_terminal_size().columns)).print(table)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="archipelago doctor", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="the run file this island will use: its fingerprint and checkpoint size")
+    p.add_argument("--lighthouse", help="lighthouse URL (default: $TORCHFT_LIGHTHOUSE)")
+    p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                   help="a peer running `archipelago doctor --serve HOST:PORT` (repeat for several)")
+    p.add_argument("--port", action="append", type=int, default=[],
+                   help="a port this island will listen on, checked free on LOCAL_ADDR (repeat for several)")
+    p.add_argument("--serve", metavar="HOST:PORT", help="answer peers' checks on this address until Ctrl-C "
+                                                        "(give the address peers reach; never all interfaces)")
+    p.add_argument("--serve-seconds", type=float, default=0, help="with --serve: stop after this long (0: never)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    cfg = None
+    if args.config:
+        from archipelago.config import ConfigError, load_toml
+
+        try:
+            cfg = load_toml(args.config)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if args.serve:
+        return _serve_until_stopped(args, cfg)
+    checks = run_checks(args, cfg, dict(os.environ))
+    print_table(checks)
+    failed = [c for c in checks if c.status == "FAIL"]
+    print(f"{len(failed)} check(s) failed" if failed else "every check passed")
+    return 1 if failed else 0
+
+
+def _serve_until_stopped(args: argparse.Namespace, cfg: Any | None) -> int:
+    try:
+        host, port = _host_port(args.serve)
+    except ValueError as exc:
+        print(f"error: --serve {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    listener = serve(host, port, config_fingerprint(cfg) if cfg is not None else None, stop)
+    print(f"answering doctor checks on {host}:{listener.getsockname()[1]}"
+          + (f" (config fingerprint {config_fingerprint(cfg)})" if cfg is not None else "") + "; Ctrl-C stops",
+          flush=True)
+    try:
+        stop.wait(args.serve_seconds or None)
+    except KeyboardInterrupt:
+        pass
+    stop.set()
+    return 0

@@ -1,0 +1,141 @@
+"""`archipelago doctor`: every check against a real failing condition on loopback, with its fix."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from archipelago.config import load_config
+from archipelago.launch import doctor
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_lighthouse_fails_naming_how_to_start_it():
+    port = _closed_port()
+    check = doctor.check_lighthouse(f"http://127.0.0.1:{port}")
+    assert check.status == "FAIL" and "cannot connect" in check.detail
+    assert f"archipelago lighthouse --bind 127.0.0.1:{port}" in check.fix
+    assert doctor.check_lighthouse("not a url").status == "FAIL"
+
+
+@pytest.mark.timeout(60)
+def test_a_running_lighthouse_passes():
+    from archipelago.launch.lighthouse import start_lighthouse
+
+    lighthouse = start_lighthouse("127.0.0.1:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=20)
+    try:
+        assert doctor.check_lighthouse(lighthouse.address()).status == "ok"
+    finally:
+        lighthouse.shutdown()
+
+
+def test_interfaces_that_do_not_exist_or_do_not_carry_local_addr_fail_naming_the_right_one():
+    loopback = next(name for name, addr in doctor.interface_addresses().items() if addr == "127.0.0.1")
+    wrong = doctor.check_interfaces({"GLOO_SOCKET_IFNAME": "nosuch0"}, "127.0.0.1")
+    assert [c.status for c in wrong] == ["FAIL"] and "no interface named nosuch0" in wrong[0].detail
+    assert f"{loopback} carries LOCAL_ADDR 127.0.0.1" in wrong[0].fix
+    right = doctor.check_interfaces({"GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": "^docker"}, "127.0.0.1")
+    assert [c.status for c in right] == ["ok"]  # NCCL's exclusion form is not checked
+    others = {name: addr for name, addr in doctor.interface_addresses().items() if addr != "127.0.0.1"}
+    if others:  # an interface that exists but carries another address
+        name, addr = next(iter(others.items()))
+        off = doctor.check_interfaces({"NCCL_SOCKET_IFNAME": name}, "127.0.0.1")
+        assert off[0].status == "FAIL" and f"NCCL_SOCKET_IFNAME={loopback}" in off[0].fix
+
+
+def test_local_addr_must_belong_to_this_host():
+    assert doctor.check_local_addr("127.0.0.1").status == "ok"
+    foreign = doctor.check_local_addr("192.0.2.7")  # TEST-NET-1: never a local address
+    assert foreign.status == "FAIL" and "not an address of this host" in foreign.detail
+    assert "127.0.0.1" in foreign.fix  # the host's addresses are listed
+
+
+def test_a_taken_port_fails_and_a_free_one_passes():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        taken = doctor.check_port("127.0.0.1", port)
+        assert taken.status == "FAIL" and "another process holds it" in taken.fix
+    assert doctor.check_port("127.0.0.1", _closed_port()).status == "ok"
+
+
+@pytest.fixture()
+def peer():
+    """A serving doctor on loopback with llama3 federation.toml's fingerprint."""
+    cfg = load_config(["--config", "configs/llama3/federation.toml"])
+    stop = threading.Event()
+    listener = doctor.serve("127.0.0.1", 0, doctor.config_fingerprint(cfg), stop)
+    yield f"127.0.0.1:{listener.getsockname()[1]}", cfg
+    stop.set()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_with_the_same_config_is_measured_and_passes(peer):
+    address, cfg = peer
+    checks = doctor.check_peer(address, doctor.config_fingerprint(cfg))
+    assert [c.status for c in checks] == ["ok", "ok", "ok", "ok"], checks
+    assert "latency" in checks[0].detail and "Mbit/s" in checks[0].detail
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_with_another_config_fails_the_fingerprint_naming_what_must_match(peer):
+    address, _ = peer
+    other = load_config(["--config", "configs/llama3/federation.toml", "--fault_tolerance.sync_steps", "20"])
+    checks = doctor.check_peer(address, doctor.config_fingerprint(other))
+    config = next(c for c in checks if c.name.endswith("config"))
+    assert config.status == "FAIL" and "same config file" in config.fix
+    # replica_id differs between islands by design: the fingerprint leaves it out (group_size is shared).
+    island_1 = load_config(["--config", "configs/llama3/federation.toml", "--fault_tolerance.replica_id", "1",
+                            "--fault_tolerance.group_size", "2"])
+    island_0 = load_config(["--config", "configs/llama3/federation.toml", "--fault_tolerance.group_size", "2"])
+    assert doctor.config_fingerprint(island_1) == doctor.config_fingerprint(island_0)
+
+
+def test_a_peer_that_does_not_listen_fails_naming_doctor_serve():
+    port = _closed_port()
+    checks = doctor.check_peer(f"127.0.0.1:{port}", None)
+    assert [c.status for c in checks] == ["FAIL"]
+    assert f"archipelago doctor --serve 127.0.0.1:{port}" in checks[0].fix
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_speaking_another_protocol_is_refused_not_trusted():
+    with socket.socket() as rogue:
+        rogue.bind(("127.0.0.1", 0))
+        rogue.listen(1)
+
+        def answer() -> None:
+            conn, _ = rogue.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"x" * 10_000)  # no newline within the size limit
+
+        threading.Thread(target=answer, daemon=True).start()
+        checks = doctor.check_peer(f"127.0.0.1:{rogue.getsockname()[1]}", None)
+    assert [c.status for c in checks] == ["FAIL"] and "answered wrongly" in checks[0].detail
+
+
+@pytest.mark.timeout(120)
+def test_the_command_prints_a_table_and_exits_1_on_a_failure():
+    port = _closed_port()
+    done = subprocess.run([sys.executable, "-m", "archipelago.launch.cli", "doctor", "--config",
+                           "configs/llama3/federation.toml", "--lighthouse", f"http://127.0.0.1:{port}"],
+                          capture_output=True, text=True, timeout=100, cwd=ROOT,
+                          env={"PATH": "/usr/bin:/bin", "COLUMNS": "200"})
+    assert done.returncode == 1, done.stderr
+    assert "lighthouse" in done.stdout and "FAIL" in done.stdout and "1 check(s) failed" in done.stdout
+    assert "versions" in done.stdout and "devices" in done.stdout and "fingerprint" in done.stdout
