@@ -383,7 +383,7 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Train to `training.steps` and return the summary (also written to summary.json)."""
         self.resume()
-        self.metrics.start(self.progress)
+        self.metrics.start(self.progress, token_budget=self.federation.token_budget_or_none())
         if self.progress.step == 0 and self.cfg.training.val_every:
             validation = self.evaluate()
             self.progress.record_validation(validation)
@@ -548,7 +548,8 @@ class Trainer:
                 validation = self.evaluate()
         if step % self.cfg.metrics.log_every == 0 or validation is not None or final:
             self.check_finite()
-            self.progress.loss = self.metrics.log_step(step, result, self.progress.tokens, validation)
+            self.progress.loss = self.metrics.log_step(step, result, self.progress.tokens, validation,
+                                                       position=self.federation.position(step))
             if validation is not None:
                 self.progress.record_validation(validation)
         with self.untimed_in_round():
@@ -700,12 +701,14 @@ class RunMetrics:
         self.window_untimed_busy = 0.0
         self.start_step, self.wall_before = 0, 0.0
 
-    def start(self, progress: Progress) -> None:
-        """Begin this session's clock where the (possibly resumed) run stands."""
-        self.display = ProgressDisplay(self.cfg.training.steps, start_step=progress.step,
+    def start(self, progress: Progress, token_budget: int | None = None) -> None:
+        """Begin this session's clock where the (possibly resumed) run stands. With a
+        `token_budget` (time-paced rounds) the display counts the federation's tokens toward
+        it, not steps: an island's step count is not what ends the run."""
+        self.display = ProgressDisplay(token_budget or self.cfg.training.steps, start_step=progress.step,
                                        mode=self.cfg.metrics.progress, enabled=self.ctx.is_leader,
                                        title=self.cfg.job.name, time_limit_s=self.cfg.training.time_budget_s,
-                                       unit=self.unit)
+                                       unit=self.unit, budget_unit=self.unit if token_budget else None)
         self.started = self.window_start = time.perf_counter()
         self.window_busy = self.busy_clock() if self.busy_clock else 0.0
         self.start_step, self.wall_before = progress.step, progress.wall_s
@@ -746,8 +749,10 @@ class RunMetrics:
         first = int(all_reduce_(mine.clone(), self.ctx, op="min"))
         return None if first >= never else first
 
-    def log_step(self, step: int, result: StepResult, tokens: int, validation: dict[str, float] | None) -> float:
-        """Write one step record; returns the loss averaged over the island's ranks."""
+    def log_step(self, step: int, result: StepResult, tokens: int, validation: dict[str, float] | None,
+                 position: float | None = None) -> float:
+        """Write one step record; returns the loss averaged over the island's ranks.
+        `position`: where the run stands toward the display's total (steps, or tokens)."""
         # float() waits for the device to finish the queued steps, so the clock read
         # after it covers their whole compute time (this is the host sync point).
         loss_avg = float(all_reduce_(result.loss.detach().clone(), self.ctx, op="avg"))
@@ -758,8 +763,8 @@ class RunMetrics:
         idle = self.rank_idle(timed)
         self.window_start, self.window_steps, self.window_untimed = now, 0, 0.0
         tokens_per_s = self.meter.tokens_per_s()
-        mfu = self.meter.mfu(self.flops_per_token, self.peak * self.ctx.world_size)
-        record = {"step": step, "loss": loss_avg, "lr": result.lr, "grad_norm": float(result.grad_norm),
+        mfu = self.shown_mfu(self.meter.mfu(self.flops_per_token, self.peak * self.ctx.world_size))
+        record: dict[str, Any] = {"step": step, "loss": loss_avg, "lr": result.lr, "grad_norm": float(result.grad_norm),
                   "tokens": tokens, "tokens_per_s": tokens_per_s, "mfu": mfu,
                   "elapsed_s": now - self.started, "time": time.time()}
         if idle is not None:
@@ -770,8 +775,23 @@ class RunMetrics:
         self.jsonl.log(record)
         self.tensorboard.log(step, {k: v for k, v in record.items() if k != "step"})
         if self.display is not None:
-            self.display.update(step, record)
+            self.display.update(step, record, position)
         return loss_avg
+
+    _mfu_warned = False
+
+    def shown_mfu(self, mfu: float) -> float | None:
+        """MFU, or None (`n/a`) above 100%: a measured peak (a CPU's, taken while other ranks or
+        islands shared its cores) can be below what training then reaches; a fraction over 1
+        would say nothing true. Logged once, naming metrics.peak_tflops for a stated peak."""
+        if mfu <= 1.0 or self.peak_source.startswith("override"):
+            return mfu
+        if not self._mfu_warned:
+            self._mfu_warned = True
+            log.warning("MFU shown as n/a: training reached %.0f%% of the %s (%.2f TFLOP/s per rank), which was "
+                        "taken while the cores were shared; set --metrics.peak_tflops to the device's nominal peak "
+                        "for a true MFU", 100 * mfu, self.peak_source, self.peak / 1e12)
+        return None
 
     def rank_idle(self, timed_s: float) -> list[float] | None:
         """Every rank's idle share of the window's training time (a collective), on a CPU

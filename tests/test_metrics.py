@@ -295,3 +295,40 @@ def test_report_baseline_without_validation_is_refused_by_the_cli(tmp_path: Path
 
     assert main(["report", str(run), "--baseline", str(bare)]) == 2
     assert main(["report", str(run), "--baseline", str(tmp_path / "missing")]) == 2
+
+
+def test_mfu_above_a_measured_peak_is_shown_as_n_a_with_one_warning(caplog) -> None:
+    from types import SimpleNamespace
+
+    from archipelago.metrics.progress import format_metrics
+    from archipelago.trainer import RunMetrics
+
+    measured = SimpleNamespace(peak_source="measured matmul peak", peak=5e10, _mfu_warned=False)
+    with caplog.at_level("WARNING"):
+        assert RunMetrics.shown_mfu(measured, 0.4) == 0.4
+        assert RunMetrics.shown_mfu(measured, 1.3) is None
+        assert RunMetrics.shown_mfu(measured, 1.7) is None
+    warnings = [r.getMessage() for r in caplog.records if "MFU shown as n/a" in r.getMessage()]
+    assert len(warnings) == 1 and "--metrics.peak_tflops" in warnings[0] and "130%" in warnings[0]
+    stated = SimpleNamespace(peak_source="override (0.05 TFLOP/s)", peak=5e10, _mfu_warned=False)
+    assert RunMetrics.shown_mfu(stated, 1.3) == 1.3  # a peak the user stated is taken as given
+    assert "mfu n/a" in format_metrics({"loss": 5.0, "mfu": None})
+
+
+def test_a_token_budget_drives_the_progress_line_and_eta_not_the_step_count(monkeypatch) -> None:
+    import io
+
+    from archipelago.metrics import progress as progress_module
+    from archipelago.metrics.progress import ProgressDisplay
+
+    clock = iter([100.0, 110.0, 130.0])
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: next(clock))
+    out = io.StringIO()
+    display = ProgressDisplay(400_000, mode="plain", file=out, budget_unit="tok")
+    display.update(10, {"loss": 5.0}, position=100_000)
+    display.update(20, {"loss": 4.9}, position=200_000)  # 100k tokens in 10 s: 200k left -> 20 s
+    display.update(25, {"loss": 4.8}, position=300_000)  # 200k in 30 s: 100k left -> 15 s
+    lines = out.getvalue().splitlines()
+    assert lines[1].startswith("step 20 | federation 200k/400k tok (50%)"), lines
+    assert lines[1].endswith("eta 20s") and lines[2].endswith("eta 15s"), lines
+    assert "/400" not in lines[2].split("|")[0]  # no step total: an island's steps do not end the run

@@ -43,6 +43,11 @@ def test_time_pacing_lets_the_fast_island_run_more_steps_without_waiting(tmp_pat
     budget = 24 * 8 * 64 * 2
     assert fast[-1]["federation_tokens"] == slow[-1]["federation_tokens"] >= budget
     assert fast[-2]["federation_tokens"] < budget
+    # The progress lines count the federation's tokens toward that budget, not the island's steps.
+    from archipelago.metrics.progress import format_count
+
+    console = (tmp_path / "run" / "island-1" / "console.log").read_text()
+    assert f"/{format_count(budget)} tok (" in console and "step 24/24" not in console, console[-2000:]
 
 
 @pytest.mark.timeout(600)

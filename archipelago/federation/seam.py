@@ -57,6 +57,15 @@ class Alone:
         """Trained enough: `training.steps` inner steps."""
         return step >= self.steps
 
+    def token_budget_or_none(self) -> int | None:
+        """The federation's token budget when it, not the step count, ends the run (time pacing)."""
+        return None
+
+    def position(self, step: int) -> float:
+        """How far the run is, in the unit `done` counts: inner steps, or with a token budget
+        the federation's tokens (estimated between outer steps)."""
+        return float(step)
+
     def saves_model(self, scope: str) -> bool:
         """Whether this island writes the model in its checkpoints."""
         return True
@@ -112,6 +121,12 @@ class Member(Alone):
         if self.time_paced:
             return self.outer.federation_tokens >= self.token_budget
         return super().done(step)
+
+    def token_budget_or_none(self) -> int | None:
+        return self.token_budget if self.time_paced else None
+
+    def position(self, step: int) -> float:
+        return min(float(self.token_budget), self.outer.federation_tokens_estimate()) if self.time_paced else step
 
     def saves_model(self, scope: str) -> bool:
         return scope == "island" or self.outer.leads

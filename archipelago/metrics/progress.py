@@ -25,6 +25,9 @@ class ProgressDisplay:
     "plain" or "off". `update` understands these metric keys (all optional):
     loss, accuracy, lr, tokens_per_s, mfu (a fraction: 0.031 shows as 3.1%), val_loss,
     val_accuracy. `unit` names what tokens_per_s counts ("tok", or "img" for images).
+    With `budget_unit` the run ends at a budget of that unit, not a step count (a time-paced
+    federation: `total_steps` is then the federation's token budget), and `update`'s
+    `position` (tokens so far) drives the bar and the ETA.
     """
 
     def __init__(
@@ -37,6 +40,7 @@ class ProgressDisplay:
         file: TextIO | None = None,
         time_limit_s: float = 0.0,
         unit: str = "tok",
+        budget_unit: str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"progress mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -44,30 +48,36 @@ class ProgressDisplay:
         self.start_step = start_step
         # training.time_budget_s: the run ends by then whatever the step count says.
         self.deadline = time.monotonic() + time_limit_s if time_limit_s > 0 else None
-        self.title, self.unit = title, unit
+        self.title, self.unit, self.budget_unit = title, unit, budget_unit
         self.file = file if file is not None else sys.stdout
         self.mode = _resolve_mode(mode, self.file) if enabled else "off"
         self._progress: Any = None
         self._task: Any = None
-        self._first: tuple[int, float] | None = None  # (step, time) of first update, for ETA
+        self._first: tuple[float, float] | None = None  # (position, time) of first update, for ETA
         if self.mode == "rich":
             self._start_rich()
 
     # ------------------------------------------------------------- public API
 
-    def update(self, step: int, metrics: dict[str, Any]) -> None:
-        """Show progress at `step`; the caller decides how often to call this."""
+    def update(self, step: int, metrics: dict[str, Any], position: float | None = None) -> None:
+        """Show progress at `step` (toward a budget: at `position`); the caller decides how often."""
         if self.mode == "off":
             return
         now = time.monotonic()
+        where = position if self.budget_unit is not None and position is not None else step
         if self._first is None:
-            self._first = (step, now)
+            self._first = (where, now)
         info = format_metrics(metrics, self.unit)
         if self.mode == "rich":
-            self._guard(lambda: self._progress.update(self._task, completed=step, info=info))
+            self._guard(lambda: self._progress.update(self._task, completed=where, info=info))
             return
-        parts = [f"step {step}/{self.total_steps}"] + ([info] if info else [])
-        eta = self._eta(step, now)
+        if self.budget_unit is None:
+            parts = [f"step {step}/{self.total_steps}"]
+        else:
+            parts = [f"step {step}", f"federation {format_count(where)}/{format_count(self.total_steps)} "
+                                     f"{self.budget_unit} ({100 * where / max(1, self.total_steps):.0f}%)"]
+        parts += [info] if info else []
+        eta = self._eta(where, now)
         if eta is not None:
             parts.append(f"eta {format_duration(eta)}")
         self._write(" | ".join(parts))
@@ -128,7 +138,7 @@ class ProgressDisplay:
             self._progress = None
             self.mode = "plain"
 
-    def _eta(self, step: int, now: float) -> float | None:
+    def _eta(self, step: float, now: float) -> float | None:
         if self._first is None:
             return None
         first_step, first_time = self._first
@@ -177,6 +187,8 @@ def format_metrics(metrics: dict[str, Any], unit: str = "tok") -> str:
         parts.append(f"{format_count(metrics['tokens_per_s'])} {unit}/s")
     if metrics.get("mfu") is not None:
         parts.append(f"mfu {100 * float(metrics['mfu']):.1f}%")
+    elif "mfu" in metrics:  # above 100% of a measured peak: not shown (the trainer logs why)
+        parts.append("mfu n/a")
     if metrics.get("val_loss") is not None:
         parts.append(f"val {_fixed(metrics['val_loss'])}")
     if metrics.get("val_accuracy") is not None:
