@@ -8,9 +8,15 @@ TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.installed
 
 
-.PHONY: setup demo demo-island test test-slow test-gpu lint bench bench-federation bench-heterogeneous bench-wan bench-quality docs clean
+.PHONY: setup browser demo demo-island test test-slow test-gpu lint bench bench-federation bench-heterogeneous bench-wan bench-quality docs clean
 
-setup: $(STAMP) data
+setup: $(STAMP) data browser
+
+# Debian's chromium, for the dashboard's browser test (skipped without it; needs root to install).
+browser:
+	@command -v chromium >/dev/null || (apt-get install -y -q chromium >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) || \
+		echo "note: chromium not installed (apt-get failed); the dashboard's browser test will be skipped"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

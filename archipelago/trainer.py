@@ -32,7 +32,7 @@ from archipelago.config import Config, ConfigError, advice, config_to_dict, data
 from archipelago.config.counts import parse_factors
 from archipelago.config.faults import TRAINER_KINDS, faults_from_env
 from archipelago.federation import Alone, build_federation
-from archipelago.federation.trust import FederationKey, load_key, refuse_exposed_without_key
+from archipelago.federation.trust import FederationKey, dashboard_tag, load_key, refuse_exposed_without_key
 from archipelago.island.batches import RankBatches, forward_backward, rank_batches
 from archipelago.island.device import IslandContext, all_reduce_, barrier, broadcast_object, close_island, init_island
 from archipelago.island.emulation import SlowDevice
@@ -49,6 +49,7 @@ from archipelago.metrics import (
     write_json_atomic,
 )
 from archipelago.metrics.progress import format_count
+from archipelago.metrics.push import RecordPusher
 from archipelago.planning import describe_plan, plan_island, profile_lines, rank_batches_of
 from archipelago.tasks import Task, TaskModel, build_task
 
@@ -294,7 +295,21 @@ class Trainer:
 
     def build_metrics(self) -> RunMetrics:
         return RunMetrics(self.cfg, self.ctx, self.run_dir, self.model, self.model_info.flops_per_token,
-                          self.tokens_per_step, self.task.unit, emulated_s=lambda: self.slow_device.slept_s)
+                          self.tokens_per_step, self.task.unit, emulated_s=lambda: self.slow_device.slept_s,
+                          pusher=self.build_dashboard_pusher())
+
+    def build_dashboard_pusher(self) -> RecordPusher | None:
+        """metrics.dashboard: the island's leader pushes its records there, tagged with the
+        federation key when there is one (the dashboard refuses untagged pushes then)."""
+        url = self.cfg.metrics.dashboard
+        if not url or not self.ctx.is_leader:
+            return None
+        island = self.cfg.fault_tolerance.replica_id
+        key = self.federation_key
+        sign = None if key is None else (lambda body: dashboard_tag(key, island, body))
+        info = {"ranks": self.ctx.world_size, "device": self.ctx.device.type, "job": self.cfg.job.name,
+                "model": f"{self.cfg.model.name}/{self.cfg.model.flavor}"}
+        return RecordPusher(url, island, info, sign)
 
     # ---- state ---------------------------------------------------------------------
 
@@ -677,12 +692,14 @@ class RunMetrics:
 
     def __init__(self, cfg: Config, ctx: IslandContext, run_dir: Path, model: ParallelModel,
                  flops_per_token: float, tokens_per_step: int, unit: str = "tok",
-                 emulated_s: Callable[[], float] = lambda: 0.0) -> None:
-        """`emulated_s`: seconds an emulated slow rank has waited so far (counted as busy)."""
+                 emulated_s: Callable[[], float] = lambda: 0.0, pusher: RecordPusher | None = None) -> None:
+        """`emulated_s`: seconds an emulated slow rank has waited so far (counted as busy);
+        `pusher`: where records also go (a federation dashboard)."""
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.tokens_per_step, self.unit = tokens_per_step, unit
         leader = ctx.is_leader
         self.jsonl = MetricsLog(run_dir / "metrics.jsonl", enabled=leader)
+        self.pusher = pusher
         self.tensorboard = TensorBoardLog(run_dir / "tensorboard", enabled=leader and cfg.metrics.tensorboard)
         self.display: ProgressDisplay | None = None  # made in start(), once the first step is known
         self.flops_per_token = flops_per_token
@@ -772,7 +789,7 @@ class RunMetrics:
         for name, value in result.extra.items():  # the task's own, e.g. accuracy
             record[name] = float(all_reduce_(value.detach().clone(), self.ctx, op="avg"))
         record.update(validation or {})
-        self.jsonl.log(record)
+        self.write(record)
         self.tensorboard.log(step, {k: v for k, v in record.items() if k != "step"})
         if self.display is not None:
             self.display.update(step, record, position)
@@ -805,9 +822,15 @@ class RunMetrics:
         shares[self.ctx.rank] = min(1.0, max(0.0, 1.0 - busy / timed_s)) if timed_s > 0 else 0.0
         return [round(float(x), 4) for x in all_reduce_(shares, self.ctx)]
 
+    def write(self, record: dict[str, Any]) -> None:
+        """One record to metrics.jsonl, and to the dashboard when there is one."""
+        self.jsonl.log(record)
+        if self.pusher is not None:
+            self.pusher.push(record)
+
     def log_validation(self, step: int, validation: dict[str, float]) -> None:
         """A validation-only record (the evaluation before the first step)."""
-        self.jsonl.log({"step": step, **validation, "tokens": 0})
+        self.write({"step": step, **validation, "tokens": 0})
         self.tensorboard.log(step, validation)
         if self.display is not None:
             accuracy = f", accuracy {validation['val_accuracy']:.3f}" if "val_accuracy" in validation else ""
@@ -815,7 +838,7 @@ class RunMetrics:
 
     def outer_step(self, record: dict[str, Any]) -> None:
         """One round of the outer loop (metrics.jsonl `outer_step` event, and a display line)."""
-        self.jsonl.log({"event": "outer_step", "time": time.time(), **record})
+        self.write({"event": "outer_step", "time": time.time(), **record})
         self.tensorboard.log(record["step"], {"outer/participants": record["participants"],
                                               "outer/sync_s": record["sync_s"]})
         if self.display is not None:
@@ -832,7 +855,7 @@ class RunMetrics:
                                  f"sent {format_count(record['bytes_sent'])}B ({record['codec']})")
 
     def event(self, name: str, **fields: Any) -> None:
-        self.jsonl.log({"event": name, "time": time.time(), **fields})
+        self.write({"event": name, "time": time.time(), **fields})
         if self.display is not None:
             self.display.message(f"{name}: {fields}")
 
@@ -858,6 +881,8 @@ class RunMetrics:
         return summary
 
     def close(self) -> None:
+        if self.pusher is not None:
+            self.pusher.close()
         if self.display is not None:
             self.display.close()
         self.tensorboard.close()

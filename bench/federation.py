@@ -12,6 +12,8 @@ Six runs on this machine, one after the other, all llama3 debug on Shakespeare:
    every receiver checking the tag), then top-k without and with a key; each compared with
    the same codec without a key: bytes per token, round time, and the encode + open/check/
    sum seconds per round against the round (the target: signing under 5% of a round).
+5. dashboard (unless --no-dashboard): bench/dashboard.py, one-rank runs with and without
+   pushing every step record to a federation dashboard (the target: step time ratio <= 1.01).
 
 Bytes are measured, not computed: the kernel's per-socket TCP counters (`ss -tinHea`,
 tcp_info bytes_sent, retransmissions included) of every process we started, polled every
@@ -50,6 +52,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from dashboard import measure_dashboard  # noqa: E402
+from dashboard import print_table as print_dashboard  # noqa: E402
 from harness import (  # noqa: E402
     REPO,
     Monitor,
@@ -349,6 +353,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attribute-s", type=float, default=0.05,
                    help="period of mapping sockets to processes (/proc/PID/fd + sock_diag, cheap)")
     p.add_argument("--timeout", type=float, default=600, help="hard limit per run, seconds")
+    p.add_argument("--no-dashboard", action="store_true",
+                   help="skip the dashboard's cost (bench/dashboard.py: step time with and without pushing)")
     p.add_argument("--no-signing", action="store_true",
                    help="skip the three runs that measure signed rows (a federation key) and top-k")
     p.add_argument("--work-dir", type=Path, default=None,
@@ -370,6 +376,9 @@ def main() -> None:
     median_round = statistics.median(fed["round_intervals_s"]) if fed["round_intervals_s"] else None
     kill = kill_drill(args, root, fed, median_round)
     signing = [] if args.no_signing else measure_signing(args, root, fed)
+    dashboard = None if args.no_dashboard else measure_dashboard(
+        argparse.Namespace(config=args.config, steps=30, batch_size=args.batch_size, repeats=2, timeout=args.timeout),
+        root)
     seq_len = seq_len_of(Path(fed["run_dir"]) / "island-0")
     result = {
         "ratio": ratio(ddp["bytes_per_token"], fed["bytes_per_token"]),
@@ -385,9 +394,11 @@ def main() -> None:
         "batch_size": args.batch_size, "seq_len": seq_len, "config": str(args.config),
         "measurement": fed["traffic"]["method"], "work_dir": str(root),
         "commands": [fed["cmd"], ddp["cmd"], *(a["cmd"] for a in kill["attempts"])],
-        "federation": fed, "ddp": ddp, "kill": kill, "signing": signing,
+        "federation": fed, "ddp": ddp, "kill": kill, "signing": signing, "dashboard": dashboard,
     }
     print_tables(result)
+    if dashboard is not None:
+        print_dashboard(dashboard)
     write_json(args.out, result)
 
 

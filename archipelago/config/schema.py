@@ -182,6 +182,8 @@ class MetricsConfig:
     """Also write TensorBoard events under RUN_DIR/tensorboard when tensorboard is installed."""
     peak_tflops: float = 0.0
     """Peak TFLOP/s of one rank's device for MFU; 0 looks it up (GPUs) or measures a matmul (CPU)."""
+    dashboard: str = ""
+    """URL of a federation dashboard (`archipelago lighthouse --dashboard`, `archipelago local --dashboard`) to push this island's records to, e.g. http://10.0.0.1:8080 (signed with the federation key when one is set); empty: none. Pushing runs in the background and never slows training."""
 
 
 @dataclass

@@ -22,12 +22,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import json
 import logging
 import os
 import re
 import secrets
 import stat
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +92,30 @@ class FederationKey:
 
     def tag(self, island: int, message: bytes) -> bytes:
         return hmac.new(self.island_key(island), message, hashlib.sha256).digest()
+
+
+DASHBOARD_TAG = "X-Archipelago-Tag"  # header of a dashboard push: hex HMAC of the body with the island's key
+
+
+def dashboard_tag(key: FederationKey, island: int, body: bytes) -> dict[str, str]:
+    """Headers that authenticate an island's push to the federation dashboard."""
+    return {DASHBOARD_TAG: key.tag(island, b"dashboard push\n" + body).hex()}
+
+
+def dashboard_verifier(key: FederationKey) -> Callable[[int, bytes, dict[str, str]], bool]:
+    """What the dashboard checks a push with: the tag of the island it names, and a body
+    written within the last 5 minutes (a replayed old push is refused)."""
+    def verify(island: int, body: bytes, headers: dict[str, str]) -> bool:
+        given = next((v for k, v in headers.items() if k.lower() == DASHBOARD_TAG.lower()), "")
+        expected = dashboard_tag(key, island, body)[DASHBOARD_TAG]
+        if not hmac.compare_digest(given, expected):
+            return False
+        try:
+            written = float(json.loads(body).get("time", 0))
+        except (ValueError, AttributeError, TypeError):
+            return False
+        return abs(time.time() - written) < 300
+    return verify
 
 
 def load_key(key_file: str = "") -> FederationKey | None:

@@ -152,6 +152,8 @@ def _parser() -> argparse.ArgumentParser:
                    default=DEFAULT_HEARTBEAT_TIMEOUT_MS, metavar="MS",
                    help="how long without a heartbeat before an island counts as dead "
                    f"(default {DEFAULT_HEARTBEAT_TIMEOUT_MS})")
+    p.add_argument("--dashboard", metavar="HOST:PORT", help="also serve the live federation dashboard (a web "
+                   "page and /metrics) here, e.g. 127.0.0.1:8080; islands push to it with --metrics.dashboard")
     p.add_argument("--key-file", "--key_file", default="", metavar="FILE",
                    help="the federation's key file: admit only islands that hold it (default: "
                    "$ARCHIPELAGO_FEDERATION_KEY_FILE, else no key: anyone who reaches the lighthouse joins)")
@@ -186,6 +188,19 @@ def _banner(args: argparse.Namespace, url: str, local_url: str | None, server: A
     return "\n".join(lines) + "\n"
 
 
+def start_dashboard(bind: str, key: Any = None) -> Any:
+    """The federation dashboard (metrics/dashboard.py) on `bind` (HOST:PORT); with a federation
+    key it accepts only pushes tagged with it."""
+    from archipelago.federation.trust import dashboard_verifier
+    from archipelago.metrics.dashboard import Dashboard
+
+    host, _, port = bind.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"--dashboard {bind!r}: expected HOST:PORT, e.g. 127.0.0.1:8080 (the address to serve "
+                         "on; never all interfaces by default)")
+    return Dashboard(host.strip("[]"), int(port), dashboard_verifier(key) if key is not None else None)
+
+
 def cmd_lighthouse(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     stop = threading.Event()
@@ -194,15 +209,22 @@ def cmd_lighthouse(argv: list[str]) -> int:
     try:
         from archipelago.federation.trust import load_key
 
+        key = load_key(args.key_file)
         server = start_lighthouse(args.bind, args.min_replicas, args.join_timeout_ms,
-                                  args.quorum_tick_ms, args.heartbeat_timeout_ms, key=load_key(args.key_file))
+                                  args.quorum_tick_ms, args.heartbeat_timeout_ms, key=key)
+        dashboard = start_dashboard(args.dashboard, key) if args.dashboard else None
         try:
             url, local_url = island_urls(args.bind, server)
             print(_banner(args, url, local_url, server), end="", flush=True)
+            if dashboard is not None:
+                print(f"federation dashboard: {dashboard.address} (islands: --metrics.dashboard "
+                      f"{dashboard.address}; /metrics for Prometheus)", flush=True)
             while not stop.wait(0.5):
                 pass
         finally:
             server.shutdown()
+            if dashboard is not None:
+                dashboard.shutdown()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -94,6 +94,7 @@ class Options:
     slowdowns: list[float] = field(default_factory=list)
     injections: dict[int, list[Fault]] = field(default_factory=dict)  # island -> its --inject faults
     island_options: dict[int, list[str]] = field(default_factory=dict)  # island -> its own extra options
+    dashboard: str | None = None  # HOST:PORT of the federation dashboard served during the run
 
 
 def _number_list(text: str, kind: type, least: float, expected: str) -> list:
@@ -175,6 +176,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
                    help="an island silent this long is dropped from the quorum")
     p.add_argument("--no-table", action="store_true", help="no live status table / status lines")
+    p.add_argument("--dashboard", metavar="HOST:PORT", help="serve the live federation dashboard (a web page and "
+                   "/metrics) here during the run, e.g. 127.0.0.1:8080; the islands push their records to it")
     return p
 
 
@@ -208,7 +211,7 @@ def parse_args(argv: list[str]) -> Options:
         min_replicas=args.min_replicas, join_timeout_ms=args.join_timeout_ms,
         quorum_tick_ms=args.quorum_tick_ms, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         table=not args.no_table, passthrough=passthrough, slowdowns=args.slowdown or [],
-        injections=injections, island_options=island_options,
+        injections=injections, island_options=island_options, dashboard=args.dashboard,
         run_dir=Path(run_dir or f"runs/local-{datetime.now():%Y%m%d-%H%M%S}"))
 
 
@@ -465,6 +468,7 @@ class LocalFederation:
         self.url = reachable_url(self.lighthouse.address(), self.opts.lighthouse_bind)
         gate = " (members only: the islands' federation key)" if hasattr(self.lighthouse, "dashboard") else ""
         self.out.note(f"lighthouse at {self.url}{gate}; run directory {self.opts.run_dir}")
+        dashboard = self._start_dashboard()
         run_token = uuid.uuid4().hex
         total = sum(self.opts.islands)
         for k, ranks in enumerate(self.opts.islands):
@@ -473,6 +477,7 @@ class LocalFederation:
             if self.opts.slowdowns:
                 cmd += ["--island.slowdown", f"{self.opts.slowdowns[k]:g}"]
             cmd += self.opts.island_options.get(k, [])
+            cmd += ["--metrics.dashboard", dashboard] if dashboard else []
             token = f"{run_token}-island-{k}"
             folder = self.opts.run_dir / f"island-{k}"
             env = island_env(token, self.url, total)
@@ -640,6 +645,21 @@ class LocalFederation:
         if self.lighthouse is not None:
             self.lighthouse.shutdown()
             self.lighthouse = None
+        if self.dashboard is not None:
+            self.dashboard.shutdown()
+            self.dashboard = None
+
+    dashboard: Any = None
+
+    def _start_dashboard(self) -> str | None:
+        """--dashboard: serve it in this process; returns the URL the islands push to."""
+        if not self.opts.dashboard:
+            return None
+        from archipelago.launch.lighthouse import start_dashboard
+
+        self.dashboard = start_dashboard(self.opts.dashboard, federation_key(self.opts.passthrough))
+        self.out.note(f"dashboard at {self.dashboard.address}")
+        return self.dashboard.address
 
     def _finish(self, interrupted: bool) -> int:
         islands = [{"id": i.id, "ranks": i.ranks, "exit_code": i.exit_code, "restarts": i.restarts,

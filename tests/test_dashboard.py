@@ -1,0 +1,157 @@
+"""The federation dashboard: pushes in, a page, /api/state and /metrics out; hostile pushes refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from archipelago.federation.trust import FederationKey, dashboard_tag, dashboard_verifier, new_secret
+from archipelago.metrics.dashboard import Dashboard, DashboardState, create_app
+from archipelago.metrics.push import RecordPusher
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _push(island: int, *records: dict, info: dict | None = None) -> dict:
+    return {"island": island, "info": info or {"ranks": 2, "device": "cpu"}, "time": time.time(), "dropped": 0,
+            "records": list(records)}
+
+
+STEP = {"step": 10, "loss": 5.5, "tokens": 5120, "tokens_per_s": 900.0, "mfu": None}
+OUTER = {"event": "outer_step", "outer_step": 3, "step": 10, "committed": True, "participants": 2,
+         "bytes_sent": 1234, "compute_s": 3.0, "sync_s": 1.0, "overlap_s": 0.0, "exposed_s": 1.0, "codec": "int8",
+         "rejected": None}
+
+
+def test_pushed_records_become_islands_outer_steps_curves_and_prometheus_gauges():
+    state = DashboardState()
+    client = create_app(state).test_client()
+    assert client.post("/push", data=json.dumps(_push(0, STEP, OUTER, {"step": 20, "loss": 5.1, "val_loss": 5.3,
+                                                                        "tokens": 10240}))).status_code == 200
+    assert client.post("/push", data=json.dumps(_push(1, {"event": "join", "step": 0, "time": 1.0}))).status_code == 200
+    snapshot = client.get("/api/state").get_json()
+    first = snapshot["islands"][0]
+    assert (first["island"], first["state"], first["ranks"], first["step"], first["loss"]) == (0, "training", 2.0,
+                                                                                              20.0, 5.1)
+    assert first["utilisation"] == pytest.approx(0.75)  # 3 s computing of 4 s in the round
+    assert first["curve"] == [[5120.0, 5.5, None], [10240.0, 5.1, 5.3]]
+    assert snapshot["outer_steps"][0]["bytes_sent"] == 1234 and snapshot["outer_steps"][0]["codec"] == "int8"
+    assert snapshot["events"][0]["event"] == "join" and snapshot["islands"][1]["island"] == 1
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").get_data(as_text=True))}
+    losses = {s.labels["island"]: s.value for s in families["archipelago_island_loss"].samples}
+    assert losses == {"0": 5.1}
+    sent = [s for s in families["archipelago_outer_bytes_sent"].samples if s.name.endswith("_total")]
+    assert {s.labels["island"]: s.value for s in sent} == {"0": 1234.0, "1": 0.0}
+    assert "Archipelago federation" in client.get("/").get_data(as_text=True)
+
+
+def test_malformed_oversized_and_strange_pushes_are_refused_or_cut_down():
+    state = DashboardState()
+    client = create_app(state).test_client()
+    assert client.post("/push", data=b"not json").status_code == 400
+    assert client.post("/push", data=json.dumps({"island": "zero", "records": []})).status_code == 400
+    assert client.post("/push", data=json.dumps(_push(0, *[STEP] * 501))).status_code == 400
+    assert client.post("/push", data=b"x" * (2 << 20)).status_code == 413
+    odd = {"step": 5, "loss": "<script>alert(1)</script>", "tokens": float("nan"), "extra": [1, 2]}
+    assert client.post("/push", data=json.dumps(_push(0, odd, info={"device": "x" * 1000}))).status_code == 200
+    island = client.get("/api/state").get_json()["islands"][0]
+    assert "loss" not in island and "extra" not in island and "tokens" not in island  # only numbers are kept
+    assert len(island["device"]) == 120
+
+
+def test_with_a_federation_key_only_tagged_fresh_pushes_from_the_island_they_name_are_taken():
+    key = FederationKey(bytes.fromhex(new_secret()))
+    other = FederationKey(bytes.fromhex(new_secret()))
+    client = create_app(DashboardState(), dashboard_verifier(key)).test_client()
+    body = json.dumps(_push(1, STEP)).encode()
+    assert client.post("/push", data=body).status_code == 403  # no tag
+    assert client.post("/push", data=body, headers=dashboard_tag(other, 1, body)).status_code == 403
+    assert client.post("/push", data=body, headers=dashboard_tag(key, 0, body)).status_code == 403  # another island's
+    assert client.post("/push", data=body, headers=dashboard_tag(key, 1, body)).status_code == 200
+    stale = json.dumps({**_push(1, STEP), "time": time.time() - 3600}).encode()
+    assert client.post("/push", data=stale, headers=dashboard_tag(key, 1, stale)).status_code == 403
+
+
+@pytest.mark.timeout(60)
+def test_the_pusher_delivers_in_the_background_and_an_absent_dashboard_costs_nothing_but_records():
+    dashboard = Dashboard("127.0.0.1", 0)
+    try:
+        pusher = RecordPusher(dashboard.address, 2, {"ranks": 1}, interval_s=0.05)
+        began = time.perf_counter()
+        for step in range(1, 101):
+            pusher.push({"step": step, "loss": 6.0 - step / 100, "tokens": 512 * step})
+        assert time.perf_counter() - began < 1.0  # queueing only (a loose bound: no I/O happens here)
+        pusher.close()
+        island = dashboard.state.snapshot()["islands"][0]
+        assert island["island"] == 2 and island["step"] == 100 and len(island["curve"]) == 100
+    finally:
+        dashboard.shutdown()
+    gone = RecordPusher(dashboard.address, 2, {}, interval_s=0.05)
+    gone.push({"step": 1, "loss": 1.0})
+    gone.close()
+    assert gone.dropped == 1
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read()
+
+
+def _render(url: str, shot: Path) -> str:
+    """The page's DOM after its scripts ran, and a screenshot, from headless Chromium."""
+    flags = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000"]
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=90).stdout
+    subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1000,1000", url], capture_output=True, timeout=90)
+    return dom
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (make setup installs it)")
+def test_a_local_federation_shows_on_the_dashboard_in_a_browser(shakespeare, tmp_path):
+    import socket
+    import threading
+
+    from conftest import TINY, run_cli
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    finished: list = []
+    runner = threading.Thread(target=lambda: finished.append(run_cli(
+        ["local", "--islands", "1,1", "--no-table", "--dashboard", f"127.0.0.1:{port}", *TINY,
+         "--training.steps", "80", "--training.val_every", "20", "--checkpoint.no_enable",
+         "--job.run_dir", str(tmp_path / "run")], timeout=360)))
+    runner.start()
+    try:
+        state: dict = {}
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and runner.is_alive():  # both islands in, an outer step done
+            try:
+                state = json.loads(_get(f"{url}/api/state"))
+            except OSError:
+                state = {}
+            if len(state.get("islands", [])) == 2 and state.get("outer_steps"):
+                break
+            time.sleep(0.5)
+        assert len(state.get("islands", [])) == 2 and state["outer_steps"], state
+        first = _render(url, tmp_path / "first.png")
+        time.sleep(3)
+        second = _render(url, tmp_path / "second.png")
+        families = {f.name for f in text_string_to_metric_families(_get(f"{url}/metrics").decode())}
+    finally:
+        runner.join(400)
+    assert finished and finished[0].returncode == 0, finished[0].output[-3000:] if finished else "no result"
+    for dom, shot in ((first, tmp_path / "first.png"), (second, tmp_path / "second.png")):
+        assert "2 island(s), updated" in dom, dom[-3000:]
+        assert ">training<" in dom and ">yes<" in dom  # islands training, a committed outer step
+        assert shot.is_file() and shot.stat().st_size > 10_000
+    assert first != second  # the page refreshed itself with newer numbers
+    assert {"archipelago_island_step", "archipelago_outer_steps"} <= families
