@@ -293,6 +293,23 @@ def test_fragments_are_contiguous_layers_with_embeddings_first_and_output_last()
         split_fragments(model, 3)
 
 
+def test_a_resnet_splits_into_fragments_by_residual_block_stem_first_classifier_last():
+    from archipelago.models.resnet import FLAVORS, build_resnet
+
+    model = build_resnet(FLAVORS["debug"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    blocks = list(dict.fromkeys(n.split(".")[0] + "." + n.split(".")[1] for n in names.values()
+                                if n.startswith("layer")))  # layer1.0, layer1.1, ..., in model order
+    fragments = [[names[id(p)] for p in f] for f in split_fragments(model, len(blocks))]
+    assert fragments[0][0].startswith("conv1") and fragments[-1][-1].startswith("fc")
+    for block, fragment in zip(blocks, fragments):  # one residual block each, in order
+        inside = [n for n in fragment if n.startswith("layer")]
+        assert inside and all(n.startswith(block + ".") for n in inside), (block, fragment)
+    assert sum(map(len, fragments)) == len(names)
+    with pytest.raises(ValueError, match=f"exceeds the model's {len(blocks)} layers"):
+        split_fragments(model, len(blocks) + 1)
+
+
 def test_fingerprint_mismatch_names_both_islands():
     ft = FaultToleranceConfig(enable=True, group_size=2)
     a = fingerprint("llama3/debug", [("w", (4, 4))], ft, 2)

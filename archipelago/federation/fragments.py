@@ -27,13 +27,15 @@ def named_parameters(model: nn.Module | NamedParameters) -> list[tuple[str, nn.P
 
 def split_fragments(model: nn.Module | NamedParameters, n: int) -> list[list[nn.Parameter]]:
     """The parameters that train (all of them, or only the LoRA adapters), in model order,
-    cut into `n` contiguous fragments by layer.
+    cut into `n` contiguous fragments by layer: a transformer block (`layers.N.`) or a
+    ResNet residual block (`layerS.B.`).
 
-    Parameters before the first layer (embeddings) go to the first fragment and those
-    after the last (final norm, output) to the last, as torchtitan's fragmenting does.
+    Parameters before the first layer (embeddings, a ResNet's stem) go to the first
+    fragment and those after the last (final norm, output, classifier) to the last, as
+    torchtitan's fragmenting does.
     """
     named = [(name, p) for name, p in named_parameters(model) if p.requires_grad]  # LoRA: adapters only
-    layer_of = [_layer_index(name) for name, _ in named]
+    layer_of = _layer_indices([name for name, _ in named])
     count = max([i for i in layer_of if i is not None], default=-1) + 1
     if n > max(count, 1):
         raise ValueError(f"fault_tolerance.num_fragments = {n} exceeds the model's {count} layers")
@@ -48,9 +50,24 @@ def split_fragments(model: nn.Module | NamedParameters, n: int) -> list[list[nn.
     return fragments
 
 
-def _layer_index(name: str) -> int | None:
-    match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-    return int(match.group(1)) if match else None
+# A transformer's blocks (`layers.3.attention...`) or a ResNet's residual blocks, numbered
+# within four stages (`layer2.1.conv1.weight`, torchvision's names).
+_LAYER = re.compile(r"(?:^|\.)(?:layers\.(\d+)|layer(\d+)\.(\d+))\.")
+
+
+def _layer_indices(names: list[str]) -> list[int | None]:
+    """Each name's layer, numbered 0, 1, ... in the order layers first appear (None: not
+    inside a layer)."""
+    order: dict[tuple[int, ...], int] = {}
+    indices: list[int | None] = []
+    for name in names:
+        match = _LAYER.search(name)
+        if match is None:
+            indices.append(None)
+            continue
+        key = (int(match.group(1)),) if match.group(1) is not None else (int(match.group(2)), int(match.group(3)))
+        indices.append(order.setdefault(key, len(order)))
+    return indices
 
 
 def build_outer_optimizer(ft: FaultToleranceConfig, param: torch.Tensor) -> torch.optim.Optimizer:
