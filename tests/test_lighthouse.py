@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import urllib.request
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -212,6 +215,25 @@ def test_run_train_sh_help_and_environment_checks():
     assert done.returncode == 2 and "ISHOST=maybe: expected 1 or yes" in done.stderr
     done = run_train_sh([], NNODES="2", MASTER_ADDR="10.0.0.1")
     assert done.returncode == 2 and "MASTER_PORT" in done.stderr
+
+
+def test_uv_run_starts_run_train_sh_in_the_setup_venv_without_locking_or_syncing(tmp_path):
+    # The reference platform's README starts islands with `uv run ./run_train.sh ...`.
+    uv = shutil.which("uv") or (Path(sys.executable).parent / "uv")  # the dev extra pins one
+    if not Path(uv).exists():
+        pytest.skip("uv is not installed")
+    site = Path(sysconfig.get_paths()["purelib"])
+    before = sorted(p.name for p in site.iterdir())
+    env = {k: v for k, v in os.environ.items() if k not in ("NGPU", "NNODES", "MASTER_ADDR", "MASTER_PORT",
+                                                            "VIRTUAL_ENV", "CONFIG_FILE", "ISHOST")}
+    env.update(ARCHIPELAGO_DRY_RUN="1", UV_CACHE_DIR=str(tmp_path / "uv-cache"), UV_OFFLINE="1", NGPU="2")
+    done = subprocess.run([str(uv), "run", "./run_train.sh", "--fault_tolerance.enable",
+                           "--fault_tolerance.replica_id=0", "--fault_tolerance.group_size=2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--nproc-per-node=2" in done.stdout and "--fault_tolerance.replica_id=0" in done.stdout
+    assert sorted(p.name for p in site.iterdir()) == before  # nothing installed or removed
+    assert not (ROOT / "uv.lock").exists()
 
 
 # ---- the gate: a lighthouse with the federation's key admits members only ----------
