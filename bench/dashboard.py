@@ -6,12 +6,18 @@ a dashboard this process serves, `--repeats` times each. The step time is the me
 the step records (after the first) of 1 / steps per second from `tokens_per_s`. Table,
 ratio first: with / without (target <= 1.01). bench/federation.py runs this too.
 
-    python bench/dashboard.py [--steps 30] [--repeats 2] [--out FILE]
+The island trains on `--island-threads` threads (1 by default) and the dashboard serves from
+this process on what is left: in a deployment the dashboard runs on the lighthouse's host,
+not the island's, so its own serving must not be counted against the island. With every
+core given to the island, the measurement adds the server's work on the same cores.
+
+    python bench/dashboard.py [--steps 30] [--repeats 3] [--island-threads 1] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -46,6 +52,8 @@ def one_run(args: argparse.Namespace, root: Path, name: str, dashboard: str | No
 
 def measure_dashboard(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """Interleaved runs without and with pushing; the medians and their ratio."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(args.island_threads)  # read by the runs this process starts
     dashboard = Dashboard("127.0.0.1", 0)
     plain, pushed = [], []
     try:
@@ -55,14 +63,19 @@ def measure_dashboard(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         received = dashboard.state.snapshot()["islands"]
     finally:
         dashboard.shutdown()
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
     off, on = statistics.median(plain), statistics.median(pushed)
     return {"ratio": ratio(on, off), "step_s_with": on, "step_s_without": off, "runs_without": plain,
             "runs_with": pushed, "records_received": sum(len(i["curve"]) for i in received),
-            "steps": args.steps, "repeats": args.repeats}
+            "steps": args.steps, "repeats": args.repeats, "island_threads": args.island_threads}
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print("\ndashboard cost: one-rank island, llama3 debug, a record pushed every step")
+    print(f"\ndashboard cost: one-rank island ({result['island_threads']} thread(s)), llama3 debug, "
+          "a record pushed every step")
     print(f"{'with / without':>15} {'step s with':>12} {'step s without':>15} {'records received':>17}")
     print(f"{result['ratio']:>15.4f} {result['step_s_with']:>12.4f} {result['step_s_without']:>15.4f} "
           f"{result['records_received']:>17}")
@@ -72,7 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=REPO / "configs/llama3/debug.toml")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--island-threads", type=int, default=1,
+                   help="OMP threads of the island (leave a core to the dashboard, as on separate hosts)")
     p.add_argument("--timeout", type=float, default=600)
 
 

@@ -377,7 +377,8 @@ def main() -> None:
     kill = kill_drill(args, root, fed, median_round)
     signing = [] if args.no_signing else measure_signing(args, root, fed)
     dashboard = None if args.no_dashboard else measure_dashboard(
-        argparse.Namespace(config=args.config, steps=30, batch_size=args.batch_size, repeats=2, timeout=args.timeout),
+        argparse.Namespace(config=args.config, steps=30, batch_size=args.batch_size, repeats=3, island_threads=1,
+                           timeout=args.timeout),
         root)
     seq_len = seq_len_of(Path(fed["run_dir"]) / "island-0")
     result = {
