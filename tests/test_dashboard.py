@@ -114,6 +114,7 @@ def _render(url: str, shot: Path) -> str:
 
 @pytest.mark.timeout(420)
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (make setup installs it)")
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow
 def test_a_local_federation_shows_on_the_dashboard_in_a_browser(shakespeare, tmp_path):
     import socket
     import threading

@@ -213,6 +213,7 @@ def test_unreachable_lighthouse_is_a_clear_error_not_a_hang(tmp_path):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow
 def test_leader_scope_lets_only_the_lowest_live_island_save_the_model(islands, tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -273,6 +274,7 @@ def _federation_behind_the_gate(tmp: Path, key_file: Path, rogue: bool) -> list[
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow
 def test_a_rogue_without_the_key_at_step_1e9_runs_nothing_gets_nothing_and_changes_nothing(
         tmp_path, caplog, monkeypatch):
     key_file = tmp_path / "fed.key"

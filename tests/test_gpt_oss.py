@@ -124,6 +124,7 @@ def test_causal_and_windowed():
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow
 def test_a_federation_of_two_and_one_ranks_trains_gpt_oss(tmp_path):
     """Island 0 spreads its experts over its 2 ranks (expert parallelism); island 1 holds all."""
     import json
@@ -171,6 +172,7 @@ def test_expert_parallel_needs_fsdp():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow
 def test_an_expert_parallel_island_resumes_to_the_same_losses(tmp_path):
     from conftest import TINY, events, losses, run_cli
 

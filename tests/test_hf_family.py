@@ -37,6 +37,7 @@ def test_gpt2_from_a_config_directory_learns_and_starts_from_its_weights(shakesp
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow
 def test_a_federation_of_two_and_one_ranks_trains_gpt2(shakespeare, gpt2_dir, tmp_path):
     run = tmp_path / "federation"
     done = run_cli(["local", "--islands", "2,1", "--no-table", *TINY, "--model.name", "hf", "--model.flavor",

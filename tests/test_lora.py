@@ -82,6 +82,7 @@ def _bytes_per_round(run_dir) -> int:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow
 def test_a_lora_federation_agrees_and_sends_only_the_adapters(shakespeare, tmp_path):
     common = ["local", "--islands", "1,1", "--no-table", *TINY, "--model.name", "qwen3", "--training.steps", "8",
               "--fault_tolerance.sync_steps", "4", "--training.val_every", "0", "--checkpoint.interval", "4"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import TINY, assert_crash_resume_reproduces, losses, records, run_cli, run_cli_here
 
@@ -100,34 +102,43 @@ def test_stages_keep_the_models_names_and_together_hold_every_parameter():
 COMMON = ["train", *TINY, "--training.val_every", "10", "--metrics.log_every", "1", "--checkpoint.no_enable"]
 
 
-@pytest.mark.timeout(600)
-def test_an_uneven_two_stage_pipeline_reproduces_one_rank_for_20_steps(shakespeare, tmp_path):
-    one = run_cli_here([*COMMON, "--training.steps", "20", "--job.run_dir", str(tmp_path / "one")])
+@pytest.fixture(scope="module")
+def one_rank_20_steps(shakespeare, tmp_path_factory) -> Path:
+    """The reference: one rank, 20 steps, every step's loss and the validation losses."""
+    run = tmp_path_factory.mktemp("one-rank") / "one"
+    one = run_cli_here([*COMMON, "--training.steps", "20", "--job.run_dir", str(run)])
     assert one.returncode == 0, one.output[-3000:]
-    want = losses(tmp_path / "one")
-    want_val = [r["val_loss"] for r in _records(tmp_path / "one")]
-    for schedule, layers, stages in [
-        ("gpipe", "4,2", "stage 0: layers 0-3, stage 1: layers 4-5"),
-        ("1f1b", "4,2", "stage 0: layers 0-3, stage 1: layers 4-5"),
-        ("interleaved_1f1b", "2,1,2,1", "stage 0 (rank 0): layers 0-1, stage 1 (rank 1): layers 2-2, "
-                                        "stage 2 (rank 0): layers 3-4, stage 3 (rank 1): layers 5-5"),
-    ]:
-        run = tmp_path / schedule
-        per_rank = "2" if schedule == "interleaved_1f1b" else "1"
-        done = run_cli([*COMMON, "--training.steps", "20", "--nproc", "2", "--parallelism.pipeline_stages", "2",
-                        "--parallelism.stage_layers", layers, "--parallelism.pipeline_schedule", schedule,
-                        "--parallelism.stages_per_rank", per_rank, "--job.run_dir", str(run)], timeout=280)
-        assert done.returncode == 0, done.output[-3000:]
-        assert stages in done.output
-        got = losses(run)
-        assert sorted(got) == list(range(1, 21))
-        for step, loss in want.items():
-            assert got[step] == pytest.approx(loss, abs=1e-4), (schedule, step, got[step], loss)
-        # validation runs through the pipeline too (forward only)
-        assert [r["val_loss"] for r in _records(run)] == pytest.approx(want_val, abs=1e-4)
+    return run
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule,layers,stages", [
+    ("gpipe", "4,2", "stage 0: layers 0-3, stage 1: layers 4-5"),
+    ("1f1b", "4,2", "stage 0: layers 0-3, stage 1: layers 4-5"),
+    pytest.param("interleaved_1f1b", "2,1,2,1", "stage 0 (rank 0): layers 0-1, stage 1 (rank 1): layers 2-2, "
+                 "stage 2 (rank 0): layers 3-4, stage 3 (rank 1): layers 5-5", marks=pytest.mark.slow),
+])
+def test_an_uneven_two_stage_pipeline_reproduces_one_rank_for_20_steps(one_rank_20_steps, tmp_path, schedule, layers,
+                                                                       stages):
+    want = losses(one_rank_20_steps)
+    want_val = [r["val_loss"] for r in _records(one_rank_20_steps)]
+    run = tmp_path / schedule
+    per_rank = "2" if schedule == "interleaved_1f1b" else "1"
+    done = run_cli([*COMMON, "--training.steps", "20", "--nproc", "2", "--parallelism.pipeline_stages", "2",
+                    "--parallelism.stage_layers", layers, "--parallelism.pipeline_schedule", schedule,
+                    "--parallelism.stages_per_rank", per_rank, "--job.run_dir", str(run)], timeout=280)
+    assert done.returncode == 0, done.output[-3000:]
+    assert stages in done.output
+    got = losses(run)
+    assert sorted(got) == list(range(1, 21))
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, abs=1e-4), (schedule, step, got[step], loss)
+    # validation runs through the pipeline too (forward only)
+    assert [r["val_loss"] for r in _records(run)] == pytest.approx(want_val, abs=1e-4)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow
 def test_fsdp_inside_each_stage_reproduces_one_rank(shakespeare, tmp_path):
     """4 ranks as 2 pipeline ranks x 2 data ranks: each stage sharded by FSDP over its 2
     ranks, each data rank reading half the batch; losses and validation as on one rank."""
@@ -156,6 +167,7 @@ def _records(run):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow
 def test_a_crashed_pipelined_run_resumes_to_the_uninterrupted_losses(shakespeare, tmp_path):
     common = [*COMMON[:-1], "--training.steps", "8", "--checkpoint.interval", "3", "--training.val_every", "0",
               "--nproc", "2", "--parallelism.pipeline_stages", "2", "--parallelism.stage_layers", "2,4"]
@@ -165,7 +177,7 @@ def test_a_crashed_pipelined_run_resumes_to_the_uninterrupted_losses(shakespeare
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("ranks,options,data_ranks", [
-    ("2", "", 1),
+    pytest.param("2", "", 1, marks=pytest.mark.slow),  # about a minute: make test-slow
     # FSDP inside each stage: 5 processes on the machine, so run by `make test-slow`.
     pytest.param("4", " --parallelism.pipeline_micro_batches 2", 2, marks=pytest.mark.slow),
 ], ids=["one-rank-per-stage", "fsdp-inside-stages"])

@@ -244,6 +244,7 @@ def test_the_toml_fragment_parses_and_round_trips_through_parse_counts(pipelined
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow
 def test_plan_gives_an_emulated_slow_rank_fewer_samples_and_auto_trains_with_it(shakespeare, tmp_path):
     from conftest import TINY, run_cli
 

@@ -29,6 +29,7 @@ def _model_weights(island_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # make test-slow
 def test_simulator_trains_the_same_weights_as_a_real_federation(tmp_path):
     from archipelago.config import load_config
     from archipelago.simulation import simulate

@@ -67,6 +67,7 @@ def test_validation_metrics_sum_over_batches_to_the_whole_sets_accuracy():
     assert metrics["val_loss"] == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow
 def test_resnet_learns_fashion_mnist_and_reports_accuracy(fashion_mnist, tmp_path):
     run = tmp_path / "run"
     done = run_cli_here(["train", *RESNET, "--training.steps", "300", "--training.val_every", "150",

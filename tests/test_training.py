@@ -44,7 +44,7 @@ def test_loss_falls_on_real_data_within_50_steps(shakespeare, tmp_path):
     assert summary["val_loss"] == vals[-1]
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_two_ranks_match_one_rank_with_the_same_global_batch(shakespeare, tmp_path, strategy):
     common = ["--training.steps", "8", "--metrics.log_every", "1", "--training.val_every", "0",
               "--checkpoint.no_enable", "--parallelism.data_parallel", strategy]
@@ -119,6 +119,7 @@ def test_report_writes_plot_and_summary(shakespeare, tmp_path):
     assert f"{summary['val_loss']:.4f}" in (run / "report" / "report.md").read_text()
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow
 def test_bf16_mixed_precision_path_runs_under_fsdp(shakespeare, tmp_path):
     """The GPU precision path (FSDP2 MixedPrecisionPolicy) exercised on CPU ranks."""
     common = ["--training.steps", "4", "--metrics.log_every", "1", "--training.val_every", "0",
@@ -223,6 +224,7 @@ def test_resumed_run_follows_the_new_optimizer_settings(shakespeare, tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # make test-slow
 def test_time_budget_stops_both_ranks_at_the_same_step_and_evaluates(shakespeare, tmp_path):
     run = tmp_path / "run"
     done = train(run, "--training.steps", "100000", "--training.time_budget_s", "4",

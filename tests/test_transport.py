@@ -253,7 +253,8 @@ def _listening(pid: str = "self") -> set[tuple[str, int]]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("address", [None, "127.0.0.2"], ids=["loopback", "local-addr"])
+@pytest.mark.parametrize("address", [None, pytest.param("127.0.0.2", marks=pytest.mark.slow)],
+                         ids=["loopback", "local-addr"])
 def test_an_islands_manager_store_and_transport_listen_on_its_address_only(monkeypatch, address):
     from torchft.coordination import LighthouseServer
 
@@ -302,7 +303,8 @@ def _process_tree(pid: int) -> list[int]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("address", [None, "127.0.0.2"], ids=["loopback", "local-addr"])
+@pytest.mark.parametrize("address", [None, pytest.param("127.0.0.2", marks=pytest.mark.slow)],
+                         ids=["loopback", "local-addr"])
 def test_a_multi_rank_islands_rendezvous_stores_listen_on_its_address_only(tmp_path, address):
     import subprocess
     import sys

@@ -174,6 +174,12 @@ def advice(cfg: Config) -> list[str]:
                      "break-even: over 10 rounds 10% at 2 bits ended 1.6% behind fp32 DiLoCo (2.5% on one "
                      "seed), 5% at 1 bit 3.6%, where 20% stayed within 0.8% on every seed (docs/quality.md); "
                      "set fault_tolerance.topk_fraction = 0.2 unless the link cannot carry it")
+    if ft.num_fragments > 1:
+        found.append(f"fault_tolerance.num_fragments = {ft.num_fragments} (streaming DiLoCo) trained worse than "
+                     "whole-model rounds of the same length: with int8, 2 fragments and fragment_sync_delay 1, "
+                     "2.0% behind fp32 DiLoCo on llama3 at 1,000 steps and 5.2% on the ResNet at 200 (3 seeds "
+                     "each, docs/quality.md); set fault_tolerance.num_fragments = 1 unless the link cannot carry "
+                     "a whole model's exchange at once (codec = \"int8\" cuts it 4x at no measured cost)")
     if ft.outer_optimizer == "sgd" and ft.outer_momentum == 0 and ft.outer_lr > 1.1:
         found.append(f"fault_tolerance.outer_lr = {ft.outer_lr} without momentum steps past the islands' "
                      "average: outer_lr 1.3-1.6 cost 1-6% in validation loss against 1.0 (docs/quality.md); "
