@@ -90,10 +90,17 @@ def test_write_json_atomic(tmp_path: Path) -> None:
 
 def test_tensorboard_log_writes_events(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     with TensorBoardLog(tmp_path / "tb", enabled=True) as tb:
         assert tb.active
-        tb.log(1, {"loss": 3.0, "val_loss": None})
+        # A step record as the trainer writes it: per-rank lists and text beside the numbers.
+        tb.log(1, {"loss": 3.0, "val_loss": None, "rank_idle": [0.25, 0.5], "device": "cpu", "tokens": 64})
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["loss", "rank_idle/0", "rank_idle/1", "tokens"]
+    assert [e.value for e in events.Scalars("rank_idle/1")] == [0.5]
 
 
 def test_tensorboard_missing_warns_once_and_no_ops(

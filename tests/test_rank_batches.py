@@ -141,6 +141,7 @@ def test_a_two_rank_island_with_unequal_shares_trains_like_one_rank(shakespeare,
     # FSDP with unequal micro-batch counts (3 x 2 and 2 x 1 of a batch of 8), rank 1 emulated 2x slower.
     two = run_cli([*common, "--nproc", "2", "--parallelism.micro_batch_size_per_rank", "1 3 1 2",
                    "--parallelism.num_micro_batches_per_rank", "2,1", "--island.rank_slowdown", "1,2",
+                   "--metrics.tensorboard",  # its step records carry per-rank lists (rank_idle)
                    "--job.run_dir", str(tmp_path / "two")])
     assert two.returncode == 0, two.output[-3000:]
     assert "rank 0: 3 x 2 = 6, rank 1: 2 x 1 = 2" in two.output and "EMULATED slow rank 1" in two.output
@@ -150,6 +151,7 @@ def test_a_two_rank_island_with_unequal_shares_trains_like_one_rank(shakespeare,
     idle = [r["rank_idle"] for r in records(tmp_path / "two") if "rank_idle" in r]
     assert len(idle) == 4 and all(len(shares) == 2 and all(0 <= x <= 1 for x in shares) for shares in idle)
     assert "rank_idle" not in next(r for r in records(tmp_path / "one") if "loss" in r)
+    assert list((tmp_path / "two" / "tensorboard").glob("events.out.tfevents.*"))
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, abs=1e-4), (step, got, expected)
     bad = run_cli_here([*common, "--parallelism.micro_batch_size_per_rank", "3,2", "--job.run_dir",

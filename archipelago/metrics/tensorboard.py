@@ -29,13 +29,21 @@ class TensorBoardLog:
         """True when scalars are really being written."""
         return self._writer is not None
 
-    def log(self, step: int, scalars: Mapping[str, float | None]) -> None:
-        """Add each non-None scalar at `step` (NaN is kept: TensorBoard shows it)."""
+    def log(self, step: int, scalars: Mapping[str, Any]) -> None:
+        """Add each number at `step` (NaN is kept: TensorBoard shows it); a list of numbers
+        (one per rank, as `rank_idle`) as `name/0`, `name/1`, ...; None and text are left out."""
         if self._writer is None:
             return
         for name, value in scalars.items():
-            if value is not None:
-                self._writer.add_scalar(name, float(value), global_step=step)
+            if isinstance(value, (list, tuple)):
+                for k, item in enumerate(value):
+                    self._add(f"{name}/{k}", item, step)
+            else:
+                self._add(name, value, step)
+
+    def _add(self, name: str, value: Any, step: int) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            self._writer.add_scalar(name, float(value), global_step=step)
 
     def close(self) -> None:
         if self._writer is not None:
