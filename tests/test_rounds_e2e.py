@@ -51,6 +51,7 @@ def test_time_pacing_lets_the_fast_island_run_more_steps_without_waiting(tmp_pat
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # 78 s on 2 cores: make test-slow (test_rounds checks the guards in-process)
 def test_injected_nan_scaled_and_lying_updates_are_rejected_and_training_goes_on(tmp_path):
     # Island 1 sends a 1000x update in round 2, before its own guard has a history (the
     # receivers' absolute bound refuses it), NaN in round 3 (its own guard keeps it back),
