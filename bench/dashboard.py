@@ -17,7 +17,6 @@ core given to the island, the measurement adds the server's work on the same cor
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -44,7 +43,7 @@ def one_run(args: argparse.Namespace, root: Path, name: str, dashboard: str | No
            "--training.val_every", "0", "--checkpoint.no_enable", "--metrics.no_tensorboard",
            "--metrics.log_every", "1", "--metrics.progress", "plain", "--lr_scheduler.warmup_steps", "2",
            "--job.run_dir", str(run_dir), *(["--metrics.dashboard", dashboard] if dashboard else [])]
-    result = run_job(cmd, root / f"{name}.log", args.timeout)
+    result = run_job(cmd, root / f"{name}.log", args.timeout, env={"OMP_NUM_THREADS": str(args.island_threads)})
     if result.exit_code != 0:
         raise RuntimeError(f"{name}: exit code {result.exit_code}; see {root / f'{name}.log'}")
     return step_s(run_dir, args.batch_size * seq_len_of(run_dir))
@@ -52,8 +51,6 @@ def one_run(args: argparse.Namespace, root: Path, name: str, dashboard: str | No
 
 def measure_dashboard(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """Interleaved runs without and with pushing; the medians and their ratio."""
-    threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(args.island_threads)  # read by the runs this process starts
     dashboard = Dashboard("127.0.0.1", 0)
     plain, pushed = [], []
     try:
@@ -63,10 +60,6 @@ def measure_dashboard(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         received = dashboard.state.snapshot()["islands"]
     finally:
         dashboard.shutdown()
-        if threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = threads
     off, on = statistics.median(plain), statistics.median(pushed)
     return {"ratio": ratio(on, off), "step_s_with": on, "step_s_without": off, "runs_without": plain,
             "runs_with": pushed, "records_received": sum(len(i["curve"]) for i in received),

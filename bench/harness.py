@@ -161,12 +161,12 @@ class RunResult:
 
 
 def run_job(cmd: list[str], log_path: Path, timeout_s: float,
-            monitor: Callable[[str, float], Monitor] | None = None) -> RunResult:
-    """Run `cmd` with a hard timeout, its traffic metered by `monitor(token, longest life
-    in seconds)` unless that is None; whatever happens (timeout, exception, Ctrl-C), every
-    process it started is gone on return."""
+            monitor: Callable[[str, float], Monitor] | None = None, env: dict[str, str] | None = None) -> RunResult:
+    """Run `cmd` with a hard timeout (and `env` over this process's environment), its
+    traffic metered by `monitor(token, longest life in seconds)` unless that is None;
+    whatever happens (timeout, exception, Ctrl-C), every process it started is gone on return."""
     token = uuid.uuid4().hex
-    env = {**os.environ, BENCH_TOKEN_ENV: token}
+    env = {**os.environ, **(env or {}), BENCH_TOKEN_ENV: token}
     meter = monitor(token, timeout_s + 60) if monitor is not None else None
     print(f"$ {' '.join(cmd)}\n  (output: {log_path})", flush=True)
     procs: list[Proc] = []

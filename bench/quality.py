@@ -25,8 +25,8 @@ evaluates the same held-out windows (--eval-windows, 256 unless told; val_batche
 batch_size), at the end and every quarter. Bytes are what the runs hand to the
 cross-island (cross-rank) collectives, as the outer-step meter counts them
 (`bytes_sent`); for DDP, 4 bytes per parameter per rank per step (its fp32 gradient
-all-reduce). Prints a table (ratio first), `--out` writes
-JSON (one object per setting), `--plot` a PNG of validation loss against tokens.
+all-reduce). Prints a table (ratio first), `--out` writes JSON (one object per
+setting), `--plot` a PNG of validation loss against tokens.
 
     python bench/quality.py [--steps 200] [--seeds 0 1 2] [--settings single ddp diloco ...]
     python bench/quality.py --flavor small --device cuda     # on a GPU machine

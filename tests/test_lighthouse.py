@@ -167,11 +167,13 @@ def test_the_lighthouse_listens_on_loopback_unless_told_otherwise():
 # run_train.sh: the reference platform's launch script. These runs stop at the
 # configuration check, before torchrun starts; no training happens here.
 
-def run_train_sh(args: list[str], **env: str) -> subprocess.CompletedProcess:
+def run_train_sh(args: list[str], via: tuple[str, ...] = (), **env: str) -> subprocess.CompletedProcess:
+    """./run_train.sh ARGS (started by the command `via`, e.g. `uv run`, when given) with
+    the launcher variables of this environment cleared and `env` set."""
     full_env = {k: v for k, v in os.environ.items()
-                if k not in ("NGPU", "NNODES", "MASTER_ADDR", "MASTER_PORT", "CONFIG_FILE", "ISHOST")}
+                if k not in ("NGPU", "NNODES", "MASTER_ADDR", "MASTER_PORT", "CONFIG_FILE", "ISHOST", "VIRTUAL_ENV")}
     full_env.update(env)
-    proc = subprocess.Popen([str(ROOT / "run_train.sh"), *args], cwd=ROOT, env=full_env,
+    proc = subprocess.Popen([*via, "./run_train.sh", *args], cwd=ROOT, env=full_env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=60)
@@ -224,12 +226,9 @@ def test_uv_run_starts_run_train_sh_in_the_setup_venv_without_locking_or_syncing
         pytest.skip("uv is not installed")
     site = Path(sysconfig.get_paths()["purelib"])
     before = sorted(p.name for p in site.iterdir())
-    env = {k: v for k, v in os.environ.items() if k not in ("NGPU", "NNODES", "MASTER_ADDR", "MASTER_PORT",
-                                                            "VIRTUAL_ENV", "CONFIG_FILE", "ISHOST")}
-    env.update(ARCHIPELAGO_DRY_RUN="1", UV_CACHE_DIR=str(tmp_path / "uv-cache"), UV_OFFLINE="1", NGPU="2")
-    done = subprocess.run([str(uv), "run", "./run_train.sh", "--fault_tolerance.enable",
-                           "--fault_tolerance.replica_id=0", "--fault_tolerance.group_size=2"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = run_train_sh(["--fault_tolerance.enable", "--fault_tolerance.replica_id=0",
+                         "--fault_tolerance.group_size=2"], via=(str(uv), "run"), ARCHIPELAGO_DRY_RUN="1",
+                        UV_CACHE_DIR=str(tmp_path / "uv-cache"), UV_OFFLINE="1", NGPU="2")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--nproc-per-node=2" in done.stdout and "--fault_tolerance.replica_id=0" in done.stdout
     assert sorted(p.name for p in site.iterdir()) == before  # nothing installed or removed

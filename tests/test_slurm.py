@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import records
+from test_island import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM = ROOT / "deploy" / "slurm"
@@ -60,12 +61,6 @@ SlurmdParameters=config_overrides
 NodeName={host} NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
 PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:
@@ -168,8 +163,10 @@ def test_lighthouse_and_two_island_jobs_of_different_sizes_end_equal_after_a_req
     # script requeues the job. SLURM holds a requeued job two minutes; release it now.
     cluster.wait_for(lambda: _checkpointed(island[1]), 300, "island 1's first checkpoint")
     cluster.run("scancel", "--batch", "--signal=USR1", jobs[1])
-    cluster.wait_for(lambda: cluster.job(jobs[1]).get("Restarts") == "1" and
-                     cluster.job(jobs[1])["JobState"] == "PENDING", 120, "island 1 to be requeued")
+    def requeued() -> bool:
+        job = cluster.job(jobs[1])
+        return job.get("Restarts") == "1" and job["JobState"] == "PENDING"
+    cluster.wait_for(requeued, 120, "island 1 to be requeued")
     cluster.run("scontrol", "update", f"JobId={jobs[1]}", "StartTime=now")
 
     for job in jobs:
