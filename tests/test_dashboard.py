@@ -52,6 +52,21 @@ def test_pushed_records_become_islands_outer_steps_curves_and_prometheus_gauges(
     assert "Archipelago federation" in client.get("/").get_data(as_text=True)
 
 
+def test_a_kill_by_the_serving_launcher_shows_the_island_killed_until_it_pushes_again():
+    state = DashboardState()
+    client = create_app(state).test_client()
+    client.post("/push", data=json.dumps(_push(1, STEP)))
+    state.launcher_event(1, "kill", time.time())
+    snapshot = client.get("/api/state").get_json()
+    assert snapshot["islands"][0]["state"] == "killed"
+    assert [e["event"] for e in snapshot["events"]] == ["kill"]
+    state.launcher_event(1, "restart", time.time())
+    client.post("/push", data=json.dumps(_push(1, {"event": "join", "step": 0, "time": time.time()})))
+    snapshot = client.get("/api/state").get_json()
+    assert snapshot["islands"][0]["state"] == "training"
+    assert [e["event"] for e in snapshot["events"]] == ["kill", "restart", "join"]
+
+
 def test_malformed_oversized_and_strange_pushes_are_refused_or_cut_down():
     state = DashboardState()
     client = create_app(state).test_client()
@@ -112,6 +127,19 @@ def _render(url: str, shot: Path) -> str:
     return dom
 
 
+def _line_colours(shot: Path) -> set[str]:
+    """The island colours (the page's first two) drawn as lines in a screenshot: at least 30
+    pixels of each, so a legend's text alone does not count."""
+    from PIL import Image
+
+    image = Image.open(shot).convert("RGB")
+    counts: dict[tuple[int, int, int], int] = {}
+    for pixel in image.getdata():
+        counts[pixel] = counts.get(pixel, 0) + 1
+    wanted = {"#1f77b4": (0x1F, 0x77, 0xB4), "#d62728": (0xD6, 0x27, 0x28)}
+    return {name for name, rgb in wanted.items() if counts.get(rgb, 0) >= 30}
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (make setup installs it)")
 @pytest.mark.slow  # over 30 s on 2 cores: make test-slow
@@ -153,6 +181,28 @@ def test_a_local_federation_shows_on_the_dashboard_in_a_browser(shakespeare, tmp
     for dom, shot in ((first, tmp_path / "first.png"), (second, tmp_path / "second.png")):
         assert "2 island(s), updated" in dom, dom[-3000:]
         assert ">training<" in dom and ">yes<" in dom  # islands training, a committed outer step
-        assert shot.is_file() and shot.stat().st_size > 10_000
+        assert 'data-curves="2"' in dom, dom[:3000]  # a loss curve per island
+        assert _line_colours(shot) == {"#1f77b4", "#d62728"}  # both islands' curves on the screen
     assert first != second  # the page refreshed itself with newer numbers
+    points = [int(dom.split('data-points="', 1)[1].split('"', 1)[0]) for dom in (first, second)]
+    assert 4 <= points[0] <= points[1], points  # the curves grew between the two renders
+    assert "<td>join</td>" in second.replace(' class="t"', "")  # the islands' join events are listed
     assert {"archipelago_island_step", "archipelago_outer_steps"} <= families
+
+
+def test_a_dashboard_address_without_a_host_serves_on_loopback_only():
+    import socket
+
+    from archipelago.launch.lighthouse import start_dashboard
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dashboard = start_dashboard(f":{port}")  # the issue's `--dashboard :8080` form
+    try:
+        assert dashboard.address == f"http://127.0.0.1:{port}"
+        assert dashboard.server.server_address[0] == "127.0.0.1"  # not 0.0.0.0
+    finally:
+        dashboard.shutdown()
+    with pytest.raises(SystemExit, match=r"expected \[HOST\]:PORT"):
+        start_dashboard("8080")

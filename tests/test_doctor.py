@@ -139,3 +139,113 @@ def test_the_command_prints_a_table_and_exits_1_on_a_failure():
     assert done.returncode == 1, done.stderr
     assert "lighthouse" in done.stdout and "FAIL" in done.stdout and "1 check(s) failed" in done.stdout
     assert "versions" in done.stdout and "devices" in done.stdout and "fingerprint" in done.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_reaches_local_addr_passes_and_a_refused_connect_back_fails(peer):
+    address, cfg = peer
+    checks = doctor.check_peer(address, doctor.config_fingerprint(cfg), local_addr="127.0.0.1")
+    back = checks[-1]
+    assert back.name.endswith("reaches LOCAL_ADDR") and back.status == "ok", checks
+    # The peer connects where it is told; nothing listens on a closed port (a firewall's REJECT).
+    conn = socket.create_connection(doctor._host_port(address))
+    with conn, conn.makefile("rb") as reader:
+        doctor._send(conn, {"op": "reach", "host": "127.0.0.1", "port": _closed_port(), "token": "ab" * 16})
+        assert "refused" in doctor._receive(reader)["error"].lower()
+        doctor._send(conn, {"op": "reach", "host": "127.0.0.1", "port": 1, "token": "not hex"})
+        assert doctor._receive(reader)["error"] == "malformed request"
+
+
+def _netns_ready() -> bool:
+    import os
+    import shutil
+
+    return os.geteuid() == 0 and shutil.which("ip") is not None
+
+
+@pytest.fixture()
+def two_hosts():
+    """Two network namespaces joined by a veth pair (10.231.0.1 <-> 10.231.0.2); host A also holds
+    10.232.0.1 on its loopback, an address host B has no route to (a private address behind NAT)."""
+    import uuid
+
+    if not _netns_ready():
+        pytest.skip("needs root and iproute2 (network namespaces)")
+    tag = uuid.uuid4().hex[:6]
+    a, b = f"arch-doc-a-{tag}", f"arch-doc-b-{tag}"
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
+
+    try:
+        ip("netns", "add", a)
+        ip("netns", "add", b)
+        ip("link", "add", f"da{tag}", "netns", a, "type", "veth", "peer", "name", f"db{tag}", "netns", b)
+        for ns, dev, addr in ((a, f"da{tag}", "10.231.0.1/24"), (b, f"db{tag}", "10.231.0.2/24")):
+            ip("-n", ns, "addr", "add", addr, "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        ip("-n", a, "addr", "add", "10.232.0.1/32", "dev", "lo")
+        yield a, b
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+@pytest.mark.timeout(120)
+def test_a_local_addr_the_peer_cannot_route_to_fails_naming_the_fix(two_hosts):
+    a, b = two_hosts
+    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "COLUMNS": "250", "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen(["ip", "netns", "exec", b, sys.executable, "-m", "archipelago.launch.cli", "doctor",
+                               "--serve", "10.231.0.2:29599", "--serve-seconds", "90"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "answering doctor checks" in server.stdout.readline()
+
+        def doctor_in_a(local_addr: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(["ip", "netns", "exec", a, sys.executable, "-m", "archipelago.launch.cli", "doctor",
+                                   "--peer", "10.231.0.2:29599"], cwd=ROOT, env={**env, "LOCAL_ADDR": local_addr},
+                                  capture_output=True, text=True, timeout=60)
+
+        hidden = doctor_in_a("10.232.0.1")  # A reaches B, B cannot reach A there
+        assert hidden.returncode == 1, hidden.stdout + hidden.stderr
+        row = next(line for line in hidden.stdout.splitlines() if "reaches LOCAL_ADDR" in line)
+        assert "FAIL" in row and "cannot connect to 10.232.0.1" in hidden.stdout
+        assert "unreachable" in hidden.stdout.lower() and "Tailscale/WireGuard" in hidden.stdout
+        routed = doctor_in_a("10.231.0.1")
+        assert routed.returncode == 0, routed.stdout + routed.stderr
+        assert "the peer connected to 10.231.0.1" in routed.stdout
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_with_other_versions_or_a_skewed_clock_is_warned_about(peer, monkeypatch):
+    address, cfg = peer
+    real = doctor.hello
+
+    def other_peer(fingerprint):  # what a peer with another torch and a clock 5 s ahead answers
+        answer = real(fingerprint)
+        return {**answer, "versions": {**answer["versions"], "torch": "2.0.0"}, "time": answer["time"] + 5.0}
+
+    monkeypatch.setattr(doctor, "hello", other_peer)
+    checks = {c.name.rsplit(" ", 1)[-1]: c for c in doctor.check_peer(address, doctor.config_fingerprint(cfg))}
+    assert checks["versions"].status == "warn" and "torch" in checks["versions"].detail
+    assert "2.0.0 there" in checks["versions"].detail and "same versions" in checks["versions"].fix
+    assert checks["clock"].status == "warn" and "+5.0 s" in checks["clock"].detail
+    assert "set-ntp" in checks["clock"].fix
+
+
+def test_checkpoints_larger_than_the_free_disk_fail_and_a_small_model_passes(tmp_path):
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    # A 70B llama3 keeps fp32 weights and two AdamW moments per checkpoint: 840 GB each.
+    big = load_config(["--config", "configs/llama3/federation.toml", "--model.flavor", "70B",
+                       "--job.run_dir", str(tmp_path / "run"), "--checkpoint.keep", "3"])
+    check = doctor.check_disk(big)
+    assert free < 3 * 70e9 * 12, "this disk holds three 70B checkpoints: the test cannot fail here"
+    assert check.status == "FAIL" and "lower checkpoint.keep" in check.fix and str(tmp_path) in check.detail
+    small = load_config(["--config", "configs/llama3/federation.toml", "--job.run_dir", str(tmp_path / "run")])
+    assert doctor.check_disk(small).status == "ok"

@@ -16,6 +16,7 @@ import sysconfig
 import threading
 import time
 import urllib.request
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -106,6 +107,35 @@ def test_lighthouse_serves_a_quorum_and_stops_cleanly(sig):
         os.kill(proc.pid, sig)
         assert proc.wait(timeout=30) == 0, rest_of(lines, seen)
         assert "lighthouse stopped" in rest_of(lines, seen)
+    finally:
+        kill(proc)
+
+
+@pytest.mark.timeout(90)
+def test_lighthouse_dashboard_takes_pushes_and_serves_them_and_prometheus():
+    import json
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = _free_port()
+    proc, lines = start(["lighthouse", "--bind", "127.0.0.1:0", "--min-replicas", "1",
+                         "--dashboard", f"127.0.0.1:{port}"])
+    seen: list[str] = []
+    try:
+        url = wait_for_line(lines, "federation dashboard:", 60, seen).split()[0]
+        assert url == f"http://127.0.0.1:{port}", url
+        push = {"island": 3, "info": {"ranks": 2, "device": "cpu"}, "records": [{"step": 7, "loss": 4.5, "tokens": 99}]}
+        request = urllib.request.Request(f"{url}/push", data=json.dumps(push).encode(), method="POST")
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            assert answer.status == 200
+        with urllib.request.urlopen(f"{url}/api/state", timeout=10) as answer:
+            island = json.loads(answer.read())["islands"][0]
+        assert (island["island"], island["step"], island["loss"], island["ranks"]) == (3, 7.0, 4.5, 2.0)
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+            families = {f.name: f for f in text_string_to_metric_families(answer.read().decode())}
+        assert [s.value for s in families["archipelago_island_step"].samples] == [7.0]
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, rest_of(lines, seen)
     finally:
         kill(proc)
 
@@ -217,6 +247,50 @@ def test_run_train_sh_help_and_environment_checks():
     assert done.returncode == 2 and "ISHOST=maybe: expected 1 or yes" in done.stderr
     done = run_train_sh([], NNODES="2", MASTER_ADDR="10.0.0.1")
     assert done.returncode == 2 and "MASTER_PORT" in done.stderr
+
+
+@pytest.mark.slow  # two islands train: make test-slow
+@pytest.mark.timeout(300)
+def test_the_reference_platforms_three_commands_run_a_federation(shakespeare, tmp_path):
+    # Its README: a lighthouse, then per island `TORCHFT_LIGHTHOUSE=... NGPU=1 LOCAL_ADDR=...
+    # MASTER_ADDR=... MASTER_PORT=... NNODES=1 ISHOST=yes CONFIG_FILE=... ./run_train.sh
+    # --fault_tolerance.enable --fault_tolerance.replica_id=K --fault_tolerance.group_size=2`,
+    # only addresses filled in (and a short run: the debug config's steps cut to 8).
+    from conftest import kill_started_processes, records
+
+    from archipelago.launch.lighthouse import start_lighthouse
+
+    lighthouse = start_lighthouse("127.0.0.1:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=20)
+    token = f"ref-{uuid.uuid4().hex}"
+    procs = []
+    try:
+        for replica, ishost in ((0, "yes"), (1, "true")):
+            env = {k: v for k, v in os.environ.items() if k not in ("NGPU", "NNODES", "MASTER_ADDR", "MASTER_PORT",
+                                                                    "CONFIG_FILE", "ISHOST", "VIRTUAL_ENV")}
+            env.update(TORCHFT_LIGHTHOUSE=lighthouse.address(), NGPU="1", LOCAL_ADDR="127.0.0.1",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NNODES="1", ISHOST=ishost,
+                       CONFIG_FILE="configs/llama3/debug.toml", ARCHIPELAGO_TEST_TOKEN=token)
+            procs.append(subprocess.Popen(
+                ["./run_train.sh", "--fault_tolerance.enable", f"--fault_tolerance.replica_id={replica}",
+                 "--fault_tolerance.group_size=2", "--training.steps", "8", "--lr_scheduler.warmup_steps", "2",
+                 "--fault_tolerance.sync_steps", "4", "--training.val_every", "0", "--metrics.progress", "plain",
+                 "--metrics.no_tensorboard", "--job.run_dir", str(tmp_path / f"island-{replica}")],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        kill_started_processes(token)
+        lighthouse.shutdown()
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, out[-3000:]
+    rounds = [[r for r in records(tmp_path / f"island-{k}") if r.get("event") == "outer_step"] for k in (0, 1)]
+    assert [r["participants"] for r in rounds[0]] == [2, 2, 2], rounds[0]  # the start, then two rounds of 4 steps
+    assert [r["global_hash"] for r in rounds[0]] == [r["global_hash"] for r in rounds[1]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_uv_run_starts_run_train_sh_in_the_setup_venv_without_locking_or_syncing(tmp_path):

@@ -216,3 +216,15 @@ def test_torchtitans_own_run_files_load_and_validate(name, model, flavor, batch,
     if "fault_tolerance" in raw:
         ft = cfg.fault_tolerance
         assert (ft.enable, ft.sync_steps, ft.num_fragments, ft.semi_sync_method) == (True, 10, 2, "diloco")
+
+
+def test_the_docs_table_names_every_key_torchtitans_run_files_leave_unmapped():
+    from archipelago.config.torchtitan import convert
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "federation.md").read_text()
+    table = docs.split("| torchtitan key, not mapped |", 1)[1].split("\n\n", 1)[0]
+    dropped = {key.split(" (")[0].split(" = ")[0] for path in REAL.glob("*.toml")
+               for key in convert(tomllib.loads(path.read_text()), path.name, ranks=1).dropped}
+    assert len(dropped) > 20
+    missing = [key for key in sorted(dropped) if f"`{key}`" not in table and f"`{key} =" not in table]
+    assert not missing, f"add these to the table in docs/federation.md: {missing}"

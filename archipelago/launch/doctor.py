@@ -4,8 +4,9 @@
     archipelago doctor --serve HOST:PORT [--config FILE]     # on a peer: answer its checks
 
 Each check prints one row: ok / warn / FAIL / info, what was found, and for a failure the fix.
-Against a peer (which runs `doctor --serve`), it measures latency and bandwidth and compares
-versions, the config fingerprint and the clocks. The exchange is small JSON lines; what a
+Against a peer (which runs `doctor --serve`), it measures latency and bandwidth, compares
+versions, the config fingerprint and the clocks, and, with LOCAL_ADDR set, has the peer
+connect back to this host at LOCAL_ADDR (an address it cannot route to fails). The exchange is small JSON lines; what a
 peer sends is read with a size cap and parsed as data only (a peer is another owner's machine).
 """
 
@@ -16,6 +17,7 @@ import fcntl
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import socket
 import statistics
@@ -36,6 +38,7 @@ LINE_LIMIT = 4096                  # bytes of one JSON line from a peer
 BANDWIDTH_BYTES = 8 * 2**20        # sent to a peer to measure bandwidth
 BANDWIDTH_LIMIT = 64 * 2**20       # the most a serving doctor accepts in one measurement
 SKEW_LIMIT_S = 1.0                 # clocks further apart than this get a warning
+TOKEN_BYTES = 16                   # the random token a peer sends back when it reaches LOCAL_ADDR
 # Settings every island of a federation shares (the per-island ones, such as replica_id, left out).
 PER_ISLAND = {"enable", "replica_id", "lighthouse", "connect_timeout_ms", "quorum_timeout_ms", "join_wait_ms"}
 
@@ -239,6 +242,8 @@ def _serve_one(conn: socket.socket, fingerprint: str | None) -> None:
                 _send(conn, hello(fingerprint))
             elif message.get("op") == "ping":
                 _send(conn, {"op": "pong", "time": time.time()})
+            elif message.get("op") == "reach":
+                _send(conn, {"op": "reached", "error": _reach(message)})
             elif message.get("op") == "bandwidth" and isinstance(message.get("bytes"), int) \
                     and 0 < message["bytes"] <= BANDWIDTH_LIMIT:
                 left = message["bytes"]
@@ -250,6 +255,26 @@ def _serve_one(conn: socket.socket, fingerprint: str | None) -> None:
                 _send(conn, {"op": "received", "bytes": message["bytes"]})
             else:
                 return
+
+
+def _reach(message: dict[str, Any]) -> str | None:
+    """Connect to the address a peer asked for and send it its token: can this host reach the
+    peer's LOCAL_ADDR? None when it could, else why not. One connection, TIMEOUT_S, and only the
+    peer's own token is sent (nothing of this host), so a caller can learn no more than whether
+    this host reaches that address."""
+    host, port, token = message.get("host"), message.get("port"), message.get("token")
+    if not (isinstance(host, str) and isinstance(port, int) and 0 < port < 65536 and isinstance(token, str)
+            and len(token) == 2 * TOKEN_BYTES and all(c in "0123456789abcdef" for c in token)):
+        return "malformed request"
+    conn, why = _connect(host, port)
+    if conn is None:
+        return why
+    with conn:
+        try:
+            conn.sendall(token.encode() + b"\n")
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def serve(host: str, port: int, fingerprint: str | None, stop: threading.Event) -> socket.socket:
@@ -279,8 +304,9 @@ def _serve_quietly(conn: socket.socket, fingerprint: str | None) -> None:
         pass  # a peer that misbehaves or leaves ends only its own connection
 
 
-def check_peer(address: str, fingerprint: str | None) -> list[Check]:
-    """Reach a peer's `doctor --serve`; compare versions, fingerprint and clocks; measure the link."""
+def check_peer(address: str, fingerprint: str | None, local_addr: str | None = None) -> list[Check]:
+    """Reach a peer's `doctor --serve`; compare versions, fingerprint and clocks; measure the link;
+    with `local_addr`, have the peer connect back to this host there."""
     name = f"peer {address}"
     try:
         host, port = _host_port(address)
@@ -293,7 +319,10 @@ def check_peer(address: str, fingerprint: str | None) -> list[Check]:
                       "between the hosts (firewall, security group), or join both to one Tailscale/WireGuard net")]
     try:
         with conn, conn.makefile("rb") as reader:
-            return _peer_checks(name, conn, reader, fingerprint)
+            checks = _peer_checks(name, conn, reader, fingerprint)
+            if local_addr:
+                checks.append(_reach_back(name, conn, reader, local_addr))
+            return checks
     except (OSError, ConnectionError, ValueError) as exc:
         return [Check(name, "FAIL", f"the peer answered wrongly or not at all ({exc})",
                       "check that `archipelago doctor --serve` runs there (not another service on that port)")]
@@ -326,6 +355,46 @@ def _peer_checks(name: str, conn: socket.socket, reader: Any, fingerprint: str |
     else:
         checks.append(Check(f"{name} clock", "ok", f"clocks within {abs(skew):.3f} s"))
     return checks
+
+
+def _reach_back(name: str, conn: socket.socket, reader: Any, local_addr: str) -> Check:
+    """Listen on LOCAL_ADDR (an ephemeral port) and ask the peer to connect there with a token:
+    peers connect to this island at LOCAL_ADDR (torchft's manager and store, the exchange), so an
+    address they cannot route to (a private address behind NAT) or a firewall that drops inbound
+    connections stops the federation even when this host reaches them."""
+    check_name = f"{name} reaches LOCAL_ADDR"
+    try:
+        listener = listening_socket(local_addr, 0)
+    except OSError as exc:
+        return Check(check_name, "FAIL", f"cannot listen on {local_addr} ({exc.strerror})",
+                     "set LOCAL_ADDR to an address of this host")
+    token = secrets.token_hex(TOKEN_BYTES)
+    got: list[bytes] = []
+
+    def accept() -> None:
+        listener.settimeout(TIMEOUT_S + 1)
+        try:
+            incoming, _ = listener.accept()
+            with incoming:
+                incoming.settimeout(TIMEOUT_S)
+                got.append(incoming.recv(2 * TOKEN_BYTES + 1))
+        except OSError:
+            pass
+
+    with listener:
+        port = listener.getsockname()[1]
+        waiter = threading.Thread(target=accept, daemon=True)
+        waiter.start()
+        _send(conn, {"op": "reach", "host": local_addr, "port": port, "token": token})
+        error = _receive(reader).get("error")
+        waiter.join(TIMEOUT_S + 2)
+    if not error and got and got[0] == token.encode() + b"\n":
+        return Check(check_name, "ok", f"the peer connected to {local_addr}:{port}")
+    why = str(error)[:200] if error else "it connected, but the token did not arrive"
+    return Check(check_name, "FAIL", f"the peer cannot connect to {local_addr}:{port} ({why})",
+                 "peers connect to every island at its LOCAL_ADDR: use an address they route to (a public address, "
+                 "or both hosts on one Tailscale/WireGuard net) and allow inbound TCP from them (firewall, security "
+                 "group; docs/deployment.md lists the ports)")
 
 
 def _compare_versions(name: str, theirs: Any) -> Check:
@@ -367,7 +436,7 @@ def run_checks(args: argparse.Namespace, cfg: Any | None, env: dict[str, str]) -
     for port in args.port:
         checks.append(check_port(local or "127.0.0.1", port))
     for peer in args.peer:
-        checks += check_peer(peer, fingerprint)
+        checks += check_peer(peer, fingerprint, local)
     return checks
 
 

@@ -152,8 +152,9 @@ def _parser() -> argparse.ArgumentParser:
                    default=DEFAULT_HEARTBEAT_TIMEOUT_MS, metavar="MS",
                    help="how long without a heartbeat before an island counts as dead "
                    f"(default {DEFAULT_HEARTBEAT_TIMEOUT_MS})")
-    p.add_argument("--dashboard", metavar="HOST:PORT", help="also serve the live federation dashboard (a web "
-                   "page and /metrics) here, e.g. 127.0.0.1:8080; islands push to it with --metrics.dashboard")
+    p.add_argument("--dashboard", metavar="[HOST]:PORT", help="also serve the live federation dashboard (a web "
+                   "page and /metrics) here, e.g. 127.0.0.1:8080 (`:8080`: on 127.0.0.1); islands push to it with "
+                   "--metrics.dashboard")
     p.add_argument("--key-file", "--key_file", default="", metavar="FILE",
                    help="the federation's key file: admit only islands that hold it (default: "
                    "$ARCHIPELAGO_FEDERATION_KEY_FILE, else no key: anyone who reaches the lighthouse joins)")
@@ -194,11 +195,12 @@ def start_dashboard(bind: str, key: Any = None) -> Any:
     from archipelago.federation.trust import dashboard_verifier
     from archipelago.metrics.dashboard import Dashboard
 
-    host, _, port = bind.rpartition(":")
-    if not host or not port.isdigit():
-        raise SystemExit(f"--dashboard {bind!r}: expected HOST:PORT, e.g. 127.0.0.1:8080 (the address to serve "
-                         "on; never all interfaces by default)")
-    return Dashboard(host.strip("[]"), int(port), dashboard_verifier(key) if key is not None else None)
+    host, colon, port = bind.rpartition(":")
+    if not colon or not port.isdigit():
+        raise SystemExit(f"--dashboard {bind!r}: expected [HOST]:PORT, e.g. 127.0.0.1:8080 or :8080 (this machine "
+                         "only; never all interfaces by default)")
+    host = host.strip("[]") or "127.0.0.1"  # `:8080`: loopback, not every interface
+    return Dashboard(host, int(port), dashboard_verifier(key) if key is not None else None)
 
 
 def cmd_lighthouse(argv: list[str]) -> int:

@@ -176,8 +176,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
                    help="an island silent this long is dropped from the quorum")
     p.add_argument("--no-table", action="store_true", help="no live status table / status lines")
-    p.add_argument("--dashboard", metavar="HOST:PORT", help="serve the live federation dashboard (a web page and "
-                   "/metrics) here during the run, e.g. 127.0.0.1:8080; the islands push their records to it")
+    p.add_argument("--dashboard", metavar="[HOST]:PORT", help="serve the live federation dashboard (a web page and "
+                   "/metrics) here during the run, e.g. 127.0.0.1:8080 (`:8080`: on 127.0.0.1); the islands push their "
+                   "records to it")
     return p
 
 
@@ -590,8 +591,10 @@ class LocalFederation:
         self.out.note(f"island-{island.id} {island.state} (exit code {island.exit_code})")
 
     def _event(self, kind: str, island: int, **fields: Any) -> None:
-        self.events.append({"event": kind, "time": time.time(), "island": island,
-                            "source": "launcher", **fields})
+        now = time.time()
+        self.events.append({"event": kind, "time": now, "island": island, "source": "launcher", **fields})
+        if self.dashboard is not None:  # served here: the islands cannot push what happened to them
+            self.dashboard.state.launcher_event(island, kind, now)
 
     # ----------------------------------------------------------- display
 

@@ -6,7 +6,8 @@ with `--metrics.dashboard http://HOST:PORT` post their step records, outer steps
 to `/push` (metrics/push.py). The page (`/`) polls `/api/state` and draws each island
 (state, ranks, device, step, tokens/s, utilisation, last push), each outer step
 (participants, bytes, exchange time hidden and exposed, rejections), validation and
-training loss over tokens per island, and the events (join, leave, heal, rejections).
+training loss over tokens per island, and the events (join, leave, heal, rejections; and
+under `archipelago local`, the launcher's kills, restarts and exits).
 `/metrics` serves the same in Prometheus' text format. Nothing on it changes the run.
 
 What arrives is another machine's data: bodies are capped, only known fields of the
@@ -59,10 +60,13 @@ class IslandView:
     sync_s: float = 0.0
     left: bool = False
     dropped: int = 0
+    killed_at: float = 0.0  # when the launcher last killed it (archipelago local --kill)
 
     def state(self, now: float) -> str:
         if self.left:
             return "left"
+        if self.killed_at > self.last_push:  # killed, and not pushing again yet
+            return "killed"
         return "silent" if now - self.last_push > SILENT_AFTER_S else "training"
 
     def utilisation(self) -> float | None:
@@ -96,6 +100,16 @@ class DashboardState:
             view.dropped = int(_number(payload.get("dropped")) or 0)
             kept = sum(self._record(view, r) for r in payload["records"] if isinstance(r, dict))
         return kept
+
+    def launcher_event(self, island: int, event: str, when: float) -> None:
+        """An event of the launcher that serves this dashboard in its own process
+        (`archipelago local`: kill, restart, exit), which no island can push: a killed island
+        is gone before it could."""
+        with self.lock:
+            view = self.islands.setdefault(island, IslandView(island))
+            self.events.append({"island": island, "event": _text(event, 40), "time": when, "step": None})
+            if event == "kill":
+                view.killed_at = when
 
     def _record(self, view: IslandView, record: dict[str, Any]) -> bool:
         event = record.get("event")
