@@ -3,35 +3,41 @@
 `simulate(cfg, islands)` trains `islands` 1-rank islands in lockstep in this process
 and runs the outer step between them exactly as a federation of 1-rank islands does
 (round schedule and fragments, token weights, codecs with error feedback, the outer
-optimizer, `fragment_update_alpha`, `average_optimizer_state`), with no lighthouse, sockets or subprocesses. It is
-what makes a sweep over outer settings affordable: one run is one process, seconds on
-a GPU, and many run side by side. A test checks it against the real federation.
+optimizer, `fragment_update_alpha`, `average_optimizer_state`, `adam_federation_batch`), with
+no lighthouse, sockets or subprocesses. It is what makes a sweep over outer settings
+affordable: one run is one process, seconds on a GPU, and many run side by side. A test
+checks it against the real federation. Any model family trains here: the task
+(tasks.py) supplies the data, the model, the loss (a mixture of experts' balancing loss
+included) and the held-out metrics, as it does for the trainer.
+
+With `islands = 1`, fault tolerance off and `ranks = N`, it is the DDP baseline: one
+model, the batch cut into N ranks' shares, the gradients averaged, and each emulated rank
+keeping its own BatchNorm running statistics, averaged before an evaluation (what a DDP
+island of N ranks does; for models without BatchNorm it equals one rank with the whole
+batch, up to rounding).
 
 Left out on purpose: faults and healing, time pacing, the update guard (honest islands
-never trip it), multi-rank islands (an island's pseudo-gradient does not depend on how
-it is sharded). With `islands = 1` and fault tolerance off it is plain single-island
-training, the baseline of every comparison.
+never trip it), multi-rank islands in a federation (an island's pseudo-gradient does not
+depend on how it is sharded).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from archipelago.config import Config
-from archipelago.data import PreparedDataset, TokenSequenceLoader, prepare_from_config, validation_batches
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.exchange import Framing, aggregate
 from archipelago.federation.fragments import build_outer_optimizer, split_fragments
 from archipelago.federation.inner_state import state_keys
 from archipelago.island.optim import build_lr_scheduler, build_optimizer
 from archipelago.island.parallelize import compute_dtype
-from archipelago.models import build_model, get_model_args
+from archipelago.tasks import Task, build_task
 
 
 @dataclass
@@ -41,6 +47,7 @@ class SimPoint:
     step: int
     tokens: int
     val_loss: float
+    metrics: dict[str, float] = field(default_factory=dict)  # the task's: val_loss, val_accuracy, ...
 
 
 @dataclass
@@ -54,18 +61,29 @@ class SimResult:
         return self.points[-1]
 
 
-class _Island:
-    """One 1-rank island: its model, inner optimizer, schedule and data shard."""
+def running_stats(model: nn.Module) -> list[torch.Tensor]:
+    """The model's floating-point buffers (BatchNorm's running mean and variance), in order."""
+    return [b for b in model.buffers() if b.is_floating_point()]
 
-    def __init__(self, cfg: Config, data: PreparedDataset, model: nn.Module, index: int, count: int,
-                 device: torch.device) -> None:
+
+class _Island:
+    """One island: its model, inner optimizer, schedule and data shard. With `ranks` > 1 it
+    emulates a DDP island of that many ranks (see the module docstring)."""
+
+    def __init__(self, cfg: Config, task: Task, model: nn.Module, index: int, count: int,
+                 device: torch.device, ranks: int = 1) -> None:
         t = cfg.training
-        self.model = model
-        self.optimizer = build_optimizer(model, cfg.optimizer, device)
+        self.model, self.task = model, task
+        ft = cfg.fault_tolerance
+        scaled = ft.enable and ft.adam_federation_batch
+        self.optimizer = build_optimizer(model, cfg.optimizer, device, batch_scaled=scaled)
+        if scaled:  # equal islands: the federation's batch is `count` times the island's
+            self.optimizer.batch_ratio = float(count)  # type: ignore[attr-defined]
         self.scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
-        self.loader = TokenSequenceLoader(data.train_path, cfg.data.seq_len, t.batch_size, rank=0,
-                                          world_size=1, seed=t.seed, island=index, num_islands=count,
-                                          dtype=data.dtype)
+        quiet: Callable[[str], None] = lambda _m: None  # noqa: E731
+        self.loaders = [task.train_loader(r, ranks, index, count, quiet) for r in range(ranks)]
+        # Each emulated rank's own running statistics (rank 0's live in the model).
+        self.rank_stats = [[b.clone() for b in running_stats(model)] for _ in range(ranks - 1)]
         self.device, self.max_norm = device, t.max_norm
         self.dtype = compute_dtype(t.mixed_precision, device)
         n = cfg.fault_tolerance.num_fragments if cfg.fault_tolerance.semi_sync_method == "diloco" else 1
@@ -77,15 +95,43 @@ class _Island:
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     def train_step(self) -> None:
-        """One inner step, as the trainer's `train_step` (one micro-batch)."""
-        x, y = (t.to(self.device) for t in self.loader.next_batch())
-        with self.autocast():
-            logits = self.model(x)
-        F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).backward()
+        """One inner step, as the trainer's `train_step` (one micro-batch per rank)."""
+        ranks = len(self.loaders)
+        for r, loader in enumerate(self.loaders):
+            x, y = (t.to(self.device) for t in loader.next_batch())
+            self._swap_stats(r)
+            with self.autocast():
+                outputs = self.model(x)
+                loss = self.task.loss(outputs, y)
+            aux = self.task.auxiliary_loss(self.model)
+            loss = loss if aux is None else loss + aux
+            (loss if ranks == 1 else loss / ranks).backward()  # DDP averages the ranks' gradients
+            self._swap_stats(r)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm or float("inf"), foreach=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+
+    @torch.no_grad()
+    def _swap_stats(self, rank: int) -> None:
+        """Exchange the model's running statistics with emulated rank `rank`'s (0: no-op)."""
+        if rank == 0:
+            return
+        for live, kept in zip(running_stats(self.model), self.rank_stats[rank - 1]):
+            held = live.clone()
+            live.copy_(kept)
+            kept.copy_(held)
+
+    @torch.no_grad()
+    def average_rank_stats(self) -> None:
+        """Every emulated rank's running statistics set to their mean (the trainer's
+        `average_buffers` before an evaluation)."""
+        if not self.rank_stats:
+            return
+        for k, live in enumerate(running_stats(self.model)):
+            mean = torch.stack([live.float(), *(s[k].float() for s in self.rank_stats)]).mean(0)
+            for t in (live, *(s[k] for s in self.rank_stats)):
+                t.copy_(mean)
 
     def flat(self, fragment: int) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self.fragments[fragment]])
@@ -113,7 +159,10 @@ def _unflatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None
 
 
 def _initial_model(cfg: Config, vocab_size: int, device: torch.device) -> nn.Module:
-    """The trainer's initialisation: built on meta, initialised on CPU from the seed."""
+    """The trainer's initialisation of a language model: built on meta, initialised on CPU
+    from the seed (kept for the tests' reference weights; `simulate` asks the task)."""
+    from archipelago.models import build_model, get_model_args
+
     args = get_model_args(cfg.model.name, cfg.model.flavor, vocab_size=vocab_size)
     torch.manual_seed(cfg.training.seed)
     model = build_model(args, device="meta")
@@ -122,22 +171,28 @@ def _initial_model(cfg: Config, vocab_size: int, device: torch.device) -> nn.Mod
     return model.to(device)
 
 
+def evaluation_task(cfg: Config, windows: int) -> Task:
+    """The task evaluating the first `windows` held-out windows (images) in batches of 32,
+    whatever the run's batch size, so every run of a comparison sees the same ones."""
+    batch = min(windows, 32)
+    t = replace(cfg.training, batch_size=batch, val_batches=max(1, windows // batch))
+    return build_task(replace(cfg, training=t))
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, cfg: Config, data: PreparedDataset, device: torch.device,
-             dtype: torch.dtype, windows: int) -> float:
-    """Mean token loss over the first `windows` held-out windows (the same for every run,
-    whatever its batch size: the trainer's val set is val_batches x batch_size windows)."""
+def evaluate(model: nn.Module, task: Task, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """The task's held-out metrics of `model` (`val_loss` first) on `task`'s validation batches."""
     model.eval()
-    loss_sum, count = 0.0, 0
-    for x, y in validation_batches(data.val_path, cfg.data.seq_len, min(windows, 32), 0, 1,
-                                   max(1, windows // 32), data.dtype):
+    sums: torch.Tensor | None = None
+    for x, y in task.validation_batches(0, 1):
         x, y = x.to(device), y.to(device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = model(x)
-        loss_sum += float(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum"))
-        count += y.numel()
+            outputs = model(x)
+        batch = task.eval_sums(outputs, y).cpu()
+        sums = batch if sums is None else sums + batch
     model.train()
-    return loss_sum / count
+    assert sums is not None, "no held-out batches"
+    return task.eval_metrics(sums)
 
 
 class _Outer:
@@ -228,32 +283,41 @@ class _Outer:
 
 def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval_windows: int = 256,
              eval_every: int | None = None, log: Callable[[str], None] | None = None,
-             momentum_warmup_rounds: int = 0, sync_warmup_rounds: int = 0) -> SimResult:
+             momentum_warmup_rounds: int = 0, sync_warmup_rounds: int = 0, ranks: int = 1) -> SimResult:
     """Train `islands` islands of `cfg` for `cfg.training.steps` inner steps each.
 
     With `fault_tolerance.enable` they meet in outer steps; without it (one island) this
-    is plain training. Evaluates island 0 every `eval_every` steps (default
-    `training.val_every`) and at the end, on `eval_windows` held-out windows.
+    is plain training, and with `ranks` > 1 a DDP island of that many ranks. Evaluates
+    island 0 every `eval_every` steps (default `training.val_every`) and at the end, on
+    `eval_windows` held-out windows (images).
     `momentum_warmup_rounds` is an experiment the platform does not have: the outer
     momentum grows linearly from 0 to `outer_momentum` over that many rounds.
     `sync_warmup_rounds` K, another: the first K rounds last 1, 2, 4, ... inner steps.
     """
     device = torch.device(device)
     t = cfg.training
-    data = prepare_from_config(cfg.data, t.seed, log=lambda _m: None)
-    first = _initial_model(cfg, data.vocab_size, device)
+    if ranks > 1 and (islands > 1 or cfg.fault_tolerance.enable):
+        raise ValueError("ranks > 1 emulates a DDP island: one island, fault tolerance off")
+    if t.batch_size % ranks:
+        raise ValueError(f"training.batch_size {t.batch_size} does not split over {ranks} ranks")
+    task = build_task(cfg)
+    task.prepare(log=lambda _m: None)
+    judge = evaluation_task(cfg, eval_windows)
+    judge.prepare(log=lambda _m: None)
+    first = task.build_model().module.to(device)
     models = [first] + [copy.deepcopy(first) for _ in range(islands - 1)]  # init_sync: one start
-    crew = [_Island(cfg, data, m, i, islands, device) for i, m in enumerate(models)]
+    crew = [_Island(cfg, task, m, i, islands, device, ranks) for i, m in enumerate(models)]
     outer = _Outer(cfg, crew, momentum_warmup_rounds, sync_warmup_rounds) if cfg.fault_tolerance.enable else None
-    tokens_per_step = t.batch_size * cfg.data.seq_len
+    tokens_per_step = t.batch_size * task.tokens_per_sample
     every = t.val_every if eval_every is None else eval_every
     result = SimResult()
 
     def point(step: int) -> None:
-        loss = evaluate(crew[0].model, cfg, data, device, crew[0].dtype, eval_windows)
-        result.points.append(SimPoint(step, step * tokens_per_step * islands, loss))
+        crew[0].average_rank_stats()
+        metrics = evaluate(crew[0].model, judge, device, crew[0].dtype)
+        result.points.append(SimPoint(step, step * tokens_per_step * islands, metrics["val_loss"], metrics))
         if log is not None:
-            log(f"step {step}: val loss {loss:.4f}")
+            log(f"step {step}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items()))
 
     point(0)
     for step in range(1, t.steps + 1):

@@ -246,7 +246,9 @@ class Trainer:
         return SlowDevice(self.model.inner, self.rank_slowdown, self.ctx.device)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        return build_optimizer(self.model.module, self.cfg.optimizer, self.ctx.device)
+        ft = self.cfg.fault_tolerance  # the federation sets its batch_ratio every round
+        return build_optimizer(self.model.module, self.cfg.optimizer, self.ctx.device,
+                               batch_scaled=ft.enable and ft.adam_federation_batch)
 
     def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
         return build_lr_scheduler(self.optimizer, self.cfg.training.steps, self.cfg.lr_scheduler)

@@ -3,7 +3,8 @@
 Each setting trains N 1-rank islands in one process, in lockstep, with the federation's
 exact outer step (a test checks it bit for bit against `archipelago local`), over several
 seeds, and is compared in the same run with two baselines at equal inner steps: one island
-alone (the same wall-clock) and DDP (one island with N times the batch: the same tokens).
+alone (the same wall-clock) and DDP (one island of N emulated ranks with N times the batch:
+the same tokens). Any model family runs (`--config configs/resnet/federation.toml`, ...).
 Every run evaluates on the same held-out windows, whatever its batch size. Runs go to a
 pool of worker processes; on a GPU many fit side by side.
 
@@ -90,8 +91,11 @@ def build_jobs(args: argparse.Namespace) -> list[dict]:
     if args.no_baselines:
         baselines = []
     # Seed-major: a sweep cut short by --time-limit still has every setting at some seeds.
+    # DDP emulates one rank per island, each with its own share of the batch (and its own
+    # BatchNorm statistics, averaged before an evaluation, as a DDP island does).
     return [{"setting": f"{kind} {setting_name(o[len(common) + 1:])}".strip() if kind == "federation"
-             else f"{kind} {tag}".strip(), "kind": kind, "inner": tag, "islands": n, "overrides": o, "seed": seed}
+             else f"{kind} {tag}".strip(), "kind": kind, "inner": tag, "islands": n, "overrides": o, "seed": seed,
+             "ranks": args.islands if kind == "ddp" else 1}
             for seed in args.seeds for kind, tag, n, o in baselines + federations]
 
 
@@ -108,7 +112,8 @@ def run_job(job: dict, config: str, device: str, threads: int, eval_windows: int
     cfg = parse_overrides(load_toml(config), [*overrides, f"--training.seed={job['seed']}"])
     validate(cfg)
     began = time.perf_counter()
-    result = simulate(cfg, job["islands"], device=device, eval_windows=eval_windows, **options)
+    result = simulate(cfg, job["islands"], device=device, eval_windows=eval_windows, ranks=job.get("ranks", 1),
+                      **options)
     return {**job, "val_loss": result.final.val_loss, "tokens": result.final.tokens,
             "bytes_sent": result.bytes_sent, "seconds": time.perf_counter() - began,
             "curve": [[p.step, p.tokens, p.val_loss] for p in result.points]}
@@ -176,7 +181,7 @@ def main() -> None:
     p.add_argument("--mixed-precision", default="fp32", choices=["fp32", "bf16", "auto"])
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
-    p.add_argument("--eval-windows", type=int, default=256, help="held-out windows of seq_len tokens")
+    p.add_argument("--eval-windows", type=int, default=256, help="held-out windows of seq_len tokens (or images)")
     p.add_argument("--out", type=Path, default=None, help="append one JSON line per run here")
     p.add_argument("--time-limit", type=float, default=0, help="start no run after this many seconds")
     p.add_argument("--summarize", type=Path, nargs="+", default=None,

@@ -37,6 +37,19 @@ def shakespeare():
     return prepare_from_config(Config().data, seed=0, log=lambda _msg: None)
 
 
+@pytest.fixture(scope="session")
+def fashion_mnist():
+    """The real images' folder, fetched into the cache once (as `make setup` does)."""
+    import shutil
+
+    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
+        pytest.skip("needs apt-get and dpkg-deb to fetch the Debian package")
+    from archipelago.config import Config
+    from archipelago.data import prepare_images_from_config
+
+    return prepare_images_from_config(Config().data, log=lambda _m: None)
+
+
 @dataclass
 class Finished:
     returncode: int

@@ -96,6 +96,15 @@ def test_invalid_combinations_name_the_fix():
     assert "training.micro_batch_size = 99" in message  # every problem is listed at once
 
 
+def test_adam_federation_batch_with_another_inner_optimizer_names_the_fix():
+    cfg = Config()
+    cfg.fault_tolerance.enable, cfg.fault_tolerance.adam_federation_batch = True, True
+    cfg.optimizer.name = "sgd"
+    assert 'use optimizer.name = "adamw" or set adam_federation_batch = false' in _refusal(cfg)
+    cfg.optimizer.name = "adamw"
+    validate(cfg)
+
+
 def test_fault_tolerance_keys_of_the_reference_platform_exist():
     names = {"enable", "replica_id", "group_size", "min_replica_size", "semi_sync_method",
              "sync_steps", "num_fragments", "fragment_sync_delay", "fragment_update_alpha",

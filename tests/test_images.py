@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import shutil
 import struct
 
 import numpy as np
@@ -49,15 +48,6 @@ def test_without_apt_the_error_names_the_commands(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no apt-get, no dpkg-deb
     with pytest.raises(ImagesUnavailable, match="apt-get download dataset-fashion-mnist"):
         fetch_fashion_mnist(tmp_path / "cache", system_dir=tmp_path / "none")
-
-
-@pytest.fixture(scope="module")
-def fashion_mnist():
-    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
-        pytest.skip("needs apt-get and dpkg-deb to fetch the Debian package")
-    from archipelago.data import default_cache_dir
-
-    return fetch_fashion_mnist(default_cache_dir())
 
 
 def test_the_package_holds_fashion_mnist(fashion_mnist):

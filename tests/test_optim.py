@@ -49,3 +49,77 @@ def test_weight_decay_applies_to_matrices_only():
     decayed, plain = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and [p.ndim for p in decayed["params"]] == [2]
     assert plain["weight_decay"] == 0.0 and all(p.ndim == 1 for p in plain["params"])
+
+
+def _reference_scaled_adamw(params, grads_per_step, lr, betas, eps, decay, ratio):
+    """The batch-scaled AdamW written out coordinate by coordinate in float64: Adam's moments,
+    then the update divided by sqrt(v_hat / N + m_hat^2 (1 - 1/N)) + eps."""
+    b1, b2 = betas
+    p = [x.double().clone() for x in params]
+    m = [torch.zeros_like(x) for x in p]
+    v = [torch.zeros_like(x) for x in p]
+    for t, grads in enumerate(grads_per_step, start=1):
+        for k, g in enumerate(grads):
+            g = g.double()
+            p[k] *= 1 - lr * decay[k]
+            m[k] = b1 * m[k] + (1 - b1) * g
+            v[k] = b2 * v[k] + (1 - b2) * g * g
+            m_hat, v_hat = m[k] / (1 - b1 ** t), v[k] / (1 - b2 ** t)
+            p[k] -= lr * m_hat / ((v_hat / ratio + m_hat * m_hat * (1 - 1 / ratio)).sqrt() + eps)
+    return p
+
+
+@pytest.mark.parametrize("ratio", [1.0, 2.0, 3.5])
+def test_batch_scaled_adamw_follows_its_formula_and_is_adamw_at_ratio_one(ratio):
+    from archipelago.island.optim import BatchScaledAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5))
+    start = [p.detach().clone() for p in model.parameters()]
+    cfg = OptimizerConfig(lr=0.01, weight_decay=0.1)
+    opt = build_optimizer(model, cfg, torch.device("cpu"), batch_scaled=True)
+    assert isinstance(opt, BatchScaledAdamW)
+    opt.batch_ratio = ratio
+    grads_per_step = []
+    for _ in range(5):
+        x = torch.randn(16, 6)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        grads_per_step.append([p.grad.detach().clone() for p in model.parameters()])
+        opt.step()
+    decay = [cfg.weight_decay if p.ndim >= 2 else 0.0 for p in model.parameters()]
+    want = _reference_scaled_adamw(start, grads_per_step, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, decay, ratio)
+    for got, expected in zip(model.parameters(), want):
+        torch.testing.assert_close(got.detach().double(), expected, rtol=0, atol=1e-6)
+    moved = max(float((p.detach() - s).abs().max()) for p, s in zip(model.parameters(), start))
+    assert moved > 0.01  # the comparison can fail
+    if ratio == 1.0:  # exactly torch's AdamW
+        twin = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5))
+        for p, s in zip(twin.parameters(), start):
+            p.data.copy_(s)
+        plain = build_optimizer(twin, cfg, torch.device("cpu"))
+        for grads in grads_per_step:
+            for p, g in zip(twin.parameters(), grads):
+                p.grad = g.clone()
+            plain.step()
+        for a, b in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_batch_scaled_adamw_takes_larger_steps_where_noise_dominates():
+    # Pure noise (mean-zero gradients): m_hat^2 << v_hat, so the denominator shrinks towards
+    # sqrt(v_hat / N) and the steps grow towards sqrt(N) times AdamW's.
+    from archipelago.island.optim import BatchScaledAdamW
+
+    sizes = {}
+    for ratio in (1.0, 4.0):
+        p = torch.nn.Parameter(torch.zeros(10_000))
+        opt = BatchScaledAdamW([p], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+        opt.batch_ratio = ratio
+        torch.manual_seed(0)
+        for _ in range(50):
+            p.grad = torch.randn(10_000)
+            before = p.detach().clone()
+            opt.step()
+        sizes[ratio] = float((p.detach() - before).abs().mean())
+    assert 1.5 < sizes[4.0] / sizes[1.0] <= 2.0, sizes

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,11 @@ def test_simulator_trains_the_same_weights_as_a_real_federation(tmp_path):
     from archipelago.simulation import simulate
 
     # The reference platform's outer step (Nesterov momentum): the optimizer state matters;
-    # and the islands' inner AdamW moments averaged at each outer step.
+    # the islands' inner AdamW moments averaged at each outer step, and each island's AdamW
+    # normalising by the federation's batch.
     outer = ["--fault_tolerance.sync_steps", "4", "--fault_tolerance.outer_lr", "0.7",
              "--fault_tolerance.outer_momentum", "0.9", "--training.steps", "8",
-             "--fault_tolerance.average_optimizer_state"]
+             "--fault_tolerance.average_optimizer_state", "--fault_tolerance.adam_federation_batch"]
     done = run_cli(["local", "--islands", "1,1", "--no-table", *TINY, *QUICK, *outer,
                     "--job.run_dir", str(tmp_path / "fed")], timeout=240)
     assert done.returncode == 0, done.output[-3000:]
@@ -50,9 +52,12 @@ def test_simulator_trains_the_same_weights_as_a_real_federation(tmp_path):
     assert all(not torch.equal(real[k], v) for k, v in start.items())  # the comparison can fail
     for name, value in simulated.items():
         assert torch.equal(real[name], value), name
+    cfg.fault_tolerance.adam_federation_batch = False  # the federation's batch in AdamW changed the weights
+    plain = simulate(cfg, islands=2, eval_windows=32).models[0].state_dict()
+    assert any(not torch.equal(real[name], value) for name, value in plain.items())
     cfg.fault_tolerance.average_optimizer_state = False  # the moments' averaging changed the weights
     own = simulate(cfg, islands=2, eval_windows=32).models[0].state_dict()
-    assert any(not torch.equal(real[name], value) for name, value in own.items())
+    assert any(not torch.equal(plain[name], value) for name, value in own.items())
 
 
 @pytest.mark.timeout(400)
@@ -82,6 +87,39 @@ def test_one_step_rounds_of_plain_averaging_with_inner_sgd_are_data_parallelism(
         # most 3 units in the last place of the tensor's largest weight after 4 steps.
         ulps = 8 * torch.finfo(torch.float32).eps * b[name].abs().max()
         assert (a[name] - b[name]).abs().max() <= ulps, name
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.slow  # make test-slow
+def test_simulator_trains_a_resnet_federation_as_the_real_one_batchnorm_statistics_included(fashion_mnist, tmp_path):
+    from archipelago.config import load_config
+    from archipelago.simulation import simulate
+
+    # The image task through the simulator: augmentation, BatchNorm in train mode, each
+    # island's own running statistics, averaged AdamW moments (the config's).
+    resnet = ["--config", str(ROOT / "configs/resnet/federation.toml"), "--training.steps", "8",
+              "--training.batch_size", "16", "--lr_scheduler.warmup_steps", "2", "--fault_tolerance.sync_steps", "4",
+              "--metrics.no_tensorboard", "--metrics.progress", "plain", *QUICK]
+    done = run_cli(["local", "--islands", "1,1", "--no-table", *resnet, "--job.run_dir", str(tmp_path / "fed")],
+                   timeout=300)
+    assert done.returncode == 0, done.output[-3000:]
+    cfg = load_config([*resnet, "--fault_tolerance.enable"])
+    # With the islands' thread count (cores / ranks): oneDNN sums a convolution's weight
+    # gradient over the batch in per-thread chunks, so other counts round differently.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
+    try:
+        simulated = simulate(cfg, islands=2, eval_windows=32).models
+    finally:
+        torch.set_num_threads(threads)
+    for island, model in zip(("island-0", "island-1"), simulated):
+        real, state = _model_weights(tmp_path / "fed" / island), model.state_dict()
+        assert real.keys() == state.keys() and any("running_var" in k for k in real)
+        for name, value in state.items():
+            assert torch.equal(real[name], value), (island, name)
+    # Each island's own statistics: the comparison of running statistics can fail.
+    a, b = (m.state_dict()["bn1.running_var"] for m in simulated)
+    assert not torch.equal(a, b)
 
 
 def _model_weights_at_start() -> dict[str, torch.Tensor]:

@@ -8,7 +8,6 @@ pairing) and that everything else (resume, the federation) holds for it unchange
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -18,16 +17,6 @@ from archipelago.config import Config, ConfigError, load_config, parse_overrides
 from archipelago.tasks import ImageClassification, build_task, check_model
 
 RESNET = ["--config", "configs/resnet/debug.toml", "--metrics.progress", "plain", "--metrics.no_tensorboard"]
-
-
-@pytest.fixture(scope="module")
-def fashion_mnist():
-    """The real images, fetched into the cache once (as `make setup` does)."""
-    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
-        pytest.skip("needs apt-get and dpkg-deb to fetch the Debian package")
-    from archipelago.data import prepare_images_from_config
-
-    return prepare_images_from_config(Config().data, log=lambda _m: None)
 
 
 def _config(*overrides: str) -> Config:

@@ -242,6 +242,8 @@ class FaultToleranceConfig:
     """A new federation (outer step 0) waits this long for all `group_size` islands before it starts with those present."""
     average_optimizer_state: bool = False
     """At each outer step also average the islands' inner optimizer moments (AdamW's first and second moments), weighted like the pseudo-gradients, and continue from the average: each island's AdamW otherwise normalises by its own, noisier second moment. Brings DiLoCo closer to DDP at equal tokens (docs/quality.md) for two more model-sized fp32 rows per island and round (3x the bytes of fp32 DiLoCo); sent uncompressed whatever the codec. Every receiver checks each island's moments (signed with a federation key, finite, and possible for an Adam with these betas) and leaves out those of an island whose update it refused. Part of the fingerprint, with the inner optimizer's class and betas."""
+    adam_federation_batch: bool = False
+    """Each island's AdamW divides its update by the second moment of the federation's combined batch instead of its own: v/N + m^2 (1 - 1/N), N = the federation's tokens per own token in the last round (2 for two equal islands; 1 when alone: plain AdamW). An island's own batch is N times smaller, so where gradient noise dominates its denominator is up to sqrt(N) larger than DDP's and the islands under-step; this corrects it per coordinate, for no bytes. Needs optimizer.name = "adamw" (docs/quality.md)."""
     outer_weighting: Literal["tokens", "equal"] = "tokens"
     """How islands' pseudo-gradients are averaged: in proportion to the tokens each trained in the round (`tokens`), or equally (`equal`, plain DiLoCo)."""
     round_pacing: Literal["steps", "time"] = "steps"

@@ -123,6 +123,9 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
     _require(not ft.should_quantize or ft.codec in ("fp32", "int8"),
              f"fault_tolerance.should_quantize = true means codec = \"int8\", but codec = \"{ft.codec}\"; "
              "drop should_quantize", p)
+    _require(not (ft.enable and ft.adam_federation_batch) or cfg.optimizer.name == "adamw",
+             f"fault_tolerance.adam_federation_batch scales AdamW's second moment, but optimizer.name = "
+             f"\"{cfg.optimizer.name}\"; use optimizer.name = \"adamw\" or set adam_federation_batch = false", p)
     _require(ft.codec_block_size >= 1,
              f"fault_tolerance.codec_block_size = {ft.codec_block_size}: must be >= 1", p)
     _require(0 < ft.topk_fraction <= 1,

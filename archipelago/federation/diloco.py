@@ -171,6 +171,8 @@ class OuterLoop:
             raise ValueError("average_optimizer_state needs the island's inner optimizer")
         self.inner_state = (InnerStateAverager(optimizer, fragments, self.layouts)
                             if ft.average_optimizer_state and optimizer is not None else None)
+        # adam_federation_batch: the inner AdamW normalises by the federation's batch, N times its own.
+        self.scaled_optimizer = optimizer if ft.adam_federation_batch else None
         if self.is_bridge != (manager is not None):
             raise ValueError("bridge ranks (and only they) need a torchft Manager")
         self.numel = sum(layout.numel for layout in self.layouts)
@@ -194,6 +196,7 @@ class OuterLoop:
         self.round_steps, self.round_compute_s, self.round_untimed_s = 0, 0.0, 0.0
         self.federation_tokens = 0        # tokens the whole federation trained (at the last outer step)
         self.tokens_ratio = float(ft.group_size)  # federation tokens per own token, last round
+        self._scale_inner_batch()
         self.round_start = self._last_step_end = time.monotonic()
         self.save_global()  # collective: the initial weights are the first global weights
         if not ft.init_sync:  # islands start from their own weights: peers check they are the same
@@ -454,6 +457,7 @@ class OuterLoop:
             self.federation_tokens += tokens
             if p.tokens:
                 self.tokens_ratio = tokens / p.tokens
+                self._scale_inner_batch()
         sent, received = self._exchange_bytes(p)
         report = OuterReport(step=inner_step, outer_step=self.step, committed=committed,
                              participants=participants, contributors=total, fragment=p.fragment,
@@ -473,6 +477,12 @@ class OuterLoop:
         return report
 
     # ---- pieces --------------------------------------------------------------------
+
+    def _scale_inner_batch(self) -> None:
+        """adam_federation_batch: the inner AdamW's batch ratio is the federation's tokens per
+        own token (the same on every rank of the island; 1 when it trains alone)."""
+        if self.scaled_optimizer is not None:
+            self.scaled_optimizer.batch_ratio = max(1.0, self.tokens_ratio)  # type: ignore[attr-defined]
 
     def _pseudo_gradient(self, fragment: int, local: torch.Tensor) -> torch.Tensor:
         """[global - local ..., tokens, weight], the last two still 0 (prepare fills them).

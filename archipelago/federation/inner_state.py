@@ -40,6 +40,7 @@ log = logging.getLogger("archipelago.federation")
 # The state an optimizer keeps per parameter, shaped like the parameter, that is averaged.
 STATE_KEYS: dict[str, tuple[str, ...]] = {
     "AdamW": ("exp_avg", "exp_avg_sq"),
+    "BatchScaledAdamW": ("exp_avg", "exp_avg_sq"),  # island/optim.py: AdamW's state
     "Adam": ("exp_avg", "exp_avg_sq"),
     "SGD": ("momentum_buffer",),
 }

@@ -10,9 +10,62 @@ from torch import nn
 from archipelago.config import LRSchedulerConfig, OptimizerConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+class BatchScaledAdamW(torch.optim.AdamW):
+    """AdamW whose update is normalised by the second moment of a batch `batch_ratio` times
+    larger than the one it sees: an island of a federation steps as if it held the
+    federation's combined batch (docs/quality.md, "Each island's AdamW as the federation's").
+
+    Adam divides by sqrt(v), v an estimate of E[g^2] = mu^2 + sigma^2/B for a batch of B. An
+    island's gradient comes from its own batch, N times smaller than the federation's, so
+    where noise dominates a coordinate its denominator is up to sqrt(N) larger than DDP's on
+    the combined batch, and the islands' averaged update smaller. With m^2 estimating mu^2,
+    v/N + m^2 (1 - 1/N) estimates mu^2 + sigma^2/(N B), the combined batch's second moment
+    (both bias-corrected; m^2 also carries the first moment's own noise, so it errs towards
+    the plain denominator). With batch_ratio 1 this is torch's AdamW, unchanged.
+
+    The state (step, exp_avg, exp_avg_sq) is AdamW's: checkpoints and averaged moments are
+    the same. Costs two temporaries per parameter in the step (no fused kernel).
+    """
+
+    batch_ratio: float = 1.0
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001,ANN201 - torch's signature
+        if self.batch_ratio <= 1.0:
+            return super().step(closure)
+        loss = closure() if closure is not None else None
+        n = self.batch_ratio
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            exp_avgs: list[torch.Tensor] = []
+            exp_avg_sqs: list[torch.Tensor] = []
+            steps: list[torch.Tensor] = []
+            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)  # AdamW's own state
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            lr, decay, eps = group["lr"], group["weight_decay"], group["eps"]
+            torch._foreach_add_(steps, 1)
+            t = float(steps[0])  # every parameter of a group steps together; a host copy on accelerators
+            torch._foreach_mul_(params, 1 - lr * decay)
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+            first = torch._foreach_div(exp_avgs, 1 - beta1 ** t)
+            denominator = torch._foreach_mul(exp_avg_sqs, 1 / ((1 - beta2 ** t) * n))
+            torch._foreach_addcmul_(denominator, first, first, 1 - 1 / n)
+            torch._foreach_sqrt_(denominator)
+            torch._foreach_add_(denominator, eps)
+            torch._foreach_addcdiv_(params, first, denominator, -lr)
+        return loss
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device,
+                    batch_scaled: bool = False) -> torch.optim.Optimizer:
     """AdamW (the default) or SGD, with weight decay on matrices only (norm gains and
-    biases are not decayed)."""
+    biases are not decayed). `batch_scaled`: AdamW as `BatchScaledAdamW` (its
+    `batch_ratio` set by the federation)."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for param in model.parameters():
@@ -25,8 +78,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     foreach = None if fused else True
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused, foreach=foreach)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused,
-                             foreach=foreach)
+    adamw = BatchScaledAdamW if batch_scaled else torch.optim.AdamW
+    return adamw(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=foreach)
 
 
 def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:
