@@ -36,9 +36,16 @@ def test_time_pacing_lets_the_fast_island_run_more_steps_without_waiting(tmp_pat
     ratios = [f["inner_steps"] / s["inner_steps"] for f, s in zip(fast, slow)]
     # The slow island's steps take 3x as long: about 3x fewer of them fit in a round.
     assert 2.0 <= statistics.median(ratios) <= 4.5, ratios
-    for island in (fast, slow):
-        waits = [r["sync_s"] / (r["sync_s"] + r["compute_s"]) for r in island]
-        assert statistics.median(waits) < 0.35, waits  # fixed steps would leave the fast island ~2/3 idle
+    # Both islands compute until the round's deadline, so the fast one is busy about as long
+    # as the slow one and waits about as long at the sync. Under fixed steps it would compute
+    # a third as long and wait ~2/3 of each round while the slow one waits ~0. Compared
+    # between the islands of the same run, not against a threshold in seconds: on a loaded
+    # 2-core machine every round's sync (quorum, all-reduce) stretches for both alike.
+    compute = [statistics.median(r["compute_s"] for r in island) for island in (fast, slow)]
+    assert compute[0] >= 0.75 * compute[1], (fast, slow)
+    waits = [statistics.median(r["sync_s"] / (r["sync_s"] + r["compute_s"]) for r in island)
+             for island in (fast, slow)]
+    assert waits[0] <= waits[1] + 0.25, (fast, slow)
     # Both stop at the same outer step, once the federation trained its token budget.
     budget = 24 * 8 * 64 * 2
     assert fast[-1]["federation_tokens"] == slow[-1]["federation_tokens"] >= budget
