@@ -35,7 +35,7 @@ from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.exchange import Framing, aggregate
 from archipelago.federation.fragments import build_outer_optimizer, split_fragments
 from archipelago.federation.inner_state import state_keys
-from archipelago.island.optim import build_lr_scheduler, build_optimizer
+from archipelago.island.optim import build_lr_scheduler, build_optimizer, set_schedule_position
 from archipelago.island.parallelize import compute_dtype
 from archipelago.tasks import Task, build_task
 
@@ -54,6 +54,7 @@ class SimPoint:
 class SimResult:
     points: list[SimPoint] = field(default_factory=list)
     bytes_sent: int = 0  # payload bytes all islands handed to the exchange (as the meter counts)
+    inner_steps: list[int] = field(default_factory=list)  # each island's inner steps
     models: list[nn.Module] = field(default_factory=list)  # the islands' models at the end
 
     @property
@@ -90,12 +91,14 @@ class _Island:
         self.fragments = split_fragments(model, n)
         self.fragment_tokens = [0] * n
         self.codecs: list[Codec] = []
+        self.steps = 0
 
     def autocast(self):  # noqa: ANN201 - a context manager
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     def train_step(self) -> None:
         """One inner step, as the trainer's `train_step` (one micro-batch per rank)."""
+        self.steps += 1
         ranks = len(self.loaders)
         for r, loader in enumerate(self.loaders):
             x, y = (t.to(self.device) for t in loader.next_batch())
@@ -199,8 +202,9 @@ class _Outer:
     """The outer loop between the simulated islands (OuterLoop's semantics, in lockstep)."""
 
     def __init__(self, cfg: Config, islands: list[_Island], momentum_warmup_rounds: int = 0,
-                 sync_warmup_rounds: int = 0) -> None:
+                 sync_warmup_rounds: int = 0, average_running_stats: int = 0) -> None:
         self.ft, self.islands = cfg.fault_tolerance, islands
+        self.average_running_stats = bool(average_running_stats)
         self.momentum_warmup_rounds = momentum_warmup_rounds
         self.sync_warmup_rounds = sync_warmup_rounds
         if sync_warmup_rounds and (self.ft.num_fragments > 1 or self.ft.fragment_sync_delay):
@@ -215,11 +219,13 @@ class _Outer:
         self.local_step, self.step = 0, 0
         self.pending: tuple[int, torch.Tensor, float] = (0, torch.zeros(0), 0.0)  # set by prepare()
         self.pending_moments: list[torch.Tensor] = []  # average_optimizer_state: weighted sums
+        self.round_tokens: list[int] = []  # each island's tokens in the round prepare() took
         self.bytes_sent = 0
 
-    def after_inner_step(self, tokens: int) -> None:
-        for island in self.islands:
-            island.fragment_tokens = [t + tokens for t in island.fragment_tokens]
+    def after_inner_step(self, tokens: Sequence[int]) -> None:
+        """One tick of the round's clock, `tokens[i]` trained by island i in it."""
+        for island, trained in zip(self.islands, tokens):
+            island.fragment_tokens = [t + trained for t in island.fragment_tokens]
         self.local_step += 1
         length = self.round_length()
         if self.local_step == length - self.ft.fragment_sync_delay:
@@ -238,10 +244,11 @@ class _Outer:
     def prepare(self) -> None:
         """Each island's weighted pseudo-gradient, encoded and decoded, summed in island order."""
         fragment = self.step % len(self.globals)
-        values, weights = [], []
+        values, weights, self.round_tokens = [], [], []
         for island in self.islands:
             pseudo = self.globals[fragment].detach() - island.flat(fragment)
             weight = 1.0 if self.ft.outer_weighting == "equal" else float(island.fragment_tokens[fragment])
+            self.round_tokens.append(island.fragment_tokens[fragment])
             island.fragment_tokens[fragment] = 0
             payload = 4 * pseudo.numel()
             if self.codec != "fp32":
@@ -279,11 +286,22 @@ class _Outer:
         if self.ft.average_optimizer_state and weights > 0:
             for island in self.islands:
                 island.write_moments(fragment, [m / weights for m in self.pending_moments])
+        if self.ft.adam_federation_batch:  # the federation's tokens per own token, as the platform's
+            for island, own in zip(self.islands, self.round_tokens):
+                if own:
+                    island.optimizer.batch_ratio = max(1.0, sum(self.round_tokens) / own)  # type: ignore[attr-defined]
+        if self.average_running_stats:  # an experiment: every island continues from their mean
+            stats = [running_stats(island.model) for island in self.islands]
+            for k in range(len(stats[0])):
+                mean = torch.stack([s[k].float() for s in stats]).mean(0)
+                for s in stats:
+                    s[k].copy_(mean)
 
 
 def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval_windows: int = 256,
              eval_every: int | None = None, log: Callable[[str], None] | None = None,
-             momentum_warmup_rounds: int = 0, sync_warmup_rounds: int = 0, ranks: int = 1) -> SimResult:
+             momentum_warmup_rounds: int = 0, sync_warmup_rounds: int = 0, ranks: int = 1,
+             average_running_stats: int = 0, slow_period: int = 0) -> SimResult:
     """Train `islands` islands of `cfg` for `cfg.training.steps` inner steps each.
 
     With `fault_tolerance.enable` they meet in outer steps; without it (one island) this
@@ -293,6 +311,15 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
     `momentum_warmup_rounds` is an experiment the platform does not have: the outer
     momentum grows linearly from 0 to `outer_momentum` over that many rounds.
     `sync_warmup_rounds` K, another: the first K rounds last 1, 2, 4, ... inner steps.
+    `average_running_stats` 1, another: every outer step also sets every island's BatchNorm
+    running statistics to their mean.
+    `slow_period` P > 1 emulates time-paced rounds with a slow last island, deterministically:
+    a round lasts `sync_steps` ticks, the other islands step at every tick and the last one
+    at every P-th (P times slower), contributions are weighted by the tokens each trained,
+    every island's learning-rate schedule follows the federation's progress (its tokens over
+    one island's tokens per step x islands), and training stops at the first round end at
+    which the federation has trained `islands x training.steps` steps' tokens, as a
+    time-paced federation stops at its token budget. Evaluation points count ticks.
     """
     device = torch.device(device)
     t = cfg.training
@@ -300,6 +327,8 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
         raise ValueError("ranks > 1 emulates a DDP island: one island, fault tolerance off")
     if t.batch_size % ranks:
         raise ValueError(f"training.batch_size {t.batch_size} does not split over {ranks} ranks")
+    if slow_period > 1 and (islands < 2 or not cfg.fault_tolerance.enable or cfg.fault_tolerance.num_fragments > 1):
+        raise ValueError("slow_period emulates a slow island of a federation: 2+ islands, one fragment")
     task = build_task(cfg)
     task.prepare(log=lambda _m: None)
     judge = evaluation_task(cfg, eval_windows)
@@ -307,7 +336,8 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
     first = task.build_model().module.to(device)
     models = [first] + [copy.deepcopy(first) for _ in range(islands - 1)]  # init_sync: one start
     crew = [_Island(cfg, task, m, i, islands, device, ranks) for i, m in enumerate(models)]
-    outer = _Outer(cfg, crew, momentum_warmup_rounds, sync_warmup_rounds) if cfg.fault_tolerance.enable else None
+    outer = (_Outer(cfg, crew, momentum_warmup_rounds, sync_warmup_rounds, average_running_stats)
+             if cfg.fault_tolerance.enable else None)
     tokens_per_step = t.batch_size * task.tokens_per_sample
     every = t.val_every if eval_every is None else eval_every
     result = SimResult()
@@ -315,18 +345,48 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
     def point(step: int) -> None:
         crew[0].average_rank_stats()
         metrics = evaluate(crew[0].model, judge, device, crew[0].dtype)
-        result.points.append(SimPoint(step, step * tokens_per_step * islands, metrics["val_loss"], metrics))
+        trained = sum(island.steps for island in crew) * tokens_per_step
+        result.points.append(SimPoint(step, trained, metrics["val_loss"], metrics))
         if log is not None:
             log(f"step {step}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items()))
 
     point(0)
-    for step in range(1, t.steps + 1):
-        for island in crew:
-            island.train_step()
-        if outer is not None:
-            outer.after_inner_step(tokens_per_step)
-        if step == t.steps or (every and step % every == 0):
-            point(step)
+    if slow_period > 1:
+        assert outer is not None
+        _train_time_paced(crew, outer, t.steps, slow_period, tokens_per_step, every, point)
+    else:
+        for step in range(1, t.steps + 1):
+            for island in crew:
+                island.train_step()
+            if outer is not None:
+                outer.after_inner_step([tokens_per_step] * islands)
+            if step == t.steps or (every and step % every == 0):
+                point(step)
     result.bytes_sent = outer.bytes_sent if outer is not None else 0
+    result.inner_steps = [island.steps for island in crew]
     result.models = [island.model for island in crew]
     return result
+
+
+def _train_time_paced(crew: list[_Island], outer: _Outer, steps: int, period: int, tokens_per_step: int,
+                      every: int, point: Callable[[int], None]) -> None:
+    """`simulate`'s `slow_period`: ticks until the federation's token budget, the last
+    island stepping every `period`-th tick; schedules follow the federation's progress."""
+    budget = steps * len(crew)  # in island-steps, as the platform's token budget
+    tick = 0
+    while True:
+        tick += 1
+        trained = [0] * len(crew)
+        for i, island in enumerate(crew):
+            if i < len(crew) - 1 or tick % period == 0:
+                island.train_step()
+                trained[i] = tokens_per_step
+        progress = min(steps, sum(island.steps for island in crew) / len(crew))  # capped at the budget
+        for island in crew:
+            set_schedule_position(island.scheduler, progress)
+        outer.after_inner_step(trained)
+        done = outer.local_step == 0 and sum(island.steps for island in crew) >= budget  # a round just ended
+        if done or (every and tick % every == 0):
+            point(tick)
+        if done:
+            return

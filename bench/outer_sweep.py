@@ -88,8 +88,7 @@ def build_jobs(args: argparse.Namespace) -> list[dict]:
         tag = setting_name([o for o in g if not o[2:].startswith(FEDERATION_KEYS)])
         federations.append(("federation", tag if tag != "defaults" else "", args.islands,
                             [*common, "--fault_tolerance.enable", *g]))
-    if args.no_baselines:
-        baselines = []
+    baselines = [b for b in baselines if b[0] in args.baselines and not args.no_baselines]
     # Seed-major: a sweep cut short by --time-limit still has every setting at some seeds.
     # DDP emulates one rank per island, each with its own share of the batch (and its own
     # BatchNorm statistics, averaged before an evaluation, as a DDP island does).
@@ -115,7 +114,8 @@ def run_job(job: dict, config: str, device: str, threads: int, eval_windows: int
     result = simulate(cfg, job["islands"], device=device, eval_windows=eval_windows, ranks=job.get("ranks", 1),
                       **options)
     return {**job, "val_loss": result.final.val_loss, "tokens": result.final.tokens,
-            "bytes_sent": result.bytes_sent, "seconds": time.perf_counter() - began,
+            "bytes_sent": result.bytes_sent, "inner_steps": result.inner_steps,
+            "seconds": time.perf_counter() - began,
             "curve": [[p.step, p.tokens, p.val_loss] for p in result.points]}
 
 
@@ -177,6 +177,8 @@ def main() -> None:
                    help="section.key=v1,v2 ... (every combination); repeat for more groups")
     p.add_argument("--set", nargs="*", default=[], help="--section.key=value overrides for every run")
     p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--baselines", nargs="+", choices=["single", "ddp"], default=["single", "ddp"],
+                   help="which baselines to run (default both)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--mixed-precision", default="fp32", choices=["fp32", "bf16", "auto"])
     p.add_argument("--workers", type=int, default=1)

@@ -8,16 +8,18 @@ same config, for several seeds, and is compared in the same run with two baselin
 * ddp: one island of 2 ranks, per-step gradient all-reduce (`data_parallel = "ddp"`), the
   islands' combined batch: the same tokens as a 2-island federation, the expensive way.
 
-Settings: diloco (2 x 1 rank, the config's outer step: sync_steps 10 with the islands' AdamW
-moments averaged), own-moments (the defaults before: sync_steps 20, each island keeping its
-own moments), reference-outer (the reference platform's outer Nesterov SGD, lr 0.7, momentum
-0.9, sync_steps 20), diloco-3 (3 x 1 rank: 1.5x DDP's tokens, so compared with one island
-only), int8, topk (20% of 256, 2 bits), topk-5pct-1bit (the sparser top-k before), streaming
-int8 (2 fragments, tau 1), sync_steps 5 / 50 / 100, and het-1:3 (a 2-rank and a
-1-rank island, the 1-rank one emulated 3x slower, time-paced rounds as long as the diloco
-run's median round, token-weighted): the same token budget, unequal steps. Its single-
-island baseline at equal wall-clock is the fast island alone for as many steps as it ran
-in the federation (`single-fast`, measured per seed).
+Settings: diloco (2 x 1 rank, the config's outer step: sync_steps 10 with the islands'
+AdamW moments averaged), own-moments (the defaults before: sync_steps 20, each island
+keeping its own moments), adam-federation-batch / adam-own-batch (the config with
+`fault_tolerance.adam_federation_batch` on / off), reference-outer (the reference
+platform's outer Nesterov SGD, lr 0.7, momentum 0.9, sync_steps 20), diloco-3 (3 x 1 rank:
+1.5x DDP's tokens, so compared with one island only), int8, topk (20% of 256, 2 bits),
+topk-5pct-1bit (the sparser top-k before), streaming int8 (2 fragments, tau 1), sync_steps
+5 / 50 / 100, and het-1:3 (a 2-rank and a 1-rank island, the 1-rank one emulated 3x
+slower, time-paced rounds as long as the diloco run's median round, token-weighted): the
+same token budget, unequal steps. Its single-island baseline at equal wall-clock is the
+fast island alone for as many steps as it ran in the federation (`single-fast`, measured
+per seed).
 
 Ratios are paired: each seed's value over the baseline's at the same seed, then the
 mean over seeds (the seed moves every run the same way: init and data order). Every run
@@ -81,6 +83,8 @@ SETTINGS = {s.name: s for s in (
     Setting("reference-outer", args=(*OWN_MOMENTS, "--fault_tolerance.outer_lr", "0.7",
                                      "--fault_tolerance.outer_momentum", "0.9")),
     Setting("own-moments", args=OWN_MOMENTS),
+    Setting("adam-federation-batch", args=("--fault_tolerance.adam_federation_batch",)),
+    Setting("adam-own-batch", args=("--fault_tolerance.no_adam_federation_batch",)),
     Setting("diloco-3", islands="1,1,1"),
     Setting("het-1:3", islands="2,1", slowdown="1,3", time_paced=True),
     Setting("single-fast", islands="", ranks=2),

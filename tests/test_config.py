@@ -208,6 +208,20 @@ def test_streaming_fragments_are_advised_against_with_the_measurement_and_the_fi
     assert advice(_federation(num_fragments=1, codec="int8")) == []
 
 
+def test_a_resnet_federation_without_the_federations_adam_batch_is_advised_against():
+    from archipelago.config import advice
+
+    cfg = _federation()
+    cfg.model.name, cfg.model.flavor = "resnet", "debug"
+    found = advice(cfg)
+    assert len(found) == 1 and "4.1% behind DDP at 1,000 steps" in found[0]
+    assert "set fault_tolerance.adam_federation_batch = true" in found[0]
+    cfg.fault_tolerance.adam_federation_batch = True
+    assert advice(cfg) == []
+    cfg.fault_tolerance.adam_federation_batch, cfg.model.name = False, "llama3"  # measured to cost there
+    assert advice(cfg) == []
+
+
 @pytest.mark.parametrize("path", [p for p in SHIPPED if "[fault_tolerance]" in p.read_text()],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_shipped_federation_configs_follow_the_measured_advice(path):

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -150,3 +151,42 @@ def test_two_islands_with_the_defaults_beat_one_island_in_the_same_steps(tmp_pat
     # on longer runs (docs/quality.md). Half of it is the margin: a federation that does not
     # pay off fails, timing noise cannot (both runs are deterministic).
     assert together["val_loss"] < 0.99 * alone["val_loss"], (together, alone)
+
+
+def test_the_simulators_slow_island_steps_a_third_as_often_and_weighs_by_its_tokens():
+    """`simulate(slow_period=3)` (time-paced rounds with a 3x slower island, as bench/outer_sweep
+    uses for the heterogeneous case) against the same two islands trained by hand: island 1
+    steps at every third tick, both follow the federation's progress on the schedule, and the
+    round ends on the token-weighted mean of their weights."""
+    from archipelago.config import load_config
+    from archipelago.island.optim import set_schedule_position
+    from archipelago.simulation import _Island, simulate
+    from archipelago.tasks import build_task
+
+    # 6 ticks make one round; the budget (2 islands x 3 steps) is reached at its end: 6 + 2 steps.
+    cfg = load_config([*TINY, "--training.steps", "3", "--fault_tolerance.enable", "--fault_tolerance.sync_steps", "6",
+                       "--fault_tolerance.outer_lr", "1.0", "--fault_tolerance.outer_momentum", "0",
+                       "--lr_scheduler.warmup_steps", "2"])
+    result = simulate(cfg, islands=2, eval_windows=8, slow_period=3)
+    assert result.inner_steps == [6, 2]
+    assert result.final.tokens == 8 * cfg.training.batch_size * cfg.data.seq_len
+
+    task = build_task(cfg)
+    task.prepare(log=lambda _m: None)
+    first = task.build_model().module
+    islands = [_Island(cfg, task, m, i, 2, torch.device("cpu")) for i, m in enumerate((first, copy.deepcopy(first)))]
+    steps = [0, 0]
+    for tick in range(1, 7):
+        for i, island in enumerate(islands):
+            if i == 0 or tick % 3 == 0:
+                island.train_step()
+                steps[i] += 1
+        for island in islands:
+            set_schedule_position(island.scheduler, min(3, sum(steps) / 2))  # capped at the budget
+    lrs = [island.optimizer.param_groups[0]["lr"] for island in islands]
+    assert lrs[0] == lrs[1] > 0  # one schedule position, whatever each island's step count
+    fast, slow = (dict(island.model.named_parameters()) for island in islands)
+    for name, value in result.models[0].named_parameters():
+        expected = (6 * fast[name].detach() + 2 * slow[name].detach()) / 8
+        assert not torch.equal(fast[name], slow[name]), name  # the islands drifted apart: the mean can fail
+        torch.testing.assert_close(value.detach(), expected, rtol=1e-5, atol=1e-6, msg=name)

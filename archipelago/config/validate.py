@@ -183,6 +183,11 @@ def advice(cfg: Config) -> list[str]:
                      "2.0% behind fp32 DiLoCo on llama3 at 1,000 steps and 5.2% on the ResNet at 200 (3 seeds "
                      "each, docs/quality.md); set fault_tolerance.num_fragments = 1 unless the link cannot carry "
                      "a whole model's exchange at once (codec = \"int8\" cuts it 4x at no measured cost)")
+    if cfg.model.name == "resnet" and cfg.optimizer.name == "adamw" and not ft.adam_federation_batch:
+        found.append("fault_tolerance.adam_federation_batch = false on a ResNet: each island's AdamW, "
+                     "normalised by its own batch, ended 4.1% behind DDP at 1,000 steps and 1.8% at 200 "
+                     "(3 seeds each; 0.0% and 0.6% with it, docs/quality.md section 9); set "
+                     "fault_tolerance.adam_federation_batch = true")
     if ft.outer_optimizer == "sgd" and ft.outer_momentum == 0 and ft.outer_lr > 1.1:
         found.append(f"fault_tolerance.outer_lr = {ft.outer_lr} without momentum steps past the islands' "
                      "average: outer_lr 1.3-1.6 cost 1-6% in validation loss against 1.0 (docs/quality.md); "
