@@ -8,6 +8,11 @@ the same tokens). Any model family runs (`--config configs/resnet/federation.tom
 Every run evaluates on the same held-out windows, whatever its batch size. Runs go to a
 pool of worker processes; on a GPU many fit side by side.
 
+`--grid sim.NAME=VALUE` passes an option to `simulate()` instead of the config:
+`sim.slow_period=3` emulates the heterogeneous case (time-paced rounds, the last island 3x
+slower, token-weighted), whose baseline at equal wall-clock is one island alone for the
+fast island's steps (1.5x `--steps` for two islands: `--steps 300 --baselines single`).
+
     python bench/outer_sweep.py --steps 400 --seeds 0 1 2 \\
         --grid fault_tolerance.outer_lr=0.7,1.0 fault_tolerance.outer_momentum=0,0.9
     python bench/outer_sweep.py --device cuda --workers 12 --mixed-precision fp32 ...
