@@ -3,8 +3,8 @@
 `simulate(cfg, islands)` trains `islands` 1-rank islands in lockstep in this process
 and runs the outer step between them exactly as a federation of 1-rank islands does
 (round schedule and fragments, token weights, codecs with error feedback, the outer
-optimizer, `fragment_update_alpha`, `average_optimizer_state`, `adam_federation_batch`), with
-no lighthouse, sockets or subprocesses. It is what makes a sweep over outer settings
+optimizer, `fragment_update_alpha`, `average_optimizer_state` and its `moments_dtype`,
+`adam_federation_batch`), with no lighthouse, sockets or subprocesses. It is what makes a sweep over outer settings
 affordable: one run is one process, seconds on a GPU, and many run side by side. A test
 checks it against the real federation. Any model family trains here: the task
 (tasks.py) supplies the data, the model, the loss (a mixture of experts' balancing loss
@@ -34,7 +34,7 @@ from archipelago.config import Config
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.exchange import Framing, aggregate
 from archipelago.federation.fragments import build_outer_optimizer, split_fragments
-from archipelago.federation.inner_state import state_keys
+from archipelago.federation.inner_state import WIRE_DTYPES, state_keys
 from archipelago.island.optim import build_lr_scheduler, build_optimizer, set_schedule_position
 from archipelago.island.parallelize import compute_dtype
 from archipelago.tasks import Task, build_task
@@ -258,11 +258,13 @@ class _Outer:
             self.bytes_sent += Framing().row_bytes(payload)  # its row: tokens and weight, then the payload
             values.append(pseudo)
             weights.append(weight)
-            if self.ft.average_optimizer_state:
-                moments = [m * weight for m in island.moments(fragment)]
+            if self.ft.average_optimizer_state:  # rounded to the wire's type, as every receiver sees them
+                wire = WIRE_DTYPES[self.ft.moments_dtype]
+                moments = [m.to(wire).float() * weight for m in island.moments(fragment)]
                 self.pending_moments = (moments if island is self.islands[0] else
                                         [a + b for a, b in zip(self.pending_moments, moments)])
-                self.bytes_sent += Framing().row_bytes(4 * sum(m.numel() for m in moments))  # their row
+                size = torch.finfo(wire).bits // 8 * sum(m.numel() for m in moments)
+                self.bytes_sent += Framing().row_bytes(size)  # their row
         total = aggregate(values, weights, self.ft.outer_aggregation == "trimmed_mean")
         self.pending = (fragment, total, sum(weights))
 

@@ -11,7 +11,8 @@ pool of worker processes; on a GPU many fit side by side.
 `--grid sim.NAME=VALUE` passes an option to `simulate()` instead of the config:
 `sim.slow_period=3` emulates the heterogeneous case (time-paced rounds, the last island 3x
 slower, token-weighted), whose baseline at equal wall-clock is one island alone for the
-fast island's steps (1.5x `--steps` for two islands: `--steps 300 --baselines single`).
+fast island's steps (1.5x `--steps` for two islands:
+`--steps 300 --baselines single --no-federations`).
 
     python bench/outer_sweep.py --steps 400 --seeds 0 1 2 \\
         --grid fault_tolerance.outer_lr=0.7,1.0 fault_tolerance.outer_momentum=0,0.9
@@ -94,6 +95,8 @@ def build_jobs(args: argparse.Namespace) -> list[dict]:
         federations.append(("federation", tag if tag != "defaults" else "", args.islands,
                             [*common, "--fault_tolerance.enable", *g]))
     baselines = [b for b in baselines if b[0] in args.baselines and not args.no_baselines]
+    if args.no_federations:
+        federations = []
     # Seed-major: a sweep cut short by --time-limit still has every setting at some seeds.
     # DDP emulates one rank per island, each with its own share of the batch (and its own
     # BatchNorm statistics, averaged before an evaluation, as a DDP island does).
@@ -184,6 +187,7 @@ def main() -> None:
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--baselines", nargs="+", choices=["single", "ddp"], default=["single", "ddp"],
                    help="which baselines to run (default both)")
+    p.add_argument("--no-federations", action="store_true", help="run the baselines only")
     p.add_argument("--device", default="cpu")
     p.add_argument("--mixed-precision", default="fp32", choices=["fp32", "bf16", "auto"])
     p.add_argument("--workers", type=int, default=1)

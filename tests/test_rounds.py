@@ -66,7 +66,7 @@ def _manager(lighthouse: str, island: int, bridge: int, width: int, store_port: 
 def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, rounds: int,
             lighthouse: str, store_ports: list[int], poisons: dict, codec: str, init_sync: bool,
             block: int, moments: bool, secret: str | list[str] | None, aggregation: str,
-            lying_moments: tuple[int, int] | None, out: dict) -> None:
+            lying_moments: tuple[int, int] | None, moments_dtype: str, out: dict) -> None:
     torch.set_num_threads(1)  # up to 4 processes on 2 cores: more threads only wait for each other
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=proc, world_size=sum(sizes))
@@ -80,7 +80,8 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
                                   replica_id=island, sync_steps=ROUND, semi_sync_method="local_sgd",
                                   outer_weighting=weighting, sync_width=width, codec=codec,
                                   topk_fraction=0.1, codec_block_size=block, init_sync=init_sync,
-                                  average_optimizer_state=moments, outer_aggregation=aggregation)
+                                  average_optimizer_state=moments, outer_aggregation=aggregation,
+                                  moments_dtype=moments_dtype)
         model = _model()
         optimizer = torch.optim.AdamW(model.parameters()) if moments else None
         secret = secret[island] if isinstance(secret, list) else secret  # one per island: an outsider
@@ -140,7 +141,8 @@ def _flat_moment(optimizer: torch.optim.Optimizer, model: nn.Module, name: str) 
 def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
               poisons: dict[int, Poison] | None = None, codec: str = "fp32", init_sync: bool = True,
               block: int = 16, moments: bool = False, secret: str | list[str] | None = None,
-              aggregation: str = "mean", lying_moments: tuple[int, int] | None = None) -> dict:
+              aggregation: str = "mean", lying_moments: tuple[int, int] | None = None,
+              moments_dtype: str = "fp32") -> dict:
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
@@ -152,7 +154,7 @@ def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
             spawn_ranks(_worker, nprocs=sum(sizes),
                         args=(_free_port(), sizes, width, weighting, rounds, lighthouse.address(),
                               [s.port for s in stores], poisons or {}, codec, init_sync, block, moments, secret,
-                              aggregation, lying_moments, out))
+                              aggregation, lying_moments, moments_dtype, out))
             return dict(out)
     finally:
         lighthouse.shutdown()
@@ -226,6 +228,34 @@ def test_poisoned_updates_are_rejected_and_everyone_keeps_the_same_finite_weight
 
 
 @pytest.mark.timeout(240)
+def test_moments_sent_in_bf16_average_the_rounded_values_for_half_the_bytes():
+    # moments_dtype = "bf16": every island averages the same rounded rows, so all end with
+    # the same moments, the weighted mean of the bf16 values; the weights are unchanged.
+    sizes, rounds = [2, 1], 2
+    runs = {dtype: _federate(sizes, 1, "tokens", rounds, moments=True, moments_dtype=dtype)
+            for dtype in ("fp32", "bf16")}
+    weights = [float(TOKENS[k] * ROUND) for k in range(len(sizes))]
+    expected = _expected(sizes, weights, rounds)
+    numel = expected[0].numel()
+    for proc in range(sum(sizes)):
+        for round_ in range(1, rounds + 1):
+            torch.testing.assert_close(runs["bf16"][(proc, round_)][0], expected[round_ - 1], rtol=0, atol=1e-6)
+            for key, got in enumerate(runs["bf16"][(proc, round_, "moments")]):
+                rounded = [_moment(k, round_, key, numel).bfloat16().float() for k in range(len(sizes))]
+                want = sum(w * m for w, m in zip(weights, rounded)) / sum(weights)
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=f"{MOMENTS[key]}, process {proc}")
+                exact = runs["fp32"][(proc, round_, "moments")][key]
+                assert not torch.equal(got, exact)  # the rounding shows: the comparison can fail
+    # The bridge's row of two moments: 2 bytes a value instead of 4 (a frame's header and its
+    # padding to whole words are the same).
+    from archipelago.federation.exchange import Framing
+
+    sent = {dtype: runs[dtype][(0, 1, "bytes")][0] for dtype in runs}
+    rows = {size: Framing().row_bytes(size * len(MOMENTS) * numel) for size in (4, 2)}
+    assert sent["fp32"] - sent["bf16"] == rows[4] - rows[2] >= 2 * len(MOMENTS) * numel - 8
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("signed", [False, True], ids=["plain", "signed"])
 def test_moments_no_optimizer_can_hold_are_refused_while_the_islands_update_counts(signed, caplog):
     # Island 2 of three sends, in round 2, first moments 10^4 times too large for its second
@@ -275,6 +305,17 @@ def test_the_moment_bound_holds_for_adamw_and_is_tight():
     assert moments_problem(torch.tensor([1.0, float("nan")]), ("exp_avg", "exp_avg_sq"), bound) == "non-finite moments"
     assert "negative" in moments_problem(torch.tensor([0.0, -1.0]), ("exp_avg", "exp_avg_sq"), bound)
     assert "larger" in moments_problem(torch.tensor([1.0, 1.0 / (1.01 * bound)]), ("exp_avg", "exp_avg_sq"), bound)
+    # Sent in bf16 (moments_dtype): a state at the bound, rounded, stays within the bf16 slack,
+    # and a first moment 2% above the bound does not.
+    from archipelago.federation.inner_state import _SLACK_BF16
+
+    keys = ("exp_avg", "exp_avg_sq")
+    for scale in (1e-6, 1.0, 3.7e3):
+        for nudge in (1 + 2 ** -9, 1 - 2 ** -9):  # bf16 rounds each value by up to 2^-9 of it
+            at_bound = torch.cat([m * scale * nudge, v * scale ** 2 / nudge]).float().bfloat16().float()
+            assert moments_problem(at_bound, keys, bound, _SLACK_BF16) is None, (scale, nudge)
+        over = torch.cat([m * scale * 1.02 ** 0.5 * (1 + 2 ** -9), v * scale ** 2]).float()
+        assert "larger" in moments_problem(over, keys, bound, _SLACK_BF16), scale
 
 
 @pytest.mark.timeout(240)

@@ -169,7 +169,7 @@ class OuterLoop:
         self.is_bridge = self.layouts[0].is_bridge
         if ft.average_optimizer_state and optimizer is None:
             raise ValueError("average_optimizer_state needs the island's inner optimizer")
-        self.inner_state = (InnerStateAverager(optimizer, fragments, self.layouts)
+        self.inner_state = (InnerStateAverager(optimizer, fragments, self.layouts, ft.moments_dtype)
                             if ft.average_optimizer_state and optimizer is not None else None)
         # adam_federation_batch: the inner AdamW normalises by the federation's batch, N times its own.
         self.scaled_optimizer = optimizer if ft.adam_federation_batch else None

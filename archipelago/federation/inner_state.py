@@ -8,16 +8,17 @@ their optimizer's moments at every outer step, weighted like their pseudo-gradie
 and every island continues from the average.
 
 The moments cross islands like the pseudo-gradient (exchange.py): each island's bridge
-chunk of them, in fp32, is one row (with a federation key a signed frame of kind
-MOMENTS), all-gathered beside the pseudo-gradient's exchange and voted on with it: a
-round that does not commit leaves every island its own moments. Every receiver judges
-every row (`judge_moments`): an island whose pseudo-gradient was refused, whose row is not
-signed, holds no moments, or holds moments no optimizer can have (not finite, a negative
-second moment, or for Adam a first moment larger than Cauchy-Schwarz allows against the
-second, `adam_moment_bound`) has its moments left out, on every island alike. It costs
-one model-sized fp32 row per moment (two for AdamW) per island and round. The moments are
-gathered and written back through the fragment's flat layout, so islands sharded
-differently meet as they do for the weights.
+chunk of them, in fp32 (or bf16 with `moments_dtype`, half the bytes), is one row (with
+a federation key a signed frame of kind MOMENTS), all-gathered beside the
+pseudo-gradient's exchange and voted on with it: a round that does not commit leaves
+every island its own moments. Every receiver judges every row (`judge_moments`): an
+island whose pseudo-gradient was refused, whose row is not signed, holds no moments, or
+holds moments no optimizer can have (not finite, a negative second moment, or for Adam a
+first moment larger than Cauchy-Schwarz allows against the second, `adam_moment_bound`,
+with slack for the wire type's rounding) has its moments left out, on every island
+alike. It costs one model-sized row per moment (two for AdamW) per island and round.
+The moments are gathered and written back through the fragment's flat layout, so
+islands sharded differently meet as they do for the weights.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
 
 MOMENTS = 7  # frame kind of a row of moments (exchange.py numbers the round's other kinds)
 _SLACK = 1e-3      # relative slack of the Cauchy-Schwarz bound: the moments' own rounding
+# In bf16 each value is rounded by at most 2^-9 of itself: exp_avg^2 by about 2^-8, exp_avg_sq
+# by 2^-9, so the bound may be off by about 0.6% more. 1% keeps a margin.
+_SLACK_BF16 = 1e-2
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _TINY = 1e-30      # absolute slack: a second moment that underflowed to 0 under a tiny first one
 
 
@@ -74,8 +79,10 @@ def adam_moment_bound(betas: tuple[float, float]) -> float | None:
     return (1 - b1) ** 2 / ((1 - b2) * (1 - b1 * b1 / b2))
 
 
-def moments_problem(values: torch.Tensor, keys: tuple[str, ...], bound: float | None) -> str | None:
-    """Why a row of moments ([key 0 chunk, key 1 chunk, ...]) cannot be an optimizer's, or None."""
+def moments_problem(values: torch.Tensor, keys: tuple[str, ...], bound: float | None,
+                    slack: float = _SLACK) -> str | None:
+    """Why a row of moments ([key 0 chunk, key 1 chunk, ...]) cannot be an optimizer's, or None.
+    `slack`: the relative error the bound allows for rounding (more for rows sent in bf16)."""
     if not bool(torch.isfinite(values).all()):  # a device sync
         return "non-finite moments"
     if "exp_avg_sq" not in keys:
@@ -86,7 +93,7 @@ def moments_problem(values: torch.Tensor, keys: tuple[str, ...], bound: float | 
         return "a negative second moment"
     if bound is not None and "exp_avg" in parts:
         first = parts["exp_avg"].double()
-        if bool((first.square() > bound * (1 + _SLACK) * second.double() + _TINY).any()):
+        if bool((first.square() > bound * (1 + slack) * second.double() + _TINY).any()):
             return "first moments larger than the second moments allow"
     return None
 
@@ -118,8 +125,10 @@ class InnerStateAverager:
     """Gathers, exchanges (as rows) and writes back one fragment's optimizer moments."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, fragments: list[list[nn.Parameter]],
-                 layouts: list[FlatLayout]) -> None:
+                 layouts: list[FlatLayout], moments_dtype: str = "fp32") -> None:
         self.optimizer, self.fragments, self.layouts = optimizer, fragments, layouts
+        self.wire_dtype = WIRE_DTYPES[moments_dtype]  # what the rows carry (fault_tolerance.moments_dtype)
+        self.slack = _SLACK_BF16 if self.wire_dtype == torch.bfloat16 else _SLACK
         self.keys = state_keys(optimizer)
         betas = optimizer.param_groups[0].get("betas")
         self.bound = adam_moment_bound(tuple(betas)) if betas is not None else None
@@ -155,10 +164,10 @@ class InnerStateAverager:
             return StateExchange(fragment, have)
         gathered = [c for c in chunks if c is not None]  # every chunk, on a bridge rank
         if gathered:
-            payload = torch.cat(gathered).float()
+            payload = torch.cat(gathered).to(self.wire_dtype)
         else:
             lo, hi = layout.chunk_range(layout.rank)
-            payload = torch.zeros(len(self.keys) * (hi - lo), device=layout.device)
+            payload = torch.zeros(len(self.keys) * (hi - lo), device=layout.device, dtype=self.wire_dtype)
         if device is not None:
             payload = payload.to(device)
         raw = payload.contiguous().view(torch.uint8)
@@ -183,8 +192,8 @@ class InnerStateAverager:
                 _, claims, island, payload, frame = gathered.framing.open(out, exchange.payload_bytes, MOMENTS)
                 values = None
                 if frame == FRAME_OK and payload is not None and claims == 1.0 and k < len(weights) and weights[k]:
-                    values = payload.clone().view(torch.float32)
-                    problem = moments_problem(values, self.keys, self.bound)
+                    values = payload.clone().view(self.wire_dtype).float()
+                    problem = moments_problem(values, self.keys, self.bound, self.slack)
                     if problem is not None:
                         log.warning("refused the optimizer moments of island %s: %s", island, problem)
                         values = None

@@ -259,7 +259,8 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
             "sync_width": ft.sync_width, "num_fragments": ft.num_fragments,
             "semi_sync_method": ft.semi_sync_method, "outer": outer, "pacing": _pacing(ft, tokens_per_step),
             "codec": _codec(ft), "start": "from a peer" if ft.init_sync else "own weights",
-            "inner_state": (f"averaged ({inner_optimizer})" if ft.average_optimizer_state else "own")
+            "inner_state": (f"averaged ({inner_optimizer}, {ft.moments_dtype})" if ft.average_optimizer_state
+                            else "own")
             + (", AdamW of the federation's batch" if ft.adam_federation_batch else ""),
             # Which secret, as its public id (a diagnosis: a peer with another key is named at
             # the join; the frames are what keeps it out).
