@@ -26,7 +26,7 @@ from archipelago.island.plan import (
     split_batch,
     split_layers,
 )
-from archipelago.island.profile import RankProfile, profile_rank
+from archipelago.island.profile import RankProfile, candidate_sizes, measure_sizes, profile_rank
 from archipelago.tasks import Task
 
 log = logging.getLogger("archipelago.planning")
@@ -52,22 +52,30 @@ def measure_rank(cfg: Config, ctx: IslandContext, task: Task) -> RankProfile:
     factor = _slowdown(cfg, ctx)
     profile = profile_rank(model, blocks, (inputs[:size], targets[:size]), task.loss, ctx.rank, ctx.device,
                            slowdown=factor)
+    # The data-parallel split also chooses each rank's micro-batch size, from times at several
+    # (a few seconds more on a CPU); not where the user fixed the size or a pipeline cuts the batch.
+    if not cfg.training.micro_batch_size and cfg.parallelism.pipeline_stages <= 1:
+        cap = profile.max_micro_batch(sum(profile.layer_bytes))
+        sizes = candidate_sizes(size, cap)
+        profile = replace(profile, sample_s_by_size=measure_sizes(model, (inputs, targets), task.loss, ctx.device,
+                                                                  sizes, slowdown=factor))
     if factor > 1:  # the device name says the speed is emulated
-        profile = RankProfile(**{**profile.__dict__, "device": f"{profile.device} (EMULATED {factor:g}x slower)"})
+        profile = replace(profile, device=f"{profile.device} (EMULATED {factor:g}x slower)")
     del model
     return profile
 
 
-def plan_from_profiles(profiles: list[RankProfile], global_batch: int) -> IslandPlan:
-    """The batch split for these measured ranks (PlanError naming the fix when none fits)."""
+def plan_from_profiles(profiles: list[RankProfile], global_batch: int, fsdp: bool = False) -> IslandPlan:
+    """The batch split for these measured ranks (PlanError naming the fix when none fits);
+    `fsdp`: by the step model of ranks that meet at every block (island/plan.py)."""
     model_bytes = sum(profiles[0].layer_bytes)
-    speeds = [RankSpeed(p.sample_s, p.max_micro_batch(model_bytes)) for p in profiles]
+    speeds = [RankSpeed(p.sample_s, p.max_micro_batch(model_bytes), p.sample_s_by_size) for p in profiles]
     for p, speed in zip(profiles, speeds):
         if p.activation_bytes > 0 and speed.max_micro_batch < 1:
             raise PlanError(f"rank {p.rank} ({p.device}) cannot hold the model and one sample: it needs "
                             f"{(model_bytes + p.activation_bytes) / 2**30:.1f} GiB of "
                             f"{p.memory_bytes / 2**30:.1f}; shard it (data_parallel = fsdp) or use a smaller model")
-    return IslandPlan(split_batch(speeds, global_batch))
+    return IslandPlan(split_batch(speeds, global_batch, fsdp=fsdp))
 
 
 def stage_costs(profile: RankProfile, micro_batch: int, shards: int = 1) -> StageCosts:
@@ -135,7 +143,7 @@ def plan_island(cfg: Config, ctx: IslandContext, task: Task) -> tuple[IslandPlan
             return plan_pipeline(profiles, batch, p.pipeline_micro_batches or 2 * p.pipeline_stages,
                                  p.pipeline_schedule, data=data_ranks(cfg, ctx.world_size),
                                  stages_per_rank=p.stages_per_rank), profiles
-        return plan_from_profiles(profiles, batch), profiles
+        return plan_from_profiles(profiles, batch, fsdp=p.data_parallel == "fsdp"), profiles
     except PlanError as exc:
         raise ConfigError(f"plan: {exc}") from exc
 
@@ -148,4 +156,11 @@ def profile_lines(profiles: list[RankProfile]) -> list[str]:
     """One line per measured rank, in plain numbers."""
     return [f"rank {p.rank} ({p.device}): {p.sample_s * 1e3:.2f} ms per sample forward and backward "
             f"(micro-batch of {p.micro_batch}); per layer "
-            + ", ".join(f"{t * 1e3:.2f}" for t in p.layer_s) + " ms" for p in profiles]
+            + ", ".join(f"{t * 1e3:.2f}" for t in p.layer_s) + " ms" + _by_size(p) for p in profiles]
+
+
+def _by_size(profile: RankProfile) -> str:
+    if not profile.sample_s_by_size:
+        return ""
+    return "; per sample at micro-batches of " + ", ".join(
+        f"{size}: {t * 1e3:.2f}" for size, t in profile.sample_s_by_size) + " ms"

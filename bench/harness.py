@@ -165,20 +165,31 @@ def run_job(cmd: list[str], log_path: Path, timeout_s: float,
     """Run `cmd` with a hard timeout (and `env` over this process's environment), its
     traffic metered by `monitor(token, longest life in seconds)` unless that is None;
     whatever happens (timeout, exception, Ctrl-C), every process it started is gone on return."""
+    return run_jobs([(cmd, log_path)], timeout_s, monitor, env)[0]
+
+
+def run_jobs(jobs: Sequence[tuple[list[str], Path]], timeout_s: float,
+             monitor: Callable[[str, float], Monitor] | None = None,
+             env: dict[str, str] | None = None) -> list[RunResult]:
+    """run_job for several (command, log) at once, all started together and all waited for
+    within `timeout_s` (one meter for all of them); every process gone on return."""
     token = uuid.uuid4().hex
     env = {**os.environ, **(env or {}), BENCH_TOKEN_ENV: token}
     meter = monitor(token, timeout_s + 60) if monitor is not None else None
-    print(f"$ {' '.join(cmd)}\n  (output: {log_path})", flush=True)
+    for cmd, log_path in jobs:
+        print(f"$ {' '.join(cmd)}\n  (output: {log_path})", flush=True)
     procs: list[Proc] = []
     t0 = time.monotonic()
+    codes = []
     try:
         if meter is not None:
             meter.start()
-        procs.append(start(log_path.stem, cmd, env, log_path))
-        try:
-            code = procs[0].popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"timed out after {timeout_s:.0f}s: {' '.join(cmd)} (see {log_path})") from None
+        procs.extend(start(log_path.stem, cmd, env, log_path) for cmd, log_path in jobs)
+        for proc, (cmd, log_path) in zip(procs, jobs):
+            try:
+                codes.append(proc.popen.wait(timeout=max(0.0, timeout_s - (time.monotonic() - t0))))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"timed out after {timeout_s:.0f}s: {' '.join(cmd)} (see {log_path})") from None
     finally:
         # A second Ctrl-C must not cut the clean-up short and leave islands running.
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -190,7 +201,8 @@ def run_job(cmd: list[str], log_path: Path, timeout_s: float,
                 meter.stop()
         finally:
             signal.signal(signal.SIGINT, previous)
-    return RunResult(cmd, code, time.monotonic() - t0, meter)
+    elapsed = time.monotonic() - t0
+    return [RunResult(cmd, code, elapsed, meter) for (cmd, _), code in zip(jobs, codes)]
 
 
 # ------------------------------------------------------------- run results

@@ -9,7 +9,10 @@ Settings, each a real `archipelago train --nproc 2` run in this one benchmark:
            a 3:1 guess for a 2:1 gap
 * planned: what `archipelago plan` measured and chose for these two ranks (run first, here)
 * ideal:   the sum of what each rank trains alone at its own speed (two 1-rank runs,
-           rank_slowdown 1 and 2): no waiting and no communication
+           rank_slowdown 1 and 2, at the same time, so that each shares the machine with the
+           other as the island's ranks do): no waiting and no communication
+* ideal-apart: the same two runs one after the other (each with the machine to itself: on
+           one CPU faster than the island's ranks can be, which compete for memory bandwidth)
 * pipeline-*: the same two ranks as a 2-stage pipeline (4 micro-batches): layers 3+3, and
            the layers `archipelago plan --parallelism.pipeline_stages 2` chose, under 1F1B and
            GPipe; and interleaved 1F1B with 2 stages per rank (layers 2,1,2,1: rank 0 holds
@@ -23,7 +26,7 @@ Every rank runs one OpenMP thread (2 ranks share the machine's 2 cores); the 1-r
 runs too, so a rank is the same speed alone as in the island. Table: ratio to ideal first,
 then ratio to even.
 
-    python bench/island.py [--steps 16] [--batch-size 24] [--out FILE]
+    python bench/island.py [--steps 16] [--batch-size 24] [--repeats 3] [--settings even hand planned] [--out FILE]
 
 About 10 minutes on a 2-core machine at --batch-size 48.
 """
@@ -34,6 +37,7 @@ import argparse
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +45,12 @@ import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import num, ratio, read_jsonl, run_job, run_main, work_root, write_json  # noqa: E402
+from harness import num, ratio, read_jsonl, run_job, run_jobs, run_main, work_root, write_json  # noqa: E402
 
 from archipelago.island.plan import bubble_fraction  # noqa: E402
 
+SETTINGS = ("even", "hand", "planned", "ideal", "ideal-apart", "pipeline-even-1f1b", "pipeline-planned-1f1b",
+            "pipeline-planned-gpipe", "pipeline-interleaved")
 HAND_COUNTS = 3  # SynerFuse's README example, 6 x 3 and 2 x 3 of 24: a 3:1 guess, scaled to the batch
 SLOWDOWN = "1,2"
 
@@ -101,15 +107,24 @@ def island_run(args: argparse.Namespace, root: Path, name: str,
     return measured(run_dir)
 
 
-def ideal(args: argparse.Namespace, root: Path) -> tuple[float, None]:
-    """Each rank alone at its own speed, on the same per-rank batch as the even split."""
-    total = 0.0
-    for k, factor in enumerate(SLOWDOWN.split(",")):
-        name = f"alone-{k}"
-        cmd = _cli("train", *_common(args, root / name), "--training.batch_size", str(args.batch_size // 2),
-                   "--island.rank_slowdown", factor)
-        total += tokens_per_s(_run(args, root, name, cmd))
-    return total, None
+def _alone(args: argparse.Namespace, root: Path, name: str, factor: str) -> tuple[list[str], Path]:
+    return (_cli("train", *_common(args, root / name), "--training.batch_size", str(args.batch_size // 2),
+                 "--island.rank_slowdown", factor), root / f"{name}.log")
+
+
+def ideal(args: argparse.Namespace, root: Path, together: bool = True) -> tuple[float, None]:
+    """Each rank alone at its own speed, on the same per-rank batch as the even split: the
+    sum of their tokens/s. `together`: both 1-rank runs at once, each sharing the machine
+    with the other as the island's ranks do (on one CPU the ranks compete for memory
+    bandwidth and caches, which unlike devices of a real island would not); apart: one
+    after the other, the other core idle."""
+    jobs = [_alone(args, root, f"alone-{k}{'' if together else '-apart'}", factor)
+            for k, factor in enumerate(SLOWDOWN.split(","))]
+    results = run_jobs(jobs, args.timeout) if together else [run_job(*job, args.timeout) for job in jobs]
+    for result, (_, log) in zip(results, jobs):
+        if result.exit_code != 0:
+            raise RuntimeError(f"{log.stem}: exit code {result.exit_code}; see {log}")
+    return sum(tokens_per_s(log.with_suffix("")) for _, log in jobs), None
 
 
 def planned_stages(args: argparse.Namespace, root: Path) -> str:
@@ -130,6 +145,11 @@ def pipeline_run(args: argparse.Namespace, root: Path, name: str, layers: str, s
     return measured(run_dir)
 
 
+def median_run(runs: list[tuple[float, list[float] | None]]) -> tuple[float, list[float] | None]:
+    """The run of median throughput (the lower middle of an even count), with its idle shares."""
+    return sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]
+
+
 def hand_split(batch: int) -> tuple[str, str]:
     if batch % (4 * HAND_COUNTS):
         raise SystemExit(f"--batch-size must be a multiple of {4 * HAND_COUNTS} (the hand split is 3:1 in "
@@ -145,21 +165,35 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--root", type=Path, default=None, help="folder for the run directories")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every setting this many times (interleaved) and report the median")
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
+                        help="which settings to run (even and ideal always run: the ratios need them)")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank, alone or in the island
     hand = hand_split(args.batch_size)
     root = work_root(args.root, "bench-island-")
-    plan = planned_split(args, root)
-    stages = planned_stages(args, root)
-    runs = {"even": island_run(args, root, "even", None), "hand": island_run(args, root, "hand", hand),
-              "planned": island_run(args, root, "planned", plan), "ideal": ideal(args, root),
-              "pipeline-even-1f1b": pipeline_run(args, root, "pipeline-even-1f1b", "3,3", "1f1b"),
-              "pipeline-planned-1f1b": pipeline_run(args, root, "pipeline-planned-1f1b", stages, "1f1b"),
-              "pipeline-planned-gpipe": pipeline_run(args, root, "pipeline-planned-gpipe", stages, "gpipe"),
-              "pipeline-interleaved": pipeline_run(args, root, "pipeline-interleaved", "2,1,2,1", "interleaved_1f1b",
-                                                   stages_per_rank=2)}
+    wanted = set(args.settings) | {"even", "ideal"}  # the ratios' references always run
+    plan = planned_split(args, root) if "planned" in wanted else ("", "")
+    stages = planned_stages(args, root) if wanted & {"pipeline-planned-1f1b", "pipeline-planned-gpipe"} else ""
+    settings: dict[str, Callable[[Path], tuple[float, list[float] | None]]] = {
+        "even": lambda at: island_run(args, at, "even", None), "hand": lambda at: island_run(args, at, "hand", hand),
+        "planned": lambda at: island_run(args, at, "planned", plan), "ideal": lambda at: ideal(args, at),
+        "ideal-apart": lambda at: ideal(args, at, together=False),
+        "pipeline-even-1f1b": lambda at: pipeline_run(args, at, "pipeline-even-1f1b", "3,3", "1f1b"),
+        "pipeline-planned-1f1b": lambda at: pipeline_run(args, at, "pipeline-planned-1f1b", stages, "1f1b"),
+        "pipeline-planned-gpipe": lambda at: pipeline_run(args, at, "pipeline-planned-gpipe", stages, "gpipe"),
+        "pipeline-interleaved": lambda at: pipeline_run(args, at, "pipeline-interleaved", "2,1,2,1",
+                                                        "interleaved_1f1b", stages_per_rank=2)}
+    # Repeats interleave the settings, so a slow spell of the machine falls on all of them.
+    repeats: dict[str, list[tuple[float, list[float] | None]]] = {name: [] for name in settings if name in wanted}
+    for k in range(args.repeats):
+        for name, measured_runs in repeats.items():
+            measured_runs.append(settings[name](root / f"repeat-{k}" if args.repeats > 1 else root))
+    runs = {name: median_run(measured_runs) for name, measured_runs in repeats.items()}
     splits = {"even": f"{args.batch_size // 2} x 1 each", "hand": f"{hand[0]} x {hand[1]}",
-              "planned": f"{plan[0]} x {plan[1]}", "ideal": "each rank alone",
+              "planned": f"{plan[0]} x {plan[1]}", "ideal": "each rank alone, both at once",
+              "ideal-apart": "each rank alone, one after the other",
               "pipeline-even-1f1b": "layers 3,3", "pipeline-planned-1f1b": f"layers {stages}",
               "pipeline-planned-gpipe": f"layers {stages}", "pipeline-interleaved": "layers 2,1,2,1"}
     # The schedule's formula: (S-1)/(M+S-1) for gpipe and 1f1b (2 stages, 4 micro-batches),
@@ -171,7 +205,8 @@ def main() -> None:
         {"setting": name, "tokens_per_s": speed, "ratio_to_ideal": ratio(speed, speeds["ideal"]),
          "ratio_to_even": ratio(speed, speeds["even"]), "split": splits[name], "rank_idle": idle,
          "modelled_bubble": modelled.get(name)} for name, (speed, idle) in runs.items()]
-    print(f"\n2-rank island, rank 1 emulated 2x slower, llama3 debug, batch {args.batch_size}, {args.steps} steps")
+    print(f"\n2-rank island, rank 1 emulated 2x slower, llama3 debug, batch {args.batch_size}, {args.steps} steps, "
+          f"median of {args.repeats} run(s)")
     print(f"{'setting':<22} {'vs ideal':>8} {'vs even':>8} {'tok/s':>8} {'idle r0/r1':>11} {'model':>6}  "
           "split (sizes x counts)")
     for r in results:

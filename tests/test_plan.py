@@ -11,16 +11,20 @@ import pytest
 import tomllib
 
 from archipelago.island.plan import (
+    BatchSplit,
     IslandPlan,
     PlanError,
     RankSpeed,
     StageCosts,
     bubble_fraction,
     explain,
+    fsdp_step_s,
     parse_counts,
     predict_pipeline_step_s,
     split_batch,
     split_batch_brute,
+    split_batch_fsdp,
+    split_batch_sized,
     split_layers,
     split_layers_brute,
     to_toml,
@@ -180,6 +184,139 @@ def test_a_rank_twice_as_slow_gets_a_third_of_the_batch():
         split_batch([RankSpeed(1.0)] * 3, 2)
     with pytest.raises(PlanError, match="rank 1 has no positive measured time"):
         split_batch([RankSpeed(1.0), RankSpeed(0.0)], 4)
+
+
+def _sized_rank(rng: random.Random) -> RankSpeed:
+    """Times per sample in eighths of a second at sizes 1, 2, 4 and 8: every interpolated
+    time, product and sum is exact in floats, so ties are real."""
+    times = tuple((size, rng.randint(4, 24) / 8) for size in (1, 2, 4, 8))
+    return RankSpeed(times[-1][1], rng.choice([0, 0, 3, 6]), times)
+
+
+def _exhaustive_sized(ranks: list[RankSpeed], batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Every share of the batch and every equal micro-batch size of every share: the split
+    with the smallest step, then least busy time, then larger shares first; each rank's
+    fastest size, the larger on a tie. Shares and sizes, independent of the planner's solver."""
+    best = None
+    for samples in itertools.product(range(1, batch + 1), repeat=len(ranks)):
+        if sum(samples) != batch:
+            continue
+        picks = []
+        for n, rank in zip(samples, ranks):
+            cap = rank.max_micro_batch or n
+            picks.append(min((n * rank.sample_s_at(b), -b) for b in range(1, n + 1) if n % b == 0 and b <= cap))
+        times = [t for t, _ in picks]
+        key = (max(times), math.fsum(times), tuple(-n for n in samples))
+        if best is None or key < best[0]:
+            best = (key, samples, tuple(-b for _, b in picks))
+    assert best is not None
+    return best[1], best[2]
+
+
+def test_times_per_sample_are_interpolated_between_the_measured_micro_batch_sizes():
+    rank = RankSpeed(2.0, sample_s_by_size=((1, 1.0), (4, 1.6), (8, 2.0)))
+    assert [rank.sample_s_at(b) for b in (1, 2, 4, 6, 8, 32)] == [1.0, 1.2, 1.6, 1.8, 2.0, 2.0]
+    assert RankSpeed(0.5).sample_s_at(7) == 0.5 and RankSpeed(0.5, 0, ((4, 1.0),)).sample_s_at(7) == 0.5
+    with pytest.raises(PlanError, match="increasing sizes; measure it again"):
+        split_batch([RankSpeed(1.0, 0, ((4, 1.0), (2, 1.0)))], 4)
+    with pytest.raises(PlanError, match="rank 1's times by micro-batch size"):
+        split_batch([RankSpeed(1.0), RankSpeed(1.0, 0, ((1, 1.0), (2, 0.0)))], 4)
+
+
+def test_the_sized_batch_split_equals_an_exhaustive_search_over_shares_and_sizes():
+    rng = random.Random(300)
+    for _ in range(150):
+        ranks = [_sized_rank(rng) if rng.random() < 0.8 else RankSpeed(rng.randint(4, 24) / 8)
+                 for _ in range(rng.randint(1, 3))]
+        batch = rng.randint(len(ranks), 14)
+        got = split_batch(ranks, batch)
+        samples, sizes = _exhaustive_sized(ranks, batch)
+        assert (got.samples, got.micro_batch_size) == (samples, sizes), (ranks, batch)
+        assert got == split_batch_brute(ranks, batch) or not any(len(r.sample_s_by_size) > 1 for r in ranks)
+        assert got.step_s == max(n * r.sample_s_at(b) for n, b, r in zip(got.samples, got.micro_batch_size, ranks))
+
+
+def test_a_rank_faster_at_small_micro_batches_takes_its_share_in_them():
+    # A CPU-like rank: 1.0 s per sample up to micro-batches of 8, 1.25 s at 16; the other 2x slower.
+    cpu = ((1, 1.0), (8, 1.0), (16, 1.25))
+    ranks = [RankSpeed(1.25, 0, cpu), RankSpeed(2.5, 0, tuple((b, 2 * t) for b, t in cpu))]
+    split = split_batch_sized(ranks, 48)
+    assert split.samples == (32, 16) and split.step_s == 32.0  # 4 x 8 and 2 x 8: a third to the slow rank
+    assert split.micro_batch_size == (8, 8) and split.num_micro_batches == (4, 2)
+    # Planned from one time per sample (at an even share of 24), both ranks take one micro-batch each
+    # and the step costs 25% more at the sizes' real times.
+    linear = split_batch([RankSpeed(r.sample_s_at(24)) for r in ranks], 48)
+    assert linear.micro_batch_size == (32, 16) and linear.num_micro_batches == (1, 1)
+    assert max(n * r.sample_s_at(n) for n, r in zip(linear.samples, ranks)) == 40.0
+
+
+def _fsdp_step(ranks: list[RankSpeed], samples: tuple[int, ...], sizes: tuple[int, ...]) -> float:
+    """The FSDP step model written out: the slowest micro-batch (first forward and last
+    backward in lockstep) plus the longest time a rank runs alone."""
+    micro = [b * r.sample_s_at(b) for b, r in zip(sizes, ranks)]
+    return max(micro) + max(n * r.sample_s_at(b) - m for n, b, r, m in zip(samples, sizes, ranks, micro))
+
+
+def test_the_fsdp_step_model_counts_one_micro_batch_in_lockstep():
+    fast, slow = RankSpeed(1.0), RankSpeed(2.0)
+    assert fsdp_step_s([24, 48], [24, 48]) == 48  # one micro-batch each: the slow rank's whole step
+    assert split_batch([fast, slow], 48).samples == (32, 16)
+    # 32 and 16 in micro-batches of 8: both end their own micro-batches at 24, then the
+    # slow rank's 16 s micro-batch paces the lockstep: 40 s, each rank idle a fifth.
+    planned = dict(micro_batch_size=(8, 8), num_micro_batches=(4, 2), sample_s=(1.0, 2.0), fsdp=True)
+    assert BatchSplit(**planned).step_s == 40 and BatchSplit(**planned).idle == pytest.approx((0.2, 0.2))
+    assert BatchSplit((12, 4), (3, 3), (1.0, 2.0), fsdp=True).step_s == 36  # 12 + max(24, 16)
+    best = split_batch([fast, slow], 48, fsdp=True)
+    # Times per sample that do not depend on the size: micro-batches as small as can be, of
+    # equal time on both ranks (2 and 1 samples, 2 s), leave 30 s alone each: 32 s, no idle.
+    assert best.fsdp and best.samples == (32, 16) and best.micro_batch_size == (2, 1) and best.step_s == 32
+
+
+def test_the_fsdp_split_reaches_an_exhaustive_searchs_step_time():
+    rng = random.Random(400)
+    for _ in range(150):
+        ranks = [_sized_rank(rng) if rng.random() < 0.7 else RankSpeed(rng.randint(4, 24) / 8, rng.choice([0, 2]))
+                 for _ in range(rng.randint(1, 3))]
+        batch = rng.randint(len(ranks), 12)
+        got = split_batch_fsdp(ranks, batch)
+        assert sum(got.samples) == batch and min(got.samples) >= 1
+        for n, b, rank in zip(got.samples, got.micro_batch_size, ranks):
+            assert n % b == 0 and b <= (rank.max_micro_batch or b)
+        exhaustive = math.inf
+        for samples in itertools.product(range(1, batch + 1), repeat=len(ranks)):
+            if sum(samples) == batch:
+                cuts = [[b for b in range(1, n + 1) if n % b == 0 and b <= (r.max_micro_batch or b)]
+                        for n, r in zip(samples, ranks)]
+                for sizes in itertools.product(*cuts):
+                    exhaustive = min(exhaustive, _fsdp_step(ranks, samples, sizes))
+        assert got.step_s == exhaustive == _fsdp_step(ranks, got.samples, got.micro_batch_size), (ranks, batch)
+
+
+def test_an_fsdp_island_of_cpu_like_ranks_takes_mid_sized_micro_batches():
+    # Seconds per sample as a CPU measured them (fastest at 6-12, slower at 1 and at 24);
+    # the second rank twice as slow at every size.
+    cpu = ((1, 1.2), (6, 1.04), (12, 1.0), (24, 1.08))
+    ranks = [RankSpeed(1.08, 0, cpu), RankSpeed(2.16, 0, tuple((b, 2 * t) for b, t in cpu))]
+    plan = split_batch(ranks, 48, fsdp=True)
+    whole = BatchSplit((32, 16), (1, 1), (ranks[0].sample_s_at(32), ranks[1].sample_s_at(16)), fsdp=True)
+    hand = BatchSplit((12, 4), (3, 3), (ranks[0].sample_s_at(12), ranks[1].sample_s_at(4)), fsdp=True)
+    assert plan.step_s < min(hand.step_s, whole.step_s)
+    assert 1 < plan.micro_batch_size[1] < plan.samples[1] and plan.samples[0] > plan.samples[1]
+
+
+def test_the_micro_batch_sizes_timed_are_fractions_of_the_share_within_memory():
+    import torch
+    from torch import nn
+
+    from archipelago.island.profile import candidate_sizes, measure_sizes
+
+    assert candidate_sizes(24) == (1, 6, 12, 24) and candidate_sizes(24, cap=10) == (1, 6)
+    assert candidate_sizes(1) == (1,) and candidate_sizes(3) == (1, 3)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    batch = (torch.randn(12, 16), torch.randint(0, 4, (12,)))
+    timed = measure_sizes(model, batch, nn.functional.cross_entropy, torch.device("cpu"), (1, 6, 12), slowdown=2.0)
+    assert [size for size, _ in timed] == [1, 6, 12] and all(t > 0 for _, t in timed)
+    assert all(p.grad is None for p in model.parameters())  # timing leaves no gradient behind
 
 
 def test_bubble_model():

@@ -50,9 +50,17 @@ class RankBatches:
 
     @property
     def uneven_counts(self) -> bool:
-        """Ranks run different numbers of forward passes per step; FSDP then keeps the
+        """Ranks run different numbers of forward passes per step; FSDP must then keep the
         parameters gathered through the accumulation (see ParallelModel.gradient_sync)."""
         return len(set(self.num_micro_batches)) > 1
+
+    @property
+    def keeps_gathered(self) -> bool:
+        """FSDP keeps the parameters gathered through the accumulation: wherever shares or
+        counts differ. Ranks then meet at each block only in the first forward and the last
+        backward, and run their other micro-batches each at its own pace, instead of meeting
+        at every block of every micro-batch (the planner's step model, island/plan.py)."""
+        return self.uneven_counts or not self.even
 
     def loss_weight(self, micro_batch_samples: int) -> float:
         """What a micro-batch's mean loss is multiplied by before backward (module docstring)."""
@@ -122,7 +130,7 @@ def forward_backward(model: ParallelModel, micro_batches: list[tuple[torch.Tenso
     total = torch.zeros((), device=model.ctx.device)
     extra: dict[str, torch.Tensor] = {}
     for i, (inputs, targets) in enumerate(micro_batches):
-        with model.gradient_sync(i == len(micro_batches) - 1, split.uneven_counts), model.autocast():
+        with model.gradient_sync(i == len(micro_batches) - 1, split.keeps_gathered), model.autocast():
             outputs = model.module(inputs)
             loss = objective.loss(outputs, targets)
         weight = split.loss_weight(len(inputs))  # 1 / micro-batches when shares are equal

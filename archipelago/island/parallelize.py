@@ -114,12 +114,13 @@ class ParallelModel:
     def gradient_sync(self, enabled: bool, keep_gathered: bool = False) -> Iterator[None]:
         """Skip the gradient reduction on all but the last micro-batch of an accumulation.
 
-        `keep_gathered` (FSDP, when ranks run different numbers of micro-batches): FSDP
-        gathers a block's parameters at every forward, a collective every rank must join, so
-        a rank with 4 micro-batches beside one with 2 would wait forever at its third. Kept
-        gathered from the first forward until the last backward, each block is gathered once
-        and reduced once per step on every rank, however many micro-batches each runs; it
-        costs the memory of the unsharded blocks for the whole step.
+        `keep_gathered` (FSDP, when ranks take unequal shares): FSDP gathers a block's
+        parameters at every forward, a collective every rank must join, so a rank with 4
+        micro-batches beside one with 2 would wait forever at its third, and ranks of unlike
+        micro-batches would wait for each other at every block of every one. Kept gathered
+        from the first forward until the last backward, each block is gathered once and
+        reduced once per step on every rank, however many micro-batches each runs; it costs
+        the memory of the unsharded blocks for the whole step.
         """
         if self.strategy == "fsdp":
             self.module.set_requires_gradient_sync(enabled)

@@ -13,7 +13,11 @@ Two questions, each answered exactly:
   with the n_r summing to the global batch. `split_batch` finds that time by giving each
   next sample to the rank that would finish it earliest; `split_batch_brute` enumerates
   every split, for the tests. Each rank's share is then cut into the fewest equal
-  micro-batches that fit its memory.
+  micro-batches that fit its memory. Where ranks were measured at several micro-batch
+  sizes (a CPU's time per sample grows with the micro-batch as it falls out of cache, a
+  GPU's shrinks as kernels fill), a rank's time for n samples is that of its best equal
+  micro-batches, which is not linear in n; `split_batch_sized` then solves the split by
+  dynamic programming over (rank, samples left) in O(R x N^2), each rank's size with it.
 
 Why earliest-finish is optimal: rank r's k-th sample ends at k x sample_s_r, which grows
 with k. Any split of N samples (at least one per rank) runs every rank's first sample, and
@@ -42,15 +46,16 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 from archipelago.config.counts import parse_counts as _parse_counts
 
 __all__ = ["BatchSplit", "IslandPlan", "PlanError", "RankSpeed", "StageCosts", "StageSplit", "bubble_fraction",
-           "explain", "parse_counts", "predict_pipeline_step_s", "split_batch", "split_batch_brute", "split_layers",
-           "split_layers_brute", "to_toml"]
+           "explain", "fsdp_step_s", "micro_batches_for", "parse_counts", "predict_pipeline_step_s", "split_batch",
+           "split_batch_brute", "split_batch_fsdp", "split_batch_sized", "split_layers", "split_layers_brute",
+           "to_toml"]
 
 GIB = 2**30
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -269,10 +274,28 @@ def split_layers_brute(stages: Sequence[StageCosts]) -> StageSplit:
 @dataclass(frozen=True)
 class RankSpeed:
     """One data-parallel rank: seconds of forward and backward per sample, and the largest
-    micro-batch its memory holds beside the model (0 = no limit)."""
+    micro-batch its memory holds beside the model (0 = no limit). `sample_s_by_size`, where
+    measured, holds (micro-batch size, seconds per sample) at several sizes, by size: a
+    device's time per sample depends on the micro-batch (caches on a CPU, kernel shapes on
+    a GPU), and with two sizes or more the split chooses each rank's size as well."""
 
     sample_s: float
     max_micro_batch: int = 0
+    sample_s_by_size: tuple[tuple[int, float], ...] = ()
+
+    def sample_s_at(self, size: int) -> float:
+        """Seconds per sample in micro-batches of `size`: the measured value, linear between
+        the two measured sizes around it, the nearest measured size's beyond them; sample_s
+        where fewer than two sizes were measured."""
+        points = self.sample_s_by_size
+        if len(points) < 2:
+            return self.sample_s
+        if size <= points[0][0]:
+            return points[0][1]
+        for (lo, lo_s), (hi, hi_s) in zip(points, points[1:]):
+            if size <= hi:
+                return lo_s + (hi_s - lo_s) * (size - lo) / (hi - lo)
+        return points[-1][1]
 
 
 @dataclass(frozen=True)
@@ -282,6 +305,7 @@ class BatchSplit:
     micro_batch_size: tuple[int, ...]
     num_micro_batches: tuple[int, ...]
     sample_s: tuple[float, ...]
+    fsdp: bool = False  # the ranks meet at every block of the first forward and the last backward
 
     @property
     def samples(self) -> tuple[int, ...]:
@@ -294,7 +318,10 @@ class BatchSplit:
 
     @property
     def step_s(self) -> float:
-        return max(self.rank_s)
+        if not self.fsdp:
+            return max(self.rank_s)
+        micro_batch_s = [size * s for size, s in zip(self.micro_batch_size, self.sample_s)]
+        return fsdp_step_s(micro_batch_s, self.rank_s)
 
     @property
     def idle(self) -> tuple[float, ...]:
@@ -311,6 +338,11 @@ def _check_batch(ranks: Sequence[RankSpeed], global_batch: int) -> None:
     for r, rank in enumerate(ranks):
         if not (rank.sample_s > 0 and math.isfinite(rank.sample_s)):
             raise PlanError(f"rank {r} has no positive measured time per sample ({rank.sample_s}); measure it again")
+        sizes = [size for size, _ in rank.sample_s_by_size]
+        if sizes != sorted(set(sizes)) or any(size < 1 or not (t > 0 and math.isfinite(t))
+                                                for size, t in rank.sample_s_by_size):
+            raise PlanError(f"rank {r}'s times by micro-batch size {rank.sample_s_by_size} are not positive times "
+                            "at increasing sizes; measure it again")
         if rank.max_micro_batch < 0:
             raise PlanError(f"rank {r} cannot hold even one sample beside the model; give it fewer layers (a "
                             "pipeline stage) or leave it out of the island")
@@ -353,11 +385,17 @@ def _with_micro_batches(ranks: Sequence[RankSpeed], samples: Sequence[int]) -> B
     return BatchSplit(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs), tuple(r.sample_s for r in ranks))
 
 
-def split_batch(ranks: Sequence[RankSpeed], global_batch: int) -> BatchSplit:
+def split_batch(ranks: Sequence[RankSpeed], global_batch: int, fsdp: bool = False) -> BatchSplit:
     """Samples per rank (each at least one, summing to global_batch) minimising the slowest
     rank's time, exactly; of the splits that do, the fastest ranks filled first (module
-    docstring). Then each rank's fewest equal micro-batches within its max_micro_batch."""
+    docstring). Then each rank's fewest equal micro-batches within its max_micro_batch.
+    Ranks measured at several micro-batch sizes are split with their sizes (split_batch_sized);
+    ranks of an FSDP island by its step model (split_batch_fsdp)."""
     _check_batch(ranks, global_batch)
+    if fsdp and len(ranks) > 1:
+        return split_batch_fsdp(ranks, global_batch)
+    if any(len(rank.sample_s_by_size) > 1 for rank in ranks):
+        return split_batch_sized(ranks, global_batch)
     step = _slowest_rank_s(ranks, global_batch)
     samples, left = [1] * len(ranks), global_batch - len(ranks)
     for i in sorted(range(len(ranks)), key=lambda i: (ranks[i].sample_s, i)):
@@ -372,14 +410,162 @@ def split_batch_brute(ranks: Sequence[RankSpeed], global_batch: int) -> BatchSpl
     """Every split of the batch tried, ranked by (step time, total busy time, larger shares
     first). For tests: C(N-1, R-1) splits."""
     _check_batch(ranks, global_batch)
+    sized = any(len(rank.sample_s_by_size) > 1 for rank in ranks)
     best: tuple[tuple[float, float, tuple[int, ...]], tuple[int, ...]] | None = None
     for samples in _compositions(global_batch, len(ranks)):
-        times = [n * r.sample_s for n, r in zip(samples, ranks)]
+        times = [micro_batches_for(r, n)[0] if sized else n * r.sample_s for n, r in zip(samples, ranks)]
         key = (max(times), math.fsum(times), tuple(-n for n in samples))
         if best is None or key < best[0]:
             best = (key, samples)
     assert best is not None  # global_batch >= ranks: at least one split
-    return _with_micro_batches(ranks, best[1])
+    if not sized:
+        return _with_micro_batches(ranks, best[1])
+    sizes = [micro_batches_for(r, n)[1] for r, n in zip(ranks, best[1])]
+    return BatchSplit(tuple(sizes), tuple(n // size for n, size in zip(best[1], sizes)),
+                      tuple(r.sample_s_at(size) for r, size in zip(ranks, sizes)))
+
+
+def micro_batches_for(rank: RankSpeed, samples: int) -> tuple[float, int]:
+    """(seconds, size): `samples` cut into the equal micro-batches, within the rank's memory,
+    that finish soonest at its measured times per sample; the larger size on a tie."""
+    cap = min(samples, rank.max_micro_batch or samples)
+    best: tuple[float, int] | None = None
+    for size in range(cap, 0, -1):
+        if samples % size == 0:
+            seconds = samples * rank.sample_s_at(size)
+            if best is None or seconds < best[0]:
+                best = (seconds, size)
+    assert best is not None  # size 1 always divides
+    return best
+
+
+def _suffix_table(times: list[list[float]], total: int, combine: Callable[[float, float], float],
+                  limit: float) -> list[list[float]]:
+    """table[r][m]: the best combined time of ranks r.. holding m samples (each at least one,
+    no rank above `limit`); inf where none. O(R x N^2)."""
+    ranks = len(times)
+    table = [[math.inf] * (total + 1) for _ in range(ranks + 1)]
+    table[ranks][0] = 0.0
+    for r in reversed(range(ranks)):
+        for m in range(ranks - r, total + 1):
+            for n in range(1, min(m, len(times[r]) - 1) + 1):
+                rest = table[r + 1][m - n]
+                if rest < math.inf and times[r][n] <= limit:
+                    table[r][m] = min(table[r][m], combine(times[r][n], rest))
+    return table
+
+
+def split_batch_sized(ranks: Sequence[RankSpeed], global_batch: int) -> BatchSplit:
+    """Samples and micro-batch size per rank, where a rank's time per sample depends on its
+    micro-batch size (RankSpeed.sample_s_by_size): rank r's time for n samples is the best of
+    its equal micro-batches (micro_batches_for), which is not linear in n, so the greedy of
+    split_batch does not apply. Two dynamic programmes over (rank, samples left), O(R x N^2):
+    the smallest slowest-rank time, then, among splits within it, the least total busy time,
+    the larger shares to the lower-numbered ranks on a tie (split_batch_brute's order)."""
+    _check_batch(ranks, global_batch)
+    most = global_batch - len(ranks) + 1
+    options = [[(0.0, 0)] + [micro_batches_for(rank, n) for n in range(1, most + 1)] for rank in ranks]
+    times = [[seconds for seconds, _ in row] for row in options]
+    step = _suffix_table(times, global_batch, max, math.inf)[0][global_batch]
+    busy = _suffix_table(times, global_batch, lambda a, b: a + b, step)
+    samples, left = [], global_batch
+    for r in range(len(ranks)):
+        n = next(n for n in range(min(left, most), 0, -1)
+                 if times[r][n] <= step and busy[r + 1][left - n] < math.inf
+                 and times[r][n] + busy[r + 1][left - n] == busy[r][left])
+        samples.append(n)
+        left -= n
+    sizes = [options[r][n][1] for r, n in enumerate(samples)]
+    return BatchSplit(tuple(sizes), tuple(n // size for n, size in zip(samples, sizes)),
+                      tuple(rank.sample_s_at(size) for rank, size in zip(ranks, sizes)))
+
+
+def fsdp_step_s(micro_batch_s: Sequence[float], rank_s: Sequence[float]) -> float:
+    """An FSDP step of unlike ranks: with the parameters kept gathered through the
+    accumulation (island/batches.py), every rank joins each block's gather in its first
+    forward and each block's reduction in its last backward, so those two run at the slowest
+    rank's pace, and together take one micro-batch's time (a forward and a backward); the
+    rest each rank runs alone. Step: the largest micro-batch time + the largest rest."""
+    return max(micro_batch_s) + max(r - m for r, m in zip(rank_s, micro_batch_s))
+
+
+def _options(rank: RankSpeed, samples: int) -> list[tuple[float, float, int]]:
+    """(micro-batch seconds, rank seconds, size) of every equal cut of `samples` in memory."""
+    cap = min(samples, rank.max_micro_batch or samples)
+    return [(size * rank.sample_s_at(size), samples * rank.sample_s_at(size), size)
+            for size in range(1, cap + 1) if samples % size == 0]
+
+
+def _rest_table(options: list[list[list[tuple[float, float, int]]]], limit: float) -> list[list[float]]:
+    """rest[r][n]: rank r's least time outside its lockstep micro-batch, for n samples in
+    micro-batches of at most `limit` seconds (inf where none)."""
+    return [[math.inf] + [min((total - mb for mb, total, _ in cuts if mb <= limit), default=math.inf)
+                          for cuts in row[1:]] for row in options]
+
+
+def _reachable(rows: list[list[float]], limit: float, total: int) -> list[int]:
+    """suffix[r]: a bitset of the sample totals ranks r.. can hold (each at least one) with
+    every rank's value at most `limit`; suffix[R] holds only 0. Python integers as bitsets:
+    R x N shifts of N-bit integers."""
+    mask = (1 << (total + 1)) - 1
+    suffix = [0] * len(rows) + [1]
+    for r in reversed(range(len(rows))):
+        reach = 0
+        for n, value in enumerate(rows[r]):
+            if n and value <= limit:
+                reach |= suffix[r + 1] << n
+        suffix[r] = reach & mask
+    return suffix
+
+
+def _least_max(rows: list[list[float]], total: int) -> float:
+    """The least possible max over ranks of rows[r][n_r], with the n_r (each at least one)
+    summing to `total`: a binary search over the values for the smallest that admits a split
+    (inf where none does)."""
+    values = sorted({v for row in rows for v in row[1:] if v < math.inf})
+    lo, hi = 0, len(values)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _reachable(rows, values[mid], total)[0] >> total & 1:
+            hi = mid
+        else:
+            lo = mid + 1
+    return values[lo] if lo < len(values) else math.inf
+
+
+def split_batch_fsdp(ranks: Sequence[RankSpeed], global_batch: int) -> BatchSplit:
+    """Samples and micro-batch size per rank minimising fsdp_step_s, exactly: for each
+    candidate slowest micro-batch time M (every rank's every cut, ascending), the least
+    largest rest with micro-batches within M (_least_max); stop once M with the least rest
+    of any M cannot win. Of the best, the larger shares to the lower-numbered ranks, each
+    rank's least busy cut (the larger micro-batch on a tie)."""
+    _check_batch(ranks, global_batch)
+    most = global_batch - len(ranks) + 1
+    none: list[tuple[float, float, int]] = []  # no cut of 0 samples
+    options = [[none] + [_options(rank, n) for n in range(1, most + 1)] for rank in ranks]
+    least_rest = _least_max(_rest_table(options, math.inf), global_batch)
+    best: tuple[float, float, float] | None = None
+    for limit in sorted({mb for row in options for cuts in row for mb, _, _ in cuts}):
+        if best is not None and limit + least_rest >= best[0]:
+            break
+        rest = _least_max(_rest_table(options, limit), global_batch)
+        if rest < math.inf and (best is None or limit + rest < best[0]):
+            best = (limit + rest, limit, rest)
+    assert best is not None  # one sample per micro-batch always fits
+    _, limit, most_rest = best
+    rest_rows = _rest_table(options, limit)
+    suffix = _reachable(rest_rows, most_rest, global_batch)
+    samples, sizes, left = [], [], global_batch
+    for r in range(len(ranks)):
+        n = next(n for n in range(min(left, most), 0, -1)
+                 if rest_rows[r][n] <= most_rest and suffix[r + 1] >> (left - n) & 1)
+        _, _, size = min((total, -size, size) for mb, total, size in options[r][n]
+                         if mb <= limit and total - mb <= most_rest)
+        samples.append(n)
+        sizes.append(size)
+        left -= n
+    return BatchSplit(tuple(sizes), tuple(n // size for n, size in zip(samples, sizes)),
+                      tuple(rank.sample_s_at(size) for rank, size in zip(ranks, sizes)), fsdp=True)
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:
@@ -461,6 +647,10 @@ def explain(plan: IslandPlan, rank_names: Sequence[str], stage_names: Sequence[s
     for r, (size, count, t, idle) in enumerate(zip(b.micro_batch_size, b.num_micro_batches, b.rank_s, b.idle)):
         lines.append(f"  rank {r} ({_name(rank_names, r, 'unnamed')}): {size} samples x {count} micro-batches = "
                      f"{size * count} of {total} samples, {_ms(t)} per step, idle {idle:.0%}")
+    if b.fsdp and plan.stages is None:
+        lockstep = max(size * t for size, t in zip(b.micro_batch_size, b.sample_s))
+        lines.append(f"  (FSDP: the ranks meet at every block of their first forward and last backward, "
+                     f"{_ms(lockstep)} at the slowest micro-batch's pace, and run the rest each alone)")
     lines.append(f"predicted step time {_ms(plan.step_s)}")
     return "\n".join(lines)
 

@@ -42,6 +42,9 @@ class RankProfile:
     layer_bytes: tuple[float, ...]  # each block's weights, gradients and optimizer state
     activation_bytes: float       # peak activation memory per sample (0 where not measurable)
     micro_batch: int              # the micro-batch size measured
+    # (micro-batch size, seconds per sample) at the sizes measured for the planner's choice
+    # of micro-batch (measure_sizes), by size; empty where only `micro_batch` was timed.
+    sample_s_by_size: tuple[tuple[int, float], ...] = ()
 
     def max_micro_batch(self, model_bytes: float) -> int:
         """The largest micro-batch whose activations fit beside the whole model (0 = no limit)."""
@@ -126,3 +129,34 @@ def profile_rank(model: nn.Module, blocks: list[nn.Module], batch: tuple[torch.T
         memory_bytes=_memory(device),
         layer_bytes=tuple(float(ADAM_BYTES_PER_PARAM * sum(p.numel() for p in b.parameters())) for b in blocks),
         activation_bytes=float(activation), micro_batch=n)
+
+
+def candidate_sizes(share: int, cap: int = 0) -> tuple[int, ...]:
+    """The micro-batch sizes to time for a rank whose even share is `share` samples: 1, a
+    quarter, a half and the whole share (at most `cap` where memory limits it, 0 = none).
+    Shares above the largest are costed at its time per sample (planner)."""
+    sizes = {1, max(1, share // 4), max(1, share // 2), share}
+    return tuple(sorted(size for size in sizes if cap <= 0 or size <= cap))
+
+
+def measure_sizes(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
+                  sizes: tuple[int, ...], slowdown: float = 1.0, repeats: int = 2) -> tuple[tuple[int, float], ...]:
+    """Seconds per sample of a forward and backward of the whole model at each micro-batch
+    size (the first `size` samples of `batch`), the median of `repeats` after a warm-up, times
+    the emulated slowdown. The model is warm already (profile_rank ran), so one warm-up per
+    size is enough to settle its allocations."""
+    inputs, targets = (t.to(device) for t in batch)
+    out = []
+    for size in sizes:
+        seconds = []
+        for i in range(repeats + 1):
+            _sync(device)
+            began = time.perf_counter()
+            loss_fn(model(inputs[:size]), targets[:size]).backward()
+            _sync(device)
+            if i:
+                seconds.append(time.perf_counter() - began)
+            model.zero_grad(set_to_none=True)
+        out.append((size, slowdown * statistics.median(seconds) / size))
+    return tuple(out)
