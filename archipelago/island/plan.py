@@ -18,6 +18,11 @@ Two questions, each answered exactly:
   GPU's shrinks as kernels fill), a rank's time for n samples is that of its best equal
   micro-batches, which is not linear in n; `split_batch_sized` then solves the split by
   dynamic programming over (rank, samples left) in O(R x N^2), each rank's size with it.
+  That is the step of ranks that meet only at its end (DDP). Ranks of an FSDP island meet
+  at every block of their first forward and last backward, so the step is the slowest
+  micro-batch plus the longest time a rank runs alone (`fsdp_step_s`; for an even split it
+  is the plain per-micro-batch lockstep); `split_batch_fsdp` minimises that exactly, one
+  reachability search per candidate slowest micro-batch.
 
 Why earliest-finish is optimal: rank r's k-th sample ends at k x sample_s_r, which grows
 with k. Any split of N samples (at least one per rank) runs every rank's first sample, and

@@ -240,8 +240,10 @@ def cmd_train(argv: list[str]) -> int:
 
 
 PLAN_HELP = """\
-Measure each rank of this island (forward and backward time per sample and per layer, memory)
-and print how to split the batch over them: each rank's micro-batch size and count, its
+Measure each rank of this island (forward and backward time per sample and per layer, memory;
+per sample at several micro-batch sizes) and print how to split the batch over them, by a
+model of how the ranks meet (FSDP: in the first forward and the last backward of each step;
+DDP: at its end): each rank's micro-batch size and count, its
 predicted time and idle fraction, and the predicted step time. Options: --config FILE,
 --nproc N, --out FILE (where to write the TOML fragment; default plan.toml), and the
 --section.key VALUE options of `archipelago train` (e.g. --island.rank_slowdown 1,2 to
