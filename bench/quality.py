@@ -14,12 +14,12 @@ keeping its own moments), adam-federation-batch / adam-own-batch (the config wit
 `fault_tolerance.adam_federation_batch` on / off), reference-outer (the reference
 platform's outer Nesterov SGD, lr 0.7, momentum 0.9, sync_steps 20), diloco-3 (3 x 1 rank:
 1.5x DDP's tokens, so compared with one island only), int8, topk (20% of 256, 2 bits),
-topk-5pct-1bit (the sparser top-k before), streaming int8 (2 fragments, tau 1), sync_steps
-5 / 50 / 100, and het-1:3 (a 2-rank and a 1-rank island, the 1-rank one emulated 3x
-slower, time-paced rounds as long as the diloco run's median round, token-weighted): the
-same token budget, unequal steps. Its single-island baseline at equal wall-clock is the
-fast island alone for as many steps as it ran in the federation (`single-fast`, measured
-per seed).
+topk-5pct-1bit (the sparser top-k before), streaming int8 (2 fragments, tau 1) and
+streaming-int8-no-overlap (tau 0), sync_steps 5 / 50 / 100, and het-1:3 (a 2-rank and
+a 1-rank island, the 1-rank one emulated 3x slower, time-paced rounds as long as the
+diloco run's median round, token-weighted): the same token budget, unequal steps. Its
+single-island baseline at equal wall-clock is the fast island alone for as many steps as
+it ran in the federation (`single-fast`, measured per seed).
 
 Ratios are paired: each seed's value over the baseline's at the same seed, then the
 mean over seeds (the seed moves every run the same way: init and data order). Every run
@@ -61,6 +61,8 @@ EVAL_WINDOWS = 256
 NOT_DDP_TOKENS = ("single", "single-fast", "diloco-3")
 STREAM = ("--fault_tolerance.codec", "int8", "--fault_tolerance.num_fragments", "2",
           "--fault_tolerance.fragment_sync_delay", "1")
+# The same fragments without the one-step overlap, which is what costs (docs/quality.md section 11).
+STREAM_NO_OVERLAP = (*STREAM[:-1], "0")
 # The defaults before: a round every 20 steps, each island keeping its own AdamW moments.
 OWN_MOMENTS = ("--fault_tolerance.sync_steps", "20", "--fault_tolerance.no_average_optimizer_state")
 
@@ -93,6 +95,7 @@ SETTINGS = {s.name: s for s in (
     Setting("topk-5pct-1bit", args=("--fault_tolerance.codec", "topk", "--fault_tolerance.topk_fraction", "0.05",
                                     "--fault_tolerance.topk_bits", "1")),
     Setting("streaming-int8", args=STREAM),
+    Setting("streaming-int8-no-overlap", args=STREAM_NO_OVERLAP),
     Setting("sync-5", args=("--fault_tolerance.sync_steps", "5")),
     Setting("sync-50", args=("--fault_tolerance.sync_steps", "50")),
     Setting("sync-100", args=("--fault_tolerance.sync_steps", "100")),

@@ -199,12 +199,13 @@ def test_outer_lr_above_one_and_topk_with_momentum_are_advised_against():
     assert advice(_federation(codec="topk", topk_fraction=0.2)) == []
 
 
-def test_streaming_fragments_are_advised_against_with_the_measurement_and_the_fix():
+def test_streaming_with_an_overlap_is_advised_against_with_the_measurement_and_the_fix():
     from archipelago.config import advice
 
     found = advice(_federation(num_fragments=2, fragment_sync_delay=1, codec="int8"))
-    assert len(found) == 1 and "num_fragments = 2 (streaming DiLoCo)" in found[0]
-    assert "5.2% on the ResNet" in found[0] and "set fault_tolerance.num_fragments = 1" in found[0]
+    assert len(found) == 1 and "fragment_sync_delay = 1 with num_fragments = 2" in found[0]
+    assert "5.7% on the ResNet" in found[0] and "set fault_tolerance.fragment_sync_delay = 0" in found[0]
+    assert advice(_federation(num_fragments=2, fragment_sync_delay=0, codec="int8")) == []  # measured within 1%
     assert advice(_federation(num_fragments=1, codec="int8")) == []
 
 

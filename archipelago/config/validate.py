@@ -177,12 +177,13 @@ def advice(cfg: Config) -> list[str]:
                      "break-even: over 10 rounds 10% at 2 bits ended 1.6% behind fp32 DiLoCo (2.5% on one "
                      "seed), 5% at 1 bit 3.6%, where 20% stayed within 0.8% on every seed (docs/quality.md); "
                      "set fault_tolerance.topk_fraction = 0.2 unless the link cannot carry it")
-    if ft.num_fragments > 1:
-        found.append(f"fault_tolerance.num_fragments = {ft.num_fragments} (streaming DiLoCo) trained worse than "
-                     "whole-model rounds of the same length: with int8, 2 fragments and fragment_sync_delay 1, "
-                     "2.0% behind fp32 DiLoCo on llama3 at 1,000 steps and 5.2% on the ResNet at 200 (3 seeds "
-                     "each, docs/quality.md); set fault_tolerance.num_fragments = 1 unless the link cannot carry "
-                     "a whole model's exchange at once (codec = \"int8\" cuts it 4x at no measured cost)")
+    if ft.num_fragments > 1 and ft.fragment_sync_delay > 0:
+        found.append(f"fault_tolerance.fragment_sync_delay = {ft.fragment_sync_delay} with num_fragments = "
+                     f"{ft.num_fragments} (streaming DiLoCo with an overlap) drops each fragment's inner steps "
+                     "during its exchange: with int8, 2 fragments and an overlap of 1 step, 2.3% behind fp32 "
+                     "DiLoCo on llama3 at 200 steps (2.0% at 1,000) and 5.7% on the ResNet, where without the "
+                     "overlap 0.5% behind and 0.8% ahead (3 seeds each, docs/quality.md section 11); set "
+                     "fault_tolerance.fragment_sync_delay = 0 unless the exchange must hide behind inner steps")
     if cfg.model.name == "resnet" and cfg.optimizer.name == "adamw" and not ft.adam_federation_batch:
         found.append("fault_tolerance.adam_federation_batch = false on a ResNet: each island's AdamW, "
                      "normalised by its own batch, ended 4.1% behind DDP at 1,000 steps and 1.8% at 200 "
