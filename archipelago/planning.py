@@ -54,6 +54,8 @@ def measure_rank(cfg: Config, ctx: IslandContext, task: Task) -> RankProfile:
                            slowdown=factor)
     # The data-parallel split also chooses each rank's micro-batch size, from times at several
     # (a few seconds more on a CPU); not where the user fixed the size or a pipeline cuts the batch.
+    # The share is timed again there, without profile_rank's block hooks (a device sync per
+    # block on a GPU), so that every size is timed alike.
     if not cfg.training.micro_batch_size and cfg.parallelism.pipeline_stages <= 1:
         cap = profile.max_micro_batch(sum(profile.layer_bytes))
         sizes = candidate_sizes(size, cap)

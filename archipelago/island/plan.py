@@ -16,8 +16,9 @@ Two questions, each answered exactly:
   micro-batches that fit its memory. Where ranks were measured at several micro-batch
   sizes (a CPU's time per sample grows with the micro-batch as it falls out of cache, a
   GPU's shrinks as kernels fill), a rank's time for n samples is that of its best equal
-  micro-batches, which is not linear in n; `split_batch_sized` then solves the split by
-  dynamic programming over (rank, samples left) in O(R x N^2), each rank's size with it.
+  micro-batches, which is not linear in n; `split_batch_sized` then solves the split
+  exactly (a reachability search, then dynamic programming over (rank, samples left) in
+  O(R x N^2)), each rank's size with it.
   That is the step of ranks that meet only at its end (DDP). Ranks of an FSDP island meet
   at every block of their first forward and last backward, so the step is the slowest
   micro-batch plus the longest time a rank runs alone (`fsdp_step_s`; for an even split it
@@ -51,7 +52,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -425,28 +426,32 @@ def split_batch_brute(ranks: Sequence[RankSpeed], global_batch: int) -> BatchSpl
     assert best is not None  # global_batch >= ranks: at least one split
     if not sized:
         return _with_micro_batches(ranks, best[1])
-    sizes = [micro_batches_for(r, n)[1] for r, n in zip(ranks, best[1])]
-    return BatchSplit(tuple(sizes), tuple(n // size for n, size in zip(best[1], sizes)),
-                      tuple(r.sample_s_at(size) for r, size in zip(ranks, sizes)))
+    return _sized_split(ranks, best[1], [micro_batches_for(r, n)[1] for r, n in zip(ranks, best[1])])
+
+
+def _sized_split(ranks: Sequence[RankSpeed], samples: Sequence[int], sizes: Sequence[int],
+                 fsdp: bool = False) -> BatchSplit:
+    """The split of these shares in micro-batches of these sizes, timed at those sizes."""
+    return BatchSplit(tuple(sizes), tuple(n // size for n, size in zip(samples, sizes)),
+                      tuple(rank.sample_s_at(size) for rank, size in zip(ranks, sizes)), fsdp=fsdp)
+
+
+def _options(rank: RankSpeed, samples: int) -> list[tuple[float, float, int]]:
+    """(micro-batch seconds, rank seconds, size) of every equal cut of `samples` in memory."""
+    cap = min(samples, rank.max_micro_batch or samples)
+    return [(size * rank.sample_s_at(size), samples * rank.sample_s_at(size), size)
+            for size in range(1, cap + 1) if samples % size == 0]
 
 
 def micro_batches_for(rank: RankSpeed, samples: int) -> tuple[float, int]:
     """(seconds, size): `samples` cut into the equal micro-batches, within the rank's memory,
     that finish soonest at its measured times per sample; the larger size on a tie."""
-    cap = min(samples, rank.max_micro_batch or samples)
-    best: tuple[float, int] | None = None
-    for size in range(cap, 0, -1):
-        if samples % size == 0:
-            seconds = samples * rank.sample_s_at(size)
-            if best is None or seconds < best[0]:
-                best = (seconds, size)
-    assert best is not None  # size 1 always divides
-    return best
+    _, seconds, size = min(_options(rank, samples), key=lambda cut: (cut[1], -cut[2]))
+    return seconds, size
 
 
-def _suffix_table(times: list[list[float]], total: int, combine: Callable[[float, float], float],
-                  limit: float) -> list[list[float]]:
-    """table[r][m]: the best combined time of ranks r.. holding m samples (each at least one,
+def _least_busy_table(times: list[list[float]], total: int, limit: float) -> list[list[float]]:
+    """table[r][m]: the least summed time of ranks r.. holding m samples (each at least one,
     no rank above `limit`); inf where none. O(R x N^2)."""
     ranks = len(times)
     table = [[math.inf] * (total + 1) for _ in range(ranks + 1)]
@@ -456,7 +461,7 @@ def _suffix_table(times: list[list[float]], total: int, combine: Callable[[float
             for n in range(1, min(m, len(times[r]) - 1) + 1):
                 rest = table[r + 1][m - n]
                 if rest < math.inf and times[r][n] <= limit:
-                    table[r][m] = min(table[r][m], combine(times[r][n], rest))
+                    table[r][m] = min(table[r][m], times[r][n] + rest)
     return table
 
 
@@ -464,15 +469,16 @@ def split_batch_sized(ranks: Sequence[RankSpeed], global_batch: int) -> BatchSpl
     """Samples and micro-batch size per rank, where a rank's time per sample depends on its
     micro-batch size (RankSpeed.sample_s_by_size): rank r's time for n samples is the best of
     its equal micro-batches (micro_batches_for), which is not linear in n, so the greedy of
-    split_batch does not apply. Two dynamic programmes over (rank, samples left), O(R x N^2):
-    the smallest slowest-rank time, then, among splits within it, the least total busy time,
-    the larger shares to the lower-numbered ranks on a tie (split_batch_brute's order)."""
+    split_batch does not apply. The smallest slowest-rank time (_least_max), then, among
+    splits within it, the least total busy time (a dynamic programme over (rank, samples
+    left), O(R x N^2)), the larger shares to the lower-numbered ranks on a tie
+    (split_batch_brute's order)."""
     _check_batch(ranks, global_batch)
     most = global_batch - len(ranks) + 1
     options = [[(0.0, 0)] + [micro_batches_for(rank, n) for n in range(1, most + 1)] for rank in ranks]
     times = [[seconds for seconds, _ in row] for row in options]
-    step = _suffix_table(times, global_batch, max, math.inf)[0][global_batch]
-    busy = _suffix_table(times, global_batch, lambda a, b: a + b, step)
+    step = _least_max(times, global_batch)
+    busy = _least_busy_table(times, global_batch, step)
     samples, left = [], global_batch
     for r in range(len(ranks)):
         n = next(n for n in range(min(left, most), 0, -1)
@@ -480,9 +486,7 @@ def split_batch_sized(ranks: Sequence[RankSpeed], global_batch: int) -> BatchSpl
                  and times[r][n] + busy[r + 1][left - n] == busy[r][left])
         samples.append(n)
         left -= n
-    sizes = [options[r][n][1] for r, n in enumerate(samples)]
-    return BatchSplit(tuple(sizes), tuple(n // size for n, size in zip(samples, sizes)),
-                      tuple(rank.sample_s_at(size) for rank, size in zip(ranks, sizes)))
+    return _sized_split(ranks, samples, [options[r][n][1] for r, n in enumerate(samples)])
 
 
 def fsdp_step_s(micro_batch_s: Sequence[float], rank_s: Sequence[float]) -> float:
@@ -492,13 +496,6 @@ def fsdp_step_s(micro_batch_s: Sequence[float], rank_s: Sequence[float]) -> floa
     rank's pace, and together take one micro-batch's time (a forward and a backward); the
     rest each rank runs alone. Step: the largest micro-batch time + the largest rest."""
     return max(micro_batch_s) + max(r - m for r, m in zip(rank_s, micro_batch_s))
-
-
-def _options(rank: RankSpeed, samples: int) -> list[tuple[float, float, int]]:
-    """(micro-batch seconds, rank seconds, size) of every equal cut of `samples` in memory."""
-    cap = min(samples, rank.max_micro_batch or samples)
-    return [(size * rank.sample_s_at(size), samples * rank.sample_s_at(size), size)
-            for size in range(1, cap + 1) if samples % size == 0]
 
 
 def _rest_table(options: list[list[list[tuple[float, float, int]]]], limit: float) -> list[list[float]]:
@@ -569,8 +566,7 @@ def split_batch_fsdp(ranks: Sequence[RankSpeed], global_batch: int) -> BatchSpli
         samples.append(n)
         sizes.append(size)
         left -= n
-    return BatchSplit(tuple(sizes), tuple(n // size for n, size in zip(samples, sizes)),
-                      tuple(rank.sample_s_at(size) for rank, size in zip(ranks, sizes)), fsdp=True)
+    return _sized_split(ranks, samples, sizes, fsdp=True)
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:
