@@ -83,11 +83,16 @@ def measured(run_dir: Path) -> tuple[float, list[float] | None]:
     return tokens_per_s(run_dir), rank_idle(run_dir)
 
 
+def _succeeded(exit_code: int, log: Path) -> Path:
+    """The run directory beside `log` (its name without .log), or an error naming the log."""
+    if exit_code != 0:
+        raise RuntimeError(f"{log.stem}: exit code {exit_code}; see {log}")
+    return log.with_suffix("")
+
+
 def _run(args: argparse.Namespace, root: Path, name: str, cmd: list[str]) -> Path:
-    result = run_job(cmd, root / f"{name}.log", args.timeout)
-    if result.exit_code != 0:
-        raise RuntimeError(f"{name}: exit code {result.exit_code}; see {root / f'{name}.log'}")
-    return root / name
+    log = root / f"{name}.log"
+    return _succeeded(run_job(cmd, log, args.timeout).exit_code, log)
 
 
 def planned_split(args: argparse.Namespace, root: Path) -> tuple[str, str]:
@@ -121,10 +126,7 @@ def ideal(args: argparse.Namespace, root: Path, together: bool = True) -> tuple[
     jobs = [_alone(args, root, f"alone-{k}{'' if together else '-apart'}", factor)
             for k, factor in enumerate(SLOWDOWN.split(","))]
     results = run_jobs(jobs, args.timeout) if together else [run_job(*job, args.timeout) for job in jobs]
-    for result, (_, log) in zip(results, jobs):
-        if result.exit_code != 0:
-            raise RuntimeError(f"{log.stem}: exit code {result.exit_code}; see {log}")
-    return sum(tokens_per_s(log.with_suffix("")) for _, log in jobs), None
+    return sum(tokens_per_s(_succeeded(result.exit_code, log)) for result, (_, log) in zip(results, jobs)), None
 
 
 def planned_stages(args: argparse.Namespace, root: Path) -> str:
