@@ -9,11 +9,13 @@ same plan from them (island/plan.py), so all ranks agree without another message
 from __future__ import annotations
 
 import logging
+import statistics
 from dataclasses import replace
+from pathlib import Path
 
 from archipelago.config import Config, ConfigError, data_ranks
 from archipelago.config.counts import parse_factors
-from archipelago.island.batches import RankBatches
+from archipelago.island.batches import RankBatches, rank_batches
 from archipelago.island.device import IslandContext, all_gather_objects
 from archipelago.island.parallelize import model_blocks
 from archipelago.island.plan import (
@@ -22,11 +24,13 @@ from archipelago.island.plan import (
     PlanError,
     RankSpeed,
     StageCosts,
+    calibrate,
     explain,
     split_batch,
     split_layers,
 )
 from archipelago.island.profile import RankProfile, candidate_sizes, measure_sizes, profile_rank
+from archipelago.metrics.islands import finite, is_step_record, island_records
 from archipelago.tasks import Task
 
 log = logging.getLogger("archipelago.planning")
@@ -148,6 +152,57 @@ def plan_island(cfg: Config, ctx: IslandContext, task: Task) -> tuple[IslandPlan
         return plan_from_profiles(profiles, batch, fsdp=p.data_parallel == "fsdp"), profiles
     except PlanError as exc:
         raise ConfigError(f"plan: {exc}") from exc
+
+
+def run_measurements(run_dir: Path) -> tuple[list[float], float]:
+    """Each rank's median idle share of a step and the median step time, from a training
+    run's step records (RUN_DIR/metrics.jsonl). A record's window runs from the record before
+    it, so the first (which also holds the warm-up: allocations, first touches) is left out;
+    its step time is the window's tokens per step over its tokens/s."""
+    if not (Path(run_dir) / "metrics.jsonl").is_file():
+        raise PlanError(f"{run_dir} has no metrics.jsonl: give the run directory of a training run "
+                        "(its job.run_dir)")
+    records = [r for r in island_records(run_dir) if is_step_record(r) and "rank_idle" in r
+               and finite(r.get("tokens_per_s")) and finite(r.get("tokens"))]
+    idle, step_s = [], []
+    for before, record in zip(records, records[1:]):
+        steps, tokens = record["step"] - before["step"], record["tokens"] - before["tokens"]
+        if steps > 0 and tokens > 0 and record["tokens_per_s"] > 0:
+            idle.append(record["rank_idle"])
+            step_s.append(tokens / steps / record["tokens_per_s"])
+    if not idle:
+        raise PlanError(f"{run_dir}/metrics.jsonl has fewer than two step records with each rank's idle share "
+                        "(rank_idle): CPU islands of two or more ranks write it at every log step; train for more "
+                        "steps or log more often (--metrics.log_every)")
+    if len({len(shares) for shares in idle}) > 1:
+        raise PlanError(f"{run_dir}/metrics.jsonl mixes islands of different sizes; re-plan from one run")
+    return [statistics.median(column) for column in zip(*idle)], statistics.median(step_s)
+
+
+def plan_from_run(cfg: Config, run_dir: Path) -> tuple[IslandPlan, list[float], float]:
+    """Re-plan the batch split from what a training run measured (island/plan.py calibrate):
+    `cfg` holds the options that run trained with, so its split is known. The shares are
+    chosen as for ranks that meet at the step's end (an FSDP island's micro-batch sizes need
+    times at several sizes, which a profile gives and a run does not). Returns the plan, the
+    run's idle shares and its step time."""
+    if cfg.parallelism.pipeline_stages > 1:
+        raise PlanError("re-planning from a run splits the batch over data-parallel ranks; a pipeline's stages "
+                        "are planned from a profile (archipelago plan without --from-run)")
+    if cfg.parallelism.auto:
+        raise PlanError("the run chose its split at start (parallelism.auto); give that split's options instead "
+                        "(its log's 'island batch split' line: --parallelism.micro_batch_size_per_rank and "
+                        "--parallelism.num_micro_batches_per_rank)")
+    idle, step_s = run_measurements(run_dir)
+    try:
+        ran = rank_batches(cfg, len(idle))
+    except ConfigError as exc:
+        raise PlanError(f"the options given do not describe the run's {len(idle)} ranks ({exc}); give the "
+                        "options the run trained with") from exc
+    speeds = calibrate(ran.micro_batch_size, ran.num_micro_batches, idle, step_s)
+    # Shares only: one run times each rank at one micro-batch size, and FSDP's step model
+    # (which favours small micro-batches) needs times at several; its prediction still applies.
+    batch = split_batch(speeds, ran.global_batch)
+    return IslandPlan(replace(batch, fsdp=cfg.parallelism.data_parallel == "fsdp")), idle, step_s
 
 
 def rank_batches_of(plan: IslandPlan) -> RankBatches:

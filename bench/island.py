@@ -8,6 +8,9 @@ Settings, each a real `archipelago train --nproc 2` run in this one benchmark:
 * hand:    SynerFuse's README split, 6 x 3 and 2 x 3 micro-batches of 24 (scaled to the batch):
            a 3:1 guess for a 2:1 gap
 * planned: what `archipelago plan` measured and chose for these two ranks (run first, here)
+* replanned: what `archipelago plan --from-run` chose from a run of the planned split (its
+           ranks' idle shares and step time: each rank's speed as the island ran it, run
+           first, here)
 * ideal:   the sum of what each rank trains alone at its own speed (two 1-rank runs,
            rank_slowdown 1 and 2, at the same time, so that each shares the machine with the
            other as the island's ranks do): no waiting and no communication
@@ -49,8 +52,8 @@ from harness import num, ratio, read_jsonl, run_job, run_jobs, run_main, work_ro
 
 from archipelago.island.plan import bubble_fraction  # noqa: E402
 
-SETTINGS = ("even", "hand", "planned", "ideal", "ideal-apart", "pipeline-even-1f1b", "pipeline-planned-1f1b",
-            "pipeline-planned-gpipe", "pipeline-interleaved")
+SETTINGS = ("even", "hand", "planned", "replanned", "ideal", "ideal-apart", "pipeline-even-1f1b",
+            "pipeline-planned-1f1b", "pipeline-planned-gpipe", "pipeline-interleaved")
 HAND_COUNTS = 3  # SynerFuse's README example, 6 x 3 and 2 x 3 of 24: a 3:1 guess, scaled to the batch
 SLOWDOWN = "1,2"
 
@@ -103,10 +106,24 @@ def planned_split(args: argparse.Namespace, root: Path) -> tuple[str, str]:
     return fragment["micro_batch_size_per_rank"], fragment["num_micro_batches_per_rank"]
 
 
+def _split_flags(split: tuple[str, str]) -> list[str]:
+    return ["--parallelism.micro_batch_size_per_rank", split[0], "--parallelism.num_micro_batches_per_rank", split[1]]
+
+
+def replanned_split(args: argparse.Namespace, root: Path, planned: tuple[str, str]) -> tuple[str, str]:
+    """Train the planned split once, then re-plan from that run's step records."""
+    ran = _run(args, root, "replan-run", _cli("train", "--nproc", "2", *_common(args, root / "replan-run"),
+                                              "--island.rank_slowdown", SLOWDOWN, *_split_flags(planned)))
+    out = root / "replan.toml"
+    _run(args, root, "replan", _cli("plan", *_common(args, root / "replan-unused"), *_split_flags(planned),
+                                    "--from-run", str(ran), "--out", str(out)))
+    fragment = tomllib.loads(out.read_text())["parallelism"]
+    return fragment["micro_batch_size_per_rank"], fragment["num_micro_batches_per_rank"]
+
+
 def island_run(args: argparse.Namespace, root: Path, name: str,
                split: tuple[str, str] | None) -> tuple[float, list[float] | None]:
-    extra = [] if split is None else ["--parallelism.micro_batch_size_per_rank", split[0],
-                                      "--parallelism.num_micro_batches_per_rank", split[1]]
+    extra = [] if split is None else _split_flags(split)
     run_dir = _run(args, root, name, _cli("train", "--nproc", "2", *_common(args, root / name),
                                           "--island.rank_slowdown", SLOWDOWN, *extra))
     return measured(run_dir)
@@ -176,11 +193,13 @@ def main() -> None:
     hand = hand_split(args.batch_size)
     root = work_root(args.root, "bench-island-")
     wanted = set(args.settings) | {"even", "ideal"}  # the ratios' references always run
-    plan = planned_split(args, root) if "planned" in wanted else ("", "")
+    plan = planned_split(args, root) if wanted & {"planned", "replanned"} else ("", "")
+    replan = replanned_split(args, root, plan) if "replanned" in wanted else ("", "")
     stages = planned_stages(args, root) if wanted & {"pipeline-planned-1f1b", "pipeline-planned-gpipe"} else ""
     settings: dict[str, Callable[[Path], tuple[float, list[float] | None]]] = {
         "even": lambda at: island_run(args, at, "even", None), "hand": lambda at: island_run(args, at, "hand", hand),
-        "planned": lambda at: island_run(args, at, "planned", plan), "ideal": lambda at: ideal(args, at),
+        "planned": lambda at: island_run(args, at, "planned", plan),
+        "replanned": lambda at: island_run(args, at, "replanned", replan), "ideal": lambda at: ideal(args, at),
         "ideal-apart": lambda at: ideal(args, at, together=False),
         "pipeline-even-1f1b": lambda at: pipeline_run(args, at, "pipeline-even-1f1b", "3,3", "1f1b"),
         "pipeline-planned-1f1b": lambda at: pipeline_run(args, at, "pipeline-planned-1f1b", stages, "1f1b"),
@@ -194,7 +213,8 @@ def main() -> None:
             measured_runs.append(settings[name](root / f"repeat-{k}" if args.repeats > 1 else root))
     runs = {name: median_run(measured_runs) for name, measured_runs in repeats.items()}
     splits = {"even": f"{args.batch_size // 2} x 1 each", "hand": f"{hand[0]} x {hand[1]}",
-              "planned": f"{plan[0]} x {plan[1]}", "ideal": "each rank alone, both at once",
+              "planned": f"{plan[0]} x {plan[1]}", "replanned": f"{replan[0]} x {replan[1]}",
+              "ideal": "each rank alone, both at once",
               "ideal-apart": "each rank alone, one after the other",
               "pipeline-even-1f1b": "layers 3,3", "pipeline-planned-1f1b": f"layers {stages}",
               "pipeline-planned-gpipe": f"layers {stages}", "pipeline-interleaved": "layers 2,1,2,1"}

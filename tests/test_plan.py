@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 import re
@@ -17,6 +18,7 @@ from archipelago.island.plan import (
     RankSpeed,
     StageCosts,
     bubble_fraction,
+    calibrate,
     explain,
     fsdp_step_s,
     parse_counts,
@@ -483,3 +485,106 @@ def test_interleaved_stages_are_costed_on_their_ranks_and_the_step_uses_the_inte
     assert plan.step_s == pytest.approx((4 + (2 - 1) / 2) * busiest)
     assert plan.bubble == pytest.approx(1 / (2 * 4 + 1))
     assert predict_pipeline_step_s(plan.stages, 4, "1f1b") == pytest.approx((4 + 4 - 1) * plan.stages.bottleneck_s)
+
+
+# Re-planning from a run's measurements (calibrate, `archipelago plan --from-run`).
+
+def _ran(times: tuple[float, ...], samples: tuple[int, ...], overhead_s: float = 0.0) -> tuple[list[float], float]:
+    """What a DDP run of ranks with these true times per sample records for this split:
+    each rank's idle share of the step and the step time (the slowest rank's busy time,
+    plus an `overhead_s` every rank spends busy, a reduction's copies)."""
+    busy = [n * t + overhead_s for n, t in zip(samples, times)]
+    step = max(busy)
+    return [1 - b / step for b in busy], step
+
+
+@pytest.mark.parametrize("times,samples", [((0.125, 0.25), (24, 24)), ((0.125, 0.375), (32, 16)),
+                                           ((0.25, 0.125, 0.5), (10, 10, 12))])
+def test_calibrate_recovers_each_ranks_time_per_sample_and_the_replan_is_the_optimal_split(times, samples):
+    idle, step = _ran(times, samples)
+    speeds = calibrate(samples, (1,) * len(samples), idle, step)
+    assert [s.sample_s for s in speeds] == pytest.approx(times, rel=1e-12)
+    truth = split_batch_brute([RankSpeed(t) for t in times], sum(samples))
+    replanned = split_batch(speeds, sum(samples))
+    assert replanned.samples == truth.samples and replanned.step_s == pytest.approx(truth.step_s)
+
+
+def test_calibrate_keeps_a_size_the_run_cut_into_several_micro_batches_as_the_cap():
+    speeds = calibrate((4, 16), (6, 1), [0.0, 0.5], 2.4)
+    assert [s.max_micro_batch for s in speeds] == [4, 0]  # 4 x 6 may have been memory's cut; 16 x 1 says nothing
+    assert [s.sample_s for s in speeds] == pytest.approx([0.1, 0.075])
+
+
+@pytest.mark.parametrize("sizes,counts,idle,step,needle", [
+    ((4, 4), (1,), [0.1, 0.2], 1.0, "one of each per rank"), ((4, 4), (1, 1), [0.1, 1.0], 1.0, "idle share in [0, 1)"),
+    ((4, 4), (1, 1), [0.1, 0.2], 0.0, "must be positive")])
+def test_calibrate_refuses_what_does_not_describe_a_run(sizes, counts, idle, step, needle):
+    with pytest.raises(PlanError, match=re.escape(needle)):
+        calibrate(sizes, counts, idle, step)
+
+
+def _write_run(run_dir, idle_per_record, step_s, tokens_per_step=512, log_every=2):
+    """A training run's metrics.jsonl: a validation record, then step records every
+    `log_every` steps whose windows took `step_s` seconds a step."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [{"step": 0, "val_loss": 9.0, "tokens": 0}]
+    for k, idle in enumerate(idle_per_record, start=1):
+        lines.append({"step": k * log_every, "loss": 5.0, "tokens": k * log_every * tokens_per_step,
+                      "tokens_per_s": tokens_per_step / step_s[k - 1], "rank_idle": idle})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_run_measurements_take_medians_of_the_step_records_after_the_first(tmp_path):
+    from archipelago.planning import run_measurements
+
+    # The first record (its window holds the warm-up) says nothing; then three windows.
+    _write_run(tmp_path / "run", [[0.9, 0.0], [0.5, 0.0], [0.4, 0.1], [0.6, 0.0]], [9.0, 1.0, 2.0, 1.5])
+    idle, step = run_measurements(tmp_path / "run")
+    assert idle == pytest.approx([0.5, 0.0]) and step == pytest.approx(1.5)
+
+
+def test_plan_from_run_moves_samples_to_the_rank_that_waited(tmp_path):
+    """A 2:1 split of 48 that ran with the fast rank idle a third of the step (it was 3x
+    faster): the re-plan gives it the 36 samples that balance the two, and the CLI prints
+    and writes it."""
+    from conftest import TINY, run_cli_here
+
+    idle, step = _ran((0.125, 0.375), (32, 16))
+    _write_run(tmp_path / "run", [idle] * 3, [step] * 3)
+    out = tmp_path / "plan.toml"
+    options = [*TINY, "--training.batch_size", "48", "--parallelism.micro_batch_size_per_rank", "32,16"]
+    done = run_cli_here(["plan", *options, "--from-run", str(tmp_path / "run"), "--out", str(out)])
+    assert done.returncode == 0, done.output[-2000:]
+    fragment = tomllib.loads(out.read_text())["parallelism"]
+    assert fragment["micro_batch_size_per_rank"] == "36,12"
+    assert "rank 0: 32 x 1 samples, idle 33%, 125.00 ms per sample" in done.output
+    assert "micro_batch_size_per_rank 36,12" in done.output
+    # The options must be the run's: a split of 3 ranks does not describe its 2.
+    wrong = run_cli_here(["plan", *options[:-2], "--parallelism.micro_batch_size_per_rank", "16,16,16",
+                          "--from-run", str(tmp_path / "run"), "--out", str(out)])
+    assert wrong.returncode != 0 and "give the options the run trained with" in wrong.output
+    empty = run_cli_here(["plan", *options, "--from-run", str(tmp_path / "nothing"), "--out", str(out)])
+    assert empty.returncode != 0 and "has no metrics.jsonl" in empty.output
+    _write_run(tmp_path / "short", [idle], [step])
+    short = run_cli_here(["plan", *options, "--from-run", str(tmp_path / "short"), "--out", str(out)])
+    assert short.returncode != 0 and "--metrics.log_every" in short.output
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow  # a 2-rank run: make test-slow
+def test_plan_from_a_real_run_gives_the_emulated_slow_rank_fewer_samples(shakespeare, tmp_path):
+    from conftest import TINY, run_cli, run_cli_here
+
+    options = [*TINY, "--training.batch_size", "12", "--island.rank_slowdown", "1,2"]
+    trained = run_cli(["train", *options, "--nproc", "2", "--training.steps", "6", "--training.val_every", "0",
+                       "--checkpoint.no_enable", "--metrics.log_every", "1", "--job.run_dir", str(tmp_path / "even")],
+                      timeout=240)
+    assert trained.returncode == 0, trained.output[-3000:]
+    out = tmp_path / "plan.toml"
+    replanned = run_cli_here(["plan", *options, "--from-run", str(tmp_path / "even"), "--out", str(out)])
+    assert replanned.returncode == 0, replanned.output[-3000:]
+    fragment = tomllib.loads(out.read_text())["parallelism"]
+    sizes = parse_counts(fragment["micro_batch_size_per_rank"], 2, "x")
+    counts = parse_counts(fragment["num_micro_batches_per_rank"], 2, "x")
+    samples = [s * c for s, c in zip(sizes, counts)]
+    assert sum(samples) == 12 and samples[1] < samples[0], replanned.output

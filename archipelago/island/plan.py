@@ -59,9 +59,9 @@ from fractions import Fraction
 from archipelago.config.counts import parse_counts as _parse_counts
 
 __all__ = ["BatchSplit", "IslandPlan", "PlanError", "RankSpeed", "StageCosts", "StageSplit", "bubble_fraction",
-           "explain", "fsdp_step_s", "micro_batches_for", "parse_counts", "predict_pipeline_step_s", "split_batch",
-           "split_batch_brute", "split_batch_fsdp", "split_batch_sized", "split_layers", "split_layers_brute",
-           "to_toml"]
+           "calibrate", "explain", "fsdp_step_s", "micro_batches_for", "parse_counts", "predict_pipeline_step_s",
+           "split_batch", "split_batch_brute", "split_batch_fsdp", "split_batch_sized", "split_layers",
+           "split_layers_brute", "to_toml"]
 
 GIB = 2**30
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -333,6 +333,30 @@ class BatchSplit:
     def idle(self) -> tuple[float, ...]:
         """Each rank's idle fraction per step, waiting for the slowest before the gradient reduction."""
         return tuple(1 - r / self.step_s if self.step_s > 0 else 0.0 for r in self.rank_s)
+
+
+def calibrate(micro_batch_size: Sequence[int], num_micro_batches: Sequence[int], rank_idle: Sequence[float],
+              step_s: float) -> tuple[RankSpeed, ...]:
+    """Each rank's speed as a training run measured it, from the split it ran (micro-batch
+    size and count per rank), each rank's idle share of a step and the step time: rank r was
+    busy (1 - idle_r) x step_s for its n_r samples. A profile times each rank before
+    training, alone; in the run the ranks share what they share (a CPU's memory bandwidth, a
+    node's links) and the re-plan from these speeds corrects for it. A rank that ran several
+    micro-batches keeps its size as the cap (its memory may have set it); one that ran one
+    gets none. Times per sample are taken as constant in the share (one size was run)."""
+    ranks = len(micro_batch_size)
+    if not ranks or len(num_micro_batches) != ranks or len(rank_idle) != ranks:
+        raise PlanError(f"calibrate: {ranks} micro-batch sizes, {len(num_micro_batches)} counts and "
+                        f"{len(rank_idle)} idle shares; give one of each per rank")
+    if not step_s > 0:
+        raise PlanError(f"calibrate: step time {step_s} s; it must be positive")
+    speeds = []
+    for r, (size, count, idle) in enumerate(zip(micro_batch_size, num_micro_batches, rank_idle)):
+        if size < 1 or count < 1 or not 0 <= idle < 1:
+            raise PlanError(f"calibrate: rank {r} ran {size} x {count} samples idle {idle:.0%}; a rank needs at "
+                            "least one sample and an idle share in [0, 1) to be measured")
+        speeds.append(RankSpeed((1 - idle) * step_s / (size * count), max_micro_batch=size if count > 1 else 0))
+    return tuple(speeds)
 
 
 def _check_batch(ranks: Sequence[RankSpeed], global_batch: int) -> None:

@@ -249,15 +249,26 @@ predicted time and idle fraction, and the predicted step time. Options: --config
 --section.key VALUE options of `archipelago train` (e.g. --island.rank_slowdown 1,2 to
 emulate a slow rank). Train with the plan by adding the options it prints to `archipelago
 train`, or by pasting the fragment into FILE; or let `--parallelism.auto` plan at start.
+
+--from-run RUN_DIR re-plans from what a training run measured instead, without profiling:
+give the options that run trained with (its split), and each rank's speed is taken from
+the run's step records (its idle share of a step and the step time, metrics.jsonl; written
+by CPU islands of two or more ranks). A profile times each rank alone before training;
+in the run the ranks share the machine, which the re-plan corrects for.
 """
 
 
 def cmd_plan(argv: list[str]) -> int:
     nproc_arg, argv = pop_option(argv, "--nproc")
     out_arg, argv = pop_option(argv, "--out")
+    from_run, argv = pop_option(argv, "--from-run")
     nproc = int(nproc_arg or os.environ.get("NGPU") or "1")
     cfg = load_config(argv, prog="archipelago plan", description=PLAN_HELP)
     setup_logging(cfg.job.log_level, int(os.environ.get("RANK", "0")))
+    if from_run:
+        from archipelago.launch.plan import replan_here
+
+        return replan_here(cfg, from_run, out_arg or "plan.toml")
     _check_model(cfg)
     if nproc > 1 and not _under_torchrun():
         return _spawn_torchrun(nproc, [*argv, "--out", out_arg or "plan.toml"], cfg, "plan")

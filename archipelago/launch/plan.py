@@ -1,4 +1,5 @@
-"""`archipelago plan` on one rank: measure, solve, and (rank 0) print and write the plan."""
+"""`archipelago plan`: measure the ranks and solve (one rank of the island each), or re-plan
+from what a training run measured (`--from-run`, one process); print and write the plan."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import logging
 import sys
 from pathlib import Path
 
-from archipelago.config import Config
+from archipelago.config import Config, ConfigError
+from archipelago.island.batches import rank_batches
 from archipelago.island.device import close_island, init_island
-from archipelago.island.plan import to_toml
-from archipelago.planning import describe_plan, plan_island, profile_lines
+from archipelago.island.plan import IslandPlan, PlanError, explain, to_toml
+from archipelago.planning import describe_plan, plan_from_run, plan_island, profile_lines
 from archipelago.tasks import build_task
 
 log = logging.getLogger("archipelago.plan")
@@ -25,12 +27,31 @@ def plan_here(cfg: Config, out: str) -> int:
     finally:
         close_island()
     if ctx.is_leader:
-        fragment = to_toml(plan)
-        Path(out).write_text(fragment)
-        flags = " ".join(f"--parallelism.{key} {value.strip(chr(34))}"
-                         for key, value in (line.split(" = ") for line in fragment.splitlines()[1:]))
-        print("\n".join(["measured:", *profile_lines(profiles), "", "plan:",
-                         describe_plan(plan, profiles), "",
-                         f"written to {out}; train with it: archipelago train ... {flags}"]))
-        sys.stdout.flush()
+        _write(plan, out, ["measured:", *profile_lines(profiles), "", "plan:", describe_plan(plan, profiles)])
     return 0
+
+
+def replan_here(cfg: Config, run_dir: str, out: str) -> int:
+    """Re-plan the batch split from a run's step records (planning.plan_from_run); `cfg`
+    holds the options that run trained with."""
+    try:
+        plan, idle, step_s = plan_from_run(cfg, Path(run_dir))
+    except PlanError as exc:
+        raise ConfigError(f"plan --from-run: {exc}") from exc
+    ran = rank_batches(cfg, len(idle))
+    lines = [f"measured in {run_dir}: a step of {step_s * 1e3:.1f} ms (median of its step records)"]
+    for r, (size, count, share) in enumerate(zip(ran.micro_batch_size, ran.num_micro_batches, idle)):
+        lines.append(f"  rank {r}: {size} x {count} samples, idle {share:.0%}, "
+                     f"{(1 - share) * step_s / (size * count) * 1e3:.2f} ms per sample")
+    _write(plan, out, [*lines, "", "plan:", explain(plan, ["measured in the run"] * len(idle))])
+    return 0
+
+
+def _write(plan: IslandPlan, out: str, lines: list[str]) -> None:
+    """Write the plan's TOML fragment to `out`; print `lines` and how to train with it."""
+    fragment = to_toml(plan)
+    Path(out).write_text(fragment)
+    flags = " ".join(f"--parallelism.{key} {value.strip(chr(34))}"
+                     for key, value in (line.split(" = ") for line in fragment.splitlines()[1:]))
+    print("\n".join([*lines, "", f"written to {out}; train with it: archipelago train ... {flags}"]))
+    sys.stdout.flush()
