@@ -206,3 +206,16 @@ def test_a_dashboard_address_without_a_host_serves_on_loopback_only():
         dashboard.shutdown()
     with pytest.raises(SystemExit, match=r"expected \[HOST\]:PORT"):
         start_dashboard("8080")
+
+
+def test_the_dashboard_only_reads_nothing_on_it_can_change_the_run():
+    """Every route but /push answers GET alone, and /push only adds records to the view:
+    the page has no control over islands, the lighthouse or the launcher."""
+    app = create_app(DashboardState())
+    methods = {rule.rule: rule.methods - {"HEAD", "OPTIONS"} for rule in app.url_map.iter_rules()}
+    assert methods.pop("/push") == {"POST"}
+    assert methods and all(m == {"GET"} for m in methods.values()), methods
+    client = app.test_client()
+    for route in ("/", "/api/state", "/metrics"):
+        for verb in (client.post, client.put, client.delete, client.patch):
+            assert verb(route).status_code == 405, (route, verb)

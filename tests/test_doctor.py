@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 import subprocess
 import sys
@@ -73,12 +74,18 @@ def test_a_taken_port_fails_and_a_free_one_passes():
     assert doctor.check_port("127.0.0.1", _closed_port()).status == "ok"
 
 
+@functools.cache
+def _fingerprint(*options: str, ranks: int = 1) -> dict:
+    """What an island of llama3 federation.toml with these options declares at the join."""
+    return doctor.island_fingerprint(load_config(["--config", "configs/llama3/federation.toml", *options]), ranks)
+
+
 @pytest.fixture()
-def peer():
+def peer(shakespeare):
     """A serving doctor on loopback with llama3 federation.toml's fingerprint."""
     cfg = load_config(["--config", "configs/llama3/federation.toml"])
     stop = threading.Event()
-    listener = doctor.serve("127.0.0.1", 0, doctor.config_fingerprint(cfg), stop)
+    listener = doctor.serve("127.0.0.1", 0, _fingerprint(), stop)
     yield f"127.0.0.1:{listener.getsockname()[1]}", cfg
     stop.set()
 
@@ -86,23 +93,28 @@ def peer():
 @pytest.mark.timeout(60)
 def test_a_peer_with_the_same_config_is_measured_and_passes(peer):
     address, cfg = peer
-    checks = doctor.check_peer(address, doctor.config_fingerprint(cfg))
+    checks = doctor.check_peer(address, _fingerprint())
     assert [c.status for c in checks] == ["ok", "ok", "ok", "ok"], checks
     assert "latency" in checks[0].detail and "Mbit/s" in checks[0].detail
 
 
 @pytest.mark.timeout(60)
-def test_a_peer_with_another_config_fails_the_fingerprint_naming_what_must_match(peer):
+def test_a_peer_with_another_config_fails_naming_what_the_join_would_refuse(peer):
+    """The doctor compares the fingerprint the federation's join compares, field by field."""
+    from archipelago.federation.membership import mismatch
+
     address, _ = peer
-    other = load_config(["--config", "configs/llama3/federation.toml", "--fault_tolerance.sync_steps", "20"])
-    checks = doctor.check_peer(address, doctor.config_fingerprint(other))
+    checks = doctor.check_peer(address, _fingerprint("--fault_tolerance.sync_steps", "20"))
     config = next(c for c in checks if c.name.endswith("config"))
-    assert config.status == "FAIL" and "same config file" in config.fix
-    # replica_id differs between islands by design: the fingerprint leaves it out (group_size is shared).
-    island_1 = load_config(["--config", "configs/llama3/federation.toml", "--fault_tolerance.replica_id", "1",
-                            "--fault_tolerance.group_size", "2"])
-    island_0 = load_config(["--config", "configs/llama3/federation.toml", "--fault_tolerance.group_size", "2"])
-    assert doctor.config_fingerprint(island_1) == doctor.config_fingerprint(island_0)
+    assert config.status == "FAIL" and "the join would refuse: pacing (steps(20)" in config.detail, config
+    assert "steps(10)" in config.detail and "same model and [fault_tolerance] settings" in config.fix
+    model = next(c for c in doctor.check_peer(address, _fingerprint("--model.name", "qwen3"))
+                 if c.name.endswith("config"))
+    assert model.status == "FAIL" and "model (qwen3/debug here, llama3/debug there)" in model.detail
+    # What differs between islands by design (their id, their rank count) is not compared.
+    island_1 = _fingerprint("--fault_tolerance.replica_id", "1", "--fault_tolerance.group_size", "2", ranks=2)
+    island_0 = _fingerprint("--fault_tolerance.group_size", "2")
+    assert island_1["island"] != island_0["island"] and mismatch(island_0, island_1) is None
 
 
 def test_a_peer_that_does_not_listen_fails_naming_doctor_serve():
@@ -138,13 +150,13 @@ def test_the_command_prints_a_table_and_exits_1_on_a_failure():
                           env={"PATH": "/usr/bin:/bin", "COLUMNS": "200"})
     assert done.returncode == 1, done.stderr
     assert "lighthouse" in done.stdout and "FAIL" in done.stdout and "1 check(s) failed" in done.stdout
-    assert "versions" in done.stdout and "devices" in done.stdout and "fingerprint" in done.stdout
+    assert "versions" in done.stdout and "devices" in done.stdout and "llama3/debug" in done.stdout
 
 
 @pytest.mark.timeout(60)
 def test_a_peer_that_reaches_local_addr_passes_and_a_refused_connect_back_fails(peer):
     address, cfg = peer
-    checks = doctor.check_peer(address, doctor.config_fingerprint(cfg), local_addr="127.0.0.1")
+    checks = doctor.check_peer(address, _fingerprint(), local_addr="127.0.0.1")
     back = checks[-1]
     assert back.name.endswith("reaches LOCAL_ADDR") and back.status == "ok", checks
     # The peer connects where it is told; nothing listens on a closed port (a firewall's REJECT).
@@ -230,7 +242,7 @@ def test_a_peer_with_other_versions_or_a_skewed_clock_is_warned_about(peer, monk
         return {**answer, "versions": {**answer["versions"], "torch": "2.0.0"}, "time": answer["time"] + 5.0}
 
     monkeypatch.setattr(doctor, "hello", other_peer)
-    checks = {c.name.rsplit(" ", 1)[-1]: c for c in doctor.check_peer(address, doctor.config_fingerprint(cfg))}
+    checks = {c.name.rsplit(" ", 1)[-1]: c for c in doctor.check_peer(address, _fingerprint())}
     assert checks["versions"].status == "warn" and "torch" in checks["versions"].detail
     assert "2.0.0 there" in checks["versions"].detail and "same versions" in checks["versions"].fix
     assert checks["clock"].status == "warn" and "+5.0 s" in checks["clock"].detail

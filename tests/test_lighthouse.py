@@ -238,7 +238,8 @@ def test_run_train_sh_help_and_environment_checks():
     done = run_train_sh([], NGPU="two")
     assert done.returncode == 2 and "NGPU=two" in done.stderr
     # ISHOST as the reference platform's README writes it (yes/no), or torchrun's 1/0.
-    for value, expected in [("yes", "is_host=1"), ("no", "is_host=0"), ("TRUE", "is_host=1"), ("0", "is_host=0")]:
+    for value, expected in [("yes", "is_host=1"), ("no", "is_host=0"), ("TRUE", "is_host=1"), ("false", "is_host=0"),
+                            ("1", "is_host=1"), ("0", "is_host=0")]:
         done = run_train_sh([], NNODES="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="29600", ISHOST=value,
                             ARCHIPELAGO_DRY_RUN="1")
         assert done.returncode == 0 and f"--rdzv-conf={expected} " in done.stdout, (value, done.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -228,3 +229,57 @@ def test_the_docs_table_names_every_key_torchtitans_run_files_leave_unmapped():
     assert len(dropped) > 20
     missing = [key for key in sorted(dropped) if f"`{key}`" not in table and f"`{key} =" not in table]
     assert not missing, f"add these to the table in docs/federation.md: {missing}"
+
+
+JOB_CONFIG = REAL / "job_config_defaults.toml"  # every field of torchtitan's JobConfig at its default
+# Values for the fields whose default is None (listed in the file's header: TOML has no None).
+NONE_DEFAULTS = {"job.config_file": "train.toml", "job.save_config_file": "saved.toml",
+                 "model.tokenizer_path": "./tests/assets/tokenizer", "lr_scheduler.total_steps": 100,
+                 "lr_scheduler.decay_ratio": 0.5, "training.dataset_path": "/data/text",
+                 "training.dataloader.prefetch_factor": 2, "parallelism.module_fqns_per_model_part": [],
+                 "parallelism.pipeline_parallel_layers_per_stage": 2, "checkpoint.initial_load_path": "/ckpt/step-10",
+                 "quantize.linear.float8.recipe_name": "rowwise", "fault_tolerance.semi_sync_method": "diloco",
+                 "validation.dataset_path": "/data/held-out", "validation.dataloader.prefetch_factor": 2,
+                 "debug.seed": 3}
+
+
+def _dotted(prefix: str, table: dict) -> list[str]:
+    keys = []
+    for key, value in table.items():
+        name = f"{prefix}.{key}" if prefix else key
+        keys += _dotted(name, value) if isinstance(value, dict) else [name]
+    return keys
+
+
+def test_every_field_of_torchtitans_job_config_is_mapped_or_named_in_the_docs_unmapped_table():
+    from archipelago.config.torchtitan import convert
+
+    text = JOB_CONFIG.read_text()
+    listed = re.findall(r"^#   (\S+)$", text, flags=re.M)
+    assert sorted(listed) == sorted(NONE_DEFAULTS), "give each None-default field of the header a value here"
+    raw = tomllib.loads(text)
+    for dotted, value in NONE_DEFAULTS.items():
+        *sections, key = dotted.split(".")
+        table = raw
+        for section in sections:
+            table = table.setdefault(section, {})
+        table[key] = value
+    fields = _dotted("", raw)
+    assert len(fields) == 149  # torchtitan's JobConfig at that commit
+    conversion = convert(raw, JOB_CONFIG.name, ranks=1)
+    assert conversion.ours["training"]["seed"] == 3 and conversion.ours["data"]["path"] == "/data/text"
+    assert conversion.ours["checkpoint"]["initial_load_path"] == "/ckpt/step-10"
+    dropped = {key.split(" (")[0].split(" = ")[0] for key in conversion.dropped}
+    assert dropped <= set(fields), sorted(dropped - set(fields))
+    docs = (ROOT / "docs" / "federation.md").read_text()
+    mapped_table = docs.split("| torchtitan | Archipelago |", 1)[1].split("\n\n", 1)[0]
+    unmapped_table = docs.split("| torchtitan key, not mapped |", 1)[1].split("\n\n", 1)[0]
+    refused = docs.split("A key whose absence would change what the run is", 1)[1].split("\n\n", 1)[0]
+    # Mapped, refused above 1 (a default of 1 is accepted), or ignored beside a key that wins
+    # (training.dataset beside training.dataset_path): each named somewhere in the section.
+    undocumented = [key for key in fields if key not in dropped
+                    and not any(f"`{key}`" in text for text in (mapped_table, unmapped_table, refused))]
+    assert not undocumented, f"mapped, but not in the tables of docs/federation.md: {undocumented}"
+    unlisted = [key for key in sorted(dropped)
+                if f"`{key}`" not in unmapped_table and f"`{key} =" not in unmapped_table]
+    assert not unlisted, f"dropped, but not in the unmapped table of docs/federation.md: {unlisted}"

@@ -141,7 +141,7 @@ def _training(t: dict[str, Any], par: dict[str, Any], out: Conversion, ranks: in
         out.dropped.append(f"training.dataset ({t['dataset']}: no hub downloads; the text is data.path, "
                            "else the Shakespeare corpus)")
     handled = {"global_batch_size", "local_batch_size", "batch_size", "mixed_precision_param", "dataset", *simple}
-    out.dropped += [f"training.{k}" for k in t if k not in handled]
+    out.dropped += _flat_keys("training", {k: v for k, v in t.items() if k not in handled})
 
 
 def _model(m: dict[str, Any], out: Conversion) -> None:
@@ -227,7 +227,8 @@ def _validation(v: dict[str, Any], out: Conversion) -> None:
     out.put("training", "val_every", int(v["freq"]) if enabled else 0)
     if enabled and int(v.get("steps", -1)) > 0:  # -1: torchtitan's whole held-out set; ours: val_batches
         out.put("training", "val_batches", int(v["steps"]))
-    out.dropped += [f"validation.{k}" for k in v if k not in {"enabled", "enable", "freq", "steps"}]
+    out.dropped += _flat_keys("validation", {k: x for k, x in v.items() if k not in {"enabled", "enable", "freq",
+                                                                                     "steps"}})
 
 
 def _fault_tolerance(f: dict[str, Any], out: Conversion) -> None:
@@ -237,10 +238,16 @@ def _fault_tolerance(f: dict[str, Any], out: Conversion) -> None:
     out.dropped += [f"fault_tolerance.{k}" for k in f if k not in FAULT_TOLERANCE_SAME]
 
 
+def _debug(d: dict[str, Any], out: Conversion) -> None:
+    if "seed" in d:  # torchtitan's seed (`training.seed` in its older releases)
+        out.put("training", "seed", d["seed"])
+    out.dropped += [f"debug.{k}" for k in d if k != "seed"]
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any], Conversion], None]] = {
     "model": _model, "optimizer": _optimizer, "lr_scheduler": _lr_scheduler, "checkpoint": _checkpoint,
     "job": _job, "metrics": _metrics, "activation_checkpoint": _activation_checkpoint, "compile": _compile,
-    "validation": _validation, "fault_tolerance": _fault_tolerance,
+    "validation": _validation, "fault_tolerance": _fault_tolerance, "debug": _debug,
 }
 
 

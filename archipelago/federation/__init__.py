@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ log = logging.getLogger("archipelago.federation")
 
 __all__ = ["Alone", "FederationError", "FederationMismatch", "IslandHooks", "LighthouseUnreachable", "Member",
            "OuterLoop", "OuterReport", "build_federation", "build_outer_loop", "check_exchange_device",
-           "report_record", "split_fragments"]
+           "island_fingerprint", "report_record", "split_fragments"]
 
 
 def build_federation(ft: FaultToleranceConfig, steps: int, model: nn.Module | NamedParameters, model_name: str,
@@ -77,9 +78,7 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module | NamedParameter
         problem = box[0]
     if problem is not None:
         raise (FederationMismatch if problem[0] else LighthouseUnreachable)(problem[1])
-    shapes = [(name, tuple(p.shape)) for name, p in named if p.requires_grad]
-    fp = fingerprint(model_name, shapes, ft, world_size, tokens_per_step,
-                     _optimizer_name(optimizer), key, _peak_lr(optimizer))
+    fp = island_fingerprint(ft, named, model_name, world_size, tokens_per_step, optimizer, key)
     poisons = poisons_from_env()  # checked before joining: a typo fails here, not mid-run
     width = 1 if ft.rank0_synchronization_only else ft.sync_width
     manager = build_manager(ft, rank, width, key) if rank < width else None
@@ -92,6 +91,17 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module | NamedParameter
         log.warning("ARCHIPELAGO_FAULT %s@%d: this island will send a poisoned update in outer step %d "
                     "(a test/demo of the update guard)", poison.kind, poison.round, poison.round)
     return OuterLoop(ft, fragments, rank, world_size, manager, fp, poisons=poisons, optimizer=optimizer, key=key)
+
+
+def island_fingerprint(ft: FaultToleranceConfig, named: NamedParameters, model_name: str, world_size: int,
+                       tokens_per_step: int, optimizer: torch.optim.Optimizer | None,
+                       key: FederationKey | None) -> dict[str, Any]:
+    """What this island declares at the join (membership.fingerprint): its trainable
+    parameters' names and shapes, its inner optimizer, settings and federation key.
+    `archipelago doctor` computes the same from a run file, to compare with a peer's."""
+    shapes = [(name, tuple(p.shape)) for name, p in named if p.requires_grad]
+    return fingerprint(model_name, shapes, ft, world_size, tokens_per_step, _optimizer_name(optimizer), key,
+                       _peak_lr(optimizer))
 
 
 def _optimizer_name(optimizer: torch.optim.Optimizer | None) -> str:

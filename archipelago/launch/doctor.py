@@ -5,7 +5,8 @@
 
 Each check prints one row: ok / warn / FAIL / info, what was found, and for a failure the fix.
 Against a peer (which runs `doctor --serve`), it measures latency and bandwidth, compares
-versions, the config fingerprint and the clocks, and, with LOCAL_ADDR set, has the peer
+versions, the fingerprint the federation's join compares (field by field) and the clocks,
+and, with LOCAL_ADDR set, has the peer
 connect back to this host at LOCAL_ADDR (an address it cannot route to fails). The exchange is small JSON lines; what a
 peer sends is read with a size cap and parsed as data only (a peer is another owner's machine).
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import hashlib
 import json
 import os
 import secrets
@@ -39,8 +39,6 @@ BANDWIDTH_BYTES = 8 * 2**20        # sent to a peer to measure bandwidth
 BANDWIDTH_LIMIT = 64 * 2**20       # the most a serving doctor accepts in one measurement
 SKEW_LIMIT_S = 1.0                 # clocks further apart than this get a warning
 TOKEN_BYTES = 16                   # the random token a peer sends back when it reaches LOCAL_ADDR
-# Settings every island of a federation shares (the per-island ones, such as replica_id, left out).
-PER_ISLAND = {"enable", "replica_id", "lighthouse", "connect_timeout_ms", "quorum_timeout_ms", "join_wait_ms"}
 
 
 @dataclass
@@ -87,15 +85,28 @@ def check_devices() -> Check:
     return Check("devices", "info", "; ".join(found))
 
 
-def config_fingerprint(cfg: Any) -> str:
-    """12 hex digits over what every island must share: the model and the federation's settings."""
-    from archipelago.config import config_to_dict
+def island_fingerprint(cfg: Any, ranks: int = 1) -> dict[str, Any]:
+    """What an island started from this run file declares at the federation's join, as the
+    join computes it (federation.island_fingerprint): the model as the island builds it
+    (names and shapes; the data prepared first, as the island would, for the vocabulary),
+    the inner optimizer as the trainer builds it, the
+    [fault_tolerance] settings and the federation key's public id. Peers compare it field
+    by field, as the join does (membership.mismatch)."""
+    import torch
 
-    shared = config_to_dict(cfg)
-    description = {"model": shared["model"], "vocab": [shared["data"].get("tokenizer"), shared["data"]["vocab_size"]],
-                   "seq_len": shared["data"]["seq_len"],
-                   "fault_tolerance": {k: v for k, v in shared["fault_tolerance"].items() if k not in PER_ISLAND}}
-    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:12]
+    from archipelago.federation import island_fingerprint as declared
+    from archipelago.federation.trust import load_key
+    from archipelago.island.optim import build_optimizer
+    from archipelago.tasks import build_task
+
+    task = build_task(cfg)
+    task.prepare(lambda _message: None)  # the vocabulary sizes the embedding (cached after the first run)
+    model = task.build_model().module  # on the meta device from 1B parameters: shapes only
+    ft = cfg.fault_tolerance
+    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), batch_scaled=ft.adam_federation_batch)
+    return declared(ft, list(model.named_parameters()), f"{cfg.model.name}/{cfg.model.flavor}", ranks,
+                    cfg.training.batch_size * task.tokens_per_sample, optimizer,
+                    load_key(cfg.federation_security.key_file))
 
 
 def check_disk(cfg: Any) -> Check:
@@ -229,11 +240,11 @@ def _receive(reader: Any) -> dict[str, Any]:
     return message
 
 
-def hello(fingerprint: str | None) -> dict[str, Any]:
+def hello(fingerprint: dict[str, Any] | None) -> dict[str, Any]:
     return {"op": "hello", "versions": versions(), "fingerprint": fingerprint, "time": time.time()}
 
 
-def _serve_one(conn: socket.socket, fingerprint: str | None) -> None:
+def _serve_one(conn: socket.socket, fingerprint: dict[str, Any] | None) -> None:
     with conn, conn.makefile("rb") as reader:
         conn.settimeout(30)
         while True:
@@ -277,7 +288,7 @@ def _reach(message: dict[str, Any]) -> str | None:
     return None
 
 
-def serve(host: str, port: int, fingerprint: str | None, stop: threading.Event) -> socket.socket:
+def serve(host: str, port: int, fingerprint: dict[str, Any] | None, stop: threading.Event) -> socket.socket:
     """Answer peers' checks on host:port in a background thread until `stop` is set."""
     listener = listening_socket(host, port)
     listener.settimeout(0.2)
@@ -297,14 +308,14 @@ def serve(host: str, port: int, fingerprint: str | None, stop: threading.Event) 
     return listener
 
 
-def _serve_quietly(conn: socket.socket, fingerprint: str | None) -> None:
+def _serve_quietly(conn: socket.socket, fingerprint: dict[str, Any] | None) -> None:
     try:
         _serve_one(conn, fingerprint)
     except (OSError, ConnectionError, ValueError):
         pass  # a peer that misbehaves or leaves ends only its own connection
 
 
-def check_peer(address: str, fingerprint: str | None, local_addr: str | None = None) -> list[Check]:
+def check_peer(address: str, fingerprint: dict[str, Any] | None, local_addr: str | None = None) -> list[Check]:
     """Reach a peer's `doctor --serve`; compare versions, fingerprint and clocks; measure the link;
     with `local_addr`, have the peer connect back to this host there."""
     name = f"peer {address}"
@@ -328,7 +339,7 @@ def check_peer(address: str, fingerprint: str | None, local_addr: str | None = N
                       "check that `archipelago doctor --serve` runs there (not another service on that port)")]
 
 
-def _peer_checks(name: str, conn: socket.socket, reader: Any, fingerprint: str | None) -> list[Check]:
+def _peer_checks(name: str, conn: socket.socket, reader: Any, fingerprint: dict[str, Any] | None) -> list[Check]:
     sent = time.time()
     _send(conn, hello(fingerprint))
     theirs = _receive(reader)
@@ -409,23 +420,45 @@ def _compare_versions(name: str, theirs: Any) -> Check:
     return Check(f"{name} versions", "ok", "torch, torchft and archipelago equal")
 
 
-def _compare_fingerprints(name: str, mine: str | None, theirs: Any) -> Check:
+def _describe(fingerprint: dict[str, Any] | None) -> str:
+    from archipelago.federation.membership import describe
+
+    return describe(fingerprint) if fingerprint is not None else "no config"
+
+
+def _compare_fingerprints(name: str, mine: dict[str, Any] | None, theirs: Any) -> Check:
+    from archipelago.federation.membership import FINGERPRINT_KEYS
+
     if mine is None or theirs is None:
         return Check(f"{name} config", "info", "not compared (give --config on both hosts)")
-    if mine != theirs:
-        return Check(f"{name} config", "FAIL", f"config fingerprint {mine} here, {str(theirs):.16} there",
-                     "start every island from the same config file: the model, data.vocab_size/tokenizer, seq_len "
-                     "and [fault_tolerance] (except replica_id and lighthouse) must be equal")
-    return Check(f"{name} config", "ok", f"config fingerprint {mine} on both")
+    if not isinstance(theirs, dict):
+        return Check(f"{name} config", "FAIL", "the peer sent no fingerprint a join would read",
+                     "run the same archipelago version on both hosts")
+    differ = [f"{key} ({str(mine.get(key))[:60]} here, {str(theirs.get(key))[:60]} there)"
+              for key in FINGERPRINT_KEYS if mine.get(key) != theirs.get(key)]
+    if differ:
+        return Check(f"{name} config", "FAIL", "the join would refuse: " + "; ".join(differ),
+                     "start every island with the same model and [fault_tolerance] settings, and the same "
+                     "federation key (replica_id, lighthouse and the rank count may differ)")
+    return Check(f"{name} config", "ok", "the join's fingerprint is equal on both (model, shapes, outer step, "
+                                         "pacing, codec, inner optimizer, federation key)")
 
 
 # ---- the command ---------------------------------------------------------------------------
 
+def _ranks(env: dict[str, str]) -> int:
+    """The island's rank count as run_train.sh gives it (NGPU x NNODES); declared, not compared."""
+    try:
+        return max(1, int(env.get("NGPU", "1")) * int(env.get("NNODES", "1")))
+    except ValueError:
+        return 1
+
+
 def run_checks(args: argparse.Namespace, cfg: Any | None, env: dict[str, str]) -> list[Check]:
-    fingerprint = config_fingerprint(cfg) if cfg is not None else None
+    fingerprint = island_fingerprint(cfg, _ranks(env)) if cfg is not None else None
     checks = [check_versions(), check_devices()]
     if cfg is not None:
-        checks += [Check("config", "info", f"{args.config}: fingerprint {fingerprint}"), check_disk(cfg)]
+        checks += [Check("config", "info", f"{args.config}: {_describe(fingerprint)}"), check_disk(cfg)]
     lighthouse = args.lighthouse or env.get("TORCHFT_LIGHTHOUSE")
     if lighthouse:
         checks.append(check_lighthouse(lighthouse))
@@ -494,10 +527,10 @@ def _serve_until_stopped(args: argparse.Namespace, cfg: Any | None) -> int:
         print(f"error: --serve {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
-    listener = serve(host, port, config_fingerprint(cfg) if cfg is not None else None, stop)
+    fingerprint = island_fingerprint(cfg, _ranks(dict(os.environ))) if cfg is not None else None
+    listener = serve(host, port, fingerprint, stop)
     print(f"answering doctor checks on {host}:{listener.getsockname()[1]}"
-          + (f" (config fingerprint {config_fingerprint(cfg)})" if cfg is not None else "") + "; Ctrl-C stops",
-          flush=True)
+          + (f" ({_describe(fingerprint)})" if fingerprint is not None else "") + "; Ctrl-C stops", flush=True)
     try:
         stop.wait(args.serve_seconds or None)
     except KeyboardInterrupt:
