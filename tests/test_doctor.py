@@ -168,6 +168,23 @@ def test_a_peer_that_reaches_local_addr_passes_and_a_refused_connect_back_fails(
         assert doctor._receive(reader)["error"] == "malformed request"
 
 
+
+@pytest.mark.timeout(60)
+def test_the_ports_this_island_will_listen_on_are_reached_from_the_peer_one_by_one(peer):
+    """--port N with a peer: the peer connects back at exactly those ports (a firewall may
+    open some and not others); one held by another process fails naming it."""
+    address, _ = peer
+    free = _closed_port()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        checks = doctor.check_peer(address, _fingerprint(), local_addr="127.0.0.1", ports=(free, taken))
+    backs = {c.name.rsplit(":", 1)[-1]: c for c in checks if "reaches LOCAL_ADDR" in c.name}
+    assert backs[str(free)].status == "ok" and f"127.0.0.1:{free}" in backs[str(free)].detail, checks
+    assert backs[str(taken)].status == "FAIL" and "another process holds it" in backs[str(taken)].fix, checks
+
+
 def _netns_ready() -> bool:
     import os
     import shutil

@@ -315,9 +315,12 @@ def _serve_quietly(conn: socket.socket, fingerprint: dict[str, Any] | None) -> N
         pass  # a peer that misbehaves or leaves ends only its own connection
 
 
-def check_peer(address: str, fingerprint: dict[str, Any] | None, local_addr: str | None = None) -> list[Check]:
+def check_peer(address: str, fingerprint: dict[str, Any] | None, local_addr: str | None = None,
+               ports: tuple[int, ...] = ()) -> list[Check]:
     """Reach a peer's `doctor --serve`; compare versions, fingerprint and clocks; measure the link;
-    with `local_addr`, have the peer connect back to this host there."""
+    with `local_addr`, have the peer connect back to this host there: at each of `ports` (the
+    ports this island will listen on, which peers must reach through any firewall), else at an
+    ephemeral port."""
     name = f"peer {address}"
     try:
         host, port = _host_port(address)
@@ -332,7 +335,7 @@ def check_peer(address: str, fingerprint: dict[str, Any] | None, local_addr: str
         with conn, conn.makefile("rb") as reader:
             checks = _peer_checks(name, conn, reader, fingerprint)
             if local_addr:
-                checks.append(_reach_back(name, conn, reader, local_addr))
+                checks += [_reach_back(name, conn, reader, local_addr, port) for port in ports or (0,)]
             return checks
     except (OSError, ConnectionError, ValueError) as exc:
         return [Check(name, "FAIL", f"the peer answered wrongly or not at all ({exc})",
@@ -368,17 +371,18 @@ def _peer_checks(name: str, conn: socket.socket, reader: Any, fingerprint: dict[
     return checks
 
 
-def _reach_back(name: str, conn: socket.socket, reader: Any, local_addr: str) -> Check:
-    """Listen on LOCAL_ADDR (an ephemeral port) and ask the peer to connect there with a token:
+def _reach_back(name: str, conn: socket.socket, reader: Any, local_addr: str, port: int = 0) -> Check:
+    """Listen on LOCAL_ADDR at `port` (0: an ephemeral one) and ask the peer to connect there with a token:
     peers connect to this island at LOCAL_ADDR (torchft's manager and store, the exchange), so an
     address they cannot route to (a private address behind NAT) or a firewall that drops inbound
     connections stops the federation even when this host reaches them."""
-    check_name = f"{name} reaches LOCAL_ADDR"
+    check_name = f"{name} reaches LOCAL_ADDR" + (f":{port}" if port else "")
     try:
-        listener = listening_socket(local_addr, 0)
+        listener = listening_socket(local_addr, port)
     except OSError as exc:
-        return Check(check_name, "FAIL", f"cannot listen on {local_addr} ({exc.strerror})",
-                     "set LOCAL_ADDR to an address of this host")
+        return Check(check_name, "FAIL", f"cannot listen on {local_addr}:{port} ({exc.strerror})",
+                     "set LOCAL_ADDR to an address of this host" if not port else
+                     f"free port {port} (another process holds it), or choose another")
     token = secrets.token_hex(TOKEN_BYTES)
     got: list[bytes] = []
 
@@ -469,7 +473,7 @@ def run_checks(args: argparse.Namespace, cfg: Any | None, env: dict[str, str]) -
     for port in args.port:
         checks.append(check_port(local or "127.0.0.1", port))
     for peer in args.peer:
-        checks += check_peer(peer, fingerprint, local)
+        checks += check_peer(peer, fingerprint, local, tuple(args.port))
     return checks
 
 
@@ -493,7 +497,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                    help="a peer running `archipelago doctor --serve HOST:PORT` (repeat for several)")
     p.add_argument("--port", action="append", type=int, default=[],
-                   help="a port this island will listen on, checked free on LOCAL_ADDR (repeat for several)")
+                   help="a port this island will listen on, checked free on LOCAL_ADDR and, with --peer and "
+                        "LOCAL_ADDR, reachable from each peer (repeat for several)")
     p.add_argument("--serve", metavar="HOST:PORT", help="answer peers' checks on this address until Ctrl-C "
                                                         "(give the address peers reach; never all interfaces)")
     p.add_argument("--serve-seconds", type=float, default=0, help="with --serve: stop after this long (0: never)")
