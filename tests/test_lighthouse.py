@@ -5,6 +5,7 @@ Every process a test starts is killed by its PID in a `finally` block; ports are
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
@@ -253,22 +254,28 @@ def test_run_train_sh_help_and_environment_checks():
 @pytest.mark.slow  # two islands train: make test-slow
 @pytest.mark.timeout(300)
 def test_the_reference_platforms_three_commands_run_a_federation(shakespeare, tmp_path):
-    # Its README: a lighthouse, then per island `TORCHFT_LIGHTHOUSE=... NGPU=1 LOCAL_ADDR=...
+    # Its README: `RUST_BACKTRACE=1 torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100
+    # --join_timeout_ms 10000` (torchft's own binary, here with --bind: its default is every
+    # interface at a fixed port), then per island `TORCHFT_LIGHTHOUSE=... NGPU=1 LOCAL_ADDR=...
     # MASTER_ADDR=... MASTER_PORT=... NNODES=1 ISHOST=yes CONFIG_FILE=... ./run_train.sh
     # --fault_tolerance.enable --fault_tolerance.replica_id=K --fault_tolerance.group_size=2`,
     # only addresses filled in (and a short run: the debug config's steps cut to 8).
     from conftest import kill_started_processes, records
 
-    from archipelago.launch.lighthouse import start_lighthouse
-
-    lighthouse = start_lighthouse("127.0.0.1:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=20)
     token = f"ref-{uuid.uuid4().hex}"
+    port = _free_port()
+    lighthouse = subprocess.Popen(
+        [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
+         "--join_timeout_ms", "10000", "--bind", f"127.0.0.1:{port}"],
+        env={**os.environ, "RUST_BACKTRACE": "1", "ARCHIPELAGO_TEST_TOKEN": token},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs = []
     try:
+        _wait_listening(port, lighthouse)
         for replica, ishost in ((0, "yes"), (1, "true")):
             env = {k: v for k, v in os.environ.items() if k not in ("NGPU", "NNODES", "MASTER_ADDR", "MASTER_PORT",
                                                                     "CONFIG_FILE", "ISHOST", "VIRTUAL_ENV")}
-            env.update(TORCHFT_LIGHTHOUSE=lighthouse.address(), NGPU="1", LOCAL_ADDR="127.0.0.1",
+            env.update(TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}", NGPU="1", LOCAL_ADDR="127.0.0.1",
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NNODES="1", ISHOST=ishost,
                        CONFIG_FILE="configs/llama3/debug.toml", ARCHIPELAGO_TEST_TOKEN=token)
             procs.append(subprocess.Popen(
@@ -279,13 +286,25 @@ def test_the_reference_platforms_three_commands_run_a_federation(shakespeare, tm
                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
-        kill_started_processes(token)
-        lighthouse.shutdown()
+        kill_started_processes(token)  # the islands and the lighthouse, by PID
+        lighthouse.wait(timeout=30)
     for proc, out in zip(procs, outputs):
         assert proc.returncode == 0, out[-3000:]
     rounds = [[r for r in records(tmp_path / f"island-{k}") if r.get("event") == "outer_step"] for k in (0, 1)]
     assert [r["participants"] for r in rounds[0]] == [2, 2, 2], rounds[0]  # the start, then two rounds of 4 steps
     assert [r["global_hash"] for r in rounds[0]] == [r["global_hash"] for r in rounds[1]]
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Until something accepts on 127.0.0.1:port (or `proc` exits: an error naming it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the lighthouse exited with {proc.returncode} before listening")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listened on 127.0.0.1:{port} within {timeout_s} s")
 
 
 def _free_port() -> int:

@@ -184,6 +184,35 @@ def test_run_train_sh_takes_a_torchtitan_config_file(titan_file):
     assert "torchtitan-format file" in done.stderr and "torch.distributed.run" in done.stdout
 
 
+@pytest.mark.slow  # a real run: make test-slow
+@pytest.mark.timeout(300)
+def test_torchtitans_own_run_file_trains_through_run_train_sh(shakespeare, tmp_path):
+    """torchtitan's llama3 debug run file, as its users start it (CONFIG_FILE=... ./run_train.sh),
+    with a short run's overrides: it trains, and the run records torchtitan's settings mapped."""
+    import json
+    import os
+    import uuid
+
+    from conftest import kill_started_processes
+
+    token = uuid.uuid4().hex
+    env = {**{k: v for k, v in os.environ.items() if k not in ("NNODES", "MASTER_ADDR", "ISHOST", "VIRTUAL_ENV")},
+           "NGPU": "1", "CONFIG_FILE": str(REAL / "llama3_debug_model.toml"), "ARCHIPELAGO_TEST_TOKEN": token}
+    try:
+        done = subprocess.run([str(ROOT / "run_train.sh"), "--training.steps", "3", "--data.seq_len", "64",
+                               "--training.batch_size", "2", "--training.val_every", "0", "--metrics.progress",
+                               "plain", "--metrics.no_tensorboard", "--checkpoint.no_enable", "--job.run_dir",
+                               str(tmp_path / "run")], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    finally:
+        kill_started_processes(token)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["model"] == "llama3/debug" and summary["final_loss"] < 9.0
+    ran = json.loads((tmp_path / "run" / "config.json").read_text())
+    # torchtitan's optimizer and schedule, from its file and its defaults, not ours.
+    assert (ran["optimizer"]["lr"], ran["optimizer"]["beta2"], ran["lr_scheduler"]["decay"]) == (8e-4, 0.95, "linear")
+
+
 REAL = ROOT / "tests" / "data" / "torchtitan"  # torchtitan's own run files (BSD-3, see the folder's LICENSE)
 
 
