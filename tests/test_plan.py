@@ -565,6 +565,14 @@ def test_plan_from_run_moves_samples_to_the_rank_that_waited(tmp_path):
     assert wrong.returncode != 0 and "give the options the run trained with" in wrong.output
     empty = run_cli_here(["plan", *options, "--from-run", str(tmp_path / "nothing"), "--out", str(out)])
     assert empty.returncode != 0 and "has no metrics.jsonl" in empty.output
+    # A run directory with its config.json needs no options: the split is the run's own.
+    from archipelago.config import config_to_dict, load_config
+
+    saved = load_config([*options, "--training.batch_size", "48"])
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config_to_dict(saved)))
+    alone = run_cli_here(["plan", "--from-run", str(tmp_path / "run"), "--out", str(tmp_path / "alone.toml")])
+    assert alone.returncode == 0, alone.output[-2000:]
+    assert tomllib.loads((tmp_path / "alone.toml").read_text()) == tomllib.loads(out.read_text())
     _write_run(tmp_path / "short", [idle], [step])
     short = run_cli_here(["plan", *options, "--from-run", str(tmp_path / "short"), "--out", str(out)])
     assert short.returncode != 0 and "--metrics.log_every" in short.output

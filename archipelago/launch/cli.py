@@ -251,10 +251,11 @@ emulate a slow rank). Train with the plan by adding the options it prints to `ar
 train`, or by pasting the fragment into FILE; or let `--parallelism.auto` plan at start.
 
 --from-run RUN_DIR re-plans from what a training run measured instead, without profiling:
-give the options that run trained with (its split), and each rank's speed is taken from
-the run's step records (its idle share of a step and the step time, metrics.jsonl; written
-by CPU islands of two or more ranks). A profile times each rank alone before training;
-in the run the ranks share the machine, which the re-plan corrects for.
+the split it ran comes from RUN_DIR/config.json (from the options given where the folder
+has none), and each rank's speed from the run's step records (its idle share of a step and
+the step time, metrics.jsonl; written by CPU islands of two or more ranks). A profile times
+each rank alone before training; in the run the ranks share the machine, which the re-plan
+corrects for.
 """
 
 

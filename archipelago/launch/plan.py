@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from archipelago.config import Config, ConfigError
+from archipelago.config import Config, ConfigError, load_run_config
 from archipelago.island.batches import rank_batches
 from archipelago.island.device import close_island, init_island
 from archipelago.island.plan import IslandPlan, PlanError, explain, to_toml
@@ -32,8 +32,12 @@ def plan_here(cfg: Config, out: str) -> int:
 
 
 def replan_here(cfg: Config, run_dir: str, out: str) -> int:
-    """Re-plan the batch split from a run's step records (planning.plan_from_run); `cfg`
-    holds the options that run trained with."""
+    """Re-plan the batch split from a run's step records (planning.plan_from_run), with the
+    settings that run wrote to RUN_DIR/config.json; `cfg` (the options given) for a run
+    directory without one."""
+    saved = Path(run_dir) / "config.json"
+    if saved.is_file():
+        cfg = load_run_config(saved)
     try:
         plan, idle, step_s = plan_from_run(cfg, Path(run_dir))
     except PlanError as exc:
