@@ -12,7 +12,7 @@ SKY_VENV := .venv-skypilot
 STAMP := $(VENV)/.installed
 
 
-.PHONY: setup browser demo demo-island test test-slow test-gpu test-deploy slurm lint bench bench-federation bench-heterogeneous bench-wan bench-quality docs clean
+.PHONY: setup browser demo demo-island test test-slow test-gpu test-deploy slurm lint bench bench-gpu bench-federation bench-heterogeneous bench-wan bench-quality docs clean
 
 setup: $(STAMP) data browser
 
@@ -66,7 +66,7 @@ test: setup
 lint: $(STAMP)
 	$(BIN)/ruff check archipelago tests bench
 	$(BIN)/mypy archipelago
-	$(BIN)/shellcheck run_train.sh deploy/slurm/*.sbatch
+	$(BIN)/shellcheck run_train.sh deploy/slurm/*.sbatch bench/gpu.sh
 	$(BIN)/hadolint deploy/container/Dockerfile
 
 test-slow: setup
@@ -93,6 +93,10 @@ slurm:
 
 bench: setup
 	$(BIN)/python bench/throughput.py
+
+# On a GPU machine: trainer overhead and the 3-seed quality sweep on the small flavor; about 10 minutes.
+bench-gpu: setup
+	PYTHON=$(BIN)/python bash bench/gpu.sh
 
 # Cross-island bytes (DiLoCo vs DDP, measured on the sockets) and the stall after a kill; a few minutes.
 bench-federation: setup

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The GPU benchmarks in one go, for a session lent a GPU machine (about 10 minutes on an H100;
+# run `make test-gpu` first):
+#   1. trainer overhead on the `small` flavor (bench/throughput.py, bf16), ratio to a minimal loop;
+#   2. the quality sweep on the `small` flavor (124M parameters), 3 seeds, 200 steps per island:
+#      DDP, one island alone and fp32 DiLoCo with the llama3 federation config, in the simulator
+#      (the islands in one process on the one GPU: bench/outer_sweep.py).
+# PYTHON picks the interpreter (default .venv/bin/python), OUT_DIR where results go (runs/gpu).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+OUT=${OUT_DIR:-runs/gpu}
+mkdir -p "$OUT"
+"$PY" bench/throughput.py --device cuda --flavor small --batch-size 16 --out "$OUT/throughput-cuda-small.json"
+"$PY" bench/outer_sweep.py --config configs/llama3/federation.toml --device cuda --mixed-precision fp32 \
+    --workers 9 --steps 200 --seeds 0 1 2 --set model.flavor=small --out "$OUT/sweep-small-cuda.jsonl"
