@@ -30,6 +30,7 @@ runs too, so a rank is the same speed alone as in the island. Table: ratio to id
 then ratio to even.
 
     python bench/island.py [--steps 16] [--batch-size 24] [--repeats 3] [--settings even hand planned] [--out FILE]
+    python bench/island.py --data-parallel ddp ...   # ranks that meet only at the step's end (default: fsdp)
 
 About 10 minutes on a 2-core machine at --batch-size 48.
 """
@@ -62,7 +63,8 @@ def _common(args: argparse.Namespace, run_dir: Path) -> list[str]:
     return ["--config", "configs/llama3/debug.toml", "--training.steps", str(args.steps),
             "--training.batch_size", str(args.batch_size), "--training.val_every", "0", "--checkpoint.no_enable",
             "--metrics.no_tensorboard", "--metrics.log_every", "2", "--metrics.progress", "plain",
-            "--lr_scheduler.warmup_steps", "2", "--job.run_dir", str(run_dir)]
+            "--lr_scheduler.warmup_steps", "2", "--parallelism.data_parallel", args.data_parallel,
+            "--job.run_dir", str(run_dir)]
 
 
 def _cli(*args: str) -> list[str]:
@@ -182,6 +184,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=24)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--data-parallel", choices=("fsdp", "ddp"), default="fsdp",
+                        help="how the island's ranks share the model (fsdp: they meet at every block of the first "
+                             "forward and the last backward; ddp: at the step's end)")
     parser.add_argument("--root", type=Path, default=None, help="folder for the run directories")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--repeats", type=int, default=1,
@@ -226,9 +231,10 @@ def main() -> None:
     results: list[dict[str, Any]] = [
         {"setting": name, "tokens_per_s": speed, "ratio_to_ideal": ratio(speed, speeds["ideal"]),
          "ratio_to_even": ratio(speed, speeds["even"]), "split": splits[name], "rank_idle": idle,
-         "modelled_bubble": modelled.get(name)} for name, (speed, idle) in runs.items()]
-    print(f"\n2-rank island, rank 1 emulated 2x slower, llama3 debug, batch {args.batch_size}, {args.steps} steps, "
-          f"median of {args.repeats} run(s)")
+         "modelled_bubble": modelled.get(name), "data_parallel": args.data_parallel}
+        for name, (speed, idle) in runs.items()]
+    print(f"\n2-rank island ({args.data_parallel}), rank 1 emulated 2x slower, llama3 debug, batch {args.batch_size}, "
+          f"{args.steps} steps, median of {args.repeats} run(s)")
     print(f"{'setting':<22} {'vs ideal':>8} {'vs even':>8} {'tok/s':>8} {'idle r0/r1':>11} {'model':>6}  "
           "split (sizes x counts)")
     for r in results:
