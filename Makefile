@@ -95,7 +95,7 @@ bench: setup
 	$(BIN)/python bench/throughput.py
 
 # On a GPU machine: trainer overhead and the 3-seed quality sweep on the small flavor; about 10 minutes.
-bench-gpu: setup
+bench-gpu: $(STAMP) data
 	PYTHON=$(BIN)/python bash bench/gpu.sh
 
 # Cross-island bytes (DiLoCo vs DDP, measured on the sockets) and the stall after a kill; a few minutes.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from archipelago.config import Config, ConfigError, data_ranks
@@ -157,17 +157,18 @@ def plan_island(cfg: Config, ctx: IslandContext, task: Task) -> tuple[IslandPlan
 def run_measurements(run_dir: Path) -> tuple[list[float], float]:
     """Each rank's median idle share of a step and the median step time, from a training
     run's step records (RUN_DIR/metrics.jsonl). A record's window runs from the record before
-    it, so the first (which also holds the warm-up: allocations, first touches) is left out;
-    its step time is the window's tokens per step over its tokens/s."""
+    it in the same session, so each session's first (which also holds the warm-up:
+    allocations, first touches) is left out; a window's step time is its tokens per step
+    over its tokens/s."""
     if not (Path(run_dir) / "metrics.jsonl").is_file():
         raise PlanError(f"{run_dir} has no metrics.jsonl: give the run directory of a training run "
                         "(its job.run_dir)")
-    records = [r for r in island_records(run_dir) if is_step_record(r) and "rank_idle" in r
-               and finite(r.get("tokens_per_s")) and finite(r.get("tokens"))]
+    records = [r for r in island_records(run_dir) if is_step_record(r) and _idle_shares(r.get("rank_idle"))
+               and all(finite(r.get(k)) for k in ("tokens_per_s", "tokens", "elapsed_s", "time"))]
     idle, step_s = [], []
     for before, record in zip(records, records[1:]):
         steps, tokens = record["step"] - before["step"], record["tokens"] - before["tokens"]
-        if steps > 0 and tokens > 0 and record["tokens_per_s"] > 0:
+        if _same_session(before, record) and steps > 0 and tokens > 0 and record["tokens_per_s"] > 0:
             idle.append(record["rank_idle"])
             step_s.append(tokens / steps / record["tokens_per_s"])
     if not idle:
@@ -179,12 +180,34 @@ def run_measurements(run_dir: Path) -> tuple[list[float], float]:
     return [statistics.median(column) for column in zip(*idle)], statistics.median(step_s)
 
 
-def plan_from_run(cfg: Config, run_dir: Path) -> tuple[IslandPlan, list[float], float]:
+@dataclass(frozen=True)
+class Replan:
+    """A plan re-made from a run: the split it ran, what it measured, the speeds and the plan."""
+
+    plan: IslandPlan
+    ran: RankBatches
+    idle: list[float]
+    step_s: float
+    speeds: tuple[RankSpeed, ...]
+
+
+def _same_session(before: dict, record: dict) -> bool:
+    """Both records from one session of the run: its clock (elapsed_s, which a resumed
+    session starts again) advanced as the wall clock (time) did between them."""
+    session, wall = record["elapsed_s"] - before["elapsed_s"], record["time"] - before["time"]
+    return session > 0 and abs(wall - session) <= max(1.0, 0.05 * wall)
+
+
+def _idle_shares(value: object) -> bool:
+    """A record's rank_idle as the trainer writes it: a list of shares in [0, 1]."""
+    return isinstance(value, list) and bool(value) and all(finite(x) and 0 <= x <= 1 for x in value)
+
+
+def plan_from_run(cfg: Config, run_dir: Path) -> Replan:
     """Re-plan the batch split from what a training run measured (island/plan.py calibrate):
     `cfg` holds the options that run trained with, so its split is known. The shares are
     chosen as for ranks that meet at the step's end (an FSDP island's micro-batch sizes need
-    times at several sizes, which a profile gives and a run does not). Returns the plan, the
-    run's idle shares and its step time."""
+    times at several sizes, which a profile gives and a run does not)."""
     if cfg.parallelism.pipeline_stages > 1:
         raise PlanError("re-planning from a run splits the batch over data-parallel ranks; a pipeline's stages "
                         "are planned from a profile (archipelago plan without --from-run)")
@@ -202,7 +225,8 @@ def plan_from_run(cfg: Config, run_dir: Path) -> tuple[IslandPlan, list[float], 
     # Shares only: one run times each rank at one micro-batch size, and FSDP's step model
     # (which favours small micro-batches) needs times at several; its prediction still applies.
     batch = split_batch(speeds, ran.global_batch)
-    return IslandPlan(replace(batch, fsdp=cfg.parallelism.data_parallel == "fsdp")), idle, step_s
+    return Replan(IslandPlan(replace(batch, fsdp=cfg.parallelism.data_parallel == "fsdp")), ran, idle, step_s,
+                  speeds)
 
 
 def rank_batches_of(plan: IslandPlan) -> RankBatches:

@@ -867,6 +867,8 @@ class RunMetrics:
         if progress.step == self.start_step and path.is_file():
             return json.loads(path.read_text())
         wall = progress.wall_s
+        if self.pusher is not None:  # its last records go now, so its CPU time below is whole
+            self.pusher.close()
         summary = {
             "steps": progress.step, "tokens": progress.tokens, "wall_s": wall,
             "tokens_per_s": progress.tokens / wall if wall > 0 else None,
@@ -877,6 +879,7 @@ class RunMetrics:
             "model": f"{self.cfg.model.name}/{self.cfg.model.flavor}", "ranks": self.ctx.world_size,
             "device": self.ctx.device.type, "peak_flops_per_s": self.peak,
             "peak_source": self.peak_source, "run_dir": str(self.run_dir),
+            # This session's: wall_s spans every session of a resumed run.
             **({"dashboard_push_cpu_s": self.pusher.cpu_s} if self.pusher is not None else {}),
         }
         if self.ctx.is_leader:

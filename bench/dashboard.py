@@ -8,7 +8,8 @@ time is the median over the step records (after the first) of 1 / steps per seco
 `tokens_per_s`. Runs of the same setting differ by several percent on a shared machine,
 more than the 1% the target allows, so the table also gives the direct measurement: the
 sending thread's CPU time over the run's wall time (`dashboard_push_cpu_s` in the run's
-summary.json), which is what pushing can take from the island's cores at most. Table,
+summary.json): the work pushing adds on the island's cores (not counted: the training
+thread waiting for the interpreter lock while the sender holds it). Table,
 ratio first: with / without (target <= 1.01). bench/federation.py runs this too.
 
 The island trains on `--island-threads` threads (1 by default) and the dashboard serves from
@@ -79,10 +80,14 @@ def measure_dashboard(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         received = dashboard.state.snapshot()["islands"]
     finally:
         dashboard.shutdown()
+    records = sum(len(i["curve"]) for i in received)
+    if records < args.repeats * args.steps:  # pushing must have worked for its cost to mean anything
+        raise RuntimeError(f"the dashboard took {records} of the {args.repeats * args.steps} records pushed: "
+                           "were the tags refused? see the runs' logs")
     off, on = statistics.median(plain), statistics.median(pushed)
     return {"ratio": ratio(on, off), "push_cpu_share": statistics.median(shares), "step_s_with": on,
             "step_s_without": off, "runs_without": plain, "runs_with": pushed, "push_cpu_shares": shares,
-            "records_received": sum(len(i["curve"]) for i in received), "signed": True,
+            "records_received": records, "signed": True,
             "steps": args.steps, "repeats": args.repeats, "island_threads": args.island_threads}
 
 

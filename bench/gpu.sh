@@ -5,12 +5,15 @@
 #   2. the quality sweep on the `small` flavor (124M parameters), 3 seeds, 200 steps per island:
 #      DDP, one island alone and fp32 DiLoCo with the llama3 federation config, in the simulator
 #      (the islands in one process on the one GPU: bench/outer_sweep.py).
-# PYTHON picks the interpreter (default .venv/bin/python), OUT_DIR where results go (runs/gpu).
+# PYTHON picks the interpreter (default .venv/bin/python), OUT_DIR where results go (runs/gpu, the
+# sweep's file started afresh), DEVICE the device (cuda; cpu to try the script, slowly).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=${OUT_DIR:-runs/gpu}
+DEVICE=${DEVICE:-cuda}
 mkdir -p "$OUT"
-"$PY" bench/throughput.py --device cuda --flavor small --batch-size 16 --out "$OUT/throughput-cuda-small.json"
-"$PY" bench/outer_sweep.py --config configs/llama3/federation.toml --device cuda --mixed-precision fp32 \
-    --workers 9 --steps 200 --seeds 0 1 2 --set model.flavor=small --out "$OUT/sweep-small-cuda.jsonl"
+rm -f "$OUT/sweep-small-$DEVICE.jsonl"  # outer_sweep.py appends: a second run would mix with the first
+"$PY" bench/throughput.py --device "$DEVICE" --flavor small --batch-size 16 --out "$OUT/throughput-$DEVICE-small.json"
+"$PY" bench/outer_sweep.py --config configs/llama3/federation.toml --device "$DEVICE" --mixed-precision fp32 \
+    --workers 9 --steps 200 --seeds 0 1 2 --set model.flavor=small --out "$OUT/sweep-small-$DEVICE.jsonl"

@@ -70,7 +70,7 @@ def test_a_taken_port_fails_and_a_free_one_passes():
         held.listen(1)
         port = held.getsockname()[1]
         taken = doctor.check_port("127.0.0.1", port)
-        assert taken.status == "FAIL" and "another process holds it" in taken.fix
+        assert taken.status == "FAIL" and "another process holds port" in taken.fix
     assert doctor.check_port("127.0.0.1", _closed_port()).status == "ok"
 
 
@@ -117,6 +117,29 @@ def test_a_peer_with_another_config_fails_naming_what_the_join_would_refuse(peer
     assert island_1["island"] != island_0["island"] and mismatch(island_0, island_1) is None
 
 
+def test_what_stops_the_island_at_its_start_is_a_failed_config_row_not_a_traceback(shakespeare, tmp_path):
+    cfg = load_config(["--config", "configs/llama3/federation.toml",
+                       "--federation_security.key_file", str(tmp_path / "no-such.key")])
+    fingerprint, rows = doctor.config_checks("federation.toml", cfg, {})
+    assert fingerprint is None and rows[0].status == "FAIL" and "no-such.key" in rows[0].detail, rows
+
+
+def test_activation_checkpointing_changes_the_names_the_join_compares(shakespeare):
+    """A checkpointed block's parameters are named through its wrapper on the island, so the
+    join refuses a peer without it; the doctor says so before the run."""
+    from archipelago.federation.membership import differing
+
+    plain, wrapped = _fingerprint(), _fingerprint("--training.activation_checkpointing")
+    assert differing(plain, wrapped) == ["shapes"] and plain["params"] == wrapped["params"]
+
+
+def test_a_peer_line_nested_past_the_parser_is_refused_as_a_bad_answer():
+    import io
+
+    with pytest.raises(ConnectionError, match="nests too deeply"):
+        doctor._receive(io.BytesIO(b"[" * 4000 + b"\n"))
+
+
 def test_a_peer_that_does_not_listen_fails_naming_doctor_serve():
     port = _closed_port()
     checks = doctor.check_peer(f"127.0.0.1:{port}", None)
@@ -142,12 +165,15 @@ def test_a_peer_speaking_another_protocol_is_refused_not_trusted():
 
 
 @pytest.mark.timeout(120)
-def test_the_command_prints_a_table_and_exits_1_on_a_failure():
+def test_the_command_prints_a_table_and_exits_1_on_a_failure(shakespeare):
+    import os
+
     port = _closed_port()
+    cache = {k: os.environ[k] for k in ("HOME", "ARCHIPELAGO_CACHE_DIR", "XDG_CACHE_HOME") if k in os.environ}
     done = subprocess.run([sys.executable, "-m", "archipelago.launch.cli", "doctor", "--config",
                            "configs/llama3/federation.toml", "--lighthouse", f"http://127.0.0.1:{port}"],
                           capture_output=True, text=True, timeout=100, cwd=ROOT,
-                          env={"PATH": "/usr/bin:/bin", "COLUMNS": "200"})
+                          env={"PATH": "/usr/bin:/bin", "COLUMNS": "200", **cache})
     assert done.returncode == 1, done.stderr
     assert "lighthouse" in done.stdout and "FAIL" in done.stdout and "1 check(s) failed" in done.stdout
     assert "versions" in done.stdout and "devices" in done.stdout and "llama3/debug" in done.stdout
@@ -182,7 +208,7 @@ def test_the_ports_this_island_will_listen_on_are_reached_from_the_peer_one_by_o
         checks = doctor.check_peer(address, _fingerprint(), local_addr="127.0.0.1", ports=(free, taken))
     backs = {c.name.rsplit(":", 1)[-1]: c for c in checks if "reaches LOCAL_ADDR" in c.name}
     assert backs[str(free)].status == "ok" and f"127.0.0.1:{free}" in backs[str(free)].detail, checks
-    assert backs[str(taken)].status == "FAIL" and "another process holds it" in backs[str(taken)].fix, checks
+    assert backs[str(taken)].status == "FAIL" and "another process holds port" in backs[str(taken)].fix, checks
 
 
 def _netns_ready() -> bool:

@@ -268,7 +268,7 @@ def test_the_reference_platforms_three_commands_run_a_federation(shakespeare, tm
         [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
          "--join_timeout_ms", "10000", "--bind", f"127.0.0.1:{port}"],
         env={**os.environ, "RUST_BACKTRACE": "1", "ARCHIPELAGO_TEST_TOKEN": token},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "lighthouse.log").open("w"))
     procs = []
     try:
         _wait_listening(port, lighthouse)
@@ -287,6 +287,7 @@ def test_the_reference_platforms_three_commands_run_a_federation(shakespeare, tm
         outputs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
         kill_started_processes(token)  # the islands and the lighthouse, by PID
+        lighthouse.kill()  # by its own PID too, should the token miss it
         lighthouse.wait(timeout=30)
     for proc, out in zip(procs, outputs):
         assert proc.returncode == 0, out[-3000:]
@@ -300,7 +301,8 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 30.0) 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"the lighthouse exited with {proc.returncode} before listening")
+            raise AssertionError(f"the lighthouse exited with {proc.returncode} before listening (its log is "
+                                 "lighthouse.log in the test's folder)")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
             return
         time.sleep(0.1)

@@ -523,14 +523,19 @@ def test_calibrate_refuses_what_does_not_describe_a_run(sizes, counts, idle, ste
         calibrate(sizes, counts, idle, step)
 
 
-def _write_run(run_dir, idle_per_record, step_s, tokens_per_step=512, log_every=2):
+def _write_run(run_dir, idle_per_record, step_s, tokens_per_step=512, log_every=2, resumed_at=None):
     """A training run's metrics.jsonl: a validation record, then step records every
-    `log_every` steps whose windows took `step_s` seconds a step."""
+    `log_every` steps whose windows took `step_s` seconds a step; from record `resumed_at`
+    on, a second session (its clock, elapsed_s, starting again)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    lines = [{"step": 0, "val_loss": 9.0, "tokens": 0}]
+    lines, elapsed, started = [{"step": 0, "val_loss": 9.0, "tokens": 0}], 0.0, 1.8e9
     for k, idle in enumerate(idle_per_record, start=1):
+        if k == resumed_at:  # the new session starts a minute after the old one's last record
+            started, elapsed = started + elapsed + 60.0, 0.0
+        elapsed += log_every * step_s[k - 1]
         lines.append({"step": k * log_every, "loss": 5.0, "tokens": k * log_every * tokens_per_step,
-                      "tokens_per_s": tokens_per_step / step_s[k - 1], "rank_idle": idle})
+                      "tokens_per_s": tokens_per_step / step_s[k - 1], "rank_idle": idle, "elapsed_s": elapsed,
+                      "time": started + elapsed})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
@@ -541,6 +546,11 @@ def test_run_measurements_take_medians_of_the_step_records_after_the_first(tmp_p
     _write_run(tmp_path / "run", [[0.9, 0.0], [0.5, 0.0], [0.4, 0.1], [0.6, 0.0]], [9.0, 1.0, 2.0, 1.5])
     idle, step = run_measurements(tmp_path / "run")
     assert idle == pytest.approx([0.5, 0.0]) and step == pytest.approx(1.5)
+    # A resumed run: the new session's first record holds its warm-up again, and is left out too.
+    _write_run(tmp_path / "resumed", [[0.9, 0.0], [0.5, 0.0], [0.9, 0.0], [0.4, 0.1]], [9.0, 1.0, 9.0, 2.0],
+               resumed_at=3)
+    idle, step = run_measurements(tmp_path / "resumed")
+    assert idle == pytest.approx([0.45, 0.05]) and step == pytest.approx(1.5)
 
 
 def test_plan_from_run_moves_samples_to_the_rank_that_waited(tmp_path):
@@ -568,11 +578,20 @@ def test_plan_from_run_moves_samples_to_the_rank_that_waited(tmp_path):
     # A run directory with its config.json needs no options: the split is the run's own.
     from archipelago.config import config_to_dict, load_config
 
-    saved = load_config([*options, "--training.batch_size", "48"])
+    saved = load_config(options)
     (tmp_path / "run" / "config.json").write_text(json.dumps(config_to_dict(saved)))
     alone = run_cli_here(["plan", "--from-run", str(tmp_path / "run"), "--out", str(tmp_path / "alone.toml")])
     assert alone.returncode == 0, alone.output[-2000:]
     assert tomllib.loads((tmp_path / "alone.toml").read_text()) == tomllib.loads(out.read_text())
+    # A run that chose its split at start saved only `auto`: the split given replaces it.
+    auto = load_config([*TINY, "--training.batch_size", "48", "--parallelism.auto"])
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config_to_dict(auto)))
+    refused = run_cli_here(["plan", "--from-run", str(tmp_path / "run"), "--out", str(tmp_path / "auto.toml")])
+    assert refused.returncode != 0 and "parallelism.auto" in refused.output
+    given = run_cli_here(["plan", "--from-run", str(tmp_path / "run"), "--parallelism.micro_batch_size_per_rank",
+                          "32,16", "--out", str(tmp_path / "auto.toml")])
+    assert given.returncode == 0, given.output[-2000:]
+    assert tomllib.loads((tmp_path / "auto.toml").read_text()) == tomllib.loads(out.read_text())
     _write_run(tmp_path / "short", [idle], [step])
     short = run_cli_here(["plan", *options, "--from-run", str(tmp_path / "short"), "--out", str(out)])
     assert short.returncode != 0 and "--metrics.log_every" in short.output

@@ -312,3 +312,10 @@ def test_every_field_of_torchtitans_job_config_is_mapped_or_named_in_the_docs_un
     unlisted = [key for key in sorted(dropped)
                 if f"`{key}`" not in unmapped_table and f"`{key} =" not in unmapped_table]
     assert not unlisted, f"dropped, but not in the unmapped table of docs/federation.md: {unlisted}"
+
+
+def test_a_seed_in_both_of_torchtitans_places_must_agree():
+    raw = {"job": {"dump_folder": "./outputs"}, "training": {"seed": 1}, "debug": {"seed": 2}}
+    with pytest.raises(ConfigError, match="training.seed = 1 and debug.seed = 2 disagree"):
+        convert(raw, "x.toml", ranks=1)
+    assert convert({**raw, "debug": {"seed": 1}}, "x.toml", ranks=1).ours["training"]["seed"] == 1

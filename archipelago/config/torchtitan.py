@@ -13,7 +13,7 @@ schedule shape). `archipelago config convert FILE` prints the result as our TOML
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -240,6 +240,10 @@ def _fault_tolerance(f: dict[str, Any], out: Conversion) -> None:
 
 def _debug(d: dict[str, Any], out: Conversion) -> None:
     if "seed" in d:  # torchtitan's seed (`training.seed` in its older releases)
+        earlier = out.ours.get("training", {}).get("seed")
+        if earlier is not None and earlier != d["seed"]:
+            raise ConfigError(f"training.seed = {earlier} and debug.seed = {d['seed']} disagree; keep one "
+                              "(debug.seed in torchtitan's current format)")
         out.put("training", "seed", d["seed"])
     out.dropped += [f"debug.{k}" for k in d if k != "seed"]
 
@@ -259,10 +263,11 @@ def _flat_keys(prefix: str, table: dict[str, Any]) -> list[str]:
     return keys
 
 
-def _ranks_from_environment() -> int:
-    """The island's ranks as run_train.sh knows them (NGPU x NNODES), for data-parallel degree -1."""
+def ranks_from_environment(env: Mapping[str, str] | None = None) -> int:
+    """The island's ranks as run_train.sh knows them (NGPU x NNODES; 1 where unset or not numbers)."""
+    env = os.environ if env is None else env
     try:
-        return max(1, int(os.environ.get("NGPU", "1")) * int(os.environ.get("NNODES", "1")))
+        return max(1, int(env.get("NGPU", "1")) * int(env.get("NNODES", "1")))
     except ValueError:
         return 1
 
@@ -270,7 +275,7 @@ def _ranks_from_environment() -> int:
 def convert(raw: dict[str, Any], source: str = "config", ranks: int | None = None) -> Conversion:
     """Map a torchtitan-format document onto ours (ConfigError where the meaning would change).
     `ranks` sizes a data-parallel degree of -1 (default: $NGPU x $NNODES, else 1)."""
-    ranks = _ranks_from_environment() if ranks is None else ranks
+    ranks = ranks_from_environment() if ranks is None else ranks
     out = Conversion()
     given = {name: table for name, table in raw.items() if isinstance(table, dict)}
     names = [*given, *(name for name in DEFAULTS if name not in given)]

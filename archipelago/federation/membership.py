@@ -296,9 +296,14 @@ def describe(fp: dict[str, Any]) -> str:
             f"start {f['start']}, inner optimizer state {f['inner_state']}, {f['federation']}")
 
 
+def differing(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """The fingerprint fields two islands must agree on and do not."""
+    return [k for k in FINGERPRINT_KEYS if mine.get(k) != theirs.get(k)]
+
+
 def mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     """Why two islands cannot train together, or None."""
-    keys = [k for k in FINGERPRINT_KEYS if mine.get(k) != theirs.get(k)]
+    keys = differing(mine, theirs)
     if not keys:
         return None
     hint = (" sync_width must be equal on every island and at most the smallest island's rank count."

@@ -55,7 +55,8 @@ def model_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
                     "stages; say in island/parallelize.py where this model's blocks are")
 
 
-def _wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile_blocks: bool) -> None:
+def wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile_blocks: bool) -> None:
+    """Each block checkpointed (its names gain `_checkpoint_wrapped_module.`) and/or compiled, in place."""
     for parent, name in model_blocks(model):
         block = parent.get_submodule(name)
         if activation_checkpointing:
@@ -173,7 +174,7 @@ def _pipelined(model: nn.Module, ctx: IslandContext, dtype: torch.dtype, layout:
     # meta-initialised model is allocated whole on each stage's device for a moment).
     _materialize(model, ctx.device, seed)
     whole = keep_stage(model, layout.pipeline_rank(ctx.rank), layout)
-    _wrap_blocks(model, activation_checkpointing, compile_blocks)
+    wrap_blocks(model, activation_checkpointing, compile_blocks)
     group = None
     if layout.data > 1:  # FSDP inside each stage: a 2-D mesh, pipeline ranks x data ranks
         mesh = init_device_mesh(ctx.device.type, (layout.ranks, layout.data), mesh_dim_names=("pp", "dp"))
@@ -208,7 +209,7 @@ def parallelize(model: nn.Module, ctx: IslandContext, data_parallel: str, mixed_
         assert loss_fn is not None, "a pipeline computes the loss on its last stage: pass loss_fn"
         return _pipelined(model, ctx, dtype, pipeline, loss_fn, seed, activation_checkpointing, compile_blocks)
     on_meta = any(p.is_meta for p in model.parameters())
-    _wrap_blocks(model, activation_checkpointing, compile_blocks)
+    wrap_blocks(model, activation_checkpointing, compile_blocks)
     if ctx.world_size == 1:
         _materialize(model, ctx.device, seed)
         return ParallelModel(model, model, ctx, dtype, "single")

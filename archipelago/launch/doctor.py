@@ -14,6 +14,7 @@ peer sends is read with a size cap and parsed as data only (a peer is another ow
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import json
 import os
@@ -97,11 +98,14 @@ def island_fingerprint(cfg: Any, ranks: int = 1) -> dict[str, Any]:
     from archipelago.federation import island_fingerprint as declared
     from archipelago.federation.trust import load_key
     from archipelago.island.optim import build_optimizer
+    from archipelago.island.parallelize import wrap_blocks
     from archipelago.tasks import build_task
 
     task = build_task(cfg)
     task.prepare(lambda _message: None)  # the vocabulary sizes the embedding (cached after the first run)
     model = task.build_model().module  # on the meta device from 1B parameters: shapes only
+    # Checkpointed blocks carry the wrapper in their parameters' names, as the island's do.
+    wrap_blocks(model, cfg.training.activation_checkpointing, compile_blocks=False)
     ft = cfg.fault_tolerance
     optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"), batch_scaled=ft.adam_federation_batch)
     return declared(ft, list(model.named_parameters()), f"{cfg.model.name}/{cfg.model.flavor}", ranks,
@@ -219,8 +223,7 @@ def check_port(host: str, port: int) -> Check:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, port))
     except OSError as exc:
-        return Check(f"port {port}", "FAIL", f"{host}:{port} cannot be bound ({exc.strerror})",
-                     "another process holds it: choose another port (MASTER_PORT, --bind) or stop that process")
+        return Check(f"port {port}", "FAIL", f"{host}:{port} cannot be bound ({exc.strerror})", _bind_fix(exc, port))
     return Check(f"port {port}", "ok", f"{host}:{port} is free")
 
 
@@ -234,7 +237,10 @@ def _receive(reader: Any) -> dict[str, Any]:
     line = reader.readline(LINE_LIMIT + 1)
     if not line or len(line) > LINE_LIMIT or not line.endswith(b"\n"):
         raise ConnectionError("the peer sent no answer, or a line over the size limit")
-    message = json.loads(line)
+    try:
+        message = json.loads(line)
+    except RecursionError as exc:  # nesting deep enough to exhaust the parser: a hostile line
+        raise ConnectionError("the peer's answer nests too deeply to be read") from exc
     if not isinstance(message, dict):
         raise ConnectionError("the peer's answer is not a JSON object")
     return message
@@ -381,8 +387,7 @@ def _reach_back(name: str, conn: socket.socket, reader: Any, local_addr: str, po
         listener = listening_socket(local_addr, port)
     except OSError as exc:
         return Check(check_name, "FAIL", f"cannot listen on {local_addr}:{port} ({exc.strerror})",
-                     "set LOCAL_ADDR to an address of this host" if not port else
-                     f"free port {port} (another process holds it), or choose another")
+                     _bind_fix(exc, port))
     token = secrets.token_hex(TOKEN_BYTES)
     got: list[bytes] = []
 
@@ -412,6 +417,16 @@ def _reach_back(name: str, conn: socket.socket, reader: Any, local_addr: str, po
                  "group; docs/deployment.md lists the ports)")
 
 
+def _bind_fix(exc: OSError, port: int) -> str:
+    """What to do when LOCAL_ADDR:port cannot be bound, by the reason."""
+    if exc.errno == errno.EADDRINUSE:
+        return (f"another process holds port {port}: choose another (MASTER_PORT, --bind) or stop that "
+                "process")
+    if exc.errno == errno.EACCES:
+        return f"port {port} needs privileges here: choose one above 1023"
+    return "set LOCAL_ADDR to an address of this host"
+
+
 def _compare_versions(name: str, theirs: Any) -> Check:
     mine = versions()
     if not isinstance(theirs, dict):
@@ -431,7 +446,7 @@ def _describe(fingerprint: dict[str, Any] | None) -> str:
 
 
 def _compare_fingerprints(name: str, mine: dict[str, Any] | None, theirs: Any) -> Check:
-    from archipelago.federation.membership import FINGERPRINT_KEYS
+    from archipelago.federation.membership import differing
 
     if mine is None or theirs is None:
         return Check(f"{name} config", "info", "not compared (give --config on both hosts)")
@@ -439,7 +454,7 @@ def _compare_fingerprints(name: str, mine: dict[str, Any] | None, theirs: Any) -
         return Check(f"{name} config", "FAIL", "the peer sent no fingerprint a join would read",
                      "run the same archipelago version on both hosts")
     differ = [f"{key} ({str(mine.get(key))[:60]} here, {str(theirs.get(key))[:60]} there)"
-              for key in FINGERPRINT_KEYS if mine.get(key) != theirs.get(key)]
+              for key in differing(mine, theirs)]
     if differ:
         return Check(f"{name} config", "FAIL", "the join would refuse: " + "; ".join(differ),
                      "start every island with the same model and [fault_tolerance] settings, and the same "
@@ -450,19 +465,25 @@ def _compare_fingerprints(name: str, mine: dict[str, Any] | None, theirs: Any) -
 
 # ---- the command ---------------------------------------------------------------------------
 
-def _ranks(env: dict[str, str]) -> int:
-    """The island's rank count as run_train.sh gives it (NGPU x NNODES); declared, not compared."""
+def config_checks(path: str, cfg: Any, env: dict[str, str]) -> tuple[dict[str, Any] | None, list[Check]]:
+    """This island's fingerprint (None where the run file cannot give one) and the config rows."""
+    from archipelago.config import ConfigError
+    from archipelago.config.torchtitan import ranks_from_environment
+
     try:
-        return max(1, int(env.get("NGPU", "1")) * int(env.get("NNODES", "1")))
-    except ValueError:
-        return 1
+        fingerprint = island_fingerprint(cfg, ranks_from_environment(env))
+    except (ConfigError, OSError, ValueError) as exc:  # a key file, the data, the model: what the island hits
+        return None, [Check("config", "FAIL", f"{path}: {str(exc)[:300]}",
+                            "fix what the message names: the island would stop there at its start"), check_disk(cfg)]
+    return fingerprint, [Check("config", "info", f"{path}: {_describe(fingerprint)}"), check_disk(cfg)]
 
 
 def run_checks(args: argparse.Namespace, cfg: Any | None, env: dict[str, str]) -> list[Check]:
-    fingerprint = island_fingerprint(cfg, _ranks(env)) if cfg is not None else None
     checks = [check_versions(), check_devices()]
+    fingerprint = None
     if cfg is not None:
-        checks += [Check("config", "info", f"{args.config}: {_describe(fingerprint)}"), check_disk(cfg)]
+        fingerprint, rows = config_checks(args.config, cfg, env)
+        checks += rows
     lighthouse = args.lighthouse or env.get("TORCHFT_LIGHTHOUSE")
     if lighthouse:
         checks.append(check_lighthouse(lighthouse))
@@ -532,7 +553,7 @@ def _serve_until_stopped(args: argparse.Namespace, cfg: Any | None) -> int:
         print(f"error: --serve {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
-    fingerprint = island_fingerprint(cfg, _ranks(dict(os.environ))) if cfg is not None else None
+    fingerprint = config_checks(args.config, cfg, dict(os.environ))[0] if cfg is not None else None
     listener = serve(host, port, fingerprint, stop)
     print(f"answering doctor checks on {host}:{listener.getsockname()[1]}"
           + (f" ({_describe(fingerprint)})" if fingerprint is not None else "") + "; Ctrl-C stops", flush=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from archipelago.config import Config, ConfigError, load_run_config
-from archipelago.island.batches import rank_batches
 from archipelago.island.device import close_island, init_island
 from archipelago.island.plan import IslandPlan, PlanError, explain, to_toml
 from archipelago.planning import describe_plan, plan_from_run, plan_island, profile_lines
@@ -33,21 +33,29 @@ def plan_here(cfg: Config, out: str) -> int:
 
 def replan_here(cfg: Config, run_dir: str, out: str) -> int:
     """Re-plan the batch split from a run's step records (planning.plan_from_run), with the
-    settings that run wrote to RUN_DIR/config.json; `cfg` (the options given) for a run
-    directory without one."""
+    settings that run wrote to RUN_DIR/config.json (the options given where it has none);
+    a split given in the options replaces the saved one (a run that chose its own with
+    parallelism.auto saved only `auto`)."""
     saved = Path(run_dir) / "config.json"
     if saved.is_file():
+        given = cfg.parallelism
         cfg = load_run_config(saved)
+        if given.micro_batch_size_per_rank:
+            cfg.parallelism = replace(cfg.parallelism, auto=False,
+                                      micro_batch_size_per_rank=given.micro_batch_size_per_rank,
+                                      num_micro_batches_per_rank=given.num_micro_batches_per_rank)
     try:
-        plan, idle, step_s = plan_from_run(cfg, Path(run_dir))
+        replanned = plan_from_run(cfg, Path(run_dir))
     except PlanError as exc:
         raise ConfigError(f"plan --from-run: {exc}") from exc
-    ran = rank_batches(cfg, len(idle))
-    lines = [f"measured in {run_dir}: a step of {step_s * 1e3:.1f} ms (median of its step records)"]
-    for r, (size, count, share) in enumerate(zip(ran.micro_batch_size, ran.num_micro_batches, idle)):
+    lines = [f"measured in {run_dir}: a step of {replanned.step_s * 1e3:.1f} ms (median of its step records)"]
+    for r, (size, count, share, speed) in enumerate(zip(replanned.ran.micro_batch_size,
+                                                         replanned.ran.num_micro_batches, replanned.idle,
+                                                         replanned.speeds)):
         lines.append(f"  rank {r}: {size} x {count} samples, idle {share:.0%}, "
-                     f"{(1 - share) * step_s / (size * count) * 1e3:.2f} ms per sample")
-    _write(plan, out, [*lines, "", "plan:", explain(plan, ["measured in the run"] * len(idle))])
+                     f"{speed.sample_s * 1e3:.2f} ms per sample")
+    names = ["measured in the run"] * len(replanned.idle)
+    _write(replanned.plan, out, [*lines, "", "plan:", explain(replanned.plan, names)])
     return 0
 
 
