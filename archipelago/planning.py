@@ -222,11 +222,21 @@ def plan_from_run(cfg: Config, run_dir: Path) -> Replan:
         raise PlanError(f"the options given do not describe the run's {len(idle)} ranks ({exc}); give the "
                         "options the run trained with") from exc
     speeds = calibrate(ran.micro_batch_size, ran.num_micro_batches, idle, step_s)
-    # Shares only: one run times each rank at one micro-batch size, and FSDP's step model
+    # Shares only: a run times each rank at one micro-batch size, and FSDP's step model
     # (which favours small micro-batches) needs times at several; its prediction still applies.
     batch = split_batch(speeds, ran.global_batch)
     return Replan(IslandPlan(replace(batch, fsdp=cfg.parallelism.data_parallel == "fsdp")), ran, idle, step_s,
                   speeds)
+
+
+def rebalanced(ran: RankBatches, idle_history: list[list[float]]) -> RankBatches:
+    """The split a run's own step records call for (parallelism.rebalance_after): each rank's
+    median idle share over the records after the first (its warm-up), calibrated as
+    `plan --from-run` does. Every rank computes the same from the same all-reduced shares
+    (the split does not depend on the step time, which differs a little from rank to rank)."""
+    shares = [statistics.median(column) for column in zip(*idle_history[1:])]
+    batch = split_batch(calibrate(ran.micro_batch_size, ran.num_micro_batches, shares, 1.0), ran.global_batch)
+    return RankBatches(batch.micro_batch_size, batch.num_micro_batches)
 
 
 def rank_batches_of(plan: IslandPlan) -> RankBatches:

@@ -50,7 +50,7 @@ from archipelago.metrics import (
 )
 from archipelago.metrics.progress import format_count
 from archipelago.metrics.push import RecordPusher
-from archipelago.planning import describe_plan, plan_island, profile_lines, rank_batches_of
+from archipelago.planning import describe_plan, plan_island, profile_lines, rank_batches_of, rebalanced
 from archipelago.tasks import Task, TaskModel, build_task
 
 log = logging.getLogger("archipelago.trainer")
@@ -569,8 +569,41 @@ class Trainer:
                                                        position=self.federation.position(step))
             if validation is not None:
                 self.progress.record_validation(validation)
+            if not final and self.rebalance_due(step):
+                self.rebalance()
         with self.untimed_in_round():
             self.save_checkpoint(final=final)
+
+    _rebalanced = False
+
+    def rebalance_due(self, step: int) -> bool:
+        """parallelism.rebalance_after: the first log step at or after it, with two records to read."""
+        after = self.cfg.parallelism.rebalance_after
+        return (bool(after) and not self._rebalanced and step >= after and self.model.pipeline is None
+                and len(self.metrics.idle_history) >= 2)
+
+    def rebalance(self) -> None:
+        """Split the batch again from this session's step records (planning.rebalanced) and
+        go on with it: the data loader is rebuilt for the new shares at the same position
+        (its state does not depend on the split), so no sample is skipped or repeated."""
+        self._rebalanced = True
+        before, after = self.batches, rebalanced(self.batches, self.metrics.idle_history)
+        if after.uneven_counts != before.uneven_counts and (self.model.strategy == "ddp"
+                                                            or self.cfg.parallelism.expert_parallel):
+            log.info("parallelism.rebalance_after: keeping %s: %s would change whether ranks run as many "
+                     "micro-batches, which DDP's buffers and the experts' exchanges fixed at start",
+                     before.describe(), after.describe())
+            return
+        if after == before:
+            log.info("parallelism.rebalance_after: the measured speeds keep the split (%s)", before.describe())
+            return
+        position = self.train_loader.state_dict()
+        self.batches = after
+        self.train_loader = self.build_train_loader()
+        self.train_loader.load_state_dict(position)
+        log.info("parallelism.rebalance_after: at step %d, from %s to %s (measured idle per rank: %s)",
+                 self.progress.step, before.describe(), after.describe(),
+                 ", ".join(f"{share:.0%}" for share in self.metrics.idle_history[-1]))
 
     @contextlib.contextmanager
     def untimed_in_round(self) -> Iterator[None]:
@@ -718,6 +751,7 @@ class RunMetrics:
         self.busy_clock = (lambda: time.thread_time() + emulated_s()) if ctx.device.type == "cpu" else None
         self.window_busy = self.busy_clock() if self.busy_clock else 0.0
         self.window_untimed_busy = 0.0
+        self.idle_history: list[list[float]] = []  # every record's rank_idle, this session (a re-plan reads it)
         self.start_step, self.wall_before = 0, 0.0
 
     def start(self, progress: Progress, token_budget: int | None = None) -> None:
@@ -788,6 +822,7 @@ class RunMetrics:
                   "elapsed_s": now - self.started, "time": time.time()}
         if idle is not None:
             record["rank_idle"] = idle
+            self.idle_history.append(idle)
         for name, value in result.extra.items():  # the task's own, e.g. accuracy
             record[name] = float(all_reduce_(value.detach().clone(), self.ctx, op="avg"))
         record.update(validation or {})

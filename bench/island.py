@@ -11,6 +11,9 @@ Settings, each a real `archipelago train --nproc 2` run in this one benchmark:
 * replanned: what `archipelago plan --from-run` chose from a run of the planned split (its
            ranks' idle shares and step time: each rank's speed as the island ran it, run
            first, here)
+* rebalanced: `--parallelism.auto --parallelism.rebalance_after 4`: the island plans at start,
+           then splits again from its own first records, in the one run (its throughput from
+           the records after the re-plan)
 * ideal:   the sum of what each rank trains alone at its own speed (two 1-rank runs,
            rank_slowdown 1 and 2, at the same time, so that each shares the machine with the
            other as the island's ranks do): no waiting and no communication
@@ -53,7 +56,7 @@ from harness import num, ratio, read_jsonl, run_job, run_jobs, run_main, work_ro
 
 from archipelago.island.plan import bubble_fraction  # noqa: E402
 
-SETTINGS = ("even", "hand", "planned", "replanned", "ideal", "ideal-apart", "pipeline-even-1f1b",
+SETTINGS = ("even", "hand", "planned", "replanned", "rebalanced", "ideal", "ideal-apart", "pipeline-even-1f1b",
             "pipeline-planned-1f1b", "pipeline-planned-gpipe", "pipeline-interleaved")
 HAND_COUNTS = 3  # SynerFuse's README example, 6 x 3 and 2 x 3 of 24: a 3:1 guess, scaled to the batch
 SLOWDOWN = "1,2"
@@ -71,8 +74,11 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "archipelago.launch.cli", *args]
 
 
-def tokens_per_s(run_dir: Path) -> float:
-    rates = [r["tokens_per_s"] for r in read_jsonl(run_dir / "metrics.jsonl") if "tokens_per_s" in r]
+def tokens_per_s(run_dir: Path, after_step: int = 0) -> float:
+    """The median over the step records after the first (its window holds the warm-up), and
+    after `after_step` (a re-plan's step)."""
+    rates = [r["tokens_per_s"] for r in read_jsonl(run_dir / "metrics.jsonl")
+             if "tokens_per_s" in r and r["step"] > after_step]
     if len(rates) < 2:
         raise RuntimeError(f"{run_dir}: fewer than two step records")
     return statistics.median(rates[1:])
@@ -121,6 +127,17 @@ def replanned_split(args: argparse.Namespace, root: Path, planned: tuple[str, st
                                     "--from-run", str(ran), "--out", str(out)))
     fragment = tomllib.loads(out.read_text())["parallelism"]
     return fragment["micro_batch_size_per_rank"], fragment["num_micro_batches_per_rank"]
+
+
+REBALANCE_AFTER = 4  # steps: two records of 2 steps, the first the warm-up's
+
+
+def rebalanced_run(args: argparse.Namespace, root: Path) -> tuple[float, list[float] | None]:
+    """parallelism.auto with rebalance_after: measured after its re-plan."""
+    run_dir = _run(args, root, "rebalanced", _cli("train", "--nproc", "2", *_common(args, root / "rebalanced"),
+                                                  "--island.rank_slowdown", SLOWDOWN, "--parallelism.auto",
+                                                  "--parallelism.rebalance_after", str(REBALANCE_AFTER)))
+    return tokens_per_s(run_dir, after_step=REBALANCE_AFTER), rank_idle(run_dir)
 
 
 def island_run(args: argparse.Namespace, root: Path, name: str,
@@ -204,7 +221,8 @@ def main() -> None:
     settings: dict[str, Callable[[Path], tuple[float, list[float] | None]]] = {
         "even": lambda at: island_run(args, at, "even", None), "hand": lambda at: island_run(args, at, "hand", hand),
         "planned": lambda at: island_run(args, at, "planned", plan),
-        "replanned": lambda at: island_run(args, at, "replanned", replan), "ideal": lambda at: ideal(args, at),
+        "replanned": lambda at: island_run(args, at, "replanned", replan),
+        "rebalanced": lambda at: rebalanced_run(args, at), "ideal": lambda at: ideal(args, at),
         "ideal-apart": lambda at: ideal(args, at, together=False),
         "pipeline-even-1f1b": lambda at: pipeline_run(args, at, "pipeline-even-1f1b", "3,3", "1f1b"),
         "pipeline-planned-1f1b": lambda at: pipeline_run(args, at, "pipeline-planned-1f1b", stages, "1f1b"),
@@ -219,6 +237,7 @@ def main() -> None:
     runs = {name: median_run(measured_runs) for name, measured_runs in repeats.items()}
     splits = {"even": f"{args.batch_size // 2} x 1 each", "hand": f"{hand[0]} x {hand[1]}",
               "planned": f"{plan[0]} x {plan[1]}", "replanned": f"{replan[0]} x {replan[1]}",
+              "rebalanced": f"auto, then re-planned after step {REBALANCE_AFTER} (rebalanced.log)",
               "ideal": "each rank alone, both at once",
               "ideal-apart": "each rank alone, one after the other",
               "pipeline-even-1f1b": "layers 3,3", "pipeline-planned-1f1b": f"layers {stages}",

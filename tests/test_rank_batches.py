@@ -157,3 +157,28 @@ def test_a_two_rank_island_with_unequal_shares_trains_like_one_rank(shakespeare,
     bad = run_cli_here([*common, "--parallelism.micro_batch_size_per_rank", "3,2", "--job.run_dir",
                         str(tmp_path / "bad")])
     assert bad.returncode != 0 and "gives 2 entries for 1" in bad.output
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.slow  # a 2-rank run and a 1-rank one: make test-slow
+def test_auto_rebalances_from_its_own_records_and_trains_like_one_rank(shakespeare, tmp_path):
+    """parallelism.rebalance_after: the island splits its batch again from its own step records
+    part-way through; every step's loss still equals one rank's on the whole batch, so no
+    sample was skipped, repeated or weighted wrongly across the change."""
+    from conftest import TINY, losses, run_cli, run_cli_here
+
+    common = ["train", *TINY, "--training.batch_size", "12", "--training.steps", "8", "--training.val_every", "0",
+              "--metrics.log_every", "1", "--checkpoint.no_enable", "--training.seed", "1"]
+    one = run_cli_here([*common, "--job.run_dir", str(tmp_path / "one")])
+    assert one.returncode == 0, one.output[-3000:]
+    # A 3x slower rank 1 that also waits a fixed share: whatever the profile chose, the records differ.
+    two = run_cli([*common, "--nproc", "2", "--parallelism.auto", "--parallelism.rebalance_after", "4",
+                   "--island.rank_slowdown", "1,3", "--job.run_dir", str(tmp_path / "two")], timeout=360)
+    assert two.returncode == 0, two.output[-3000:]
+    assert "parallelism.rebalance_after: " in two.output, two.output[-3000:]
+    expected, got = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(got) == sorted(expected) == list(range(1, 9))
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, abs=1e-4), (step, got, expected)
+    refused = run_cli_here([*common, "--parallelism.rebalance_after", "4", "--job.run_dir", str(tmp_path / "r")])
+    assert refused.returncode != 0 and "add --parallelism.auto" in refused.output

@@ -128,6 +128,8 @@ class ParallelismConfig:
     """Heterogeneous data parallelism: each rank's micro-batch size, one per rank (`"6,2"`) or SynerFuse's pairs of rank count and size (`"1 6 1 2"`). With `num_micro_batches_per_rank`, a rank's share of the batch is size x count; the shares must sum to training.batch_size, and every sample weighs the same in the gradient. Empty: every rank takes batch_size / ranks (docs/parallelism.md)."""
     auto: bool = False
     """Measure every rank at start and set micro_batch_size_per_rank and num_micro_batches_per_rank (or, with pipeline_stages > 1, stage_layers) from the measurements, as `archipelago plan` would print them; the plan is logged."""
+    rebalance_after: int = 0
+    """With `auto` on a CPU island of 2 or more ranks (no pipeline): after this many steps, split the batch again from the island's own step records (each rank's busy share of a step, `rank_idle`), as `archipelago plan --from-run` would, and go on with that split; the data go on where they were. A profile times each rank alone; in training the ranks share the machine. At least twice metrics.log_every (the first record holds the warm-up). 0: never."""
     num_micro_batches_per_rank: str = ""
     """Micro-batches per rank per step, with micro_batch_size_per_rank (`"4,4"` or `"1 4 1 4"`); empty means one each."""
     expert_parallel: bool = False

@@ -68,6 +68,22 @@ def _check_outputs(cfg: Config, p: list[str]) -> None:
     _require(c.keep >= 0, f"checkpoint.keep = {c.keep}: use 0 to keep every checkpoint", p)
     _require(m.log_every > 0, f"metrics.log_every = {m.log_every}: must be positive", p)
     _require(m.peak_tflops >= 0, f"metrics.peak_tflops = {m.peak_tflops}: use 0 for automatic", p)
+    _check_rebalance(cfg, p)
+
+
+def _check_rebalance(cfg: Config, p: list[str]) -> None:
+    par, every = cfg.parallelism, cfg.metrics.log_every
+    if not par.rebalance_after:
+        return
+    _require(par.rebalance_after > 0, f"parallelism.rebalance_after = {par.rebalance_after}: use 0 for never", p)
+    _require(par.auto, "parallelism.rebalance_after re-plans the split parallelism.auto chose: add "
+                       "--parallelism.auto (or set the split by hand and drop rebalance_after)", p)
+    _require(par.pipeline_stages <= 1, "parallelism.rebalance_after splits the batch over data-parallel ranks; "
+                                       "a pipeline's stages are planned once, at start", p)
+    _require(par.rebalance_after >= 2 * every,
+             f"parallelism.rebalance_after = {par.rebalance_after} comes before two step records "
+             f"(metrics.log_every = {every}; the first holds the warm-up): use {2 * every} or more, or log more often",
+             p)
 
 
 def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
