@@ -71,11 +71,17 @@ def measure_rank(cfg: Config, ctx: IslandContext, task: Task) -> RankProfile:
     return profile
 
 
+def rank_speeds(profiles: list[RankProfile]) -> list[RankSpeed]:
+    """Each measured rank as the batch split sees it: time per sample (by size) and its memory's cap."""
+    model_bytes = sum(profiles[0].layer_bytes)
+    return [RankSpeed(p.sample_s, p.max_micro_batch(model_bytes), p.sample_s_by_size) for p in profiles]
+
+
 def plan_from_profiles(profiles: list[RankProfile], global_batch: int, fsdp: bool = False) -> IslandPlan:
     """The batch split for these measured ranks (PlanError naming the fix when none fits);
     `fsdp`: by the step model of ranks that meet at every block (island/plan.py)."""
     model_bytes = sum(profiles[0].layer_bytes)
-    speeds = [RankSpeed(p.sample_s, p.max_micro_batch(model_bytes), p.sample_s_by_size) for p in profiles]
+    speeds = rank_speeds(profiles)
     for p, speed in zip(profiles, speeds):
         if p.activation_bytes > 0 and speed.max_micro_batch < 1:
             raise PlanError(f"rank {p.rank} ({p.device}) cannot hold the model and one sample: it needs "
@@ -229,13 +235,17 @@ def plan_from_run(cfg: Config, run_dir: Path) -> Replan:
                   speeds)
 
 
-def rebalanced(ran: RankBatches, idle_history: list[list[float]]) -> RankBatches:
+def rebalanced(ran: RankBatches, idle_history: list[list[float]], profiled: list[RankSpeed] | None = None,
+               fsdp: bool = False) -> RankBatches:
     """The split a run's own step records call for (parallelism.rebalance_after): each rank's
     median idle share over the records after the first (its warm-up), calibrated as
-    `plan --from-run` does. Every rank computes the same from the same all-reduced shares
-    (the split does not depend on the step time, which differs a little from rank to rank)."""
+    `plan --from-run` does, or with the `profiled` speeds parallelism.auto measured, each
+    rank's profile scaled to the run (micro-batch sizes chosen again too, by the step model of
+    `fsdp` islands where it applies). Every rank computes the same from the same all-reduced
+    shares (the split does not depend on the step time, which differs a little between ranks)."""
     shares = [statistics.median(column) for column in zip(*idle_history[1:])]
-    batch = split_batch(calibrate(ran.micro_batch_size, ran.num_micro_batches, shares, 1.0), ran.global_batch)
+    speeds = calibrate(ran.micro_batch_size, ran.num_micro_batches, shares, 1.0, profiled)
+    batch = split_batch(speeds, ran.global_batch, fsdp=fsdp and profiled is not None)
     return RankBatches(batch.micro_batch_size, batch.num_micro_batches)
 
 

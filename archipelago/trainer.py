@@ -39,7 +39,7 @@ from archipelago.island.emulation import SlowDevice
 from archipelago.island.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer, set_schedule_position
 from archipelago.island.parallelize import ParallelModel, parallelize
 from archipelago.island.pipeline import check_pipelinable, pipeline_layout
-from archipelago.island.plan import IslandPlan
+from archipelago.island.plan import IslandPlan, RankSpeed
 from archipelago.metrics import (
     MetricsLog,
     ProgressDisplay,
@@ -50,7 +50,14 @@ from archipelago.metrics import (
 )
 from archipelago.metrics.progress import format_count
 from archipelago.metrics.push import RecordPusher
-from archipelago.planning import describe_plan, plan_island, profile_lines, rank_batches_of, rebalanced
+from archipelago.planning import (
+    describe_plan,
+    plan_island,
+    profile_lines,
+    rank_batches_of,
+    rank_speeds,
+    rebalanced,
+)
 from archipelago.tasks import Task, TaskModel, build_task
 
 log = logging.getLogger("archipelago.trainer")
@@ -192,7 +199,10 @@ class Trainer:
         plan, profiles = plan_island(self.cfg, self.ctx, self.task)
         for line in [*profile_lines(profiles), *describe_plan(plan, profiles).splitlines()]:
             log.info("parallelism.auto: %s", line)
+        self.profiled_speeds = rank_speeds(profiles)  # what rebalance_after scales to the run
         return plan
+
+    profiled_speeds: list[RankSpeed] | None = None  # set by measured_plan (parallelism.auto)
 
     @property
     def data_ranks(self) -> int:
@@ -587,7 +597,9 @@ class Trainer:
         go on with it: the data loader is rebuilt for the new shares at the same position
         (its state does not depend on the split), so no sample is skipped or repeated."""
         self._rebalanced = True
-        before, after = self.batches, rebalanced(self.batches, self.metrics.idle_history)
+        before = self.batches
+        after = rebalanced(before, self.metrics.idle_history, self.profiled_speeds,
+                           fsdp=self.cfg.parallelism.data_parallel == "fsdp")
         if after.uneven_counts != before.uneven_counts and (self.model.strategy == "ddp"
                                                             or self.cfg.parallelism.expert_parallel):
             log.info("parallelism.rebalance_after: keeping %s: %s would change whether ranks run as many "

@@ -615,3 +615,18 @@ def test_plan_from_a_real_run_gives_the_emulated_slow_rank_fewer_samples(shakesp
     counts = parse_counts(fragment["num_micro_batches_per_rank"], 2, "x")
     samples = [s * c for s, c in zip(sizes, counts)]
     assert sum(samples) == 12 and samples[1] < samples[0], replanned.output
+
+
+def test_calibrate_scales_each_ranks_profile_to_what_the_run_measured_at_its_size():
+    """With the profile parallelism.auto took, the run's time at the size it ran scales the
+    whole curve: the profile still says which size is faster, the run how fast the rank is."""
+    profile = (RankSpeed(0.1, 32, ((8, 0.12), (16, 0.1), (32, 0.11))), RankSpeed(0.2, 0, ((8, 0.24), (16, 0.2))))
+    # Ran 16 x 2 and 8 x 2 in a step of 4 s: rank 0 busy 3.2 s (0.1 s a sample, as profiled),
+    # rank 1 busy 4 s (0.25 s a sample at size 8, where the profile said 0.24).
+    speeds = calibrate((16, 8), (2, 2), [0.2, 0.0], 4.0, profiled=profile)
+    assert [n for n, _ in speeds[0].sample_s_by_size] == [8, 16, 32]
+    assert [s for _, s in speeds[0].sample_s_by_size] == pytest.approx([0.12, 0.1, 0.11])
+    assert speeds[0].max_micro_batch == 32 and speeds[1].sample_s_at(8) == pytest.approx(0.25)
+    assert speeds[1].sample_s_at(16) == pytest.approx(0.2 * 0.25 / 0.24)
+    with pytest.raises(PlanError, match="one of each per rank"):
+        calibrate((16, 8), (2, 2), [0.2, 0.0], 4.0, profiled=profile[:1])

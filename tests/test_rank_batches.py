@@ -3,6 +3,8 @@ weighs the same in the gradient, whichever rank computed it."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -171,14 +173,23 @@ def test_auto_rebalances_from_its_own_records_and_trains_like_one_rank(shakespea
               "--metrics.log_every", "1", "--checkpoint.no_enable", "--training.seed", "1"]
     one = run_cli_here([*common, "--job.run_dir", str(tmp_path / "one")])
     assert one.returncode == 0, one.output[-3000:]
-    # A 3x slower rank 1 that also waits a fixed share: whatever the profile chose, the records differ.
-    two = run_cli([*common, "--nproc", "2", "--parallelism.auto", "--parallelism.rebalance_after", "4",
-                   "--island.rank_slowdown", "1,3", "--job.run_dir", str(tmp_path / "two")], timeout=360)
+    # An even split beside a 3x slower rank 1: the fast rank waits half of every step until
+    # the records move samples to it.
+    two = run_cli([*common, "--nproc", "2", "--parallelism.rebalance_after", "4", "--island.rank_slowdown", "1,3",
+                   "--job.run_dir", str(tmp_path / "two")], timeout=360)
     assert two.returncode == 0, two.output[-3000:]
-    assert "parallelism.rebalance_after: " in two.output, two.output[-3000:]
-    expected, got = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert sorted(got) == sorted(expected) == list(range(1, 9))
-    for step, loss in expected.items():
-        assert got[step] == pytest.approx(loss, abs=1e-4), (step, got, expected)
-    refused = run_cli_here([*common, "--parallelism.rebalance_after", "4", "--job.run_dir", str(tmp_path / "r")])
-    assert refused.returncode != 0 and "add --parallelism.auto" in refused.output
+    moved = re.search(r"rebalance_after: at step 4, from rank 0: 6 x 1 = 6, rank 1: 6 x 1 = 6 to "
+                      r"rank 0: (\d+) x 1 = \d+, rank 1: (\d+) x 1", two.output)
+    assert moved and int(moved.group(1)) > 6 > int(moved.group(2)), two.output[-3000:]
+    # With parallelism.auto it starts from the profile's split and scales its curves to the run.
+    auto = run_cli([*common, "--nproc", "2", "--parallelism.auto", "--parallelism.rebalance_after", "4",
+                    "--island.rank_slowdown", "1,3", "--job.run_dir", str(tmp_path / "auto")], timeout=360)
+    assert auto.returncode == 0 and "parallelism.rebalance_after: " in auto.output, auto.output[-3000:]
+    expected = losses(tmp_path / "one")
+    for run in ("two", "auto"):
+        got = losses(tmp_path / run)
+        assert sorted(got) == sorted(expected) == list(range(1, 9))
+        for step, loss in expected.items():
+            assert got[step] == pytest.approx(loss, abs=1e-4), (run, step, got, expected)
+    refused = run_cli_here([*common, "--parallelism.rebalance_after", "1", "--job.run_dir", str(tmp_path / "r")])
+    assert refused.returncode != 0 and "comes before two step records" in refused.output

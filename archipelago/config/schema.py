@@ -129,7 +129,7 @@ class ParallelismConfig:
     auto: bool = False
     """Measure every rank at start and set micro_batch_size_per_rank and num_micro_batches_per_rank (or, with pipeline_stages > 1, stage_layers) from the measurements, as `archipelago plan` would print them; the plan is logged."""
     rebalance_after: int = 0
-    """With `auto` on a CPU island of 2 or more ranks (no pipeline): after this many steps, split the batch again from the island's own step records (each rank's busy share of a step, `rank_idle`), as `archipelago plan --from-run` would, and go on with that split; the data go on where they were. A profile times each rank alone; in training the ranks share the machine. At least twice metrics.log_every (the first record holds the warm-up). 0: never."""
+    """On a CPU island of 2 or more ranks (no pipeline): after this many steps, split the batch again from the island's own step records (each rank's busy share of a step, `rank_idle`), as `archipelago plan --from-run` would, and go on with that split; the data go on where they were. It starts from the split given (even by default) or, with `auto`, the profile's, whose curves it then scales to the run (a profile times each rank alone; in training the ranks share the machine). At least twice metrics.log_every (the first record holds the warm-up). 0: never."""
     num_micro_batches_per_rank: str = ""
     """Micro-batches per rank per step, with micro_batch_size_per_rank (`"4,4"` or `"1 4 1 4"`); empty means one each."""
     expert_parallel: bool = False

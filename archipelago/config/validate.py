@@ -76,8 +76,6 @@ def _check_rebalance(cfg: Config, p: list[str]) -> None:
     if not par.rebalance_after:
         return
     _require(par.rebalance_after > 0, f"parallelism.rebalance_after = {par.rebalance_after}: use 0 for never", p)
-    _require(par.auto, "parallelism.rebalance_after re-plans the split parallelism.auto chose: add "
-                       "--parallelism.auto (or set the split by hand and drop rebalance_after)", p)
     _require(par.pipeline_stages <= 1, "parallelism.rebalance_after splits the batch over data-parallel ranks; "
                                        "a pipeline's stages are planned once, at start", p)
     _require(par.rebalance_after >= 2 * every,

@@ -336,16 +336,20 @@ class BatchSplit:
 
 
 def calibrate(micro_batch_size: Sequence[int], num_micro_batches: Sequence[int], rank_idle: Sequence[float],
-              step_s: float) -> tuple[RankSpeed, ...]:
+              step_s: float, profiled: Sequence[RankSpeed] | None = None) -> tuple[RankSpeed, ...]:
     """Each rank's speed as a training run measured it, from the split it ran (micro-batch
     size and count per rank), each rank's idle share of a step and the step time: rank r was
     busy (1 - idle_r) x step_s for its n_r samples. A profile times each rank before
     training, alone; in the run the ranks share what they share (a CPU's memory bandwidth, a
     node's links) and the re-plan from these speeds corrects for it. A rank that ran several
     micro-batches keeps its size as the cap (its memory may have set it); one that ran one
-    gets none. Times per sample are taken as constant in the share (one size was run)."""
+    gets none. Times per sample are taken as constant in the share (one size was run).
+    With the ranks' `profiled` speeds (what parallelism.auto measured at start), each rank's
+    profile is scaled instead, to the time the run measured at the size it ran: the profile
+    keeps saying which micro-batch size is faster, the run says how fast the rank is there."""
     ranks = len(micro_batch_size)
-    if not ranks or len(num_micro_batches) != ranks or len(rank_idle) != ranks:
+    if not ranks or len(num_micro_batches) != ranks or len(rank_idle) != ranks or \
+            (profiled is not None and len(profiled) != ranks):
         raise PlanError(f"calibrate: {ranks} micro-batch sizes, {len(num_micro_batches)} counts and "
                         f"{len(rank_idle)} idle shares; give one of each per rank")
     if not step_s > 0:
@@ -355,7 +359,14 @@ def calibrate(micro_batch_size: Sequence[int], num_micro_batches: Sequence[int],
         if size < 1 or count < 1 or not 0 <= idle < 1:
             raise PlanError(f"calibrate: rank {r} ran {size} x {count} samples idle {idle:.0%}; a rank needs at "
                             "least one sample and an idle share in [0, 1) to be measured")
-        speeds.append(RankSpeed((1 - idle) * step_s / (size * count), max_micro_batch=size if count > 1 else 0))
+        measured = (1 - idle) * step_s / (size * count)
+        if profiled is None:
+            speeds.append(RankSpeed(measured, max_micro_batch=size if count > 1 else 0))
+            continue
+        base = profiled[r]
+        scale = measured / base.sample_s_at(size)
+        speeds.append(RankSpeed(base.sample_s * scale, base.max_micro_batch,
+                                tuple((n, s * scale) for n, s in base.sample_s_by_size)))
     return tuple(speeds)
 
 
