@@ -14,6 +14,7 @@ Settings, each a real `archipelago train --nproc 2` run in this one benchmark:
 * rebalanced: `--parallelism.auto --parallelism.rebalance_after 4`: the island plans at start,
            then splits again from its own first records, in the one run (its throughput from
            the records after the re-plan)
+* rebalanced-even: `--parallelism.rebalance_after 4` alone: from the even split, no profile
 * ideal:   the sum of what each rank trains alone at its own speed (two 1-rank runs,
            rank_slowdown 1 and 2, at the same time, so that each shares the machine with the
            other as the island's ranks do): no waiting and no communication
@@ -56,8 +57,8 @@ from harness import num, ratio, read_jsonl, run_job, run_jobs, run_main, work_ro
 
 from archipelago.island.plan import bubble_fraction  # noqa: E402
 
-SETTINGS = ("even", "hand", "planned", "replanned", "rebalanced", "ideal", "ideal-apart", "pipeline-even-1f1b",
-            "pipeline-planned-1f1b", "pipeline-planned-gpipe", "pipeline-interleaved")
+SETTINGS = ("even", "hand", "planned", "replanned", "rebalanced", "rebalanced-even", "ideal", "ideal-apart",
+            "pipeline-even-1f1b", "pipeline-planned-1f1b", "pipeline-planned-gpipe", "pipeline-interleaved")
 HAND_COUNTS = 3  # SynerFuse's README example, 6 x 3 and 2 x 3 of 24: a 3:1 guess, scaled to the batch
 SLOWDOWN = "1,2"
 
@@ -132,11 +133,11 @@ def replanned_split(args: argparse.Namespace, root: Path, planned: tuple[str, st
 REBALANCE_AFTER = 4  # steps: two records of 2 steps, the first the warm-up's
 
 
-def rebalanced_run(args: argparse.Namespace, root: Path) -> tuple[float, list[float] | None]:
-    """parallelism.auto with rebalance_after: measured after its re-plan."""
-    run_dir = _run(args, root, "rebalanced", _cli("train", "--nproc", "2", *_common(args, root / "rebalanced"),
-                                                  "--island.rank_slowdown", SLOWDOWN, "--parallelism.auto",
-                                                  "--parallelism.rebalance_after", str(REBALANCE_AFTER)))
+def rebalanced_run(args: argparse.Namespace, root: Path, name: str, *start: str) -> tuple[float, list[float] | None]:
+    """rebalance_after from the split `start` gives (auto's, or the even default): measured after its re-plan."""
+    run_dir = _run(args, root, name, _cli("train", "--nproc", "2", *_common(args, root / name),
+                                          "--island.rank_slowdown", SLOWDOWN, *start,
+                                          "--parallelism.rebalance_after", str(REBALANCE_AFTER)))
     return tokens_per_s(run_dir, after_step=REBALANCE_AFTER), rank_idle(run_dir)
 
 
@@ -222,7 +223,8 @@ def main() -> None:
         "even": lambda at: island_run(args, at, "even", None), "hand": lambda at: island_run(args, at, "hand", hand),
         "planned": lambda at: island_run(args, at, "planned", plan),
         "replanned": lambda at: island_run(args, at, "replanned", replan),
-        "rebalanced": lambda at: rebalanced_run(args, at), "ideal": lambda at: ideal(args, at),
+        "rebalanced": lambda at: rebalanced_run(args, at, "rebalanced", "--parallelism.auto"),
+        "rebalanced-even": lambda at: rebalanced_run(args, at, "rebalanced-even"), "ideal": lambda at: ideal(args, at),
         "ideal-apart": lambda at: ideal(args, at, together=False),
         "pipeline-even-1f1b": lambda at: pipeline_run(args, at, "pipeline-even-1f1b", "3,3", "1f1b"),
         "pipeline-planned-1f1b": lambda at: pipeline_run(args, at, "pipeline-planned-1f1b", stages, "1f1b"),
@@ -238,6 +240,7 @@ def main() -> None:
     splits = {"even": f"{args.batch_size // 2} x 1 each", "hand": f"{hand[0]} x {hand[1]}",
               "planned": f"{plan[0]} x {plan[1]}", "replanned": f"{replan[0]} x {replan[1]}",
               "rebalanced": f"auto, then re-planned after step {REBALANCE_AFTER} (rebalanced.log)",
+              "rebalanced-even": f"even, then re-planned after step {REBALANCE_AFTER} (rebalanced-even.log)",
               "ideal": "each rank alone, both at once",
               "ideal-apart": "each rank alone, one after the other",
               "pipeline-even-1f1b": "layers 3,3", "pipeline-planned-1f1b": f"layers {stages}",
