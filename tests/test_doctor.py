@@ -120,8 +120,8 @@ def test_a_peer_with_another_config_fails_naming_what_the_join_would_refuse(peer
 def test_what_stops_the_island_at_its_start_is_a_failed_config_row_not_a_traceback(shakespeare, tmp_path):
     cfg = load_config(["--config", "configs/llama3/federation.toml",
                        "--federation_security.key_file", str(tmp_path / "no-such.key")])
-    fingerprint, rows = doctor.config_checks("federation.toml", cfg, {})
-    assert fingerprint is None and rows[0].status == "FAIL" and "no-such.key" in rows[0].detail, rows
+    fingerprint, row = doctor.config_check("federation.toml", cfg, {})
+    assert fingerprint is None and row.status == "FAIL" and "no-such.key" in row.detail, row
 
 
 def test_activation_checkpointing_changes_the_names_the_join_compares(shakespeare):

@@ -465,25 +465,25 @@ def _compare_fingerprints(name: str, mine: dict[str, Any] | None, theirs: Any) -
 
 # ---- the command ---------------------------------------------------------------------------
 
-def config_checks(path: str, cfg: Any, env: dict[str, str]) -> tuple[dict[str, Any] | None, list[Check]]:
-    """This island's fingerprint (None where the run file cannot give one) and the config rows."""
+def config_check(path: str, cfg: Any, env: dict[str, str]) -> tuple[dict[str, Any] | None, Check]:
+    """This island's fingerprint (None where the run file cannot give one) and its config row."""
     from archipelago.config import ConfigError
     from archipelago.config.torchtitan import ranks_from_environment
 
     try:
         fingerprint = island_fingerprint(cfg, ranks_from_environment(env))
     except (ConfigError, OSError, ValueError) as exc:  # a key file, the data, the model: what the island hits
-        return None, [Check("config", "FAIL", f"{path}: {str(exc)[:300]}",
-                            "fix what the message names: the island would stop there at its start"), check_disk(cfg)]
-    return fingerprint, [Check("config", "info", f"{path}: {_describe(fingerprint)}"), check_disk(cfg)]
+        return None, Check("config", "FAIL", f"{path}: {str(exc)[:300]}",
+                           "fix what the message names: the island would stop there at its start")
+    return fingerprint, Check("config", "info", f"{path}: {_describe(fingerprint)}")
 
 
 def run_checks(args: argparse.Namespace, cfg: Any | None, env: dict[str, str]) -> list[Check]:
     checks = [check_versions(), check_devices()]
     fingerprint = None
     if cfg is not None:
-        fingerprint, rows = config_checks(args.config, cfg, env)
-        checks += rows
+        fingerprint, row = config_check(args.config, cfg, env)
+        checks += [row, check_disk(cfg)]
     lighthouse = args.lighthouse or env.get("TORCHFT_LIGHTHOUSE")
     if lighthouse:
         checks.append(check_lighthouse(lighthouse))
@@ -553,7 +553,7 @@ def _serve_until_stopped(args: argparse.Namespace, cfg: Any | None) -> int:
         print(f"error: --serve {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
-    fingerprint = config_checks(args.config, cfg, dict(os.environ))[0] if cfg is not None else None
+    fingerprint = config_check(args.config, cfg, dict(os.environ))[0] if cfg is not None else None
     listener = serve(host, port, fingerprint, stop)
     print(f"answering doctor checks on {host}:{listener.getsockname()[1]}"
           + (f" ({_describe(fingerprint)})" if fingerprint is not None else "") + "; Ctrl-C stops", flush=True)
