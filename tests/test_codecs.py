@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -193,3 +195,56 @@ def test_a_topk_payload_with_forged_indices_is_refused_not_a_crash():
         bad[head:head + index_bytes] = _pack(forged.int(), codec.index_bits)
         with pytest.raises(PayloadError, match="indices"):
             codec.decode(bad)
+
+
+@pytest.mark.parametrize("numel,chunk,parts", [(1000, 64, 3), (1000, 64, 4), (300, 256, 3), (100, 8, 8)],
+                         ids=["3-parts", "4-parts", "short-last-chunk", "8-parts"])
+def test_topk_segments_decode_to_their_part_of_the_whole_with_the_same_error_feedback(numel, chunk, parts):
+    # Two codecs fed the same rounds: one encodes the whole chunk, the other its segments.
+    whole, split = TopKCodec(numel, 0.1, 2, chunk), TopKCodec(numel, 0.1, 2, chunk)
+    segments = split.segments(parts)
+    assert all(start % chunk == 0 for start, _ in segments) and segments[-1][1] == numel
+    for round_ in range(3):
+        x = _signal(numel, round_)
+        reference = whole.decode(whole.encode(x))
+        payloads = split.encode_segments(x, segments)
+        pieces = [split.for_length(end - start) for start, end in segments]
+        assert [p.numel() for p in payloads] == [piece.payload_bytes() for piece in pieces]
+        stitched = torch.cat([piece.decode(p) for piece, p in zip(pieces, payloads)])
+        assert torch.equal(stitched, reference), f"round {round_}"
+        assert torch.equal(split.error, whole.error)
+
+
+def test_an_exact_sum_round_trips_bit_for_bit_and_forged_ones_are_refused():
+    from archipelago.federation.codecs import PayloadError, pack_sum, sum_bytes_bound, unpack_sum
+
+    total = torch.zeros(37)
+    total[[0, 5, 8, 36]] = torch.tensor([1.5, -2.25e-30, float("inf"), 3.0])
+    payload = pack_sum(total)
+    assert payload.numel() == 5 + 4 * 4  # a 37-bit bitmap in 5 bytes, then 4 fp32 values
+    assert torch.equal(unpack_sum(payload, 37).view(torch.int32), total.view(torch.int32))  # every bit, +0.0 too
+    dense = torch.arange(1.0, 38.0)
+    assert pack_sum(dense).numel() == sum_bytes_bound(37)
+    for forged, reason in [(payload[:-4], "bytes"), (payload[:3], "bitmap"),
+                           (torch.cat([payload[:4], torch.tensor([0xFF], dtype=torch.uint8), payload[5:]]), "past"),
+                           (torch.cat([payload[:-4], torch.zeros(4, dtype=torch.uint8)]), "zero")]:
+        with pytest.raises(PayloadError, match=reason):
+            unpack_sum(forged, 37)
+
+
+def test_auto_takes_the_topk_reduce_scatter_from_the_island_count_where_its_bound_is_smaller():
+    from archipelago.federation.exchange import sparse_two_phase
+
+    numel = 2 ** 20  # 4,096 chunks of 256; 51 values sent per chunk at 20%
+    codec = TopKCodec(numel, 0.2, 2, 256)
+    payload = 4096 * 2 * 2 + 4096 * 51 * (8 + 2) // 8  # two bf16 scales, 8-bit indices and 2-bit codes per chunk
+    assert codec.payload_bytes() == payload
+    # Receiving per island: the all-gather (G - 1) payloads; the reduce-scatter (G - 1) times a
+    # segment payload (payload / G) and a summed segment of n / G values, all nonzero once
+    # G x 51 >= 256: a bitmap and fp32 values. Cheaper once G > 1 + (n/8 + 4n) / payload.
+    threshold = math.floor(1 + (numel / 8 + 4 * numel) / payload) + 1
+    assert threshold == 17
+    assert [g for g in range(2, 40) if sparse_two_phase(codec, g)] == list(range(threshold, 40))
+    for exchange, chosen in [("all_gather", []), ("reduce_scatter", list(range(2, 40)))]:
+        forced = TopKCodec(numel, 0.2, 2, 256, exchange)
+        assert [g for g in range(2, 40) if sparse_two_phase(forced, g)] == chosen

@@ -66,7 +66,7 @@ def _manager(lighthouse: str, island: int, bridge: int, width: int, store_port: 
 def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, rounds: int,
             lighthouse: str, store_ports: list[int], poisons: dict, codec: str, init_sync: bool,
             block: int, moments: bool, secret: str | list[str] | None, aggregation: str,
-            lying_moments: tuple[int, int] | None, moments_dtype: str, out: dict) -> None:
+            lying_moments: tuple[int, int] | None, moments_dtype: str, exchange: str, out: dict) -> None:
     torch.set_num_threads(1)  # up to 4 processes on 2 cores: more threads only wait for each other
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=proc, world_size=sum(sizes))
@@ -79,7 +79,8 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
         ft = FaultToleranceConfig(enable=True, group_size=len(sizes), min_replica_size=len(sizes),
                                   replica_id=island, sync_steps=ROUND, semi_sync_method="local_sgd",
                                   outer_weighting=weighting, sync_width=width, codec=codec,
-                                  topk_fraction=0.1, codec_block_size=block, init_sync=init_sync,
+                                  topk_fraction=0.1, codec_block_size=block, topk_chunk_size=block,
+                                  topk_exchange=exchange, init_sync=init_sync,
                                   average_optimizer_state=moments, outer_aggregation=aggregation,
                                   moments_dtype=moments_dtype)
         model = _model()
@@ -142,7 +143,7 @@ def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
               poisons: dict[int, Poison] | None = None, codec: str = "fp32", init_sync: bool = True,
               block: int = 16, moments: bool = False, secret: str | list[str] | None = None,
               aggregation: str = "mean", lying_moments: tuple[int, int] | None = None,
-              moments_dtype: str = "fp32") -> dict:
+              moments_dtype: str = "fp32", exchange: str = "auto") -> dict:
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
@@ -154,7 +155,7 @@ def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
             spawn_ranks(_worker, nprocs=sum(sizes),
                         args=(_free_port(), sizes, width, weighting, rounds, lighthouse.address(),
                               [s.port for s in stores], poisons or {}, codec, init_sync, block, moments, secret,
-                              aggregation, lying_moments, moments_dtype, out))
+                              aggregation, lying_moments, moments_dtype, exchange, out))
             return dict(out)
     finally:
         lighthouse.shutdown()
@@ -448,6 +449,41 @@ def test_islands_with_a_codec_stay_bit_identical(codec, sizes, block, atol):
 
         row = 16 + -(-max(Int8Codec(n, 16).payload_bytes() for n in (16, 16, 21)) // 8) * 8
         assert out[(0, 1, "bytes")] == (2 * row + row, 2 * row + 2 * row)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("islands,signed", [(3, False), (4, True)], ids=["3-islands", "4-islands-signed"])
+def test_topk_reduce_scatter_equals_the_all_gather_bit_for_bit(islands, signed):
+    # Chunks of 8 values, 10% of each sent (one value): 53 values in 7 chunks, cut into one
+    # segment of whole chunks per island. The same rounds through both paths end with the
+    # same weights on every island, every bit, for three rounds of error feedback.
+    sizes, rounds, secret = [1] * islands, 3, new_secret() if signed else None
+    paths = {exchange: _federate(sizes, 1, "tokens", rounds, codec="topk", block=8, secret=secret, exchange=exchange)
+             for exchange in ("all_gather", "reduce_scatter")}
+    start = _flat(_model())
+    for round_ in range(1, rounds + 1):
+        reference = paths["all_gather"][(0, round_)][0]
+        assert not torch.equal(reference, start) and torch.isfinite(reference).all()
+        for exchange, out in paths.items():
+            for proc in range(islands):
+                flat, _, rejected, committed, _ = out[(proc, round_)]
+                assert committed and rejected is None
+                assert torch.equal(flat, reference), f"{exchange}, island {proc}, round {round_}"
+    # Each path moved what it should: the all-gather a whole payload from every other island;
+    # the reduce-scatter one segment from each, their sums' sizes (8 bytes) and summed segments.
+    from archipelago.federation.codecs import TopKCodec, sum_bytes_bound
+    from archipelago.federation.exchange import Framing
+
+    framing = Framing(key=FederationKey(bytes.fromhex(secret))) if signed else Framing()
+    whole = TopKCodec(53, 0.1, 2, 8)
+    assert paths["all_gather"][(0, 1, "bytes")] == (framing.row_bytes(whole.payload_bytes()),
+                                                    (islands - 1) * framing.row_bytes(whole.payload_bytes()))
+    segment_row = framing.row_bytes(max(whole.for_length(e - s).payload_bytes() for s, e in whole.segments(islands)))
+    sent, received = paths["reduce_scatter"][(0, 1, "bytes")]
+    sum_row = sent - (islands - 1) * segment_row - 8  # the largest exact sum: its size varies by round
+    longest = max(e - s for s, e in whole.segments(islands))
+    assert framing.row_bytes(0) < sum_row <= framing.row_bytes(sum_bytes_bound(longest))
+    assert received == (islands - 1) * (segment_row + 8 + sum_row)
 
 
 @pytest.mark.timeout(240)

@@ -12,14 +12,21 @@ Two ways to move the rows, both leaving every island with bit-identical results:
 * all-gather (fp32, top-k, and any codec between two islands): every island receives
   every row, decodes all of them and sums `w_k * decode(payload_k)` in fp32, in the same
   order (replica rank).
-* reduce-scatter, then all-gather (bf16 and int8 with three or more islands): the chunk
+* reduce-scatter, then all-gather (bf16 and int8 with three or more islands; top-k when
+  `topk_exchange` says so): the chunk
   is cut into one segment per island. An all-to-all hands island j everyone's encoded
   segment j; it inspects them, the islands all-gather what they found (a small table),
   so every island judges every contribution from all its segments; island j then sums
   the accepted ones in fp32 (replica order), encodes that sum again and the islands
   all-gather the summed segments. Each island then sends and receives about
   2 x (G-1)/G payloads instead of G - 1, at the price of a second rounding, and trusts
-  island j with the sum of segment j.
+  island j with the sum of segment j. Top-k's segments are whole chunks of its own, cut
+  from one selection over the whole chunk (so its error feedback is unchanged), and its
+  sums are not rounded again: island j all-gathers its sum exactly, as a bitmap of the
+  nonzero values and those values in fp32 (codecs.pack_sum), after the islands have
+  all-gathered the sums' sizes. Each island decodes and receives then about one payload
+  plus one summed chunk (at most ~4.1 bytes per value) whatever the number of islands,
+  instead of G - 1 payloads, and ends with the all-gather's result bit for bit.
 
 The exchange runs in three calls, so that the outer loop can combine what the island's
 bridge ranks found between them: `start_gather`, `inspect_gather` (a table of what each
@@ -28,13 +35,14 @@ row claims and holds), `finish_gather` (the sum with the weights the receivers d
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from archipelago.federation.codecs import Codec, PayloadError
+from archipelago.federation.codecs import Codec, PayloadError, pack_sum, sum_bytes_bound, unpack_sum
 from archipelago.federation.policy import FRAME_MALFORMED, FRAME_OK, FRAME_UNSIGNED
 from archipelago.federation.trust import (
     HEADER_BYTES as SIGNED_HEADER_BYTES,
@@ -158,9 +166,25 @@ class _Done:
 
 
 def two_phase(codec: Codec, participants: int) -> bool:
-    """Reduce-scatter + all-gather pays off from three islands on, for codecs whose
-    segments encode on their own (not top-k, whose error feedback spans the chunk)."""
+    """Reduce-scatter + all-gather: for dense codecs whose segments encode on their own,
+    from three islands on; for top-k as its `exchange` says (`sparse_two_phase`)."""
+    if codec.sparse:
+        return sparse_two_phase(codec, participants)
     return codec.align > 0 and participants >= 3
+
+
+def sparse_two_phase(codec: Any, participants: int) -> bool:
+    """Whether top-k payloads take the reduce-scatter: forced by `exchange`, or, with
+    `auto`, when an island's received bytes are bounded lower that way: a segment payload
+    and the largest exact sum of a segment from each other island, against a whole
+    payload from each (the same on every island: it depends on the config alone)."""
+    if participants < 2 or codec.exchange == "all_gather":
+        return False
+    if codec.exchange == "reduce_scatter":
+        return True
+    pieces = [codec.for_length(end - start) for start, end in codec.segments(participants)]
+    scattered = max(p.payload_bytes() + sum_bytes_bound(p.numel, p.sum_nonzeros(participants)) for p in pieces)
+    return scattered < codec.payload_bytes()
 
 
 def wire_device(manager: Any, device: torch.device) -> torch.device:
@@ -175,6 +199,16 @@ def _encoded(codec: Codec, x: torch.Tensor, weight: float) -> torch.Tensor:
     if weight:
         return codec.encode(x)
     return torch.zeros(codec.payload_bytes(), dtype=torch.uint8, device=x.device)
+
+
+def _segment_payloads(codec: Codec, pieces: list[Codec], segments: list[tuple[int, int]], x: torch.Tensor,
+                      weight: float) -> list[torch.Tensor]:
+    """One payload per segment; zeros for an island of weight 0 (its codec state untouched)."""
+    if not weight:
+        return [torch.zeros(piece.payload_bytes(), dtype=torch.uint8, device=x.device) for piece in pieces]
+    if codec.sparse:  # one selection over the whole chunk, cut into the segments' chunks
+        return codec.encode_segments(x, segments)  # type: ignore[attr-defined]
+    return [piece.encode(x[start:end]) for piece, (start, end) in zip(pieces, segments)]
 
 
 def _managed(manager: Any, start: Any, outputs: Any) -> Any:
@@ -199,6 +233,25 @@ def allgather(manager: Any, payload: torch.Tensor, count: int) -> tuple[Any, lis
     return _managed(manager, lambda: manager._pg.allgather([outputs], [payload], AllgatherOptions()), outputs), outputs
 
 
+def round_received(codec: Codec, participants: int, framing: Framing) -> int:
+    """Bytes one island receives in one exchange of `participants` islands, as the
+    exchange below counts them (for the simulator: federation/simulate.py). A top-k
+    reduce-scatter's summed segments vary with how many values the islands' choices share:
+    counted here at the expected union of independent choices, 1 - (1 - k/chunk)^G."""
+    if participants < 2:
+        return 0
+    if not two_phase(codec, participants):
+        return (participants - 1) * framing.row_bytes(codec.payload_bytes())
+    pieces = [codec.for_length(end - start) for start, end in codec.segments(participants)]
+    segment = framing.row_bytes(max(piece.payload_bytes() for piece in pieces))
+    if not codec.sparse:
+        return 2 * (participants - 1) * segment
+    share = 1 - (1 - codec.k / codec.chunk) ** participants  # type: ignore[attr-defined]
+    numel = max(piece.numel for piece in pieces)
+    summed = framing.row_bytes(math.ceil(numel / 8) + 4 * math.ceil(share * numel))
+    return (participants - 1) * (segment + 8 + summed)
+
+
 def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, tokens: int,
                  weight: float, framing: Framing) -> Gathered:
     """Encode this island's chunk and start the exchange (through torchft's process group).
@@ -215,9 +268,9 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
         segments = codec.segments(participants)
         pieces = [codec.for_length(end - start) for start, end in segments]
         size = framing.row_bytes(max(piece.payload_bytes() for piece in pieces))
-        send = torch.stack([framing.frame(tokens, weight, _encoded(piece, pseudo_gradient[start:end], weight),
-                                          size, ROUND_SEGMENT, j).to(wire)
-                            for j, (piece, (start, end)) in enumerate(zip(pieces, segments))])
+        payloads = _segment_payloads(codec, pieces, segments, pseudo_gradient, weight)
+        send = torch.stack([framing.frame(tokens, weight, payload, size, ROUND_SEGMENT, j).to(wire)
+                            for j, payload in enumerate(payloads)])
         received = torch.zeros_like(send)
         encode_s = time.perf_counter() - began
         rank = manager.participating_rank()
@@ -352,16 +405,28 @@ def aggregate(values: list[torch.Tensor], weights: list[float], trimmed: bool = 
 
 def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, weights: list[float],
                       manager: Any, trimmed: bool) -> None:
-    """Sum this island's segment, encode the sum again and all-gather the summed segments."""
+    """Sum this island's segment, encode the sum (dense codecs: again with the codec;
+    top-k: exactly, `pack_sum`) and all-gather the summed segments."""
     segments = gathered.segments
     assert segments is not None, "a two-phase exchange always has segments"
     pieces = [codec.for_length(end - start) for start, end in segments]
     mine = pieces[gathered.rank]
     total = _weighted_sum(gathered.payloads, mine, weights, mine.numel, into.device, trimmed)
+    wire = wire_device(manager, into.device)
+    if codec.sparse:
+        payload = pack_sum(total)
+        bounds = [sum_bytes_bound(piece.numel, piece.sum_nonzeros(len(pieces))) for piece in pieces]  # type: ignore[attr-defined]
+        sizes = _sum_sizes(gathered, manager, payload.numel(), [piece.numel for piece in pieces], bounds, wire)
+        if sizes is None:
+            into.zero_()
+            return
+    else:
+        payload = mine.encode(total)
+        sizes = [piece.payload_bytes() for piece in pieces]
     framing = gathered.framing
-    size = framing.row_bytes(max(piece.payload_bytes() for piece in pieces))
-    row = replace(framing, forge=None).frame(0.0, sum(weights), mine.encode(total), size, ROUND_SUM, gathered.rank)
-    work, outputs = allgather(manager, row.to(wire_device(manager, into.device)), len(segments))
+    size = framing.row_bytes(max(sizes))
+    row = replace(framing, forge=None).frame(0.0, sum(weights), payload, size, ROUND_SUM, gathered.rank)
+    work, outputs = allgather(manager, row.to(wire), len(segments))
     work.wait()
     gathered.sent += size
     gathered.received += size * (len(segments) - 1)
@@ -370,14 +435,35 @@ def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, weig
         return
     # Every island decodes the same summed segments: the same bytes, the same result.
     for j, (piece, (start, end), out) in enumerate(zip(pieces, segments, outputs)):
-        _, _, _, payload, frame = framing.open(out, piece.payload_bytes(), ROUND_SUM, j)
+        _, _, _, payload, frame = framing.open(out, sizes[j], ROUND_SUM, j)
         if payload is None or frame != FRAME_OK:
             manager.report_error(FrameRefused(f"the sum of segment {j} is not signed by the federation's key"))
             into.zero_()
             return
         try:
-            into[start:end] = piece.decode(payload).to(into.device)
+            values = unpack_sum(payload, end - start) if codec.sparse else piece.decode(payload)
+            into[start:end] = values.to(into.device)
         except PayloadError as exc:
             manager.report_error(exc)
             into.zero_()
             return
+
+
+def _sum_sizes(gathered: Gathered, manager: Any, mine: int, lengths: list[int], bounds: list[int],
+               wire: torch.device) -> list[int] | None:
+    """Every island's exact-sum payload size, all-gathered (8 bytes each), so that the sums
+    can cross as rows of one size. A size no sum of its segment can have fails the round
+    on every island alike (they all see the same table)."""
+    work, outputs = allgather(manager, torch.tensor([mine], dtype=torch.int64, device=wire), len(lengths))
+    work.wait()
+    gathered.sent += 8
+    gathered.received += 8 * (len(lengths) - 1)
+    if manager.errored() is not None:
+        return None
+    sizes = [int(out.cpu()[0]) for out in outputs]
+    for j, (got, numel, bound) in enumerate(zip(sizes, lengths, bounds)):
+        if not math.ceil(numel / 8) <= got <= bound:
+            manager.report_error(PayloadError(f"island at replica rank {j} announced a sum of {got} bytes "
+                                              f"for a segment of {numel} values"))
+            return None
+    return sizes

@@ -273,7 +273,7 @@ def _codec(ft: FaultToleranceConfig) -> str:
     if name == "int8":
         return f"int8(block {ft.codec_block_size})"
     if name == "topk":
-        return f"topk({ft.topk_fraction:g}, {ft.topk_bits} bits, chunk {ft.topk_chunk_size})"
+        return f"topk({ft.topk_fraction:g}, {ft.topk_bits} bits, chunk {ft.topk_chunk_size}, {ft.topk_exchange})"
     return name
 
 

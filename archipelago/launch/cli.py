@@ -51,6 +51,9 @@ commands:
                  `config show [--config FILE] [overrides]` prints the resolved config;
                  `config convert FILE` prints a torchtitan-format run file as ours
   secret new     print a new federation secret (`archipelago secret new > fed.key`)
+  simulate SCENARIO
+                 a federation of 10 to 1,000 islands on a simulated clock: utilisation,
+                 goodput, bytes, failures (--islands N ..., --hours H)
   doctor         check, in seconds, why this island cannot reach the others: lighthouse,
                  LOCAL_ADDR, interfaces, ports, peers (latency, bandwidth, versions,
                  config fingerprint, clocks), devices, disk; a fix per failing line
@@ -500,10 +503,16 @@ def convert_config(argv: list[str]) -> int:
     return 0
 
 
+def cmd_simulate(argv: list[str]) -> int:
+    from archipelago.federation.simulate import cli
+
+    return cli(argv)
+
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train, "data": cmd_data, "models": cmd_models, "report": cmd_report,
     "config": cmd_config, "export": cmd_export, "generate": cmd_generate, "lighthouse": cmd_lighthouse,
-    "local": cmd_local, "secret": cmd_secret, "plan": cmd_plan, "doctor": cmd_doctor,
+    "local": cmd_local, "secret": cmd_secret, "plan": cmd_plan, "doctor": cmd_doctor, "simulate": cmd_simulate,
 }
 
 

@@ -35,6 +35,7 @@ class Codec:
 
     name = "fp32"
     align = 0  # > 0: any run of whole blocks of `align` values encodes on its own (for_length)
+    sparse = False  # True: payloads hold some of the values (the exchange sums them exactly, exchange.py)
 
     def __init__(self, numel: int) -> None:
         self.numel = numel
@@ -145,10 +146,12 @@ class TopKCodec(Codec):
     """
 
     name = "topk"
+    sparse = True
 
-    def __init__(self, numel: int, fraction: float, bits: int, chunk: int = 256) -> None:
+    def __init__(self, numel: int, fraction: float, bits: int, chunk: int = 256, exchange: str = "auto") -> None:
         super().__init__(numel)
-        self.chunk = max(1, min(chunk, numel))
+        self.fraction, self.exchange = fraction, exchange
+        self.chunk = self.align = max(1, min(chunk, numel))
         self.chunks = max(1, math.ceil(numel / self.chunk))
         self.k = max(1, min(self.chunk, round(fraction * self.chunk)))  # sent per chunk
         self.bits = bits
@@ -156,6 +159,22 @@ class TopKCodec(Codec):
         self.magnitudes = 2 ** (bits - 1)
         self.n_scales = 1 if self.magnitudes == 1 else 2  # bf16 per chunk: mean, or smallest and largest
         self.error = torch.zeros(numel, dtype=torch.float32)  # what was not sent yet
+
+    def for_length(self, numel: int) -> Codec:
+        """The encoding of a segment of whole chunks of this codec (the last one may be
+        partial, as this codec's own last chunk): chunks as wide as this codec's, whatever
+        the segment's length, so the segment decodes to exactly its part of the chunk."""
+        piece = TopKCodec(max(numel, 1), self.fraction, self.bits, self.chunk, self.exchange)
+        piece.numel, piece.chunks = numel, max(1, math.ceil(numel / self.chunk))
+        piece.chunk = piece.align = self.chunk
+        piece.k, piece.index_bits = self.k, self.index_bits
+        piece.error = torch.zeros(numel, dtype=torch.float32)
+        return piece
+
+    def sum_nonzeros(self, contributors: int) -> int:
+        """The most nonzero values a sum of `contributors` payloads can have: each sends
+        `k` values per chunk."""
+        return min(self.numel, self.chunks * min(self.chunk, contributors * self.k))
 
     def _sizes(self) -> tuple[int, int, int]:
         """Payload bytes of the scales, the indices and the codes."""
@@ -166,6 +185,22 @@ class TopKCodec(Codec):
         return sum(self._sizes())
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self._payload(*self._select(x))
+
+    def encode_segments(self, x: torch.Tensor, segments: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """One payload per (start, end) segment of whole chunks (`segments()`), each what
+        `for_length(end - start)` decodes to exactly `decode(encode(x))[start:end]`: the
+        chunks are chosen once, over the whole chunk, so the error feedback is the same as
+        `encode`'s."""
+        scales, index, codes = self._select(x)
+        rows = [(start // self.chunk, -(-end // self.chunk) if end > start else start // self.chunk)
+                for start, end in segments]
+        return [self._payload(scales[a:b], index[a:b], codes[a:b]) if b > a else
+                self.for_length(0).encode(x[:0]) for a, b in rows]
+
+    def _select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each chunk's sent values as (bf16 scales, ascending indices, codes); what is not
+        sent, or lost to quantization, becomes the error feedback."""
         self.error = self.error.to(x.device)
         chunks = torch.zeros(self.chunks * self.chunk, dtype=torch.float32, device=x.device)
         chunks[:self.numel] = x.detach().float() + self.error
@@ -179,12 +214,13 @@ class TopKCodec(Codec):
         else:
             scales = torch.stack([magnitude.amin(dim=1), magnitude.amax(dim=1)], dim=1).to(torch.bfloat16)
         codes = self._quantize(values, scales.float())
-        payload = torch.cat([scales.flatten().view(torch.uint8), _pack(index, self.index_bits),
-                             _pack(codes, self.bits)])
         # Keep what was not sent, including what quantization lost of what was.
         chunks.scatter_(1, index, values - self._dequantize(codes, scales.float()))
         self.error = chunks.flatten()[:self.numel].clone()
-        return payload
+        return scales, index, codes
+
+    def _payload(self, scales: torch.Tensor, index: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        return torch.cat([scales.flatten().view(torch.uint8), _pack(index, self.index_bits), _pack(codes, self.bits)])
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         sent = self.chunks * self.k
@@ -243,6 +279,41 @@ def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return (lanes << torch.arange(bits, device=packed.device, dtype=torch.int32)).sum(dim=1, dtype=torch.int32)
 
 
+def pack_sum(total: torch.Tensor) -> torch.Tensor:
+    """An exact, sparse form of a sum of sparse payloads: a bitmap of its nonzero values
+    (one bit per value, lowest bit first), then those values as fp32 in index order.
+    Every zero of such a sum is +0.0 (it starts from +0.0 and round-to-nearest never
+    makes -0.0 of a sum), so unpacking gives back the same bits."""
+    nonzero = total != 0
+    return torch.cat([_pack(nonzero.to(torch.int32), 1), total[nonzero].float().contiguous().view(torch.uint8)])
+
+
+def unpack_sum(payload: torch.Tensor, numel: int) -> torch.Tensor:
+    """The `numel` fp32 values of `pack_sum`'s payload; anything else is a PayloadError."""
+    head = math.ceil(numel / 8)
+    if payload.numel() < head:
+        raise PayloadError("a summed segment shorter than its bitmap")
+    bits = _unpack(payload[:head], 1, head * 8)
+    if bool(bits[numel:].any()):  # a device sync
+        raise PayloadError("a summed segment with bits set past its values")
+    nonzero = bits[:numel].bool()
+    count = int(nonzero.sum())
+    if payload.numel() != head + 4 * count:
+        raise PayloadError(f"a summed segment of {payload.numel()} bytes where its bitmap says {head + 4 * count}")
+    values = payload[head:].clone().view(torch.float32)
+    if bool((values == 0).any()):
+        raise PayloadError("a summed segment that lists a zero as a nonzero value")
+    out = torch.zeros(numel, dtype=torch.float32, device=payload.device)
+    out[nonzero] = values
+    return out
+
+
+def sum_bytes_bound(numel: int, nonzeros: int | None = None) -> int:
+    """The most bytes `pack_sum` makes of `numel` values with at most `nonzeros` of them
+    nonzero (default: all)."""
+    return math.ceil(numel / 8) + 4 * (numel if nonzeros is None else min(numel, nonzeros))
+
+
 def build_codec(ft: FaultToleranceConfig, numel: int) -> Codec:
     """The codec for one chunk of `numel` values."""
     name = effective_codec(ft)
@@ -251,7 +322,7 @@ def build_codec(ft: FaultToleranceConfig, numel: int) -> Codec:
     if name == "int8":
         return Int8Codec(numel, ft.codec_block_size)
     if name == "topk":
-        return TopKCodec(numel, ft.topk_fraction, ft.topk_bits, ft.topk_chunk_size)
+        return TopKCodec(numel, ft.topk_fraction, ft.topk_bits, ft.topk_chunk_size, ft.topk_exchange)
     return Codec(numel)
 
 
