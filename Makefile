@@ -12,7 +12,7 @@ SKY_VENV := .venv-skypilot
 STAMP := $(VENV)/.installed
 
 
-.PHONY: setup browser demo demo-island test test-slow test-gpu test-deploy slurm lint bench bench-gpu bench-federation bench-heterogeneous bench-wan bench-quality docs clean
+.PHONY: setup browser demo demo-island test test-slow test-gpu test-deploy slurm lint bench bench-gpu bench-federation bench-heterogeneous bench-wan bench-quality bench-scale docs clean
 
 setup: $(STAMP) data browser
 
@@ -113,6 +113,11 @@ bench-quality: setup
 # DDP vs DiLoCo codecs over network namespaces with tbf-shaped links (needs root); about 7 minutes.
 bench-wan: setup
 	$(BIN)/python bench/wan.py
+
+# Top-k's two exchange paths at 2-8 islands on loopback, then the simulator against measured runs (~16 min).
+bench-scale: setup
+	$(BIN)/python bench/scale.py
+	$(BIN)/python bench/simulate_check.py
 
 docs: $(STAMP)
 	$(BIN)/archipelago config reference > docs/configuration.md

@@ -126,3 +126,86 @@ def test_the_cli_prints_a_table_per_island_count(tmp_path, capsys):
 
     runs = json.loads(out.read_text())
     assert [r["islands"] for r in runs] == [3, 5] and all(r["hours"] == 2 for r in runs)
+
+
+def _write_run(root: Path, records: dict[int, list[dict]], events: list[dict], pacing: dict) -> Path:
+    """A run directory as `archipelago local` leaves one, with just what the replay reads."""
+    import json
+
+    for k, recs in records.items():
+        island = root / f"island-{k}"
+        island.mkdir(parents=True)
+        config = {"fault_tolerance": {"round_pacing": "time", "sync_steps": 10, "min_inner_steps": 1,
+                                      "max_inner_steps": 1000, "outer_weighting": "tokens", "num_fragments": 1,
+                                      **pacing},
+                  "training": {"batch_size": 2}, "data": {"seq_len": 8}}
+        (island / "config.json").write_text(json.dumps(config))
+        (island / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (root / "federation.json").write_text(json.dumps({"events": events}))
+    return root
+
+
+def _outer(step: int, t: float, steps: int, weight: float, elapsed: list[float] | None, healed: bool = False) -> dict:
+    record = {"event": "outer_step", "time": t, "outer_step": step, "committed": True, "sync_s": 0.5,
+              "healed": healed, "inner_steps": steps, "weight": weight, "rejected": None}
+    if elapsed is not None:
+        record["pacing_elapsed_s"] = elapsed
+    return record
+
+
+def test_replay_recomputes_pacing_weights_and_members_and_names_each_difference(tmp_path):
+    from archipelago.federation.replay import compare, replayed
+
+    # Rounds of 3 s: island 0's steps of 1 s end it after 3 (2.5 + 0.5 >= 3), island 1's of
+    # 1.4 s after 2 (2.8 + 0.7 >= 3). Island 1 dies at t=9 and asks to join again at t=12.
+    fast, slow = [1.0, 2.0, 3.0], [1.4, 2.8]
+    records = {
+        0: [{"event": "join", "time": 0.0}, _outer(1, 1.0, 0, 0.0, []), _outer(2, 5.0, 3, 48.0, fast),
+            _outer(3, 9.0, 3, 48.0, fast), _outer(4, 13.6, 3, 48.0, fast), _outer(5, 17.0, 3, 48.0, fast)],
+        1: [{"event": "join", "time": 0.2}, _outer(1, 1.0, 0, 0.0, []), _outer(2, 5.0, 2, 32.0, slow),
+            {"event": "join", "time": 12.0}, _outer(4, 13.6, 0, 0.0, [], healed=True),
+            _outer(5, 17.0, 2, 32.0, slow)]}
+    events = [{"event": "join", "time": 0.0, "island": 0}, {"event": "join", "time": 0.2, "island": 1},
+              {"event": "kill", "time": 7.0, "island": 1}, {"event": "join", "time": 12.0, "island": 1}]
+    run = _write_run(tmp_path / "run", records, events, {"round_seconds": 3.0})
+    assert compare(run) == []
+    members = {(d.outer_step, d.island): d.participants for d in replayed(run)}
+    assert members[(3, 0)] == (0,) and members[(4, 1)] == (0, 1) and members[(2, 1)] == (0, 1)
+    # A record that disagrees with the decisions is named: island 1 claims 3 steps in round 5.
+    records[1][-1] = _outer(5, 17.0, 3, 48.0, slow)
+    run = _write_run(tmp_path / "forged", records, events, {"round_seconds": 3.0})
+    [(want, got)] = compare(run)
+    assert (want.inner_steps, got.inner_steps, got.weight) == (3, 2, 32.0)
+
+
+def test_replay_refuses_a_run_recorded_without_its_pacing(tmp_path):
+    from archipelago.federation.replay import replayed
+
+    records = {0: [{"event": "join", "time": 0.0}, _outer(1, 1.0, 0, 0.0, None), _outer(2, 5.0, 3, 48.0, None)]}
+    run = _write_run(tmp_path / "run", records, [{"event": "join", "time": 0.0, "island": 0}],
+                     {"round_seconds": 3.0})
+    with pytest.raises(ConfigError, match="pacing_elapsed_s"):
+        replayed(run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_recorded_federation_with_a_kill_and_a_restart_replays_exactly(tmp_path):
+    from conftest import run_cli
+
+    from archipelago.federation.replay import compare, recorded
+
+    run = tmp_path / "run"
+    done = run_cli(["local", "--islands", "1,1", "--no-table", "--kill", "1@30", "--restart-after", "3",
+                    "--config", "configs/llama3/federation.toml", "--training.steps", "100000",
+                    "--training.time_budget_s", "60", "--fault_tolerance.round_pacing", "time",
+                    "--fault_tolerance.round_seconds", "6", "--training.batch_size", "4", "--checkpoint.no_enable",
+                    "--training.val_every", "100000", "--metrics.no_tensorboard", "--job.run_dir", str(run)],
+                   timeout=400)
+    assert done.returncode == 0, done.output[-3000:]
+    rounds = recorded(run)
+    alone = [r for r in rounds if r.participants == (0,)]
+    rejoined = [r for r in rounds if r.island == 1 and r.inner_steps == 0 and r.outer_step > 1]
+    assert alone and rejoined, rounds  # the kill left island 0 alone; island 1 came back through a join
+    differ = compare(run)
+    assert differ == [], "\n".join(f"recorded {want}\nreplayed {got}" for want, got in differ)

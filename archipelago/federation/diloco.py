@@ -129,6 +129,9 @@ class OuterReport:
     exposed_s: float = 0.0        # seconds the island then still waited for the exchange
     untimed_s: float = 0.0        # seconds of evaluation and checkpointing in the round (busy, not training)
     global_hash: str | None = None
+    # Time pacing: the seconds from the round's start at each inner step's end, what
+    # round_is_up decided on (this rank's clock), so that a recorded run can be replayed.
+    pacing_elapsed_s: list[float] | None = None
 
 
 @dataclass
@@ -194,6 +197,7 @@ class OuterLoop:
         self.round_tokens = 0             # this island's tokens since the last exchange
         self.fragment_tokens = [0] * len(fragments)  # ... since each fragment's last exchange
         self.round_steps, self.round_compute_s, self.round_untimed_s = 0, 0.0, 0.0
+        self.round_elapsed: list[float] = []
         self.federation_tokens = 0        # tokens the whole federation trained (at the last outer step)
         self.tokens_ratio = float(ft.group_size)  # federation tokens per own token, last round
         self._scale_inner_batch()
@@ -246,6 +250,7 @@ class OuterLoop:
         """Time pacing: end the round now? (policy.round_is_up; all ranks must agree)"""
         now = time.monotonic()
         step_s, self._last_step_end = now - self._last_step_end, now
+        self.round_elapsed.append(now - self.round_start)
         ft = self.ft
         up = round_is_up(self.local_step, ft.min_inner_steps, ft.max_inner_steps, now - self.round_start,
                          step_s, ft.round_seconds)
@@ -469,8 +474,10 @@ class OuterLoop:
                              bytes_received=received,
                              encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=decode_s,
                              overlap_s=blocked_since - p.started, exposed_s=exposed_s,
-                             untimed_s=self.round_untimed_s)
+                             untimed_s=self.round_untimed_s,
+                             pacing_elapsed_s=self.round_elapsed if self.ft.round_pacing == "time" else None)
         self.round_steps, self.round_compute_s, self.round_untimed_s = 0, 0.0, 0.0
+        self.round_elapsed = []
         if self.numel <= HASH_EVERY_ROUND_MAX_NUMEL:
             report.global_hash = self.global_hash()
         self.round_start = self._last_step_end = time.monotonic()
@@ -722,7 +729,10 @@ def _codec_state(codec: Codec) -> dict[str, Any]:
 
 
 def report_record(report: OuterReport) -> dict[str, Any]:
-    return asdict(report)
+    record = asdict(report)
+    if record["pacing_elapsed_s"] is None:  # steps-paced rounds: nothing to replay
+        del record["pacing_elapsed_s"]
+    return record
 
 
 def _shape_problem(ours: Any, theirs: Any, where: str) -> str | None:

@@ -435,13 +435,13 @@ def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, weig
         return
     # Every island decodes the same summed segments: the same bytes, the same result.
     for j, (piece, (start, end), out) in enumerate(zip(pieces, segments, outputs)):
-        _, _, _, payload, frame = framing.open(out, sizes[j], ROUND_SUM, j)
-        if payload is None or frame != FRAME_OK:
+        _, _, _, opened, frame = framing.open(out, sizes[j], ROUND_SUM, j)
+        if opened is None or frame != FRAME_OK:
             manager.report_error(FrameRefused(f"the sum of segment {j} is not signed by the federation's key"))
             into.zero_()
             return
         try:
-            values = unpack_sum(payload, end - start) if codec.sparse else piece.decode(payload)
+            values = unpack_sum(opened, end - start) if codec.sparse else piece.decode(opened)
             into[start:end] = values.to(into.device)
         except PayloadError as exc:
             manager.report_error(exc)

@@ -150,6 +150,8 @@ class Report:
     tokens: int
     ideal_tokens: float
     islands: list[IslandStats] = field(default_factory=list)
+    ended_s: float = 0.0   # when the last round ended (past the horizon: a round started before it runs out)
+    joined_s: float = 0.0  # when the first round (the join) ended
 
     @property
     def goodput(self) -> float:
@@ -212,6 +214,7 @@ class Simulation:
             self.failures = [(t, k) for k, t in fail_at]
         heapq.heapify(self.failures)
         self.steps = {g.step_s: round_steps(self.ft, g.step_s) for g in self.islands}
+        self.joined_s = 0.0
 
     def _schedule_failure(self, k: int, after: float) -> None:
         mtbf = self.islands[k].mtbf_hours
@@ -245,12 +248,14 @@ class Simulation:
                 t = min((u for u in self.up_at if u > t), default=horizon)
                 continue
             t, ok = self._round(t, live, outer)
+            if rounds == 0:
+                self.joined_s = t
             rounds += 1
             committed += ok
             outer += ok
         ideal = sum(horizon / g.step_s * g.tokens_per_step for g in self.islands)
         return Report(self.s.settings.hours, rounds, committed, rounds - committed,
-                      sum(s.tokens for s in self.stats), ideal, self.stats)
+                      sum(s.tokens for s in self.stats), ideal, self.stats, ended_s=t, joined_s=self.joined_s)
 
     def _round(self, start: float, live: list[int], outer: int) -> tuple[float, bool]:
         """One round from `start` with the islands `live`; returns (its end, committed)."""
@@ -397,13 +402,20 @@ def cli(argv: list[str]) -> int:
     import json
 
     p = argparse.ArgumentParser(prog="archipelago simulate", description=SIMULATE_HELP)
-    p.add_argument("scenario", help="scenario TOML file (configs/scenarios/*.toml)")
+    p.add_argument("scenario", nargs="?", help="scenario TOML file (configs/scenarios/*.toml)")
+    p.add_argument("--replay", type=Path, default=None, metavar="RUN_DIR",
+                   help="instead: replay a recorded `archipelago local` run's rounds through the simulator's "
+                        "decisions and list every round where they differ from the record")
     p.add_argument("--islands", type=int, nargs="+", default=None,
                    help="scale the scenario's groups to these island counts, one run each")
     p.add_argument("--hours", type=float, default=None, help="simulated hours (default: the scenario's)")
     p.add_argument("--seed", type=int, default=None, help="failure times' seed (default: the scenario's)")
     p.add_argument("--json", type=Path, default=None, help="write every run's summary here as JSON")
     args = p.parse_args(argv)
+    if args.replay is not None:
+        return _replay(args.replay)
+    if args.scenario is None:
+        p.error("give a scenario file, or --replay RUN_DIR")
     scenario = load_scenario(args.scenario)
     settings = replace(scenario.settings, **{k: v for k, v in (("hours", args.hours), ("seed", args.seed))
                                              if v is not None})
@@ -419,3 +431,18 @@ def cli(argv: list[str]) -> int:
         args.json.write_text(json.dumps(runs, indent=2))
         print(f"\nwrote {args.json}")
     return 0
+
+
+def _replay(run_dir: Path) -> int:
+    from archipelago.federation.replay import compare, recorded
+
+    if not (run_dir / "federation.json").is_file():
+        raise ConfigError(f"{run_dir}: no federation.json; replay a run directory of `archipelago local`")
+    rounds = recorded(run_dir)
+    differ = compare(run_dir)
+    print(f"{run_dir}: {len(rounds)} island-rounds over {len({r.outer_step for r in rounds})} outer steps")
+    for want, got in differ:
+        print(f"  differs: recorded {want}\n           replayed {got}")
+    print("the replay reproduces every round (participants, inner steps, weights)" if not differ
+          else f"{len(differ)} island-rounds differ")
+    return 0 if not differ else 1
