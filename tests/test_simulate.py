@@ -200,7 +200,8 @@ def test_a_recorded_federation_with_a_kill_and_a_restart_replays_exactly(tmp_pat
                     "--config", "configs/llama3/federation.toml", "--training.steps", "100000",
                     "--training.time_budget_s", "60", "--fault_tolerance.round_pacing", "time",
                     "--fault_tolerance.round_seconds", "6", "--training.batch_size", "4", "--checkpoint.no_enable",
-                    "--training.val_every", "100000", "--metrics.no_tensorboard", "--job.run_dir", str(run)],
+                    "--training.val_every", "100000", "--metrics.no_tensorboard", "--metrics.log_every", "1",
+                    "--job.run_dir", str(run)],
                    timeout=400)
     assert done.returncode == 0, done.output[-3000:]
     rounds = recorded(run)

@@ -7,9 +7,11 @@ events), how long each inner step took (time-paced records carry the seconds fro
 round's start at each step's end, `pacing_elapsed_s`), its batch (config.json). The replay
 recomputes the decisions from those inputs alone with the functions the simulator uses
 (policy.round_is_up, plan_round, island_weight) and the simulator's membership rule: an
-island is in a round's quorum when it has asked to join and has not died or left by the
-time the round's quorum formed (the latest of its participants' arrivals at the outer
-step). `compare` lists every round where replay and record differ.
+island is in a round's quorum when it has asked to join before the quorum formed (the
+latest of its participants' arrivals at the outer step) and did not die or leave before
+it arrived there itself. When it died, whether it would have arrived first is replayed
+from its step records (their times, with `metrics.log_every = 1` every step's) through
+the same pacing. `compare` lists every round where replay and record differ.
 
 Exact for 1-rank islands: a multi-rank island ends a time-paced round when any rank's
 clock says so, and only rank 0's are recorded.
@@ -24,7 +26,7 @@ from typing import Any
 
 from archipelago.config.errors import ConfigError
 from archipelago.federation.policy import Membership, Verdict, island_weight, plan_round, round_is_up
-from archipelago.metrics.islands import island_records, outer_records
+from archipelago.metrics.islands import is_step_record, island_records, outer_records
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,10 @@ def replayed(run_dir: Path) -> list[RoundDecision]:
     presence = _presence(fed["events"])
     islands = _islands(run_dir)
     quorum_at = _quorum_times(islands)
+    configs = {k: json.loads((Path(run_dir) / f"island-{k}" / "config.json").read_text())["fault_tolerance"]
+               for k in islands}
+    steps_of = {k: [r for r in island_records(Path(run_dir) / f"island-{k}") if is_step_record(r) and "time" in r]
+                for k in islands}
     out = []
     for k, records in islands.items():
         config = json.loads((Path(run_dir) / f"island-{k}" / "config.json").read_text())
@@ -67,7 +73,9 @@ def replayed(run_dir: Path) -> list[RoundDecision]:
                                    Verdict(r.get("rejected") is None))
             if r.get("committed"):
                 at = quorum_at[r["outer_step"]]
-                present = tuple(sorted(j for j, spans in presence.items() if any(a <= at < b for a, b in spans)))
+                present = tuple(sorted(j for j, spans in presence.items()
+                                       if any(a <= at and _arrives(configs[j], islands[j], steps_of[j], at, b)
+                                              for a, b in spans)))
                 out.append(RoundDecision(r["outer_step"], k, present, steps, weight))
                 joining = False
     return out
@@ -124,6 +132,38 @@ def _quorum_times(islands: dict[int, list[dict[str, Any]]]) -> dict[int, float]:
             arrived = r["time"] - r["sync_s"]
             at[r["outer_step"]] = max(at.get(r["outer_step"], arrived), arrived)
     return at
+
+
+def _arrives(ft: dict[str, Any], records: list[dict[str, Any]], steps: list[dict[str, Any]], quorum_at: float,
+             gone_at: float) -> bool:
+    """Whether an island that was there when a round's quorum formed reached that outer
+    step before it died or left at `gone_at`: its round from its last outer step before
+    the quorum, step by step (its step records' times) through the pacing."""
+    if gone_at == float("inf") or gone_at >= quorum_at + 3600:
+        return True
+    previous = max((r for r in outer_records(records) if r["time"] <= quorum_at), key=lambda r: r["time"],
+                   default=None)
+    if previous is None:
+        return gone_at > quorum_at
+    # Its compute for this round ended (it reached the outer step) before it died: the
+    # arrival its own record of the round gives, or else its step records replayed.
+    if any(previous["time"] < r["time"] - r["sync_s"] <= min(quorum_at, gone_at) for r in outer_records(records)):
+        return True
+    start, last = previous["time"], 0.0
+    for s in steps:
+        if s["time"] <= start or s["step"] <= previous["step"]:
+            continue
+        if s["time"] > gone_at:
+            return False
+        n, elapsed = s["step"] - previous["step"], s["time"] - start
+        if ft["round_pacing"] == "time":
+            if round_is_up(n, ft["min_inner_steps"], ft["max_inner_steps"], elapsed, elapsed - last,
+                           ft["round_seconds"]):
+                return True
+        elif n >= int(ft["sync_steps"]):
+            return True
+        last = elapsed
+    return False
 
 
 def _paced_steps(ft: dict[str, Any], record: dict[str, Any]) -> int:
