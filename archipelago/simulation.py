@@ -213,6 +213,9 @@ class _Outer:
         self.globals = [nn.Parameter(islands[0].flat(f).clone()) for f in range(n)]
         self.outer = [build_outer_optimizer(self.ft, g) for g in self.globals]
         self.codec = effective_codec(self.ft)
+        if self.codec == "auto":
+            raise ValueError("codec = \"auto\" chooses by the link between islands, which this in-process "
+                             "simulator has none of: give the codec to compare (fp32, bf16, int8 or topk)")
         for island in islands:
             island.codecs = [build_codec(self.ft, g.numel()) for g in self.globals]
         self.per_fragment = self.ft.sync_steps // n

@@ -248,3 +248,39 @@ def test_auto_takes_the_topk_reduce_scatter_from_the_island_count_where_its_boun
     for exchange, chosen in [("all_gather", []), ("reduce_scatter", list(range(2, 40)))]:
         forced = TopKCodec(numel, 0.2, 2, 256, exchange)
         assert [g for g in range(2, 40) if sparse_two_phase(forced, g)] == chosen
+
+
+def test_auto_chooses_the_densest_codec_whose_exchange_fits_the_target():
+    from archipelago.federation.codecs import AutoCodec
+    from archipelago.federation.exchange import Framing, choose_codec
+
+    numel = 10_000
+    auto = AutoCodec(numel, FaultToleranceConfig(codec="auto", codec_block_size=256))
+    # By hand, what one island receives from one other island (2 islands: all-gather rows of a
+    # 16-byte header, rounded up to 8 bytes): fp32 4 bytes a value, bf16 2, int8 1 and a 4-byte
+    # scale per block of 256 (40 blocks), top-k 20% of each chunk of 256 at 8 + 2 bits and two bf16 scales.
+    rows = {"fp32": 16 + 40_000, "bf16": 16 + 20_000, "int8": 16 + 40 * 4 + 40 * 256,
+            "topk": 16 + 40 * 4 + -(-40 * 51 * 8 // 8) + -(-40 * 51 * 2 // 8)}
+    rows = {name: -(-size // 8) * 8 for name, size in rows.items()}
+    link = 8e6  # 1 MB/s: an exchange of B bytes takes B / 1e6 seconds
+    for target, want in [(0.041, "fp32"), (0.039, "bf16"), (0.020, "int8"), (0.010, "topk")]:
+        assert choose_codec(auto, 2, link, target, Framing()) == want
+        assert rows[want] / 1e6 <= target or want == "topk"
+    assert choose_codec(auto, 2, link, 1e-9, Framing()) == min(rows, key=rows.get)  # nothing fits: fewest bytes
+
+
+def test_auto_sends_what_topk_held_back_with_the_next_dense_round():
+    from archipelago.federation.codecs import AutoCodec
+
+    auto = AutoCodec(1000, FaultToleranceConfig(codec="auto", topk_fraction=0.05))
+    inputs = [_signal(1000, seed) for seed in range(4)]
+    sent = torch.zeros(1000)
+    for k, x in enumerate(inputs):
+        auto.choose("topk" if k < 3 else "fp32")
+        residue = auto.take_residue()
+        assert (residue is None) == (k < 3)
+        payload = auto.encode(x + (residue if residue is not None else 0))
+        sent += auto.decode(payload)
+    # Error feedback then one fp32 round: everything the islands' inputs held has been sent.
+    torch.testing.assert_close(sent, sum(inputs), rtol=0, atol=1e-5)
+    assert not auto.options["topk"].error.any()

@@ -66,7 +66,7 @@ def _manager(lighthouse: str, island: int, bridge: int, width: int, store_port: 
 def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, rounds: int,
             lighthouse: str, store_ports: list[int], poisons: dict, codec: str, init_sync: bool,
             block: int, moments: bool, secret: str | list[str] | None, aggregation: str,
-            lying_moments: tuple[int, int] | None, moments_dtype: str, exchange: str, out: dict) -> None:
+            lying_moments: tuple[int, int] | None, moments_dtype: str, extra: dict, out: dict) -> None:
     torch.set_num_threads(1)  # up to 4 processes on 2 cores: more threads only wait for each other
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=proc, world_size=sum(sizes))
@@ -80,9 +80,9 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
                                   replica_id=island, sync_steps=ROUND, semi_sync_method="local_sgd",
                                   outer_weighting=weighting, sync_width=width, codec=codec,
                                   topk_fraction=0.1, codec_block_size=block, topk_chunk_size=block,
-                                  topk_exchange=exchange, init_sync=init_sync,
+                                  init_sync=init_sync,
                                   average_optimizer_state=moments, outer_aggregation=aggregation,
-                                  moments_dtype=moments_dtype)
+                                  moments_dtype=moments_dtype, **extra)
         model = _model()
         optimizer = torch.optim.AdamW(model.parameters()) if moments else None
         secret = secret[island] if isinstance(secret, list) else secret  # one per island: an outsider
@@ -111,6 +111,7 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
                                    report.federation_tokens)
             out[(proc, round_, "bytes")] = (report.bytes_sent, report.bytes_received)
             out[(proc, round_, "refused")] = report.refused
+            out[(proc, round_, "codec")] = report.codec
             if optimizer is not None:
                 out[(proc, round_, "moments")] = [_flat_moment(optimizer, model, key) for key in MOMENTS]
     finally:
@@ -143,7 +144,7 @@ def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
               poisons: dict[int, Poison] | None = None, codec: str = "fp32", init_sync: bool = True,
               block: int = 16, moments: bool = False, secret: str | list[str] | None = None,
               aggregation: str = "mean", lying_moments: tuple[int, int] | None = None,
-              moments_dtype: str = "fp32", exchange: str = "auto") -> dict:
+              moments_dtype: str = "fp32", **extra: object) -> dict:
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
@@ -155,7 +156,7 @@ def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
             spawn_ranks(_worker, nprocs=sum(sizes),
                         args=(_free_port(), sizes, width, weighting, rounds, lighthouse.address(),
                               [s.port for s in stores], poisons or {}, codec, init_sync, block, moments, secret,
-                              aggregation, lying_moments, moments_dtype, exchange, out))
+                              aggregation, lying_moments, moments_dtype, extra, out))
             return dict(out)
     finally:
         lighthouse.shutdown()
@@ -458,8 +459,8 @@ def test_topk_reduce_scatter_equals_the_all_gather_bit_for_bit(islands, signed):
     # segment of whole chunks per island. The same rounds through both paths end with the
     # same weights on every island, every bit, for three rounds of error feedback.
     sizes, rounds, secret = [1] * islands, 3, new_secret() if signed else None
-    paths = {exchange: _federate(sizes, 1, "tokens", rounds, codec="topk", block=8, secret=secret, exchange=exchange)
-             for exchange in ("all_gather", "reduce_scatter")}
+    paths = {exchange: _federate(sizes, 1, "tokens", rounds, codec="topk", block=8, secret=secret,
+                                 topk_exchange=exchange) for exchange in ("all_gather", "reduce_scatter")}
     start = _flat(_model())
     for round_ in range(1, rounds + 1):
         reference = paths["all_gather"][(0, round_)][0]
@@ -484,6 +485,32 @@ def test_topk_reduce_scatter_equals_the_all_gather_bit_for_bit(islands, signed):
     longest = max(e - s for s, e in whole.segments(islands))
     assert framing.row_bytes(0) < sum_row <= framing.row_bytes(sum_bytes_bound(longest))
     assert received == (islands - 1) * (segment_row + 8 + sum_row)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("target,then", [(1e6, "fp32"), (1e-9, None)], ids=["roomy-target", "no-room"])
+def test_auto_codec_rounds_agree_on_every_island(target, then):
+    # Round 1 knows no link yet (int8); from round 2 the islands agree on what round 1
+    # measured: with all the time in the world fp32, with none the codec of fewest bytes.
+    from archipelago.federation.codecs import AutoCodec
+    from archipelago.federation.exchange import Framing, round_received
+
+    sizes, rounds = [1, 1, 1], 3
+    out = _federate(sizes, 1, "tokens", rounds, codec="auto", block=8, target_exchange_s=target)
+    if then is None:
+        auto = AutoCodec(53, FaultToleranceConfig(codec="auto", topk_fraction=0.1, codec_block_size=8,
+                                                  topk_chunk_size=8))
+        sizes_by_codec = {name: round_received(c, 3, Framing()) for name, c in auto.options.items()}
+        then = min(sizes_by_codec, key=lambda name: sizes_by_codec[name])
+    for round_ in range(1, rounds + 1):
+        labels = {out[(proc, round_, "codec")] for proc in range(3)}
+        assert labels == {"auto:int8" if round_ == 1 else f"auto:{then}"}, (round_, labels)
+        flats = [out[(proc, round_)][0] for proc in range(3)]
+        assert all(torch.equal(f, flats[0]) for f in flats) and all(out[(p, round_)][3] for p in range(3))
+    if then == "fp32":  # exact from round 2 on: the average of round 2 is the hand-computed one, shifted
+        # by round 1's int8 rounding, the same on all islands; the islands' own deltas are exact.
+        expected = _expected(sizes, [float(TOKENS[k] * ROUND) for k in range(3)], rounds)
+        torch.testing.assert_close(out[(0, rounds)][0], expected[-1], rtol=0, atol=4e-3)
 
 
 @pytest.mark.timeout(240)

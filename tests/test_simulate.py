@@ -210,3 +210,22 @@ def test_a_recorded_federation_with_a_kill_and_a_restart_replays_exactly(tmp_pat
     assert alone and rejoined, rounds  # the kill left island 0 alone; island 1 came back through a join
     differ = compare(run)
     assert differ == [], "\n".join(f"recorded {want}\nreplayed {got}" for want, got in differ)
+
+
+def test_auto_codec_in_the_simulator_keeps_the_exchange_within_its_target():
+    from dataclasses import replace
+
+    from archipelago.federation.simulate import Simulation, exchange_bytes
+
+    base = _scenario([{"count": 3, "step_s": 1.0}], sync_steps=100, codec="auto", target_exchange_s=2.0)
+    for mbit in (1000.0, 100.0, 20.0):
+        raw = {**base, "islands": [{**g, "bandwidth_mbit": mbit} for g in base["islands"]]}
+        sim = Simulation(scenario_from_dict(raw))
+        sim.run()
+        chosen = sim.round_ft(3)
+        seconds = {name: exchange_bytes(replace(chosen, codec=name), PARAMS, 3) * 8 / (mbit * 1e6)
+                   for name in ("fp32", "bf16", "int8", "topk")}
+        order = list(seconds)
+        fits = [name for name in order if seconds[name] <= 2.0]
+        assert chosen.codec == (fits[0] if fits else min(seconds, key=seconds.get)), (mbit, seconds)
+        assert set(sim.codecs_used) == {chosen.codec}

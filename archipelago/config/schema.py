@@ -262,8 +262,10 @@ class FaultToleranceConfig:
     """How the accepted islands' pseudo-gradients are combined: their weighted mean, or, per coordinate, the weighted mean without that coordinate's largest and smallest value when three or more islands contribute (`trimmed_mean`: one island's extreme values cannot move the average, at the price of some of every honest island's signal; three islands give the median). Part of the fingerprint: all islands must agree."""
     outer_norm_limit: float = 10.0
     """Norm checks on pseudo-gradients, 0 turns them off (non-finite values are always refused). An island holds back its own update (it sends weight 0) when its norm exceeds this many times the running median of its accepted norms; every receiver refuses an island's update whose norm exceeds this many times an absolute bound (inner steps x declared inner lr x (sqrt(parameters) + the global weights' norm)), from the first round on, or, with three or more contributors, this many times the median of the other islands' norms that round."""
-    codec: Literal["fp32", "bf16", "int8", "topk"] = "fp32"
-    """Encoding of the pseudo-gradient across islands: `fp32` (none), `bf16`, `int8` (blockwise scales) or `topk` (sparse, with error feedback); see docs/codecs.md."""
+    codec: Literal["fp32", "bf16", "int8", "topk", "auto"] = "fp32"
+    """Encoding of the pseudo-gradient across islands: `fp32` (none), `bf16`, `int8` (blockwise scales), `topk` (sparse, with error feedback), or `auto`: each round the densest of those four whose exchange, at the slowest link the islands measured in the round before, takes at most `target_exchange_s` (all islands agree on the measurements first, so all choose alike); see docs/codecs.md."""
+    target_exchange_s: float = 0.0
+    """codec = "auto": the seconds an exchange may take; 0 means a twentieth of the slowest island's inner-step seconds in the round before (an exchange that adds at most 5% to the round)."""
     codec_block_size: int = 256
     """int8 codec: values per block sharing one fp32 scale."""
     topk_fraction: float = 0.2

@@ -182,11 +182,11 @@ def advice(cfg: Config) -> list[str]:
                      "trained worse than plain averaging at every setting measured (10 to 50 rounds; "
                      "outer_lr 0.7 with momentum 0.9 cost 4-13% in validation loss, docs/quality.md); set "
                      "fault_tolerance.outer_momentum = 0 and fault_tolerance.outer_lr = 1.0")
-    elif ft.outer_optimizer == "sgd" and ft.outer_momentum > 0 and ft.codec == "topk":
-        found.append(f"fault_tolerance.codec = topk with outer_momentum = {ft.outer_momentum}: error feedback "
+    elif ft.outer_optimizer == "sgd" and ft.outer_momentum > 0 and ft.codec in ("topk", "auto"):
+        found.append(f"fault_tolerance.codec = {ft.codec} (top-k) with outer_momentum = {ft.outer_momentum}: error feedback "
                      "already acts as momentum, and outer momentum on top of it trained worse "
                      "(docs/codecs.md); set fault_tolerance.outer_momentum = 0 and fault_tolerance.outer_lr = 1.0")
-    if ft.codec == "topk" and ft.topk_fraction < TOPK_MIN_FRACTION:
+    if ft.codec in ("topk", "auto") and ft.topk_fraction < TOPK_MIN_FRACTION:
         found.append(f"fault_tolerance.topk_fraction = {ft.topk_fraction} sends less than the measured "
                      "break-even: over 10 rounds 10% at 2 bits ended 1.6% behind fp32 DiLoCo (2.5% on one "
                      "seed), 5% at 1 bit 3.6%, where 20% stayed within 0.8% on every seed (docs/quality.md); "

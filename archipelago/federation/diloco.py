@@ -48,12 +48,16 @@ from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation import exchange as rows
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.exchange import (
+    AUTO_EXCHANGE_SHARE,
     Framing,
     Gathered,
+    agree_on_link,
+    choose_codec,
     empty_table,
     finish_gather,
     inspect_gather,
     start_gather,
+    wire_device,
 )
 from archipelago.federation.fragments import build_outer_optimizer, load_tensor_state, tensor_state
 from archipelago.federation.guard import FORGE_KINDS, Poison, UpdateGuard
@@ -192,6 +196,8 @@ class OuterLoop:
         self.outer: list[torch.optim.Optimizer] = []
         self.codec_name = effective_codec(ft)
         self.codecs: list[Codec] = []  # one per fragment chunk, on bridge ranks
+        # codec = "auto": this bridge rank's last measured link (bits/s) and round (compute s).
+        self.link_bits_s, self.last_round_s = 0.0, 0.0
         self._healed_same: bool | None = None  # set by the heal callback: None, or whether the weights were equal
         self.guard = UpdateGuard(ft.outer_norm_limit, len(fragments))
         self.round_tokens = 0             # this island's tokens since the last exchange
@@ -351,6 +357,8 @@ class OuterLoop:
         pending.participants, pending.replica_rank = m.participants, m.replica_rank
         framing = Framing(self.key, int(self.manager._quorum_id or 0) if self.manager is not None else 0,
                           self.step, fragment, self.ft.replica_id)
+        if pending.exchanged and buffer is not None and self.codec_name == "auto":
+            self._choose_codec(fragment, buffer, pending.weight, m.participants, framing)
         if pending.exchanged and buffer is not None:
             forge = poison.kind if poison is not None and poison.kind in FORGE_KINDS else None
             pending.gathered = start_gather(self.manager, self.codecs[fragment], buffer[:-2], pending.tokens,
@@ -363,6 +371,31 @@ class OuterLoop:
         pending.started = time.perf_counter()
         self.pending = pending
         return True
+
+    def _choose_codec(self, fragment: int, buffer: torch.Tensor, weight: float, participants: int,
+                      framing: Framing) -> None:
+        """codec = "auto": agree on the slowest link and longest round the islands measured,
+        choose this round's codec from them (the same on every island), and let a dense
+        round carry what top-k held back."""
+        codec = self.codecs[fragment]
+        agreed = agree_on_link(self.manager, self.link_bits_s, self.last_round_s, participants,
+                               wire_device(self.manager, buffer.device))
+        if agreed is not None:
+            link, round_s = agreed
+            target = self.ft.target_exchange_s or AUTO_EXCHANGE_SHARE * round_s
+            codec.choose(choose_codec(codec, participants, link, target, framing))  # type: ignore[attr-defined]
+        residue = codec.take_residue() if weight else None  # type: ignore[attr-defined]
+        if residue is not None:
+            buffer[:-2] += residue.to(buffer.device)
+
+    def _measure_link(self, p: _Pending) -> None:
+        """codec = "auto": the rate at which this round's rows came in, from the start of the
+        exchange to its end (decoding and any overlapped inner steps included: a rate too
+        low, never too high), and the round's compute seconds."""
+        elapsed = time.perf_counter() - p.started
+        if p.gathered is not None and p.gathered.received > 0 and elapsed > 0:
+            self.link_bits_s = p.gathered.received * 8 / elapsed
+        self.last_round_s = self.round_compute_s
 
     def _membership(self) -> Membership:
         """This rank's view of the quorum: a bridge rank joins it (blocking; a healing island
@@ -430,6 +463,8 @@ class OuterLoop:
             if p.gathered is not None and p.buffer is not None:
                 decode_s += finish_gather(p.gathered, self.codecs[p.fragment], p.buffer, weights, tokens,
                                           self.manager, self.ft.outer_aggregation == "trimmed_mean")
+                if self.codec_name == "auto":
+                    self._measure_link(p)
         exposed_s = time.perf_counter() - blocked_since
         mine = RoundResult()
         if self.manager is not None and p.buffer is not None:
@@ -470,7 +505,7 @@ class OuterLoop:
                              sync_s=p.prepare_s + time.perf_counter() - blocked_since,
                              inner_steps=self.round_steps, tokens=p.tokens, compute_s=self.round_compute_s,
                              weight=p.weight, federation_tokens=self.federation_tokens, norm=p.norm,
-                             rejected=p.rejected, refused=refused, codec=self.codec_name,
+                             rejected=p.rejected, refused=refused, codec=self._codec_label(p.fragment),
                              bytes_received=received,
                              encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=decode_s,
                              overlap_s=blocked_since - p.started, exposed_s=exposed_s,
@@ -612,6 +647,12 @@ class OuterLoop:
         for m in refused:
             log.error("refusing a peer island: %s", m)
         return bool(refused)
+
+    def _codec_label(self, fragment: int) -> str:
+        """The codec's name for the record; with `auto`, the round's choice (`auto:int8`)."""
+        if self.codec_name == "auto" and self.codecs:
+            return f"auto:{self.codecs[fragment].current}"  # type: ignore[attr-defined]
+        return self.codec_name
 
     def _exchange_bytes(self, p: _Pending) -> tuple[int, int]:
         """(sent, received) bytes of the island's bridge ranks in this exchange: what they

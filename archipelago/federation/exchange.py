@@ -252,6 +252,43 @@ def round_received(codec: Codec, participants: int, framing: Framing) -> int:
     return (participants - 1) * (segment + 8 + summed)
 
 
+# codec = "auto": an exchange may take this share of the slowest island's round unless
+# target_exchange_s says otherwise (95% of the round left for inner steps).
+AUTO_EXCHANGE_SHARE = 0.05
+
+
+def choose_codec(codec: Any, participants: int, link_bits_s: float, target_s: float, framing: Framing) -> str:
+    """codec = "auto": the densest of its options whose exchange among `participants`
+    islands, over a link of `link_bits_s`, takes at most `target_s` seconds (the bytes as
+    `round_received` counts them); when none does, the one that receives the fewest bytes
+    (top-k's all-gather can receive more than int8's reduce-scatter from about seven
+    islands on). The same on every island given the same agreed values."""
+    received = {name: round_received(option, participants, framing) for name, option in codec.options.items()}
+    for name, size in received.items():
+        if size * 8 / link_bits_s <= target_s:
+            return name
+    return min(received, key=lambda name: received[name])
+
+
+def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants: int,
+                  device: torch.device) -> tuple[float, float] | None:
+    """codec = "auto": all-gather each island's last measured link rate and round seconds
+    (16 bytes each); the slowest link and the longest round, the same on every island.
+    None before any island has measured (or when the all-gather fails: the round is lost).
+    A lying island can only lower the link (a sparser codec for all), never raise it."""
+    values = torch.tensor([link_bits_s, round_s], dtype=torch.float64, device=device)
+    work, outputs = allgather(manager, values, participants)
+    work.wait()
+    if manager.errored() is not None:
+        return None
+    rows = [out.cpu().tolist() for out in outputs]
+    links = [link for link, _ in rows if math.isfinite(link) and link > 0]
+    rounds = [r for _, r in rows if math.isfinite(r) and r > 0]
+    if not links:
+        return None
+    return min(links), max(rounds, default=0.0)
+
+
 def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, tokens: int,
                  weight: float, framing: Framing) -> Gathered:
     """Encode this island's chunk and start the exchange (through torchft's process group).

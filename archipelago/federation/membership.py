@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -274,6 +275,10 @@ def _codec(ft: FaultToleranceConfig) -> str:
         return f"int8(block {ft.codec_block_size})"
     if name == "topk":
         return f"topk({ft.topk_fraction:g}, {ft.topk_bits} bits, chunk {ft.topk_chunk_size}, {ft.topk_exchange})"
+    if name == "auto":
+        topk = _codec(replace(ft, codec="topk"))
+        int8 = _codec(replace(ft, codec="int8"))
+        return f"auto(target {ft.target_exchange_s:g} s; {int8}, {topk})"
     return name
 
 

@@ -39,7 +39,7 @@ from archipelago.config.errors import ConfigError
 from archipelago.config.loading import read_toml, section_from_table
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.codecs import build_codec
-from archipelago.federation.exchange import Framing, round_received
+from archipelago.federation.exchange import AUTO_EXCHANGE_SHARE, Framing, choose_codec, round_received
 from archipelago.federation.policy import Membership, Verdict, island_weight, must_wait, plan_round, round_is_up
 
 # Codec sizes are linear in the model's size; measured on a chunk this large and scaled
@@ -215,6 +215,8 @@ class Simulation:
         heapq.heapify(self.failures)
         self.steps = {g.step_s: round_steps(self.ft, g.step_s) for g in self.islands}
         self.joined_s = 0.0
+        self._auto: dict[int, FaultToleranceConfig] = {}  # codec = "auto": the choice per island count
+        self.codecs_used: dict[str, int] = {}  # rounds per codec
 
     def _schedule_failure(self, k: int, after: float) -> None:
         mtbf = self.islands[k].mtbf_hours
@@ -280,7 +282,9 @@ class Simulation:
         lost = len(early) < len(gone)  # died inside the exchange: the collective fails, no commit
         if lost:
             end = max(end, max(gone.values()) + detect)
-        received = exchange_bytes(self.ft, self.s.settings.params, len(members))
+        received = exchange_bytes(self.round_ft(len(members)), self.s.settings.params, len(members))
+        self.codecs_used[self.round_ft(len(members)).codec] = self.codecs_used.get(self.round_ft(len(members)).codec,
+                                                                                   0) + 1
         for k in live:
             trained = max(0.0, min(arrive[k], gone.get(k, arrive[k])) - began[k])
             self._account(k, plans[k].contributes and not lost and k not in gone, trained,
@@ -321,12 +325,27 @@ class Simulation:
         state = 4 * self.s.settings.params * (2 if self.ft.outer_momentum > 0 else 1)
         return state * 8 / (g.bandwidth_mbit * 1e6) + g.latency_ms / 1e3
 
+    def round_ft(self, participants: int) -> FaultToleranceConfig:
+        """The config with this round's codec: with codec = "auto", what the islands would
+        choose (exchange.choose_codec) from the slowest link and the longest round."""
+        if self.ft.codec != "auto":
+            return self.ft
+        if participants not in self._auto:
+            link = min(g.bandwidth_mbit for g in self.islands) * 1e6
+            round_s = max(self.steps[g.step_s] * g.step_s for g in self.islands)
+            target = self.ft.target_exchange_s or AUTO_EXCHANGE_SHARE * round_s
+            sample = build_codec(self.ft, min(self.s.settings.params, CODEC_SAMPLE_VALUES))
+            scale = self.s.settings.params / sample.numel
+            name = choose_codec(sample, participants, link / scale, target, Framing())
+            self._auto[participants] = replace(self.ft, codec=name)  # type: ignore[arg-type]
+        return self._auto[participants]
+
     def _exchange_s(self, participants: int) -> float:
         """The exchange: each island's received bytes over its link, the slowest deciding,
         plus a latency per ring hop (two phases for a reduce-scatter: counted as two)."""
         if participants < 2:
             return 0.0
-        received = exchange_bytes(self.ft, self.s.settings.params, participants)
+        received = exchange_bytes(self.round_ft(participants), self.s.settings.params, participants)
         slowest = min(g.bandwidth_mbit for g in self.islands) * 1e6
         latency = max(g.latency_ms for g in self.islands) / 1e3
         return received * 8 / slowest + 2 * (participants - 1) * latency

@@ -20,6 +20,7 @@ sums them in the same order in fp32, which keeps all islands bit-identical.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -314,9 +315,80 @@ def sum_bytes_bound(numel: int, nonzeros: int | None = None) -> int:
     return math.ceil(numel / 8) + 4 * (numel if nonzeros is None else min(numel, nonzeros))
 
 
+LADDER = ("fp32", "bf16", "int8", "topk")  # codec = "auto" chooses among these, densest first
+AUTO_FIRST = "int8"  # auto's choice until a round has measured the link
+
+
+class AutoCodec(Codec):
+    """codec = "auto": one of LADDER per round, chosen by the exchange (`choose`); each
+    codec is built once, so top-k's error feedback survives rounds of other codecs. What
+    it holds back is sent by the next dense round (`take_residue`)."""
+
+    name = "auto"
+
+    def __init__(self, numel: int, ft: FaultToleranceConfig) -> None:
+        super().__init__(numel)
+        self.options = {name: build_codec(replace(ft, codec=name), numel)  # type: ignore[arg-type]
+                        for name in LADDER}
+        self.current = AUTO_FIRST
+
+    @property
+    def chosen(self) -> Codec:
+        return self.options[self.current]
+
+    @property
+    def align(self) -> int:  # type: ignore[override]
+        return self.chosen.align
+
+    @property
+    def sparse(self) -> bool:  # type: ignore[override]
+        return self.chosen.sparse
+
+    def __getattr__(self, name: str):  # top-k's own (k, chunk, exchange, encode_segments, ...)
+        if name in ("options", "current"):
+            raise AttributeError(name)
+        return getattr(self.chosen, name)
+
+    def choose(self, name: str) -> None:
+        if name not in self.options:
+            raise ValueError(f"codec {name!r} is not one of {LADDER}")
+        self.current = name
+
+    def take_residue(self) -> torch.Tensor | None:
+        """Top-k's unsent values, cleared, when this round is dense: they travel with it."""
+        topk = self.options["topk"]
+        if self.current == "topk" or not isinstance(topk, TopKCodec) or not bool(topk.error.any()):
+            return None
+        residue, topk.error = topk.error, torch.zeros_like(topk.error)
+        return residue
+
+    def payload_bytes(self) -> int:
+        return self.chosen.payload_bytes()
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.chosen.encode(x)
+
+    def decode(self, payload: torch.Tensor) -> torch.Tensor:
+        return self.chosen.decode(payload)
+
+    def for_length(self, numel: int) -> Codec:
+        return self.chosen.for_length(numel)
+
+    def segments(self, parts: int) -> list[tuple[int, int]]:
+        return self.chosen.segments(parts)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.options["topk"].state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.options["topk"].load_state_dict(state)
+
+
 def build_codec(ft: FaultToleranceConfig, numel: int) -> Codec:
     """The codec for one chunk of `numel` values."""
     name = effective_codec(ft)
+    if name == "auto":
+        return AutoCodec(numel, ft)
     if name == "bf16":
         return Bf16Codec(numel)
     if name == "int8":
