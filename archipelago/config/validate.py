@@ -183,7 +183,8 @@ def advice(cfg: Config) -> list[str]:
                      "outer_lr 0.7 with momentum 0.9 cost 4-13% in validation loss, docs/quality.md); set "
                      "fault_tolerance.outer_momentum = 0 and fault_tolerance.outer_lr = 1.0")
     elif ft.outer_optimizer == "sgd" and ft.outer_momentum > 0 and ft.codec in ("topk", "auto"):
-        found.append(f"fault_tolerance.codec = {ft.codec} (top-k) with outer_momentum = {ft.outer_momentum}: error feedback "
+        found.append(f"fault_tolerance.codec = {ft.codec} (top-k) with outer_momentum = {ft.outer_momentum}: "
+                     "error feedback "
                      "already acts as momentum, and outer momentum on top of it trained worse "
                      "(docs/codecs.md); set fault_tolerance.outer_momentum = 0 and fault_tolerance.outer_lr = 1.0")
     if ft.codec in ("topk", "auto") and ft.topk_fraction < TOPK_MIN_FRACTION:
