@@ -16,6 +16,7 @@ runs for the same wall-clock budget (--budget, `training.time_budget_s`) in each
   b  DiLoCo fp32          c  DiLoCo int8
   d  DiLoCo top-k (5 % of every 256 values, 1 bit each; outer SGD without momentum)
   e  streaming DiLoCo, int8, 4 fragments, fragment_sync_delay 2 (exchange overlaps steps)
+  f  DiLoCo with codec = "auto" (not in the default set: --settings a,b,c,d,e,f)
 
 Reported per setting (markdown table on stdout, ratio column first; JSON with --out):
 - bytes across the WAN per token trained: measured on the links, not taken from logs. The
@@ -134,6 +135,8 @@ SETTINGS = {s.key: s for s in (
     Setting("e", "streaming DiLoCo int8, overlap", args=(
         "--fault_tolerance.codec", "int8", "--fault_tolerance.num_fragments", str(STREAM_FRAGMENTS),
         "--fault_tolerance.fragment_sync_delay", str(STREAM_DELAY))),
+    # codec = "auto": each round the densest codec whose exchange fits 5% of the round.
+    Setting("f", "DiLoCo auto codec", args=("--fault_tolerance.codec", "auto")),
 )}
 
 
@@ -464,7 +467,8 @@ def relative(value: float | None, reference: float | None) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", default="a,b,c,d,e",
-                   help="comma-separated subset of a (DDP), b (fp32), c (int8), d (top-k), e (streaming int8)")
+                   help="comma-separated subset of a (DDP), b (fp32), c (int8), d (top-k), e (streaming int8), "
+                        "f (codec auto)")
     p.add_argument("--budget", type=float, default=90.0, help="wall-clock seconds of training per setting")
     p.add_argument("--equal-steps", type=int, default=120,
                    help="inner steps at which every setting evaluates, to compare validation loss at equal "
