@@ -157,10 +157,12 @@ def test_replay_recomputes_pacing_weights_and_members_and_names_each_difference(
     from archipelago.federation.replay import compare, replayed
 
     # Rounds of 3 s: island 0's steps of 1 s end it after 3 (2.5 + 0.5 >= 3), island 1's of
-    # 1.4 s after 2 (2.8 + 0.7 >= 3). Island 1 dies at t=9 and asks to join again at t=12.
+    # 1.4 s after 2 (2.8 + 0.7 >= 3). Island 1 dies at t=7 and asks to join again at t=12;
+    # island 0's round that was in flight fails (its record keeps outer step 2's number).
     fast, slow = [1.0, 2.0, 3.0], [1.4, 2.8]
+    failed = {**_outer(2, 7.4, 2, 32.0, [1.0, 2.0]), "committed": False}
     records = {
-        0: [{"event": "join", "time": 0.0}, _outer(1, 1.0, 0, 0.0, []), _outer(2, 5.0, 3, 48.0, fast),
+        0: [{"event": "join", "time": 0.0}, _outer(1, 1.0, 0, 0.0, []), _outer(2, 5.0, 3, 48.0, fast), failed,
             _outer(3, 9.0, 3, 48.0, fast), _outer(4, 13.6, 3, 48.0, fast), _outer(5, 17.0, 3, 48.0, fast)],
         1: [{"event": "join", "time": 0.2}, _outer(1, 1.0, 0, 0.0, []), _outer(2, 5.0, 2, 32.0, slow),
             {"event": "join", "time": 12.0}, _outer(4, 13.6, 0, 0.0, [], healed=True),

@@ -125,10 +125,13 @@ def _presence(events: list[dict[str, Any]]) -> dict[int, list[tuple[float, float
 
 
 def _quorum_times(islands: dict[int, list[dict[str, Any]]]) -> dict[int, float]:
-    """When each outer step's quorum formed: the last of its participants' arrivals."""
+    """When each outer step's quorum formed: the last of its participants' arrivals (of
+    the round that committed: a failed round is numbered as the next one will be)."""
     at: dict[int, float] = {}
     for records in islands.values():
         for r in outer_records(records):
+            if not r.get("committed"):
+                continue
             arrived = r["time"] - r["sync_s"]
             at[r["outer_step"]] = max(at.get(r["outer_step"], arrived), arrived)
     return at
