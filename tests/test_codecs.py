@@ -284,3 +284,17 @@ def test_auto_sends_what_topk_held_back_with_the_next_dense_round():
     # Error feedback then one fp32 round: everything the islands' inputs held has been sent.
     torch.testing.assert_close(sent, sum(inputs), rtol=0, atol=1e-5)
     assert not auto.options["topk"].error.any()
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.5])
+def test_topk_error_decay_scales_the_residue_before_it_rejoins(decay):
+    decayed = TopKCodec(512, 0.1, 2, 64, decay=decay)
+    x0, x1 = _signal(512, 1), _signal(512, 2)
+    decayed.encode(x0)
+    residue = decayed.error.clone()
+    assert residue.any()
+    # Reference: a fresh codec (no residue) given the input with the decayed residue added by hand.
+    reference = TopKCodec(512, 0.1, 2, 64)
+    want = reference.decode(reference.encode(x1 + decay * residue))
+    got = decayed.decode(decayed.encode(x1))
+    assert torch.equal(got, want) and torch.equal(decayed.error, reference.error)

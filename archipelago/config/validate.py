@@ -140,6 +140,9 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
     _require(not (ft.enable and ft.adam_federation_batch) or cfg.optimizer.name == "adamw",
              f"fault_tolerance.adam_federation_batch scales AdamW's second moment, but optimizer.name = "
              f"\"{cfg.optimizer.name}\"; use optimizer.name = \"adamw\" or set adam_federation_batch = false", p)
+    _require(0 <= ft.topk_error_decay <= 1,
+             f"fault_tolerance.topk_error_decay = {ft.topk_error_decay}: must be between 0 (no error feedback) "
+             "and 1 (the residue kept whole)", p)
     _require(ft.codec_block_size >= 1,
              f"fault_tolerance.codec_block_size = {ft.codec_block_size}: must be >= 1", p)
     _require(0 < ft.topk_fraction <= 1,

@@ -274,7 +274,8 @@ def _codec(ft: FaultToleranceConfig) -> str:
     if name == "int8":
         return f"int8(block {ft.codec_block_size})"
     if name == "topk":
-        return f"topk({ft.topk_fraction:g}, {ft.topk_bits} bits, chunk {ft.topk_chunk_size}, {ft.topk_exchange})"
+        decay = f", error decay {ft.topk_error_decay:g}" if ft.topk_error_decay != 1 else ""
+        return f"topk({ft.topk_fraction:g}, {ft.topk_bits} bits, chunk {ft.topk_chunk_size}, {ft.topk_exchange}{decay})"
     if name == "auto":
         topk = _codec(replace(ft, codec="topk"))
         int8 = _codec(replace(ft, codec="int8"))

@@ -149,9 +149,10 @@ class TopKCodec(Codec):
     name = "topk"
     sparse = True
 
-    def __init__(self, numel: int, fraction: float, bits: int, chunk: int = 256, exchange: str = "auto") -> None:
+    def __init__(self, numel: int, fraction: float, bits: int, chunk: int = 256, exchange: str = "auto",
+                 decay: float = 1.0) -> None:
         super().__init__(numel)
-        self.fraction, self.exchange = fraction, exchange
+        self.fraction, self.exchange, self.decay = fraction, exchange, decay
         self.chunk = self.align = max(1, min(chunk, numel))
         self.chunks = max(1, math.ceil(numel / self.chunk))
         self.k = max(1, min(self.chunk, round(fraction * self.chunk)))  # sent per chunk
@@ -165,7 +166,7 @@ class TopKCodec(Codec):
         """The encoding of a segment of whole chunks of this codec (the last one may be
         partial, as this codec's own last chunk): chunks as wide as this codec's, whatever
         the segment's length, so the segment decodes to exactly its part of the chunk."""
-        piece = TopKCodec(max(numel, 1), self.fraction, self.bits, self.chunk, self.exchange)
+        piece = TopKCodec(max(numel, 1), self.fraction, self.bits, self.chunk, self.exchange, self.decay)
         piece.numel, piece.chunks = numel, max(1, math.ceil(numel / self.chunk))
         piece.chunk = piece.align = self.chunk
         piece.k, piece.index_bits = self.k, self.index_bits
@@ -204,7 +205,8 @@ class TopKCodec(Codec):
         sent, or lost to quantization, becomes the error feedback."""
         self.error = self.error.to(x.device)
         chunks = torch.zeros(self.chunks * self.chunk, dtype=torch.float32, device=x.device)
-        chunks[:self.numel] = x.detach().float() + self.error
+        # SparseLoCo's decay: an old residue counts less each round it waits (1: not at all).
+        chunks[:self.numel] = x.detach().float() + (self.error if self.decay == 1 else self.decay * self.error)
         chunks = chunks.view(self.chunks, self.chunk)
         # Ascending indices: one canonical payload whatever order the device's topk returns.
         index = chunks.abs().topk(self.k, dim=1, sorted=False).indices.sort(dim=1).values
@@ -394,7 +396,8 @@ def build_codec(ft: FaultToleranceConfig, numel: int) -> Codec:
     if name == "int8":
         return Int8Codec(numel, ft.codec_block_size)
     if name == "topk":
-        return TopKCodec(numel, ft.topk_fraction, ft.topk_bits, ft.topk_chunk_size, ft.topk_exchange)
+        return TopKCodec(numel, ft.topk_fraction, ft.topk_bits, ft.topk_chunk_size, ft.topk_exchange,
+                         ft.topk_error_decay)
     return Codec(numel)
 
 
