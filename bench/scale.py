@@ -77,12 +77,13 @@ def measure(args: argparse.Namespace, root: Path, islands: int, path: str) -> di
     steady = [r["bytes_received"] for r in committed if r["outer_step"] > 1] or [r["bytes_received"] for r in committed]
     outer = max((r["outer_step"] for r in committed), default=0)
     hashes = {island[-1].get("global_hash") for island in records if island}
+    agree = len(hashes) == 1 and None not in hashes
     socket = run.traffic.get("peer_bytes", 0)
     params = int(read_summary(run_dir / "island-0", required=True)["params"])  # one bridge chunk: 1-rank islands
     return {"islands": islands, "path": path, "run_dir": str(run_dir), "wall_s": run.wall_s,
             "outer_steps": outer, "received_per_island_round": statistics.median(steady) if steady else None,
             "socket_bytes_per_island_round": socket / islands / outer if outer else None,
-            "global_hash": hashes.pop() if len(hashes) == 1 else None, "islands_agree": len(hashes) == 0,
+            "global_hash": next(iter(hashes)) if agree else None, "islands_agree": agree,
             "params": params, "traffic": run.traffic}
 
 

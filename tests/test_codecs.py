@@ -219,15 +219,16 @@ def test_an_exact_sum_round_trips_bit_for_bit_and_forged_ones_are_refused():
     from archipelago.federation.codecs import PayloadError, pack_sum, sum_bytes_bound, unpack_sum
 
     total = torch.zeros(37)
-    total[[0, 5, 8, 36]] = torch.tensor([1.5, -2.25e-30, float("inf"), 3.0])
+    total[[0, 5, 8, 36]] = torch.tensor([1.5, -2.25e-30, -0.0, 3.0])  # -0.0: a trimmed mean can make one
     payload = pack_sum(total)
     assert payload.numel() == 5 + 4 * 4  # a 37-bit bitmap in 5 bytes, then 4 fp32 values
-    assert torch.equal(unpack_sum(payload, 37).view(torch.int32), total.view(torch.int32))  # every bit, +0.0 too
+    assert torch.equal(unpack_sum(payload, 37).view(torch.int32), total.view(torch.int32))  # every bit, +-0.0 too
     dense = torch.arange(1.0, 38.0)
     assert pack_sum(dense).numel() == sum_bytes_bound(37)
     for forged, reason in [(payload[:-4], "bytes"), (payload[:3], "bitmap"),
                            (torch.cat([payload[:4], torch.tensor([0xFF], dtype=torch.uint8), payload[5:]]), "past"),
-                           (torch.cat([payload[:-4], torch.zeros(4, dtype=torch.uint8)]), "zero")]:
+                           (torch.cat([payload[:-4], torch.zeros(4, dtype=torch.uint8)]), "zero"),
+                           (torch.cat([payload[:-4], torch.tensor([float("nan")]).view(torch.uint8)]), "finite")]:
         with pytest.raises(PayloadError, match=reason):
             unpack_sum(forged, 37)
 

@@ -231,3 +231,15 @@ def test_auto_codec_in_the_simulator_keeps_the_exchange_within_its_target():
         fits = [name for name in order if seconds[name] <= 2.0]
         assert chosen.codec == (fits[0] if fits else min(seconds, key=seconds.get)), (mbit, seconds)
         assert set(sim.codecs_used) == {chosen.codec}
+
+
+def test_a_round_left_with_fewer_islands_than_the_quorum_minimum_does_not_commit():
+    scenario = scenario_from_dict(_scenario([{"count": 2, "step_s": 1.0}], sync_steps=20, min_replica_size=2))
+    exchange = _fp32_exchange_s(2)
+    report = simulate(scenario, fail_at=[(1, exchange + 20 + exchange + 3.0)])  # 3 s into round 2's training
+    assert report.failed_rounds == 1  # island 0 alone is below min_replica_size: no commit
+    assert report.islands[0].wasted_s == pytest.approx(20.0)
+    # ... and with every island dead before the exchange, nothing commits either.
+    both = simulate(scenario_from_dict(_scenario([{"count": 2, "step_s": 1.0}], sync_steps=20)),
+                    fail_at=[(0, exchange + 5.0), (1, exchange + 6.0)])
+    assert both.failed_rounds >= 1 and both.islands[0].failures == 1

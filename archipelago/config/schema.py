@@ -277,7 +277,7 @@ class FaultToleranceConfig:
     topk_error_decay: float = 1.0
     """topk codec: each round the error-feedback residue (what was not sent) is multiplied by this before it joins the next pseudo-gradient, as SparseLoCo does (1: kept whole; 0: no error feedback)."""
     topk_exchange: Literal["auto", "all_gather", "reduce_scatter"] = "auto"
-    """topk codec: how payloads cross islands. `all_gather`: every island receives every other island's payload (G - 1 of them). `reduce_scatter`: island j receives everyone's segment j, sums it exactly and all-gathers that sum in a sparse fp32 form, so each island receives about two payload-sized parts whatever the number of islands, up to about 4.1 bytes per value (the same result, bit for bit). `auto`: the reduce-scatter when its bound on received bytes is the smaller (from about 17 islands at the default fraction and bits); docs/codecs.md."""
+    """topk codec: how payloads cross islands. `all_gather`: every island receives every other island's payload (G - 1 of them). `reduce_scatter`: island j receives everyone's segment j, sums it exactly and all-gathers that sum in a sparse fp32 form, so each island receives about one payload plus the summed chunk (at most about 4.1 bytes per value) whatever the number of islands (the same result, bit for bit); each island is then trusted with the sum of its segment, as with int8's reduce-scatter. `auto`: the reduce-scatter when its bound on received bytes is the smaller (from about 17 islands at the default fraction and bits); docs/codecs.md."""
 
 
 @dataclass

@@ -6,6 +6,8 @@ checked where that is known: in the trainer's build hooks.
 
 from __future__ import annotations
 
+import math
+
 from archipelago.config.errors import ConfigError
 from archipelago.config.schema import Config, TrainingConfig
 
@@ -140,6 +142,9 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
     _require(not (ft.enable and ft.adam_federation_batch) or cfg.optimizer.name == "adamw",
              f"fault_tolerance.adam_federation_batch scales AdamW's second moment, but optimizer.name = "
              f"\"{cfg.optimizer.name}\"; use optimizer.name = \"adamw\" or set adam_federation_batch = false", p)
+    _require(math.isfinite(ft.target_exchange_s) and ft.target_exchange_s >= 0,
+             f"fault_tolerance.target_exchange_s = {ft.target_exchange_s}: must be >= 0 seconds (0: a twentieth "
+             "of the round)", p)
     _require(0 <= ft.topk_error_decay <= 1,
              f"fault_tolerance.topk_error_decay = {ft.topk_error_decay}: must be between 0 (no error feedback) "
              "and 1 (the residue kept whole)", p)

@@ -46,7 +46,7 @@ from torch.distributed import ReduceOp
 
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation import exchange as rows
-from archipelago.federation.codecs import Codec, build_codec, effective_codec
+from archipelago.federation.codecs import AUTO_FIRST, Codec, build_codec, effective_codec
 from archipelago.federation.exchange import (
     AUTO_EXCHANGE_SHARE,
     Framing,
@@ -156,6 +156,7 @@ class _Pending:
     replica_rank: int = -1            # this island's row
     state: StateExchange | None = None  # the inner optimizer's moments (average_optimizer_state)
     started: float = 0.0              # perf_counter when the exchange was handed to the network
+    residue: torch.Tensor | None = None  # codec = "auto": top-k's residue this dense round carries
 
 
 class OuterLoop:
@@ -345,6 +346,9 @@ class OuterLoop:
                         poison.kind, self.step + 1)
             poison.apply(buffer[:-2])
         pending = _Pending(fragment, reset=plan.reset, tokens=self.round_tokens)
+        pending.exchanged = not skips_exchange(joining, self.step, self.ft.init_sync)
+        if pending.exchanged and buffer is not None and self.codec_name == "auto":  # before the guard sees it
+            pending.residue = self._choose_codec(fragment, buffer, plan.contributes)
         verdict = self._guard(fragment, buffer, pending) if plan.contributes else Verdict(True)
         pending.weight = island_weight(self.ft.outer_weighting, self.fragment_tokens[fragment],
                                        plan.contributes, verdict)
@@ -353,12 +357,9 @@ class OuterLoop:
             if not pending.weight:  # nothing of this island enters the average
                 buffer[:-2].zero_()
             buffer[-2], buffer[-1] = float(pending.tokens), pending.weight
-        pending.exchanged = not skips_exchange(joining, self.step, self.ft.init_sync)
         pending.participants, pending.replica_rank = m.participants, m.replica_rank
         framing = Framing(self.key, int(self.manager._quorum_id or 0) if self.manager is not None else 0,
                           self.step, fragment, self.ft.replica_id)
-        if pending.exchanged and buffer is not None and self.codec_name == "auto":
-            self._choose_codec(fragment, buffer, pending.weight, m.participants, framing)
         if pending.exchanged and buffer is not None:
             forge = poison.kind if poison is not None and poison.kind in FORGE_KINDS else None
             pending.gathered = start_gather(self.manager, self.codecs[fragment], buffer[:-2], pending.tokens,
@@ -372,28 +373,38 @@ class OuterLoop:
         self.pending = pending
         return True
 
-    def _choose_codec(self, fragment: int, buffer: torch.Tensor, weight: float, participants: int,
-                      framing: Framing) -> None:
-        """codec = "auto": agree on the slowest link and longest round the islands measured,
-        choose this round's codec from them (the same on every island), and let a dense
-        round carry what top-k held back."""
+    def _choose_codec(self, fragment: int, buffer: torch.Tensor, contributes: bool) -> torch.Tensor | None:
+        """codec = "auto": agree on the slowest link and the median round the islands
+        measured, choose this round's codec from them (the same on every island; int8 until
+        some island has measured), and let a dense round carry what top-k held back (added
+        to the pseudo-gradient here, before the guard; returned, to be given back if the
+        round does not carry it)."""
         codec = self.codecs[fragment]
+        participants = self.manager.num_participants() if self.manager is not None else 1
         agreed = agree_on_link(self.manager, self.link_bits_s, self.last_round_s, participants,
                                wire_device(self.manager, buffer.device))
+        name = AUTO_FIRST
         if agreed is not None:
             link, round_s = agreed
             target = self.ft.target_exchange_s or AUTO_EXCHANGE_SHARE * round_s
-            codec.choose(choose_codec(codec, participants, link, target, framing))  # type: ignore[attr-defined]
-        residue = codec.take_residue() if weight else None  # type: ignore[attr-defined]
+            name = choose_codec(codec, participants, link, target, Framing(self.key))
+        codec.choose(name)  # type: ignore[attr-defined]
+        residue = codec.take_residue() if contributes else None  # type: ignore[attr-defined]
         if residue is not None:
             buffer[:-2] += residue.to(buffer.device)
+        return residue
 
-    def _measure_link(self, p: _Pending) -> None:
-        """codec = "auto": the rate at which this round's rows came in, from the start of the
-        exchange to its end (decoding and any overlapped inner steps included: a rate too
-        low, never too high), and the round's compute seconds."""
+    def _measure_link(self, p: _Pending, carried: bool) -> None:
+        """codec = "auto": after an exchange that went through, the rate at which its rows
+        came in, from its start to its end (decoding, a second phase and any overlapped
+        inner steps included, so a rate too low rather than too high), and the round's
+        compute seconds. Top-k's residue goes back to it unless this round carried it."""
+        if p.residue is not None and not carried:
+            self.codecs[p.fragment].give_back(p.residue)  # type: ignore[attr-defined]
+        if self.manager is None or self.manager.errored() is not None or p.gathered is None:
+            return
         elapsed = time.perf_counter() - p.started
-        if p.gathered is not None and p.gathered.received > 0 and elapsed > 0:
+        if p.gathered.received > 0 and elapsed > 0:
             self.link_bits_s = p.gathered.received * 8 / elapsed
         self.last_round_s = self.round_compute_s
 
@@ -463,8 +474,6 @@ class OuterLoop:
             if p.gathered is not None and p.buffer is not None:
                 decode_s += finish_gather(p.gathered, self.codecs[p.fragment], p.buffer, weights, tokens,
                                           self.manager, self.ft.outer_aggregation == "trimmed_mean")
-                if self.codec_name == "auto":
-                    self._measure_link(p)
         exposed_s = time.perf_counter() - blocked_since
         mine = RoundResult()
         if self.manager is not None and p.buffer is not None:
@@ -475,6 +484,9 @@ class OuterLoop:
         result = RoundResult.from_values(values[:-1])
         committed, participants = result.committed, result.participants
         total, tokens = result.total_weight, result.federation_tokens
+        if self.codec_name == "auto" and p.buffer is not None and p.exchanged:
+            refused_me = any(r.get("island") == self.ft.replica_id for r in refused)
+            self._measure_link(p, carried=committed and p.weight > 0 and not refused_me)
         merge = merges_local(result, p.reset, self.ft.fragment_update_alpha)
         local = self.layouts[p.fragment].gather() if merge else None
         if p.buffer is not None and applies_outer_step(result):  # bridge ranks

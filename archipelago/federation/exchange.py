@@ -36,6 +36,7 @@ row claims and holds), `finish_gather` (the sum with the weights the receivers d
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -273,9 +274,10 @@ def choose_codec(codec: Any, participants: int, link_bits_s: float, target_s: fl
 def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants: int,
                   device: torch.device) -> tuple[float, float] | None:
     """codec = "auto": all-gather each island's last measured link rate and round seconds
-    (16 bytes each); the slowest link and the longest round, the same on every island.
+    (16 bytes each); the slowest link and the median round, the same on every island.
     None before any island has measured (or when the all-gather fails: the round is lost).
-    A lying island can only lower the link (a sparser codec for all), never raise it."""
+    A lying island can lower the agreed link (a sparser codec for all) but not raise it,
+    and moves the median round by one place at most."""
     values = torch.tensor([link_bits_s, round_s], dtype=torch.float64, device=device)
     work, outputs = allgather(manager, values, participants)
     work.wait()
@@ -286,7 +288,7 @@ def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants
     rounds = [r for _, r in rows if math.isfinite(r) and r > 0]
     if not links:
         return None
-    return min(links), max(rounds, default=0.0)
+    return min(links), statistics.median(rounds) if rounds else 0.0
 
 
 def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, tokens: int,

@@ -6,15 +6,18 @@ made from: when each island asked to join, was killed or left (federation.json's
 events), how long each inner step took (time-paced records carry the seconds from the
 round's start at each step's end, `pacing_elapsed_s`), its batch (config.json). The replay
 recomputes the decisions from those inputs alone with the functions the simulator uses
-(policy.round_is_up, plan_round, island_weight) and the simulator's membership rule: an
-island is in a round's quorum when it has asked to join before the quorum formed (the
-latest of its participants' arrivals at the outer step) and did not die or leave before
-it arrived there itself. When it died, whether it would have arrived first is replayed
-from its step records (their times, with `metrics.log_every = 1` every step's) through
-the same pacing. `compare` lists every round where replay and record differ.
+(policy.round_is_up, plan_round, island_weight) and this membership rule: an island is in
+a round's quorum when it has asked to join before the quorum formed (the latest of its
+participants' arrivals at the outer step) and did not die or leave before it arrived
+there itself; when it died, whether it would have arrived first is replayed from its step
+records (their times, with `metrics.log_every = 1` every step's) through the same pacing.
+(The simulator's rule is coarser: an island is in a round when it is up at the round's
+start, so a returning island waits for the next round.) `compare` lists every round where
+replay and record differ.
 
 Exact for 1-rank islands: a multi-rank island ends a time-paced round when any rank's
-clock says so, and only rank 0's are recorded.
+clock says so, and only rank 0's are recorded. Runs with streaming fragments or a
+`fragment_sync_delay` are refused (their rounds and weights follow other rules).
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ def replayed(run_dir: Path) -> list[RoundDecision]:
     for k, records in islands.items():
         config = json.loads((Path(run_dir) / f"island-{k}" / "config.json").read_text())
         ft, per_step = config["fault_tolerance"], config["training"]["batch_size"] * config["data"]["seq_len"]
+        if int(ft.get("num_fragments", 1)) != 1 or int(ft.get("fragment_sync_delay", 0)) != 0:
+            raise ConfigError(f"island {k}: a run with num_fragments = {ft.get('num_fragments')} and "
+                              f"fragment_sync_delay = {ft.get('fragment_sync_delay')}; the replay covers one "
+                              "fragment without an overlap")
         joining = True
         for r in records:
             if r.get("event") == "join":
@@ -142,7 +149,7 @@ def _arrives(ft: dict[str, Any], records: list[dict[str, Any]], steps: list[dict
     """Whether an island that was there when a round's quorum formed reached that outer
     step before it died or left at `gone_at`: its round from its last outer step before
     the quorum, step by step (its step records' times) through the pacing."""
-    if gone_at == float("inf") or gone_at >= quorum_at + 3600:
+    if gone_at == float("inf"):
         return True
     previous = max((r for r in outer_records(records) if r["time"] <= quorum_at), key=lambda r: r["time"],
                    default=None)

@@ -125,6 +125,14 @@ def _validate(s: Scenario, source: str) -> None:
                               "must be > 0")
         if g.mtbf_hours < 0 or g.restart_s < 0 or g.latency_ms < 0:
             raise ConfigError(f"{source}: islands[{k}]: mtbf_hours, restart_s and latency_ms must be >= 0")
+    ft = s.ft
+    if ft.sync_steps < 1 or ft.min_inner_steps < 1 or ft.max_inner_steps < ft.min_inner_steps:
+        raise ConfigError(f"{source}: fault_tolerance.sync_steps and min_inner_steps must be >= 1, and "
+                          "max_inner_steps >= min_inner_steps")
+    if ft.round_pacing == "time" and not ft.round_seconds > 0:
+        raise ConfigError(f"{source}: fault_tolerance.round_seconds must be > 0 with round_pacing = \"time\"")
+    if not (math.isfinite(ft.target_exchange_s) and ft.target_exchange_s >= 0):
+        raise ConfigError(f"{source}: fault_tolerance.target_exchange_s must be >= 0")
     if s.ft.min_replica_size > len(s.islands):
         raise ConfigError(f"{source}: fault_tolerance.min_replica_size {s.ft.min_replica_size} is more than the "
                           f"{len(s.islands)} islands: lower it or add islands")
@@ -247,7 +255,8 @@ class Simulation:
             m = Membership(outer_step=outer, participants=len(live))
             assembling = t < self.ft.join_wait_ms / 1000  # then the join goes on with whoever is there
             if must_wait(m, len(self.islands) if assembling else 1) or len(live) < max(self.ft.min_replica_size, 1):
-                t = min((u for u in self.up_at if u > t), default=horizon)
+                later = min((u for u in self.up_at if u > t), default=horizon)
+                t = min(later, self.ft.join_wait_ms / 1000) if assembling else later
                 continue
             t, ok = self._round(t, live, outer)
             if rounds == 0:
@@ -271,17 +280,25 @@ class Simulation:
             plans[k] = plan_round(Membership(outer_step=outer, healed=heal > 0, participants=len(live)), joining, 1)
             began[k] = start + heal
             arrive[k] = began[k] + (0.0 if joining else self.steps[g.step_s] * g.step_s)
-        gone = self._gone(live, max(arrive.values()) + self._exchange_s(len(live)))
+        detect = self.s.settings.detect_s
+        # The failures up to the latest this round can end; those after its real end go back.
+        latest = max(arrive.values()) + detect + 2 * self._exchange_s(len(live))
+        candidates = self._gone(live, latest)
         # Gone before its exchange: it leaves the quorum, and the others wait for the
         # lighthouse to notice (detect_s) unless they were still training by then.
-        early = {k: at for k, at in gone.items() if at < arrive[k]}
+        early = {k: at for k, at in candidates.items() if at < arrive[k]}
         members = [k for k in live if k not in early]
-        detect = self.s.settings.detect_s
         exchange_start = max([arrive[k] for k in members] + [at + detect for at in early.values()] + [start])
         end = exchange_start + self._exchange_s(len(members))
-        lost = len(early) < len(gone)  # died inside the exchange: the collective fails, no commit
-        if lost:
-            end = max(end, max(gone.values()) + detect)
+        inside = {k: at for k, at in candidates.items() if k not in early and at < end}
+        for k, at in candidates.items():
+            if k not in early and k not in inside:  # after this round: a failure of a later one
+                heapq.heappush(self.failures, (at, k))
+        gone = {**early, **inside}
+        # Died inside the exchange: the collective fails, no commit; nor with too few left.
+        lost = bool(inside) or len(members) < max(self.ft.min_replica_size, 1)
+        if inside:
+            end = max(end, max(inside.values()) + detect)
         received = exchange_bytes(self.round_ft(len(members)), self.s.settings.params, len(members))
         self.codecs_used[self.round_ft(len(members)).codec] = self.codecs_used.get(self.round_ft(len(members)).codec,
                                                                                    0) + 1

@@ -283,12 +283,13 @@ def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 
 def pack_sum(total: torch.Tensor) -> torch.Tensor:
-    """An exact, sparse form of a sum of sparse payloads: a bitmap of its nonzero values
-    (one bit per value, lowest bit first), then those values as fp32 in index order.
-    Every zero of such a sum is +0.0 (it starts from +0.0 and round-to-nearest never
-    makes -0.0 of a sum), so unpacking gives back the same bits."""
-    nonzero = total != 0
-    return torch.cat([_pack(nonzero.to(torch.int32), 1), total[nonzero].float().contiguous().view(torch.uint8)])
+    """An exact, sparse form of a sum of sparse payloads: a bitmap of the values whose bits
+    are not all zero (one bit per value, lowest bit first; -0.0, which a trimmed mean can
+    make, counts as set), then those values as fp32 in index order. Unpacking gives back
+    the same bits."""
+    total = total.float().contiguous()
+    nonzero = total.view(torch.int32) != 0
+    return torch.cat([_pack(nonzero.to(torch.int32), 1), total[nonzero].view(torch.uint8)])
 
 
 def unpack_sum(payload: torch.Tensor, numel: int) -> torch.Tensor:
@@ -304,8 +305,10 @@ def unpack_sum(payload: torch.Tensor, numel: int) -> torch.Tensor:
     if payload.numel() != head + 4 * count:
         raise PayloadError(f"a summed segment of {payload.numel()} bytes where its bitmap says {head + 4 * count}")
     values = payload[head:].clone().view(torch.float32)
-    if bool((values == 0).any()):
+    if bool((values.view(torch.int32) == 0).any()):  # a device sync
         raise PayloadError("a summed segment that lists a zero as a nonzero value")
+    if not bool(torch.isfinite(values).all()):
+        raise PayloadError("a summed segment with values that are not finite")
     out = torch.zeros(numel, dtype=torch.float32, device=payload.device)
     out[nonzero] = values
     return out
@@ -357,12 +360,19 @@ class AutoCodec(Codec):
         self.current = name
 
     def take_residue(self) -> torch.Tensor | None:
-        """Top-k's unsent values, cleared, when this round is dense: they travel with it."""
+        """Top-k's unsent values (times its decay), cleared, when this round is dense: they
+        travel with it. `give_back` returns them when the round does not carry them."""
         topk = self.options["topk"]
         if self.current == "topk" or not isinstance(topk, TopKCodec) or not bool(topk.error.any()):
             return None
-        residue, topk.error = topk.error, torch.zeros_like(topk.error)
+        residue, topk.error = topk.error * topk.decay, torch.zeros_like(topk.error)
         return residue
+
+    def give_back(self, residue: torch.Tensor) -> None:
+        """A residue `take_residue` gave out that no committed round carried."""
+        topk = self.options["topk"]
+        assert isinstance(topk, TopKCodec)
+        topk.error = topk.error + residue.to(topk.error.device)
 
     def payload_bytes(self) -> int:
         return self.chosen.payload_bytes()
@@ -372,6 +382,9 @@ class AutoCodec(Codec):
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         return self.chosen.decode(payload)
+
+    def error_bound(self, x: torch.Tensor) -> float:
+        return self.chosen.error_bound(x)
 
     def for_length(self, numel: int) -> Codec:
         return self.chosen.for_length(numel)
