@@ -150,7 +150,7 @@ class TopKCodec(Codec):
     sparse = True
 
     def __init__(self, numel: int, fraction: float, bits: int, chunk: int = 256, exchange: str = "auto",
-                 decay: float = 1.0) -> None:
+                 decay: float = 1.0, feedback: bool = True) -> None:
         super().__init__(numel)
         self.fraction, self.exchange, self.decay = fraction, exchange, decay
         self.chunk = self.align = max(1, min(chunk, numel))
@@ -160,17 +160,19 @@ class TopKCodec(Codec):
         self.index_bits = max(1, (self.chunk - 1).bit_length())
         self.magnitudes = 2 ** (bits - 1)
         self.n_scales = 1 if self.magnitudes == 1 else 2  # bf16 per chunk: mean, or smallest and largest
-        self.error = torch.zeros(numel, dtype=torch.float32)  # what was not sent yet
+        # What was not sent yet; none for a segment's codec (`for_length`), which decodes.
+        self.error = torch.zeros(numel if feedback else 0, dtype=torch.float32)
 
     def for_length(self, numel: int) -> Codec:
         """The encoding of a segment of whole chunks of this codec (the last one may be
         partial, as this codec's own last chunk): chunks as wide as this codec's, whatever
-        the segment's length, so the segment decodes to exactly its part of the chunk."""
-        piece = TopKCodec(max(numel, 1), self.fraction, self.bits, self.chunk, self.exchange, self.decay)
-        piece.numel, piece.chunks = numel, max(1, math.ceil(numel / self.chunk))
+        the segment's length, so the segment decodes to exactly its part of the chunk. It
+        holds no error feedback (the exchange builds these every round: no model-sized
+        buffers), so it encodes only an empty segment."""
+        piece = TopKCodec(numel, self.fraction, self.bits, self.chunk, self.exchange, self.decay, feedback=False)
+        piece.chunks = max(1, math.ceil(numel / self.chunk))
         piece.chunk = piece.align = self.chunk
         piece.k, piece.index_bits = self.k, self.index_bits
-        piece.error = torch.zeros(numel, dtype=torch.float32)
         return piece
 
     def sum_nonzeros(self, contributors: int) -> int:
