@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from archipelago.config.errors import ConfigError
-from archipelago.config.schema import Config, TrainingConfig
+from archipelago.config.schema import Config, FaultToleranceConfig, TrainingConfig
 
 
 def _require(ok: bool, message: str, problems: list[str]) -> None:
@@ -156,6 +156,14 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
              f"fault_tolerance.topk_bits = {ft.topk_bits}: use 1 to 8, e.g. 1 or 2", p)
     _require(2 <= ft.topk_chunk_size <= 2 ** 24,
              f"fault_tolerance.topk_chunk_size = {ft.topk_chunk_size}: must be in [2, 16777216], e.g. 256", p)
+
+
+def fault_tolerance_problems(ft: FaultToleranceConfig) -> list[str]:
+    """What `validate` finds wrong in a [fault_tolerance] section on its own (for other
+    files that carry one, such as `archipelago simulate`'s scenarios)."""
+    problems: list[str] = []
+    _check_fault_tolerance(Config(fault_tolerance=ft), problems)
+    return problems
 
 
 def validate(cfg: Config) -> Config:

@@ -56,14 +56,23 @@ def replayed(run_dir: Path) -> list[RoundDecision]:
     presence = _presence(fed["events"])
     islands = _islands(run_dir)
     quorum_at = _quorum_times(islands)
-    configs = {k: json.loads((Path(run_dir) / f"island-{k}" / "config.json").read_text())["fault_tolerance"]
-               for k in islands}
+    configs = {k: json.loads((Path(run_dir) / f"island-{k}" / "config.json").read_text()) for k in islands}
+    fts = {k: config["fault_tolerance"] for k, config in configs.items()}
     steps_of = {k: [r for r in island_records(Path(run_dir) / f"island-{k}") if is_step_record(r) and "time" in r]
                 for k in islands}
+    members: dict[int, tuple[int, ...]] = {}  # outer step -> the islands the rule puts in it
+
+    def present(step: int) -> tuple[int, ...]:
+        if step not in members:
+            at = quorum_at[step]
+            members[step] = tuple(sorted(j for j, spans in presence.items()
+                                         if any(a <= at and _arrives(fts[j], islands[j], steps_of[j], at, b)
+                                                for a, b in spans)))
+        return members[step]
+
     out = []
     for k, records in islands.items():
-        config = json.loads((Path(run_dir) / f"island-{k}" / "config.json").read_text())
-        ft, per_step = config["fault_tolerance"], config["training"]["batch_size"] * config["data"]["seq_len"]
+        ft, per_step = fts[k], configs[k]["training"]["batch_size"] * configs[k]["data"]["seq_len"]
         if int(ft.get("num_fragments", 1)) != 1 or int(ft.get("fragment_sync_delay", 0)) != 0:
             raise ConfigError(f"island {k}: a run with num_fragments = {ft.get('num_fragments')} and "
                               f"fragment_sync_delay = {ft.get('fragment_sync_delay')}; the replay covers one "
@@ -74,16 +83,11 @@ def replayed(run_dir: Path) -> list[RoundDecision]:
                 joining = True
                 continue
             steps = 0 if joining else _paced_steps(ft, r)
-            plan = plan_round(Membership(outer_step=r["outer_step"] - 1, healed=bool(r["healed"])), joining,
-                              int(ft.get("num_fragments", 1)))
+            plan = plan_round(Membership(outer_step=r["outer_step"] - 1, healed=bool(r["healed"])), joining, 1)
             weight = island_weight(ft["outer_weighting"], steps * per_step, plan.contributes,
                                    Verdict(r.get("rejected") is None))
             if r.get("committed"):
-                at = quorum_at[r["outer_step"]]
-                present = tuple(sorted(j for j, spans in presence.items()
-                                       if any(a <= at and _arrives(configs[j], islands[j], steps_of[j], at, b)
-                                              for a, b in spans)))
-                out.append(RoundDecision(r["outer_step"], k, present, steps, weight))
+                out.append(RoundDecision(r["outer_step"], k, present(r["outer_step"]), steps, weight))
                 joining = False
     return out
 

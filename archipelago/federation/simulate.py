@@ -38,6 +38,7 @@ from typing import Any
 from archipelago.config.errors import ConfigError
 from archipelago.config.loading import read_toml, section_from_table
 from archipelago.config.schema import FaultToleranceConfig
+from archipelago.config.validate import fault_tolerance_problems
 from archipelago.federation.codecs import build_codec
 from archipelago.federation.exchange import AUTO_EXCHANGE_SHARE, Framing, choose_codec, round_received
 from archipelago.federation.policy import Membership, Verdict, island_weight, must_wait, plan_round, round_is_up
@@ -125,17 +126,12 @@ def _validate(s: Scenario, source: str) -> None:
                               "must be > 0")
         if g.mtbf_hours < 0 or g.restart_s < 0 or g.latency_ms < 0:
             raise ConfigError(f"{source}: islands[{k}]: mtbf_hours, restart_s and latency_ms must be >= 0")
-    ft = s.ft
-    if ft.sync_steps < 1 or ft.min_inner_steps < 1 or ft.max_inner_steps < ft.min_inner_steps:
-        raise ConfigError(f"{source}: fault_tolerance.sync_steps and min_inner_steps must be >= 1, and "
-                          "max_inner_steps >= min_inner_steps")
-    if ft.round_pacing == "time" and not ft.round_seconds > 0:
-        raise ConfigError(f"{source}: fault_tolerance.round_seconds must be > 0 with round_pacing = \"time\"")
-    if not (math.isfinite(ft.target_exchange_s) and ft.target_exchange_s >= 0):
-        raise ConfigError(f"{source}: fault_tolerance.target_exchange_s must be >= 0")
     if s.ft.min_replica_size > len(s.islands):
         raise ConfigError(f"{source}: fault_tolerance.min_replica_size {s.ft.min_replica_size} is more than the "
                           f"{len(s.islands)} islands: lower it or add islands")
+    problems = fault_tolerance_problems(s.ft)  # the run files' rules for the section
+    if problems:
+        raise ConfigError(f"{source}:\n  - " + "\n  - ".join(problems))
 
 
 @dataclass
@@ -224,6 +220,7 @@ class Simulation:
         self.steps = {g.step_s: round_steps(self.ft, g.step_s) for g in self.islands}
         self.joined_s = 0.0
         self._auto: dict[int, FaultToleranceConfig] = {}  # codec = "auto": the choice per island count
+        self._received: dict[int, int] = {}  # bytes an island receives per exchange, per island count
         self.codecs_used: dict[str, int] = {}  # rounds per codec
 
     def _schedule_failure(self, k: int, after: float) -> None:
@@ -299,9 +296,9 @@ class Simulation:
         lost = bool(inside) or len(members) < max(self.ft.min_replica_size, 1)
         if inside:
             end = max(end, max(inside.values()) + detect)
-        received = exchange_bytes(self.round_ft(len(members)), self.s.settings.params, len(members))
-        self.codecs_used[self.round_ft(len(members)).codec] = self.codecs_used.get(self.round_ft(len(members)).codec,
-                                                                                   0) + 1
+        received = self.received(len(members))
+        codec = self.round_ft(len(members)).codec
+        self.codecs_used[codec] = self.codecs_used.get(codec, 0) + 1
         for k in live:
             trained = max(0.0, min(arrive[k], gone.get(k, arrive[k])) - began[k])
             self._account(k, plans[k].contributes and not lost and k not in gone, trained,
@@ -357,12 +354,20 @@ class Simulation:
             self._auto[participants] = replace(self.ft, codec=name)  # type: ignore[arg-type]
         return self._auto[participants]
 
+    def received(self, participants: int) -> int:
+        """Bytes one island receives in an exchange of `participants` islands (exchange_bytes,
+        with this round's codec; the same for every round of that many islands)."""
+        if participants not in self._received:
+            self._received[participants] = exchange_bytes(self.round_ft(participants), self.s.settings.params,
+                                                          participants)
+        return self._received[participants]
+
     def _exchange_s(self, participants: int) -> float:
         """The exchange: each island's received bytes over its link, the slowest deciding,
         plus a latency per ring hop (two phases for a reduce-scatter: counted as two)."""
         if participants < 2:
             return 0.0
-        received = exchange_bytes(self.round_ft(participants), self.s.settings.params, participants)
+        received = self.received(participants)
         slowest = min(g.bandwidth_mbit for g in self.islands) * 1e6
         latency = max(g.latency_ms for g in self.islands) / 1e3
         return received * 8 / slowest + 2 * (participants - 1) * latency
@@ -372,13 +377,13 @@ def simulate(scenario: Scenario, fail_at: list[tuple[int, float]] | None = None)
     return Simulation(scenario, fail_at).run()
 
 
-def format_report(report: Report, islands: list[IslandGroup]) -> str:
+def format_report(report: Report, groups: list[IslandGroup]) -> str:
     """A table per group of alike islands, then the federation's figures."""
     s = report.summary()
     lines = ["| islands | step s | link Mbit/s | MTBF h | utilisation | received GB | failures |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     k = 0
-    for g in _groups(islands):
+    for g in groups:
         members = list(range(k, k + g.count))
         k += g.count
         util = sum(report.utilisation(j) for j in members) / len(members)
@@ -392,15 +397,6 @@ def format_report(report: Report, islands: list[IslandGroup]) -> str:
                   f"{s['failures']} failures cost {s['lost_to_failures_island_h']:.1f} island-hours "
                   f"(down, healing, discarded rounds)"]
     return "\n".join(lines)
-
-
-def _groups(islands: list[IslandGroup]) -> list[IslandGroup]:
-    out: list[IslandGroup] = []
-    for g in islands:
-        if out and out[-1] is g:
-            continue
-        out.append(g)
-    return out
 
 
 def scaled(scenario: Scenario, islands: int) -> Scenario:
@@ -461,7 +457,7 @@ def cli(argv: list[str]) -> int:
         s = scaled(scenario, count) if args.islands else scenario
         report = simulate(s)
         print(f"\n## {len(s.islands)} islands, {settings.hours:g} h, {s.ft.codec}, "
-              f"{s.ft.round_pacing} pacing\n\n{format_report(report, s.islands)}")
+              f"{s.ft.round_pacing} pacing\n\n{format_report(report, s.groups)}")
         runs.append(report.summary())
     if args.json:
         args.json.write_text(json.dumps(runs, indent=2))
