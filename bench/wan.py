@@ -16,7 +16,10 @@ runs for the same wall-clock budget (--budget, `training.time_budget_s`) in each
   b  DiLoCo fp32          c  DiLoCo int8
   d  DiLoCo top-k (5 % of every 256 values, 1 bit each; outer SGD without momentum)
   e  streaming DiLoCo, int8, 4 fragments, fragment_sync_delay 2 (exchange overlaps steps)
-  f  DiLoCo with codec = "auto" (not in the default set: --settings a,b,c,d,e,f)
+  f  DiLoCo with codec = "auto"
+  g  streaming DiLoCo with codec = "auto", 4 fragments, fragment_sync_delay 2 (each
+     fragment's exchange may take its 2 overlapped steps plus 5% of its round)
+     (f and g are not in the default set: --settings a,b,c,d,e,f,g)
 
 Reported per setting (markdown table on stdout, ratio column first; JSON with --out):
 - bytes across the WAN per token trained: measured on the links, not taken from logs. The
@@ -137,6 +140,10 @@ SETTINGS = {s.key: s for s in (
         "--fault_tolerance.fragment_sync_delay", str(STREAM_DELAY))),
     # codec = "auto": each round the densest codec whose exchange fits 5% of the round.
     Setting("f", "DiLoCo auto codec", args=("--fault_tolerance.codec", "auto")),
+    # ... with streaming's overlap: an exchange may also take the steps it overlaps.
+    Setting("g", "streaming DiLoCo auto codec, overlap", args=(
+        "--fault_tolerance.codec", "auto", "--fault_tolerance.num_fragments", str(STREAM_FRAGMENTS),
+        "--fault_tolerance.fragment_sync_delay", str(STREAM_DELAY))),
 )}
 
 
@@ -468,7 +475,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", default="a,b,c,d,e",
                    help="comma-separated subset of a (DDP), b (fp32), c (int8), d (top-k), e (streaming int8), "
-                        "f (codec auto)")
+                        "f (codec auto), g (streaming, codec auto)")
     p.add_argument("--budget", type=float, default=90.0, help="wall-clock seconds of training per setting")
     p.add_argument("--equal-steps", type=int, default=120,
                    help="inner steps at which every setting evaluates, to compare validation loss at equal "
@@ -506,8 +513,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.budget <= 0 or args.rate_mbit <= 0 or args.sync_steps < 1 or args.equal_steps < 1:
         p.error("--budget, --rate-mbit, --sync-steps and --equal-steps must be positive")
     per_fragment = args.sync_steps // STREAM_FRAGMENTS
-    if "e" in args.keys and (args.sync_steps % STREAM_FRAGMENTS or STREAM_DELAY >= per_fragment):
-        p.error(f"--sync-steps {args.sync_steps}: streaming (e) needs a multiple of {STREAM_FRAGMENTS} above "
+    if {"e", "g"} & set(args.keys) and (args.sync_steps % STREAM_FRAGMENTS or STREAM_DELAY >= per_fragment):
+        p.error(f"--sync-steps {args.sync_steps}: streaming (e, g) needs a multiple of {STREAM_FRAGMENTS} above "
                 f"{STREAM_FRAGMENTS * STREAM_DELAY} (e.g. 20)")
     if args.timeout is None:
         args.timeout = 2 * args.budget + 300

@@ -39,6 +39,26 @@ def test_int8_scales_each_block_by_its_own_largest_value():
     assert (decoded[:64] - x[:64]).abs().max() <= 2e-3 / 254 * 1.001
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("count", [1, 7, 1001, 4096])
+def test_whole_codes_per_byte_pack_as_the_bit_stream_does(bits, count):
+    # The fast path (codes that fill a byte exactly) against the one-bit-at-a-time stream,
+    # and against numpy's own bit packing (little-endian bit order, the lowest bit first).
+    import numpy as np
+
+    from archipelago.federation.codecs import _pack_bits, _unpack_bits
+
+    codes = torch.randint(0, 2 ** bits, (count,), dtype=torch.int32)
+    packed = _pack(codes, bits)
+    assert torch.equal(packed, _pack_bits(codes, bits))
+    lanes = ((codes.numpy()[:, None] >> np.arange(bits)) & 1).astype(np.uint8).ravel()
+    assert np.array_equal(packed.numpy(), np.packbits(lanes, bitorder="little"))
+    assert torch.equal(_unpack(packed, bits, count), _unpack_bits(packed, bits, count))
+    assert torch.equal(_unpack(packed, bits, count), codes)
+    with pytest.raises(RuntimeError):  # too few bytes for `count` codes
+        _unpack(packed[:-1], bits, count)
+
+
 def test_payload_size_depends_only_on_the_length():
     for codec in (Bf16Codec(777), Int8Codec(777, 100), TopKCodec(777, 0.05, 2)):
         assert codec.encode(_signal(777, 1)).numel() == codec.encode(_signal(777, 2) * 1e6).numel()
@@ -268,6 +288,71 @@ def test_auto_chooses_the_densest_codec_whose_exchange_fits_the_target():
         assert choose_codec(auto, 2, link, target, Framing()) == want
         assert rows[want] / 1e6 <= target or want == "topk"
     assert choose_codec(auto, 2, link, 1e-9, Framing()) == min(rows, key=rows.get)  # nothing fits: fewest bytes
+
+
+@pytest.mark.parametrize("settings,want", [
+    (dict(), 0.05 * 12.0),                                              # a twentieth of the round
+    (dict(num_fragments=4, fragment_sync_delay=2), 0.5 * 2 / 5 * 12.0),  # half of 2 of each fragment's 5 steps
+    (dict(num_fragments=10, fragment_sync_delay=1), 0.5 * 1 / 2 * 12.0),  # half of 1 of each fragment's 2 steps
+    (dict(num_fragments=4, fragment_sync_delay=0), 0.05 * 12.0),        # streaming without an overlap
+    (dict(fragment_sync_delay=1), 0.05 * 12.0),                          # half of 1 of 20 steps: under 5%
+    (dict(num_fragments=4, fragment_sync_delay=2, target_exchange_s=0.3), 0.3),  # the user's target wins
+    (dict(round_pacing="time"), 0.05 * 12.0),
+], ids=["plain", "streaming-overlap", "ten-fragments", "streaming-no-overlap", "short-overlap", "explicit",
+        "time-paced"])
+def test_auto_target_counts_the_inner_steps_an_overlapped_exchange_hides_behind(settings, want):
+    from archipelago.federation.exchange import auto_target_s
+
+    ft = FaultToleranceConfig(codec="auto", sync_steps=20, **settings)
+    assert auto_target_s(ft, 12.0) == pytest.approx(want)
+
+
+def test_auto_measures_the_link_without_the_inner_steps_that_ran_after_the_rows_came_in():
+    # Streaming: the rows of 1 MB came in 0.1 s after the exchange started, then inner
+    # steps ran for 1.9 s before perform waited. The link is 1 MB over about 0.1 s (80
+    # Mbit/s), not over 2 s (4 Mbit/s), else codec = "auto" would pick ever sparser codecs.
+    import time
+
+    from archipelago.federation.diloco import _Pending
+    from archipelago.federation.exchange import Framing, Gathered
+
+    loop = _outer_loop("auto")
+    loop.manager.errored = lambda: None  # type: ignore[attr-defined]
+    waited = time.perf_counter()
+    started = waited - 2.0
+    pending = _Pending(0, gathered=Gathered(None, Framing(), received=1_000_000, done_at=[started + 0.1]),
+                       started=started, waited=waited)
+    loop._measure_link(pending, carried=True)
+    assert 70e6 < loop.link_bits_s <= 80e6
+    pending.gathered.done_at = []  # a transport without completion times: the time the wait returned
+    pending.waited = time.perf_counter()
+    pending.started = pending.waited - 2.0
+    loop._measure_link(pending, carried=True)
+    assert 3.9e6 < loop.link_bits_s <= 4e6
+
+
+def test_gloo_work_reports_its_completion_time():
+    # codec = "auto" stamps when the rows came in through the work's future; torchft's
+    # process groups hand back torch's gloo work, which has one.
+    import time
+
+    import torch.distributed as dist
+
+    from archipelago.federation.exchange import _stamp_completion
+
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    outputs, done_at = [torch.zeros(4)], []
+    before = time.perf_counter()
+    work = pg.allgather([outputs], [torch.arange(4.0)])
+    _stamp_completion(work, done_at)
+    work.wait()
+    deadline = time.monotonic() + 10
+    while not done_at and time.monotonic() < deadline:  # the callback runs on gloo's thread
+        time.sleep(0.01)
+    assert len(done_at) == 1 and before <= done_at[0] <= time.perf_counter()
+    assert torch.equal(outputs[0], torch.arange(4.0))
+    _stamp_completion(object(), done_at)  # no future: nothing stamped, nothing raised
+    assert len(done_at) == 1
 
 
 def test_auto_sends_what_topk_held_back_with_the_next_dense_round():

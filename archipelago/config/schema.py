@@ -265,7 +265,7 @@ class FaultToleranceConfig:
     codec: Literal["fp32", "bf16", "int8", "topk", "auto"] = "fp32"
     """Encoding of the pseudo-gradient across islands: `fp32` (none), `bf16`, `int8` (blockwise scales), `topk` (sparse, with error feedback), or `auto`: each round the densest of those four whose exchange, at the slowest link the islands measured in the round before, takes at most `target_exchange_s` (all islands agree on the measurements first, so all choose alike); see docs/codecs.md."""
     target_exchange_s: float = 0.0
-    """codec = "auto": the seconds an exchange may take; 0 means a twentieth of the slowest island's inner-step seconds in the round before (an exchange that adds at most 5% to the round)."""
+    """codec = "auto": the seconds an exchange may take; 0 means a twentieth of the islands' median inner-step seconds in the round before (an exchange that adds at most 5% to the round), or, with streaming fragments and `fragment_sync_delay` > 0, half the seconds of the inner steps the exchange overlaps when that is more (it hides behind them)."""
     codec_block_size: int = 256
     """int8 codec: values per block sharing one fp32 scale."""
     topk_fraction: float = 0.2

@@ -48,10 +48,10 @@ from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation import exchange as rows
 from archipelago.federation.codecs import AUTO_FIRST, Codec, build_codec, effective_codec
 from archipelago.federation.exchange import (
-    AUTO_EXCHANGE_SHARE,
     Framing,
     Gathered,
     agree_on_link,
+    auto_target_s,
     choose_codec,
     empty_table,
     finish_gather,
@@ -156,6 +156,7 @@ class _Pending:
     replica_rank: int = -1            # this island's row
     state: StateExchange | None = None  # the inner optimizer's moments (average_optimizer_state)
     started: float = 0.0              # perf_counter when the exchange was handed to the network
+    waited: float = 0.0               # perf_counter when perform's wait for the rows returned
     residue: torch.Tensor | None = None  # codec = "auto": top-k's residue this dense round carries
 
 
@@ -386,8 +387,7 @@ class OuterLoop:
         name = AUTO_FIRST
         if agreed is not None:
             link, round_s = agreed
-            target = self.ft.target_exchange_s or AUTO_EXCHANGE_SHARE * round_s
-            name = choose_codec(codec, participants, link, target, Framing(self.key))
+            name = choose_codec(codec, participants, link, auto_target_s(self.ft, round_s), Framing(self.key))
         codec.choose(name)  # type: ignore[attr-defined]
         residue = codec.take_residue() if contributes else None  # type: ignore[attr-defined]
         if residue is not None:
@@ -396,14 +396,16 @@ class OuterLoop:
 
     def _measure_link(self, p: _Pending, carried: bool) -> None:
         """codec = "auto": after an exchange that went through, the rate at which its rows
-        came in, from its start to its end (decoding, a second phase and any overlapped
-        inner steps included, so a rate too low rather than too high), and the round's
-        compute seconds. Top-k's residue goes back to it unless this round carried it."""
+        came in, from its start to its end (decoding and a second phase included, so a rate
+        too low rather than too high; the inner steps that ran after the rows were in, with
+        streaming's overlap, left out), and the round's compute seconds. Top-k's residue
+        goes back to it unless this round carried it."""
         if p.residue is not None and not carried:
             self.codecs[p.fragment].give_back(p.residue)  # type: ignore[attr-defined]
         if self.manager is None or self.manager.errored() is not None or p.gathered is None:
             return
-        elapsed = time.perf_counter() - p.started
+        arrived = min([p.waited, *p.gathered.done_at])  # the transport's thread stamped it, if it could
+        elapsed = time.perf_counter() - p.started - (p.waited - arrived)
         if p.gathered.received > 0 and elapsed > 0:
             self.link_bits_s = p.gathered.received * 8 / elapsed
         self.last_round_s = self.round_compute_s
@@ -466,6 +468,7 @@ class OuterLoop:
         if p.exchanged:
             if p.gathered is not None:
                 p.gathered.work.wait()  # the network's share; opening and judging the rows is decode_s
+            p.waited = time.perf_counter()
             judging = time.perf_counter()
             weights, tokens, refused = self._judge(p)
             if p.state is not None and self.inner_state is not None:  # the moments of the islands it accepted

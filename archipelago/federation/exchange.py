@@ -157,6 +157,7 @@ class Gathered:
     segments: list[tuple[int, int]] | None = None  # reduce-scatter: the islands' segments
     rank: int = 0          # this island's replica rank (its segment)
     payloads: list[torch.Tensor | None] = field(default_factory=list)  # opened by inspect_gather
+    done_at: list[float] = field(default_factory=list)  # perf_counter() when the first phase's rows were in
 
 
 class _Done:
@@ -212,26 +213,42 @@ def _segment_payloads(codec: Codec, pieces: list[Codec], segments: list[tuple[in
     return [piece.encode(x[start:end]) for piece, (start, end) in zip(pieces, segments)]
 
 
-def _managed(manager: Any, start: Any, outputs: Any) -> Any:
+def _managed(manager: Any, start: Any, outputs: Any, done_at: list[float] | None = None) -> Any:
     """Start a collective on torchft's process group with Manager.allreduce's error
     handling (_ManagedWork): a failure is reported to the manager, so the round will not
-    commit, instead of raising here."""
+    commit, instead of raising here. With `done_at`, the collective's completion time
+    (perf_counter) is appended to it by the transport's thread (codec = "auto" measures the
+    link with it, also while inner steps overlap the exchange)."""
     if manager.errored() is not None:  # the round is lost already; do not touch the network
         return _Done()
     from torchft.manager import _ManagedWork
 
     try:
-        return _ManagedWork(manager, start(), outputs)
+        work = start()
+        if done_at is not None:
+            _stamp_completion(work, done_at)
+        return _ManagedWork(manager, work, outputs)
     except Exception as exc:  # noqa: BLE001 - any transport failure only loses this round
         manager.report_error(exc)
         return _Done()
 
 
-def allgather(manager: Any, payload: torch.Tensor, count: int) -> tuple[Any, list[torch.Tensor]]:
+def _stamp_completion(work: Any, done_at: list[float]) -> None:
+    """Append the time `work` completes to `done_at` (nothing, where the transport's work
+    has no future: the caller then takes the time its wait returned)."""
+    try:
+        work.get_future().add_done_callback(lambda _: done_at.append(time.perf_counter()))
+    except (AttributeError, RuntimeError):
+        pass
+
+
+def allgather(manager: Any, payload: torch.Tensor, count: int,
+              done_at: list[float] | None = None) -> tuple[Any, list[torch.Tensor]]:
     from torch.distributed.distributed_c10d import AllgatherOptions
 
     outputs = [torch.zeros_like(payload) for _ in range(count)]
-    return _managed(manager, lambda: manager._pg.allgather([outputs], [payload], AllgatherOptions()), outputs), outputs
+    start = lambda: manager._pg.allgather([outputs], [payload], AllgatherOptions())  # noqa: E731
+    return _managed(manager, start, outputs, done_at), outputs
 
 
 def round_received(codec: Codec, participants: int, framing: Framing) -> int:
@@ -254,8 +271,24 @@ def round_received(codec: Codec, participants: int, framing: Framing) -> int:
 
 
 # codec = "auto": an exchange may take this share of the slowest island's round unless
-# target_exchange_s says otherwise (95% of the round left for inner steps).
+# target_exchange_s says otherwise (95% of the round left for inner steps) ...
 AUTO_EXCHANGE_SHARE = 0.05
+# ... and with streaming's overlap, this share of the inner steps it overlaps: the rest is
+# room for a peer that starts late and for the steps the transfer slows (over 100 Mbit/s
+# a fragment exchange sized to fill its whole overlap left 0.1-0.5 s exposed; bench/wan.py).
+AUTO_OVERLAP_SHARE = 0.5
+
+
+def auto_target_s(ft: Any, round_s: float) -> float:
+    """codec = "auto": the seconds an exchange may take, `target_exchange_s` or else
+    AUTO_EXCHANGE_SHARE of a round of `round_s` compute seconds; with streaming fragments
+    and `fragment_sync_delay` steps of overlap, AUTO_OVERLAP_SHARE of those steps' seconds
+    if that is more (the exchange hides behind them)."""
+    if ft.target_exchange_s:
+        return float(ft.target_exchange_s)
+    per_fragment = max(ft.sync_steps // max(ft.num_fragments, 1), 1)
+    overlap = ft.fragment_sync_delay / per_fragment if ft.round_pacing == "steps" else 0.0
+    return max(AUTO_EXCHANGE_SHARE, AUTO_OVERLAP_SHARE * overlap) * round_s
 
 
 def choose_codec(codec: Any, participants: int, link_bits_s: float, target_s: float, framing: Framing) -> str:
@@ -316,15 +349,18 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
         if rank is None:  # not in the quorum after all: this round is lost (finish sees the error)
             manager.report_error(RuntimeError("island is not a participant of the exchange's quorum"))
             return Gathered(_Done(), framing, [received], encode_s, segments=segments)
+        done_at: list[float] = []
         work = _managed(manager, lambda: manager._pg.alltoall_base(received, send, [], [], AllToAllOptions()),
-                        received)
+                        received, done_at)
         return Gathered(work, framing, [received], encode_s, sent=(participants - 1) * size,
-                        received=(participants - 1) * size, segments=segments, rank=rank)
+                        received=(participants - 1) * size, segments=segments, rank=rank, done_at=done_at)
     size = framing.row_bytes(codec.payload_bytes())
     row = framing.frame(tokens, weight, _encoded(codec, pseudo_gradient, weight), size).to(wire)
     encode_s = time.perf_counter() - began
-    work, outputs = allgather(manager, row, participants)
-    return Gathered(work, framing, outputs, encode_s, sent=row.numel(), received=row.numel() * (participants - 1))
+    done_at = []
+    work, outputs = allgather(manager, row, participants, done_at)
+    return Gathered(work, framing, outputs, encode_s, sent=row.numel(), received=row.numel() * (participants - 1),
+                    done_at=done_at)
 
 
 def empty_table(participants: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ from archipelago.config.loading import read_toml, section_from_table
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.config.validate import fault_tolerance_problems
 from archipelago.federation.codecs import build_codec
-from archipelago.federation.exchange import AUTO_EXCHANGE_SHARE, Framing, choose_codec, round_received
+from archipelago.federation.exchange import Framing, auto_target_s, choose_codec, round_received
 from archipelago.federation.policy import Membership, Verdict, island_weight, must_wait, plan_round, round_is_up
 
 # Codec sizes are linear in the model's size; measured on a chunk this large and scaled
@@ -347,7 +347,7 @@ class Simulation:
         if participants not in self._auto:
             link = min(g.bandwidth_mbit for g in self.islands) * 1e6
             round_s = max(self.steps[g.step_s] * g.step_s for g in self.islands)
-            target = self.ft.target_exchange_s or AUTO_EXCHANGE_SHARE * round_s
+            target = auto_target_s(self.ft, round_s)
             sample = build_codec(self.ft, min(self.s.settings.params, CODEC_SAMPLE_VALUES))
             scale = self.s.settings.params / sample.numel
             name = choose_codec(sample, participants, link / scale, target, Framing())

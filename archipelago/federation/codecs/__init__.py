@@ -270,6 +270,18 @@ class TopKCodec(Codec):
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Non-negative integers below 2**bits, `bits` bits each, packed lowest bit first."""
+    if 8 % bits:
+        return _pack_bits(codes, bits)
+    # Whole codes per byte (1, 2, 4 or 8 bits: top-k's codes, indices in chunks of 256): the
+    # same bytes as the bit stream, about 10x faster on a CPU than one int32 per bit.
+    per = 8 // bits
+    flat = torch.nn.functional.pad(codes.flatten().to(torch.int32), (0, -codes.numel() % per))
+    shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.int32)
+    return (flat.view(-1, per) << shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+
+
+def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """`_pack` for any width: one bit at a time."""
     shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
     stream = ((codes.flatten().to(torch.int32)[:, None] >> shifts) & 1).to(torch.uint8).flatten()
     stream = torch.nn.functional.pad(stream, (0, -stream.numel() % 8))
@@ -279,6 +291,15 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """The `count` integers of `_pack`, as int32."""
+    if 8 % bits:
+        return _unpack_bits(packed, bits, count)
+    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int32)
+    codes = (packed.to(torch.int32)[:, None] >> shifts) & (2 ** bits - 1)
+    return codes.flatten()[:count].view(count)  # too few bytes: an error, as in the bit stream
+
+
+def _unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """`_unpack` for any width: one bit at a time."""
     stream = (packed.to(torch.int32)[:, None] >> torch.arange(8, device=packed.device, dtype=torch.int32)) & 1
     lanes = stream.flatten()[:count * bits].view(count, bits)
     return (lanes << torch.arange(bits, device=packed.device, dtype=torch.int32)).sum(dim=1, dtype=torch.int32)
