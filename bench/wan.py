@@ -19,7 +19,7 @@ runs for the same wall-clock budget (--budget, `training.time_budget_s`) in each
   f  DiLoCo with codec = "auto"
   g  streaming DiLoCo with codec = "auto", 4 fragments, fragment_sync_delay 2 (each
      fragment's exchange may take its 2 overlapped steps plus 5% of its round)
-     (f and g are not in the default set: --settings a,b,c,d,e,f,g)
+     (f and g are not in the default set: --settings a,b,c,d,e,f,g, or --codec auto for f,g)
 
 Reported per setting (markdown table on stdout, ratio column first; JSON with --out):
 - bytes across the WAN per token trained: measured on the links, not taken from logs. The
@@ -126,6 +126,7 @@ class Setting:
 
 
 STREAM_FRAGMENTS, STREAM_DELAY = 4, 2
+DEFAULT_SETTINGS = "a,b,c,d,e"
 SETTINGS = {s.key: s for s in (
     Setting("a", "DDP all-reduce per step", ddp=True),
     Setting("b", "DiLoCo fp32", args=("--fault_tolerance.codec", "fp32")),
@@ -473,7 +474,7 @@ def relative(value: float | None, reference: float | None) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--settings", default="a,b,c,d,e",
+    p.add_argument("--settings", default=DEFAULT_SETTINGS,
                    help="comma-separated subset of a (DDP), b (fp32), c (int8), d (top-k), e (streaming int8), "
                         "f (codec auto), g (streaming, codec auto)")
     p.add_argument("--budget", type=float, default=90.0, help="wall-clock seconds of training per setting")
@@ -498,7 +499,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="anything after --extra goes to every `archipelago train` (e.g. --model.flavor ...)")
+    p.add_argument("--codec", choices=["auto"], default=None,
+                   help='auto: codec = "auto" without and with streaming\'s overlap (the same as --settings f,g)')
     args = p.parse_args(argv)
+    if args.codec == "auto":
+        if args.settings != DEFAULT_SETTINGS:
+            p.error("--codec auto runs settings f and g: give --codec or --settings, not both")
+        args.settings = "f,g"
     keys = [k.strip() for k in args.settings.split(",") if k.strip()]
     unknown = [k for k in keys if k not in SETTINGS]
     if unknown or not keys:
