@@ -347,7 +347,7 @@ class Simulation:
         if participants not in self._auto:
             link = min(g.bandwidth_mbit for g in self.islands) * 1e6
             round_s = max(self.steps[g.step_s] * g.step_s for g in self.islands)
-            target = auto_target_s(self.ft, round_s)
+            target = auto_target_s(replace(self.ft, fragment_sync_delay=0), round_s)  # no overlap here
             sample = build_codec(self.ft, min(self.s.settings.params, CODEC_SAMPLE_VALUES))
             scale = self.s.settings.params / sample.numel
             name = choose_codec(sample, participants, link / scale, target, Framing())
