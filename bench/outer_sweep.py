@@ -123,6 +123,7 @@ def run_job(job: dict, config: str, device: str, threads: int, eval_windows: int
                       **options)
     return {**job, "val_loss": result.final.val_loss, "tokens": result.final.tokens,
             "bytes_sent": result.bytes_sent, "inner_steps": result.inner_steps,
+            "params": sum(p.numel() for p in result.models[0].parameters()) if result.models else None,
             "seconds": time.perf_counter() - began,
             "curve": [[p.step, p.tokens, p.val_loss] for p in result.points]}
 
@@ -131,9 +132,23 @@ def _worker(args: tuple) -> dict:
     return run_job(*args)
 
 
-def summarize(rows: list[dict]) -> list[dict]:
+def ddp_bytes_per_token(rows: list[dict], params: int | None) -> float | None:
+    """What DDP's ring all-reduce of fp32 gradients sends per token, all ranks together:
+    2 (N - 1) x 4 bytes x parameters per step, over the tokens of a step (None without a
+    DDP row or a parameter count: rows carry `params` since it was added, or --params)."""
+    for r in rows:
+        count = r.get("params") or params
+        if r["kind"] == "ddp" and count and r.get("inner_steps") and r.get("ranks", 1) > 1:
+            tokens_per_step = r["tokens"] / max(r["inner_steps"])
+            return 2 * (r["ranks"] - 1) * 4 * count / tokens_per_step
+    return None
+
+
+def summarize(rows: list[dict], params: int | None = None) -> list[dict]:
     """Mean over seeds of each setting's val loss, and of its ratio to the baselines of
-    the same seed and inner settings (paired: the seed moves every run the same way)."""
+    the same seed and inner settings (paired: the seed moves every run the same way);
+    bytes across islands per token, and DDP's per token over that."""
+    ddp_bytes = ddp_bytes_per_token(rows, params)
     base = {(r["kind"], r["inner"], r["seed"]): r["val_loss"] for r in rows if r["kind"] != "federation"}
     best_ddp = {}
     for (kind, _inner, seed), loss in base.items():
@@ -152,7 +167,10 @@ def summarize(rows: list[dict]) -> list[dict]:
             return statistics.mean(pairs) if pairs else float("nan")
 
         vs_best = [r["val_loss"] / best_ddp[r["seed"]] for r in runs if r["seed"] in best_ddp]
+        per_token = statistics.mean(r.get("bytes_sent", 0) / r["tokens"] for r in runs)
         table.append({"setting": name, "val_loss": statistics.mean(losses), "spread": max(losses) - min(losses),
+                      "bytes_per_token": per_token,
+                      "ddp_bytes_ratio": ddp_bytes / per_token if ddp_bytes and per_token else float("nan"),
                       "seeds": len(runs), "tokens": runs[0]["tokens"], "vs_ddp": ratio("ddp"),
                       "vs_single": ratio("single"),
                       "vs_best_ddp": statistics.mean(vs_best) if vs_best else float("nan")})
@@ -161,12 +179,13 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def print_table(table: list[dict]) -> None:
     print("\n| val loss / DDP (same inner settings) | / best DDP | / single island | val loss (mean) "
-          "| spread (max-min) | seeds | tokens | setting |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| spread (max-min) | seeds | tokens | bytes/token | DDP's bytes / these | setting |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for t in table:
         ratios = " | ".join("-" if math.isnan(t[k]) else f"{t[k]:.4f}" for k in ("vs_ddp", "vs_best_ddp", "vs_single"))
-        print(f"| {ratios} | {t['val_loss']:.4f} | "
-              f"{t['spread']:.4f} | {t['seeds']} | {t['tokens']:,} | {t['setting']} |")
+        fewer = "-" if math.isnan(t["ddp_bytes_ratio"]) else f"{t['ddp_bytes_ratio']:,.0f}"
+        print(f"| {ratios} | {t['val_loss']:.4f} | {t['spread']:.4f} | {t['seeds']} | {t['tokens']:,} "
+              f"| {t['bytes_per_token']:,.1f} | {fewer} | {t['setting']} |")
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -197,10 +216,13 @@ def main() -> None:
     p.add_argument("--time-limit", type=float, default=0, help="start no run after this many seconds")
     p.add_argument("--summarize", type=Path, nargs="+", default=None,
                    help="run nothing: print the table of earlier --out files")
+    p.add_argument("--params", type=int, default=None,
+                   help="with --summarize: the model's parameter count, for files whose rows do not carry it "
+                        "(DDP's bytes per token)")
     args = p.parse_args()
     if args.summarize:
         rows = [json.loads(line) for path in args.summarize for line in path.read_text().splitlines() if line]
-        print_table(summarize(rows))
+        print_table(summarize(rows, args.params))
         return
     args.set = [s if s.startswith("--") else f"--{s}" for s in args.set]
     jobs = build_jobs(args)

@@ -194,3 +194,25 @@ def test_the_simulators_slow_island_steps_a_third_as_often_and_weighs_by_its_tok
         expected = (6 * fast[name].detach() + 2 * slow[name].detach()) / 8
         assert not torch.equal(fast[name], slow[name]), name  # the islands drifted apart: the mean can fail
         torch.testing.assert_close(value.detach(), expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_outer_sweep_counts_bytes_per_token_against_ddp_by_hand():
+    # DDP of 2 ranks all-reduces 4-byte gradients of 1,000 parameters each step: a ring sends
+    # 2 x (2 - 1) x 4,000 bytes per step, over the step's 2,048 tokens. A federation that
+    # sent 1,000,000 bytes for 2,048,000 tokens sends 8x fewer per token.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("outer_sweep", ROOT / "bench" / "outer_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    rows = [{"setting": "ddp", "kind": "ddp", "inner": "", "seed": 0, "ranks": 2, "val_loss": 4.0,
+             "tokens": 2_048_000, "inner_steps": [1000], "bytes_sent": 0},
+            {"setting": "federation x", "kind": "federation", "inner": "", "seed": 0, "ranks": 1, "val_loss": 4.1,
+             "tokens": 2_048_000, "inner_steps": [1000, 1000], "bytes_sent": 1_000_000}]
+    assert sweep.ddp_bytes_per_token(rows, None) is None  # no parameter count: no ratio
+    rows[0]["params"] = 1000
+    assert sweep.ddp_bytes_per_token(rows, None) == pytest.approx(8000 / 2048)
+    table = {t["setting"]: t for t in sweep.summarize(rows)}
+    assert table["federation x"]["bytes_per_token"] == pytest.approx(1_000_000 / 2_048_000)
+    assert table["federation x"]["ddp_bytes_ratio"] == pytest.approx(8.0)
+    assert table["federation x"]["vs_ddp"] == pytest.approx(4.1 / 4.0)
