@@ -132,23 +132,24 @@ def _worker(args: tuple) -> dict:
     return run_job(*args)
 
 
-def ddp_bytes_per_token(rows: list[dict], params: int | None) -> float | None:
-    """What DDP's ring all-reduce of fp32 gradients sends per token, all ranks together:
-    2 (N - 1) x 4 bytes x parameters per step, over the tokens of a step (None without a
-    DDP row or a parameter count: rows carry `params` since it was added, or --params)."""
+def ddp_bytes_per_token(rows: list[dict], params: int | None, inner: str = "") -> float | None:
+    """What DDP's ring all-reduce of fp32 gradients over 2 ranks sends per token, both
+    ranks together: 2 x 4 bytes x parameters per step, over the tokens of a step, from the
+    DDP row of the same inner settings. None without one, without a parameter count (rows
+    carry `params` since it was added, else --params), or for more than 2 ranks: a
+    federation's `bytes_sent` counts each island's row once, what it sends to its one peer
+    only when there are two islands."""
     for r in rows:
         count = r.get("params") or params
-        if r["kind"] == "ddp" and count and r.get("inner_steps") and r.get("ranks", 1) > 1:
-            tokens_per_step = r["tokens"] / max(r["inner_steps"])
-            return 2 * (r["ranks"] - 1) * 4 * count / tokens_per_step
+        if r["kind"] == "ddp" and r["inner"] == inner and count and r.get("inner_steps") and r.get("ranks") == 2:
+            return 2 * 4 * count / (r["tokens"] / max(r["inner_steps"]))
     return None
 
 
 def summarize(rows: list[dict], params: int | None = None) -> list[dict]:
     """Mean over seeds of each setting's val loss, and of its ratio to the baselines of
     the same seed and inner settings (paired: the seed moves every run the same way);
-    bytes across islands per token, and DDP's per token over that."""
-    ddp_bytes = ddp_bytes_per_token(rows, params)
+    bytes across islands per token, and DDP's per token over that (two islands)."""
     base = {(r["kind"], r["inner"], r["seed"]): r["val_loss"] for r in rows if r["kind"] != "federation"}
     best_ddp = {}
     for (kind, _inner, seed), loss in base.items():
@@ -168,6 +169,7 @@ def summarize(rows: list[dict], params: int | None = None) -> list[dict]:
 
         vs_best = [r["val_loss"] / best_ddp[r["seed"]] for r in runs if r["seed"] in best_ddp]
         per_token = statistics.mean(r.get("bytes_sent", 0) / r["tokens"] for r in runs)
+        ddp_bytes = ddp_bytes_per_token(rows, params, runs[0]["inner"])
         table.append({"setting": name, "val_loss": statistics.mean(losses), "spread": max(losses) - min(losses),
                       "bytes_per_token": per_token,
                       "ddp_bytes_ratio": ddp_bytes / per_token if ddp_bytes and per_token else float("nan"),

@@ -18,7 +18,7 @@ runs for the same wall-clock budget (--budget, `training.time_budget_s`) in each
   e  streaming DiLoCo, int8, 4 fragments, fragment_sync_delay 2 (exchange overlaps steps)
   f  DiLoCo with codec = "auto"
   g  streaming DiLoCo with codec = "auto", 4 fragments, fragment_sync_delay 2 (each
-     fragment's exchange may take its 2 overlapped steps plus 5% of its round)
+     fragment's exchange may take half its 2 overlapped steps' seconds)
      (f and g are not in the default set: --settings a,b,c,d,e,f,g, or --codec auto for f,g)
 
 Reported per setting (markdown table on stdout, ratio column first; JSON with --out):
@@ -141,7 +141,7 @@ SETTINGS = {s.key: s for s in (
         "--fault_tolerance.fragment_sync_delay", str(STREAM_DELAY))),
     # codec = "auto": each round the densest codec whose exchange fits 5% of the round.
     Setting("f", "DiLoCo auto codec", args=("--fault_tolerance.codec", "auto")),
-    # ... with streaming's overlap: an exchange may also take the steps it overlaps.
+    # ... with streaming's overlap: an exchange may take half the steps it overlaps.
     Setting("g", "streaming DiLoCo auto codec, overlap", args=(
         "--fault_tolerance.codec", "auto", "--fault_tolerance.num_fragments", str(STREAM_FRAGMENTS),
         "--fault_tolerance.fragment_sync_delay", str(STREAM_DELAY))),

@@ -329,6 +329,24 @@ def test_auto_measures_the_link_without_the_inner_steps_that_ran_after_the_rows_
     pending.started = pending.waited - 2.0
     loop._measure_link(pending, carried=True)
     assert 3.9e6 < loop.link_bits_s <= 4e6
+    # The exchange's own start counts (handed to the transport 1 s before the island's later
+    # bookkeeping), and a stamp can never put the rows in before it.
+    # Here the rows count as in when the exchange started, so only the 0.5 s after the wait
+    # remain: 16 Mbit/s (without the clamp the time would be negative and nothing measured).
+    pending.waited = time.perf_counter() - 0.5
+    pending.gathered.started, pending.started = pending.waited - 1.0, pending.waited - 0.5
+    pending.gathered.done_at = [pending.waited - 3.0]
+    loop._measure_link(pending, carried=True)
+    assert 14e6 < loop.link_bits_s <= 16e6
+
+
+def test_only_a_cpu_wire_stamps_completion_times():
+    # NCCL's future completes when the collective is enqueued (torch's Work.get_future), not
+    # when the rows are in: a GPU wire takes the wait's return instead.
+    from archipelago.federation.exchange import _completion_stamps
+
+    assert _completion_stamps(torch.device("cpu")) == []
+    assert _completion_stamps(torch.device("cuda", 0)) is None
 
 
 def test_gloo_work_reports_its_completion_time():

@@ -216,3 +216,6 @@ def test_outer_sweep_counts_bytes_per_token_against_ddp_by_hand():
     assert table["federation x"]["bytes_per_token"] == pytest.approx(1_000_000 / 2_048_000)
     assert table["federation x"]["ddp_bytes_ratio"] == pytest.approx(8.0)
     assert table["federation x"]["vs_ddp"] == pytest.approx(4.1 / 4.0)
+    assert sweep.ddp_bytes_per_token(rows, None, inner="lr=1e-3") is None  # only DDP of the same inner settings
+    rows[0]["ranks"] = 3  # three islands: a row sent once is not what each island sends
+    assert sweep.ddp_bytes_per_token(rows, None) is None

@@ -387,7 +387,8 @@ class OuterLoop:
         name = AUTO_FIRST
         if agreed is not None:
             link, round_s = agreed
-            name = choose_codec(codec, participants, link, auto_target_s(self.ft, round_s), Framing(self.key))
+            target = auto_target_s(self.ft, round_s, self.per_fragment)
+            name = choose_codec(codec, participants, link, target, Framing(self.key))
         codec.choose(name)  # type: ignore[attr-defined]
         residue = codec.take_residue() if contributes else None  # type: ignore[attr-defined]
         if residue is not None:
@@ -404,8 +405,10 @@ class OuterLoop:
             self.codecs[p.fragment].give_back(p.residue)  # type: ignore[attr-defined]
         if self.manager is None or self.manager.errored() is not None or p.gathered is None:
             return
-        arrived = min([p.waited, *p.gathered.done_at])  # the transport's thread stamped it, if it could
-        elapsed = time.perf_counter() - p.started - (p.waited - arrived)
+        started = p.gathered.started or p.started
+        # When the rows were in: the transport's thread stamped it where it can, else the wait's return.
+        arrived = max(started, min([p.waited, *p.gathered.done_at]))
+        elapsed = time.perf_counter() - started - (p.waited - arrived)
         if p.gathered.received > 0 and elapsed > 0:
             self.link_bits_s = p.gathered.received * 8 / elapsed
         self.last_round_s = self.round_compute_s

@@ -157,6 +157,7 @@ class Gathered:
     segments: list[tuple[int, int]] | None = None  # reduce-scatter: the islands' segments
     rank: int = 0          # this island's replica rank (its segment)
     payloads: list[torch.Tensor | None] = field(default_factory=list)  # opened by inspect_gather
+    started: float = 0.0   # perf_counter() when it was handed to the transport
     done_at: list[float] = field(default_factory=list)  # perf_counter() when the first phase's rows were in
 
 
@@ -235,11 +236,20 @@ def _managed(manager: Any, start: Any, outputs: Any, done_at: list[float] | None
 
 def _stamp_completion(work: Any, done_at: list[float]) -> None:
     """Append the time `work` completes to `done_at` (nothing, where the transport's work
-    has no future: the caller then takes the time its wait returned)."""
+    has no future: the caller then takes the time its wait returned). Never raises: a
+    timing aid must not cost the round."""
     try:
         work.get_future().add_done_callback(lambda _: done_at.append(time.perf_counter()))
-    except (AttributeError, RuntimeError):
+    except Exception:  # noqa: BLE001 - any transport without usable futures: no stamp
         pass
+
+
+def _completion_stamps(wire: torch.device) -> list[float] | None:
+    """Where the exchange's completion time goes: gloo's work completes (on its own thread)
+    when the rows are in; NCCL's future completes when the collective is enqueued (torch's
+    `Work.get_future`), which says nothing about the link, so a GPU wire stamps nothing and
+    the wait's return counts instead."""
+    return [] if wire.type == "cpu" else None
 
 
 def allgather(manager: Any, payload: torch.Tensor, count: int,
@@ -270,7 +280,7 @@ def round_received(codec: Codec, participants: int, framing: Framing) -> int:
     return (participants - 1) * (segment + 8 + summed)
 
 
-# codec = "auto": an exchange may take this share of the slowest island's round unless
+# codec = "auto": an exchange may take this share of the islands' median round unless
 # target_exchange_s says otherwise (95% of the round left for inner steps) ...
 AUTO_EXCHANGE_SHARE = 0.05
 # ... and with streaming's overlap, this share of the inner steps it overlaps: the rest is
@@ -279,15 +289,17 @@ AUTO_EXCHANGE_SHARE = 0.05
 AUTO_OVERLAP_SHARE = 0.5
 
 
-def auto_target_s(ft: Any, round_s: float) -> float:
+def auto_target_s(ft: Any, round_s: float, per_fragment: int | None = None) -> float:
     """codec = "auto": the seconds an exchange may take, `target_exchange_s` or else
     AUTO_EXCHANGE_SHARE of a round of `round_s` compute seconds; with streaming fragments
     and `fragment_sync_delay` steps of overlap, AUTO_OVERLAP_SHARE of those steps' seconds
-    if that is more (the exchange hides behind them)."""
+    if that is more (the exchange hides behind them). `per_fragment`: inner steps per
+    fragment round, as the outer loop counts them (default: from the config)."""
     if ft.target_exchange_s:
         return float(ft.target_exchange_s)
-    per_fragment = max(ft.sync_steps // max(ft.num_fragments, 1), 1)
-    overlap = ft.fragment_sync_delay / per_fragment if ft.round_pacing == "steps" else 0.0
+    if per_fragment is None:
+        per_fragment = ft.sync_steps // max(ft.num_fragments, 1)
+    overlap = ft.fragment_sync_delay / max(per_fragment, 1) if ft.round_pacing == "steps" else 0.0
     return max(AUTO_EXCHANGE_SHARE, AUTO_OVERLAP_SHARE * overlap) * round_s
 
 
@@ -349,18 +361,19 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
         if rank is None:  # not in the quorum after all: this round is lost (finish sees the error)
             manager.report_error(RuntimeError("island is not a participant of the exchange's quorum"))
             return Gathered(_Done(), framing, [received], encode_s, segments=segments)
-        done_at: list[float] = []
+        done_at, started = _completion_stamps(wire), time.perf_counter()
         work = _managed(manager, lambda: manager._pg.alltoall_base(received, send, [], [], AllToAllOptions()),
                         received, done_at)
         return Gathered(work, framing, [received], encode_s, sent=(participants - 1) * size,
-                        received=(participants - 1) * size, segments=segments, rank=rank, done_at=done_at)
+                        received=(participants - 1) * size, segments=segments, rank=rank, started=started,
+                        done_at=done_at or [])
     size = framing.row_bytes(codec.payload_bytes())
     row = framing.frame(tokens, weight, _encoded(codec, pseudo_gradient, weight), size).to(wire)
     encode_s = time.perf_counter() - began
-    done_at = []
+    done_at, started = _completion_stamps(wire), time.perf_counter()
     work, outputs = allgather(manager, row, participants, done_at)
     return Gathered(work, framing, outputs, encode_s, sent=row.numel(), received=row.numel() * (participants - 1),
-                    done_at=done_at)
+                    started=started, done_at=done_at or [])
 
 
 def empty_table(participants: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -341,12 +342,13 @@ class Simulation:
 
     def round_ft(self, participants: int) -> FaultToleranceConfig:
         """The config with this round's codec: with codec = "auto", what the islands would
-        choose (exchange.choose_codec) from the slowest link and the longest round."""
+        choose (exchange.choose_codec) from the slowest link and the median round, as the
+        islands agree on them (exchange.agree_on_link)."""
         if self.ft.codec != "auto":
             return self.ft
         if participants not in self._auto:
             link = min(g.bandwidth_mbit for g in self.islands) * 1e6
-            round_s = max(self.steps[g.step_s] * g.step_s for g in self.islands)
+            round_s = statistics.median(self.steps[g.step_s] * g.step_s for g in self.islands)
             target = auto_target_s(replace(self.ft, fragment_sync_delay=0), round_s)  # no overlap here
             sample = build_codec(self.ft, min(self.s.settings.params, CODEC_SAMPLE_VALUES))
             scale = self.s.settings.params / sample.numel
