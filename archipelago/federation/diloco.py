@@ -471,8 +471,7 @@ class OuterLoop:
         if p.exchanged:
             if p.gathered is not None:
                 p.gathered.work.wait()  # the network's share; opening and judging the rows is decode_s
-            p.waited = time.perf_counter()
-            judging = time.perf_counter()
+            judging = p.waited = time.perf_counter()
             weights, tokens, refused = self._judge(p)
             if p.state is not None and self.inner_state is not None:  # the moments of the islands it accepted
                 self.inner_state.judge_moments(p.state, weights, self._island_max)
