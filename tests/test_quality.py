@@ -219,3 +219,21 @@ def test_outer_sweep_counts_bytes_per_token_against_ddp_by_hand():
     assert sweep.ddp_bytes_per_token(rows, None, inner="lr=1e-3") is None  # only DDP of the same inner settings
     rows[0]["ranks"] = 3  # three islands: a row sent once is not what each island sends
     assert sweep.ddp_bytes_per_token(rows, None) is None
+
+
+def test_wan_bench_codec_auto_runs_auto_without_and_with_streaming(monkeypatch):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("wan", ROOT / "bench" / "wan.py")
+    wan = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "wan", wan)  # its dataclasses look their module up
+    monkeypatch.setattr(sys, "path", list(sys.path))  # it adds bench/ for its harness
+    spec.loader.exec_module(wan)
+    assert wan.parse_args(["--codec", "auto"]).keys == ["f", "g"]
+    assert "--fault_tolerance.fragment_sync_delay" in wan.SETTINGS["g"].args  # g streams, f does not
+    assert "--fault_tolerance.fragment_sync_delay" not in wan.SETTINGS["f"].args
+    with pytest.raises(SystemExit):  # one or the other, not both
+        wan.parse_args(["--codec", "auto", "--settings", "b"])
+    with pytest.raises(SystemExit):  # streaming needs whole fragments with room for the overlap
+        wan.parse_args(["--codec", "auto", "--sync-steps", "6"])
