@@ -161,6 +161,7 @@ def test_killed_island_heals_from_a_live_peer_and_all_end_equal(islands, tmp_pat
     # With a federation key: the restarted island signs its request, the peer its answer.
     key_file = tmp_path / "fed.key"
     key_file.write_text(run_cli_here(["secret", "new"]).output)
+    key_file.chmod(0o600)  # a key others can read is refused
     monkeypatch.setenv("ARCHIPELAGO_FEDERATION_KEY_FILE", str(key_file))
     # Long enough that the survivor is still training when the victim is back (about 8 s
     # after the crash here, 15 s before the survivor's end); seq_len 128 makes the steps

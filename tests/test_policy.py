@@ -15,9 +15,12 @@ from archipelago.federation.policy import (
     Contribution,
     Membership,
     RoundResult,
+    StateClaim,
     Verdict,
     aligned_inner_step,
     applies_outer_step,
+    bounded_batches,
+    heal_verdict,
     island_weight,
     judge_contributions,
     judge_update,
@@ -127,9 +130,76 @@ def test_time_paced_round_closes_at_the_half_step_and_within_the_step_bounds():
 
 def test_alignment_and_the_reference_fingerprint():
     assert aligned_inner_step(140, 2) == 142
+    # Without a majority and among fresh islands: the furthest ahead, then the lowest id.
     table = [{"island": 1, "step": 4}, {"island": 0, "step": 4}, {"island": 2, "step": 3}]
-    assert reference_fingerprint(table) == {"island": 0, "step": 4}
-    assert reference_fingerprint([{"island": 2, "step": 9}, {"island": 0, "step": 4}])["island"] == 2
+    assert reference_fingerprint(table, [0, 1, 2], me=2) == {"island": 0, "step": 4}
+    assert reference_fingerprint([{"island": 2, "step": 9}, {"island": 0, "step": 4}], [0, 1], me=1)["island"] == 2
+
+
+def test_the_reference_is_the_majority_whatever_step_a_dishonest_member_claims():
+    honest = [{"island": 0, "step": 4, "model": "a"}, {"island": 1, "step": 4, "model": "a"}]
+    liar = {"island": 9, "step": 10**9, "model": "b"}
+    for me in (0, 1, 2):
+        assert reference_fingerprint([*honest, liar], [0, 0, 1], me)["model"] == "a"
+    # A step that is not a whole number claims nothing and crashes nothing.
+    odd = [{"island": 0, "step": 4, "model": "a"}, {"island": 1, "step": "x", "model": "b"},
+           {"island": 2, "step": 4.5, "model": "c"}]
+    assert reference_fingerprint(odd, [0, 1, 2], me=1)["model"] == "a"
+
+
+def test_without_a_majority_an_established_island_keeps_its_own_and_a_fresh_one_follows_it():
+    established = {"island": 0, "step": 7, "model": "a", "established": True}
+    liar = {"island": 1, "step": 10**9, "model": "b", "established": True}
+    assert reference_fingerprint([established, liar], [0, 1], me=0)["model"] == "a"  # never exits
+    fresh = {"island": 2, "step": 0, "model": "c", "established": False}
+    old = {"island": 5, "step": 3, "model": "a", "established": True}
+    assert reference_fingerprint([fresh, old], [0, 1], me=0)["model"] == "a"  # the fresh one is the odd one
+
+
+def test_declarations_count_for_at_most_the_limit_times_the_others_median():
+    assert bounded_batches([4096.0, 2048.0, 1e15], 16) == [4096.0, 2048.0, 16 * 3072.0]
+    assert bounded_batches([1e15], 16) == [1e15]  # alone: nobody to compare with
+    assert bounded_batches([1e15, 1.0], 0) == [1e15, 1.0]  # the bound turned off
+    assert bounded_batches([1e15, 0.0, 8.0], 2) == [16.0, 0.0, 8.0]  # an undeclared 0 is no peer to compare with
+
+
+def _claim(step: int, digest: str, current: bool = True, inner: int = 100, tokens: int = 1000) -> StateClaim:
+    return StateClaim(step, digest, current, inner, tokens)
+
+
+def test_a_state_vouched_for_by_the_members_heals_and_takes_their_counters():
+    claims = [_claim(0, "own", current=False), _claim(5, "h5", inner=50), _claim(5, "h5", inner=50),
+              _claim(5, "h5", inner=10**9, tokens=10**15)]  # one supporter lies about its counters
+    verdict, taken = heal_verdict(StateClaim(5, "h5"), claims, me=0)
+    assert verdict.accepted and (taken.inner_step, taken.federation_tokens) == (50, 1000)
+
+
+def test_a_member_claiming_a_step_ahead_of_islands_that_trained_together_is_refused():
+    # Two honest islands committed step 4 together; a member claims step 5 with other weights.
+    claims = [_claim(4, "h4"), _claim(4, "h4"), _claim(5, "forged")]
+    for me in (0, 1):
+        verdict, _ = heal_verdict(StateClaim(5, "forged"), claims, me)
+        assert not verdict.accepted and "2 member(s)" in verdict.reason
+    # Weights that nobody claims (not even the source) are refused whatever the count.
+    verdict, _ = heal_verdict(StateClaim(4, "other"), [_claim(0, "own", False), _claim(4, "h4")], me=0)
+    assert not verdict.accepted and "no member vouches" in verdict.reason
+
+
+def test_an_island_that_missed_rounds_heals_from_the_ones_that_went_on():
+    # Its last round failed (it was cut off): it does not contradict the others' progress.
+    claims = [_claim(4, "h4", current=False), _claim(9, "h9")]
+    assert heal_verdict(StateClaim(9, "h9"), claims, me=0)[0].accepted
+    # Left out of one quorum while committed: one to one, nothing tells who is right; it heals.
+    claims = [_claim(4, "h4", current=True), _claim(5, "h5")]
+    assert heal_verdict(StateClaim(5, "h5"), claims, me=0)[0].accepted
+    # A restarted island among three that went on.
+    claims = [_claim(2, "old", current=False), _claim(9, "h9"), _claim(9, "h9"), _claim(9, "h9")]
+    assert heal_verdict(StateClaim(9, "h9"), claims, me=0)[0].accepted
+
+
+def test_membership_carries_a_refused_heal_through_the_island_max():
+    bridge = Membership(outer_step=7, healed=False, heal_refused=True, participants=3, replica_rank=1)
+    assert _island_view(bridge, Membership()).heal_refused
 
 
 # ---- every receiver's verdict on every island's row --------------------------------

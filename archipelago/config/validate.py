@@ -134,6 +134,9 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
     _require(ft.outer_norm_limit == 0 or ft.outer_norm_limit > 1,
              f"fault_tolerance.outer_norm_limit = {ft.outer_norm_limit}: use a factor above 1 (e.g. 10), "
              "or 0 to turn the norm guard off", p)
+    _require(ft.declared_limit == 0 or ft.declared_limit >= 1,
+             f"fault_tolerance.declared_limit = {ft.declared_limit}: use a factor of at least 1 (e.g. 16), "
+             "or 0 to let every island's declared batch and learning rate stand", p)
     _require(cfg.island.slowdown >= 1, f"island.slowdown = {cfg.island.slowdown}: must be >= 1 "
              "(1 = no emulated slowdown)", p)
     _require(not ft.should_quantize or ft.codec in ("fp32", "int8"),

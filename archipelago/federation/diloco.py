@@ -33,6 +33,7 @@ Rounds end after `sync_steps` inner steps (round_pacing = "steps"), or after
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import time
@@ -64,7 +65,9 @@ from archipelago.federation.guard import FORGE_KINDS, Poison, UpdateGuard
 from archipelago.federation.inner_state import InnerStateAverager, StateExchange
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.membership import (
+    FINGERPRINT_KEYS,
     FederationMismatch,
+    exchange_claims,
     exchange_fingerprints,
     lighthouse_address,
     mismatch,
@@ -77,9 +80,12 @@ from archipelago.federation.policy import (
     Contribution,
     Membership,
     RoundResult,
+    StateClaim,
     Verdict,
     aligned_inner_step,
     applies_outer_step,
+    bounded_batches,
+    heal_verdict,
     island_weight,
     judge_contributions,
     merges_local,
@@ -200,7 +206,17 @@ class OuterLoop:
         self.codecs: list[Codec] = []  # one per fragment chunk, on bridge ranks
         # codec = "auto": this bridge rank's last measured link (bits/s) and round (compute s).
         self.link_bits_s, self.last_round_s = 0.0, 0.0
-        self._healed_same: bool | None = None  # set by the heal callback: None, or whether the weights were equal
+        # Healing: torchft hands the peer's state to _load_heal during the quorum; it is held
+        # here until the members' signed state claims vouch for it (_judge_offer).
+        self._heal_offer: dict[str, Any] | None = None
+        self._heal_refusal: str | None = None   # why the offer was refused before the claims
+        self._heal_taken = StateClaim()         # the counters the supporters vouched for
+        self._before_quorum: tuple[int, int] = (0, 0)  # the manager's step and batches before it
+        self._claims_quorum: int | None = None  # the quorum whose state claims were exchanged
+        self._claims: list[StateClaim] = []
+        self.committed_rounds = 0   # rounds this process committed (it is "established" after one)
+        self.last_committed = False  # its last round committed ("current" in its state claim)
+        self.odd_ranks: set[int] = set()  # rank 0: replica ranks whose fingerprint the federation refuses
         self.guard = UpdateGuard(ft.outer_norm_limit, len(fragments))
         self.round_tokens = 0             # this island's tokens since the last exchange
         self.fragment_tokens = [0] * len(fragments)  # ... since each fragment's last exchange
@@ -327,7 +343,7 @@ class OuterLoop:
         same count and waits, so none is left alone in an all-reduce.
         """
         began = time.perf_counter()
-        m = self._island_membership(self._membership())
+        m = self._settle_heal(self._island_membership(self._membership()))
         self.step = m.outer_step
         self.leads = m.leads
         if must_wait(m, need):
@@ -335,8 +351,6 @@ class OuterLoop:
         self.healed = m.healed
         if self.healed:
             self.peer_inner_step = m.peer_inner_step
-        if m.refuse_peer and self.manager is not None and self.manager.errored() is None:
-            self.manager.report_error(FederationMismatch("a peer island does not match this one"))
         plan = plan_round(m, joining, len(self.layouts))
         fragment = plan.fragment
         local = self.layouts[fragment].gather()
@@ -418,16 +432,68 @@ class OuterLoop:
         receives the state here); the other ranks know nothing yet."""
         if self.manager is None:
             return Membership()
-        self._healed_same = None
-        self.manager.start_quorum()
+        self._heal_offer, self._heal_refusal = None, None
+        self._before_quorum = (self.manager.current_step(), self.manager.batches_committed())
+        self.manager.start_quorum()  # a healing island's _load_heal holds the peer's state
         self._refuse_outsiders()
-        healed = self._healed_same is not None
+        refusal = self._heal_refusal = self._judge_offer()
         refuse = self._check_members()
+        offer = self._heal_offer
+        healed = offer is not None and refusal is None
+        same = healed and all(torch.equal(g.detach(), f["global"].to(g.device))
+                              for g, f in zip(self.globals, offer["fragments"]))  # type: ignore[index]
         return Membership(outer_step=self.manager.current_step(), healed=healed,
-                          progress_void=healed and not self._healed_same, refuse_peer=refuse,
-                          peer_inner_step=self.peer_inner_step if healed else 0,
+                          progress_void=healed and not same, refuse_peer=refuse,
+                          peer_inner_step=self._heal_taken.inner_step if healed else 0,
                           participants=self.manager.num_participants(),
-                          replica_rank=_rank_or_none(self.manager))
+                          replica_rank=_rank_or_none(self.manager), heal_refused=refusal is not None)
+
+    def _judge_offer(self) -> str | None:
+        """At a membership change every bridge rank all-gathers the members' signed state
+        claims (policy.StateClaim); a state torchft handed this rank is then checked against
+        them (policy.heal_verdict). Why it is refused, or None (also when there is none)."""
+        assert self.manager is not None
+        quorum = self.manager._quorum_id
+        changed = quorum != self._claims_quorum
+        exchanged = False
+        if changed:
+            claims = exchange_claims(self.manager, self._own_claim(), self.ft.replica_id, self.key)
+            if claims is not None:
+                self._claims_quorum, self._claims, exchanged = quorum, claims, True
+        offer = self._heal_offer
+        if offer is None:
+            return self._heal_refusal
+        me = self.manager.participating_rank()
+        if not exchanged or me is None or len(self._claims) <= me:
+            return ("a member claims to be ahead of the islands it has been in the same quorum with (members "
+                    "of one quorum commit together): a dishonest member, or its claims could not be exchanged")
+        claim = StateClaim(self.manager.current_step(), _digest(f["global"] for f in offer["fragments"]))
+        verdict, self._heal_taken = heal_verdict(claim, self._claims, me)
+        return verdict.reason
+
+    def _own_claim(self) -> StateClaim:
+        """This bridge rank's claim about its state before this quorum (what it committed)."""
+        return StateClaim(self._before_quorum[0], _digest(self.globals), self.last_committed,
+                          self.inner_step, self.federation_tokens)
+
+    def _settle_heal(self, m: Membership) -> Membership:
+        """Take the state a peer sent on every bridge rank, or, if any bridge rank refused
+        it, on none: they restore the manager's step (torchft set it to the source's) and
+        the island goes on from its own state, at its own step."""
+        if m.heal_refused:
+            if self._heal_offer is not None or self._heal_refusal is not None:
+                reason = self._heal_refusal or "another bridge rank of this island refused its part"
+                log.error("refused the global state a peer island sent for federation step %d: %s; this island "
+                          "keeps its own state (step %d)", m.outer_step, reason, self._before_quorum[0])
+            if self.manager is not None and self.manager.current_step() != self._before_quorum[0]:
+                step, batches = self._before_quorum
+                self.manager.load_state_dict({"step": step, "batches_committed": batches})
+            self._heal_offer, self._heal_refusal = None, None
+            return replace(m, outer_step=self.step, healed=False, progress_void=False, peer_inner_step=0)
+        if self._heal_offer is not None:
+            self._apply_heal(self._heal_offer)
+            self._heal_offer = None
+        return m
 
     def _refuse_outsiders(self) -> None:
         """A quorum with a member that holds no member token (a lighthouse without the gate
@@ -509,8 +575,10 @@ class OuterLoop:
                 if i != p.fragment:
                     layout.scatter(self.globals[i].detach() if self.is_bridge else None)
             self.fragment_tokens = [0] * len(self.fragment_tokens)
+        self.last_committed = committed
         if committed:
             self.step += 1
+            self.committed_rounds += 1
             self.federation_tokens += tokens
             if p.tokens:
                 self.tokens_ratio = tokens / p.tokens
@@ -573,10 +641,13 @@ class OuterLoop:
                                         len(self.layouts))
         numel, global_norm = self.layouts[p.fragment].numel, math.sqrt(global_sumsq)
         contributions, allowances, islands = [], [], []
-        for row in facts:
-            tokens, weight, island, unsigned, malformed, nonfinite, sumsq, per_step, lr, declared = row
+        # What islands declared at the join, each held to declared_limit x the others' median.
+        per_steps = bounded_batches([row[7] for row in facts], self.ft.declared_limit)
+        lrs = bounded_batches([row[8] for row in facts], self.ft.declared_limit)
+        for row, per_step, lr in zip(facts, per_steps, lrs):
+            tokens, weight, island, unsigned, malformed, nonfinite, sumsq, _, _, declared, odd = row
             frame = FRAME_UNSIGNED if unsigned else FRAME_MALFORMED if malformed else FRAME_OK
-            contributions.append(Contribution(tokens, weight, frame, not nonfinite, math.sqrt(sumsq)))
+            contributions.append(Contribution(tokens, weight, frame, not nonfinite, math.sqrt(sumsq), not odd))
             allowances.append(Allowance(per_step * steps, norm_allowance(self.ft.outer_norm_limit, steps, lr,
                                                                           numel, global_norm)))
             # Its id from its join (by replica rank), else what its frame claims (unproven).
@@ -599,20 +670,21 @@ class OuterLoop:
         per row the claims (tokens, weight, island: bridge rank 0's view), the frame and
         finiteness flags and the sum of squares (every bridge chunk's), what the island
         declared at the join (tokens per step, inner lr, island id + 1: rank 0's fingerprint
-        table); then the global fragment's sum of squares."""
-        n = table.shape[0]
-        facts = torch.zeros(n, 10, dtype=torch.float64)
+        table), whether its fingerprint is refused; then the global fragment's sum of squares."""
+        n, width = table.shape[0], 11
+        facts = torch.zeros(n, width, dtype=torch.float64)
         if self.rank == 0:
             facts[:, 0:3] = table[:, [rows.TOKENS, rows.WEIGHT, rows.ISLAND]]
             facts[:, 7:10] = torch.tensor([_declared(self.peers[k] if k < len(self.peers) else {})
                                            for k in range(n)], dtype=torch.float64).view(n, 3)
+            facts[:, 10] = torch.tensor([float(k in self.odd_ranks) for k in range(n)], dtype=torch.float64)
         facts[:, 3] = (table[:, rows.FRAME] == FRAME_UNSIGNED).double()
         facts[:, 4] = (table[:, rows.FRAME] == FRAME_MALFORMED).double()
         facts[:, 5] = table[:, rows.NONFINITE]
         facts[:, 6] = table[:, rows.SUMSQ]
         global_sumsq = float(self.globals[fragment].detach().double().square().sum()) if self.is_bridge else 0.0
         combined = self._island_sums([*facts.flatten().tolist(), global_sumsq])
-        return [combined[k * 10:k * 10 + 10] for k in range(n)], combined[-1]
+        return [combined[k * width:(k + 1) * width] for k in range(n)], combined[-1]
 
     def _outer_step(self, fragment: int, buffer: torch.Tensor, total: float) -> None:
         g = self.globals[fragment]
@@ -639,31 +711,33 @@ class OuterLoop:
         quorum_id = self.manager._quorum_id
         if quorum_id == self.quorum_id or self.rank != 0:
             return False
-        mine = dict(self.fingerprint, step=self.manager.current_step())
+        mine = dict(self.fingerprint, step=self.manager.current_step(), established=self.committed_rounds > 0)
         table = exchange_fingerprints(self.manager, mine, self.key)
         if table is None:
             return False  # the collective failed; retried at the next membership change
         self.quorum_id, self.peers = quorum_id, table
-        members = [fp for fp in table if not fp.get("unauthenticated")]
-        if len(members) == 1 and len(table) > 1:  # only its own: most likely its key is the odd one
-            raise FederationMismatch(
-                f"refusing to join the federation: none of the {len(table) - 1} other island(s) of quorum "
-                f"{quorum_id} signs its join frame with this island's federation key "
-                f"({self.fingerprint.get('federation')}); give every island the same key file "
-                "(ARCHIPELAGO_FEDERATION_KEY_FILE or [federation_security] key_file)")
+        me = self.manager.participating_rank() or 0
+        members = [k for k, fp in enumerate(table) if not fp.get("unauthenticated") or k == me]
+        if len(members) == 1 and len(table) > 1:
+            log.error("none of the %d other island(s) of quorum %d signs its join frame with this island's "
+                      "federation key (%s): they hold another key file, or are impostors replaying member "
+                      "tokens. This island refuses their updates and trains on; if its own key file is the odd "
+                      "one, give every island the same key file (ARCHIPELAGO_FEDERATION_KEY_FILE or "
+                      "[federation_security] key_file)", len(table) - 1, quorum_id, self.fingerprint.get("federation"))
         for k, fp in enumerate(table):
-            if fp.get("unauthenticated"):  # declared nothing: every island refuses its rows
+            if fp.get("unauthenticated") and k != me:  # declared nothing: every island refuses its rows
                 log.error("unauthenticated member at replica rank %d of quorum %d: no valid join frame (another "
                           "federation key, or none); every island refuses its updates", k, quorum_id)
-        reference = reference_fingerprint(members)
+        table[me] = mine  # its own row as it sent it
+        groups = _fingerprint_groups([table[k] for k in members])
+        reference = reference_fingerprint([table[k] for k in members], groups, members.index(me))
         problem = mismatch(mine, reference)
         if problem is not None:
             raise FederationMismatch(f"refusing to join the federation: {problem}")
-        others = [mismatch(fp, mine) for fp in members]
-        refused = [m for m in others if m is not None]
-        for m in refused:
-            log.error("refusing a peer island: %s", m)
-        return bool(refused)
+        self.odd_ranks = {k for k in members if mismatch(table[k], reference) is not None}
+        for k in sorted(self.odd_ranks):
+            log.error("refusing the updates of a peer island: %s", mismatch(table[k], mine))
+        return bool(self.odd_ranks)
 
     def _codec_label(self, fragment: int) -> str:
         """The codec's name for the record; with `auto`, the round's choice (`auto:int8`)."""
@@ -694,20 +768,26 @@ class OuterLoop:
                               for g, o in zip(self.globals, self.outer)]}
 
     def _load_heal(self, state: dict[str, Any]) -> None:
+        """torchft's callback with a peer's state, during the quorum: checked for shape and
+        finiteness, then held (never applied here) until the members' claims vouch for it.
+        A bad state is refused, never raised: the source may be the dishonest one."""
         problem = None  # a different model or config first: its message names both islands
         if isinstance(state, dict) and isinstance(state.get("fingerprint"), dict):
             problem = mismatch(self.fingerprint, state["fingerprint"])
         problem = problem or self._heal_problem(state)
         if problem is not None:
-            raise FederationMismatch(f"refusing the state of a peer island: {problem}")
-        same = all(torch.equal(g.detach(), f["global"].to(g.device))
-                   for g, f in zip(self.globals, state["fragments"]))
+            self._heal_offer, self._heal_refusal = None, f"a peer island's state does not fit: {problem}"
+            return
+        self._heal_offer = state
+
+    def _apply_heal(self, state: dict[str, Any]) -> None:
+        """Take the global weights and outer optimizer state a peer sent, with the counters
+        its supporters vouched for. The guard's history stays this island's own (a peer's
+        could make it refuse or wave through this island's next updates)."""
         for g, o, f in zip(self.globals, self.outer, state["fragments"]):
             load_tensor_state(o, g, f)  # the codecs keep this island's own error feedback
-        self.peer_inner_step = int(state["inner_step"])
-        self.federation_tokens = int(state["federation_tokens"])
-        self.guard.load_state_tensor(state["guard"])
-        self._healed_same = same  # equal weights (a fresh federation): its progress still counts
+        self.peer_inner_step = self._heal_taken.inner_step
+        self.federation_tokens = self._heal_taken.federation_tokens
         log.info("healed: received the global weights from a peer island (federation step %d)",
                  self.manager.current_step())
 
@@ -773,6 +853,21 @@ def _declared(fp: dict[str, Any]) -> list[float]:
     island = fp.get("island")
     known = isinstance(island, int) and not isinstance(island, bool) and island >= 0
     return [number(fp.get("tokens_per_step")), number(fp.get("inner_lr")), number(island) + 1 if known else 0.0]
+
+
+def _digest(tensors: Any) -> str:
+    """SHA-256 over tensors' bytes in order: a bridge rank's global chunks, or a peer's."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().to("cpu").contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _fingerprint_groups(table: list[dict[str, Any]]) -> list[int]:
+    """Numbers the distinct fingerprints of `table` (equal on every field islands must agree on)."""
+    seen: dict[str, int] = {}
+    keys = [json.dumps([fp.get(k) for k in FINGERPRINT_KEYS], sort_keys=True, default=str) for fp in table]
+    return [seen.setdefault(key, len(seen)) for key in keys]
 
 
 def _rank_or_none(manager: Any) -> int:

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -29,6 +29,7 @@ from torch.distributed import TCPStore
 from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.codecs import effective_codec
+from archipelago.federation.policy import StateClaim, claimed_step
 from archipelago.federation.trust import (
     FederationKey,
     FrameHeader,
@@ -38,7 +39,7 @@ from archipelago.federation.trust import (
     open_frame,
     seal,
 )
-from archipelago.netutil import bound_tcp_store, local_address, url_host
+from archipelago.netutil import bound_tcp_store, local_address
 
 log = logging.getLogger("archipelago.federation")
 
@@ -124,17 +125,17 @@ def _store_for_manager() -> tuple[str, int, TCPStore | None]:
 @contextlib.contextmanager
 def _manager_server_bound_to(host: str) -> Iterator[None]:
     """torchft's Manager starts its ManagerServer on every interface (`[::]`), with no
-    option; while it is built, hand it `host` instead (the same port: 0 or
-    $TORCHFT_MANAGER_PORT)."""
+    option, and that server answers anyone (its Kill exits the process). While it is
+    built, hand torchft a gated one (federation/manager_gate.py): the server on the
+    island's internal address (loopback, or MASTER_ADDR when the bridge ranks span hosts),
+    advertised as `host`, and on `host` (LOCAL_ADDR), at the same port (0 or
+    $TORCHFT_MANAGER_PORT), a gate that answers only the healing call."""
     import torchft.manager as torchft_manager
 
+    from archipelago.federation.manager_gate import gated_manager_server
+
     original = torchft_manager.ManagerServer
-    where = url_host(host)
-
-    def bound(*args: Any, bind: str, **kwargs: Any) -> Any:
-        return original(*args, bind=f"{where}:{bind.rsplit(':', 1)[1]}", **kwargs)
-
-    torchft_manager.ManagerServer = bound
+    torchft_manager.ManagerServer = gated_manager_server(original, host)
     try:
         yield
     finally:
@@ -162,8 +163,8 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int, key: F
     timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
     pg = ProcessGroupNCCL(timeout=timeout) if ft.process_group == "nccl" else ProcessGroupGloo(timeout=timeout)
     host, port, store = _store_for_manager()
-    # The manager server is where this island's bridge ranks ask for quorums: on
-    # LOCAL_ADDR (a multi-host island), else loopback.
+    # The manager server is where this island's bridge ranks ask for quorums: inside the
+    # island; other islands reach only its healing call, through a gate on LOCAL_ADDR.
     local = local_address()
     with _manager_server_bound_to(local):
         manager = Manager(
@@ -244,7 +245,8 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
 
     `tokens_per_step` and `inner_lr` are declared, not compared: islands may differ in
     both, and every receiver bounds what an island may claim in a round by them
-    (policy.judge_contributions).
+    (policy.judge_contributions), each held to `declared_limit` x the other islands'
+    median (policy.bounded_batches), a limit all islands must agree on.
 
     Under time pacing the round budget and the federation's token budget (training.steps
     x this island's tokens per step x group_size) must agree: all islands end together
@@ -255,6 +257,7 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
              f"nesterov={ft.outer_nesterov}) alpha={ft.fragment_update_alpha}")
     if ft.outer_aggregation != "mean":
         outer += f" {ft.outer_aggregation}"
+    outer += f", declarations <= {ft.declared_limit:g}x the median"
     return {"island": ft.replica_id, "ranks": ranks, "model": model_name,
             "params": sum(math.prod(s) for _, s in named_shapes), "shapes": shapes,
             "sync_width": ft.sync_width, "num_fragments": ft.num_fragments,
@@ -364,23 +367,65 @@ def exchange_fingerprints(manager: Any, mine: dict[str, Any],
     row. Returns None if the collective failed (the manager has recorded the error and the
     round will not commit).
     """
+    quorum = int(manager._quorum_id or 0)
+    rows = _all_gather_rows(manager, fingerprint_row(mine, key, quorum))
+    return None if rows is None else [read_fingerprint_row(row, key, quorum) for row in rows]
+
+
+CLAIM = 7  # trust frame kind: an island's claim about its own state (policy.StateClaim) at one quorum
+
+
+def claim_row(claim: StateClaim, island: int, key: FederationKey | None, quorum: int) -> bytes:
+    """An island's state claim as JSON, with a key in a signed frame bound to this quorum."""
+    raw = json.dumps({**asdict(claim), "island": island}, sort_keys=True).encode()
+    return seal(key, FrameHeader(quorum, 0, 0, island, CLAIM), raw) if key is not None else raw
+
+
+def read_claim_row(data: bytes, key: FederationKey | None, quorum: int) -> StateClaim:
+    """A peer's claim; one that is unsigned, replayed or malformed claims nothing (step -1)."""
+    try:
+        if key is not None:
+            _, data = open_frame(key, data, FrameHeader(quorum, 0, 0, 0, CLAIM), any_island=True)
+        raw = json.loads(data.decode())
+        return StateClaim(step=claimed_step(raw), digest=str(raw["digest"])[:64], current=raw["current"] is True,
+                          inner_step=_whole(raw["inner_step"]), federation_tokens=_whole(raw["federation_tokens"]))
+    except (FrameRefused, ValueError, KeyError, TypeError, AttributeError):
+        return StateClaim()
+
+
+def _whole(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"not a whole number: {value!r}")
+    return value
+
+
+def exchange_claims(manager: Any, claim: StateClaim, island: int,
+                    key: FederationKey | None = None) -> list[StateClaim] | None:
+    """Every participant's state claim, by replica rank (one all-gather of ~300 bytes per
+    island on this bridge rank's cross-island group); None if the collective failed."""
+    quorum = int(manager._quorum_id or 0)
+    rows = _all_gather_rows(manager, claim_row(claim, island, key, quorum))
+    return None if rows is None else [read_claim_row(row, key, quorum) for row in rows]
+
+
+def _all_gather_rows(manager: Any, raw: bytes) -> list[bytes] | None:
+    """Every participant's `raw` bytes (at most _ROW), by replica rank; None if the
+    collective failed or this island is not in the quorum."""
     from archipelago.federation.exchange import allgather, wire_device
 
-    rows, me = manager.num_participants(), manager.participating_rank()
-    if me is None or rows < 1:
+    count, me = manager.num_participants(), manager.participating_rank()
+    if me is None or count < 1:
         return None
-    quorum = int(manager._quorum_id or 0)
-    raw = fingerprint_row(mine, key, quorum)
     row = torch.zeros(_ROW + 2, dtype=torch.uint8)
     row[:2] = torch.tensor(list(len(raw).to_bytes(2, "big")), dtype=torch.uint8)
     row[2:2 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     # NCCL carries device tensors only: the row goes to this rank's GPU there (gloo: host memory).
     here = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    work, outputs = allgather(manager, row.to(wire_device(manager, here)), rows)
+    work, outputs = allgather(manager, row.to(wire_device(manager, here)), count)
     work.wait()
     if manager.errored() is not None:
         return None
-    return [read_fingerprint_row(_row_bytes(out), key, quorum) for out in outputs]
+    return [_row_bytes(out) for out in outputs]
 
 
 def _row_bytes(row: torch.Tensor) -> bytes:

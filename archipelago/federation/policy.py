@@ -44,6 +44,7 @@ class Membership:
     peer_inner_step: int = 0    # the inner step of the peer it healed from (0 if not healed)
     participants: int = 0       # islands in the quorum
     replica_rank: int = -1      # this island's rank in the quorum (-1: not in it)
+    heal_refused: bool = False  # a bridge rank refused the state it was sent (heal_verdict)
 
     @property
     def leads(self) -> bool:
@@ -55,13 +56,13 @@ class Membership:
         only bridge ranks know the quorum, the others send `Membership()` (all lowest)."""
         return [float(self.outer_step), float(self.healed), float(self.progress_void), float(self.refuse_peer),
                 float(self.peer_inner_step if self.healed else 0), float(self.participants),
-                float(self.replica_rank + 1)]
+                float(self.replica_rank + 1), float(self.heal_refused)]
 
     @classmethod
     def from_values(cls, values: Sequence[float]) -> Membership:
-        step, healed, void, refuse, peer, participants, rank = values
+        step, healed, void, refuse, peer, participants, rank, heal_refused = values
         return cls(int(step), bool(healed), bool(void), bool(refuse), int(peer) if healed else 0,
-                   int(participants), int(rank) - 1)
+                   int(participants), int(rank) - 1, bool(heal_refused))
 
 
 def must_wait(m: Membership, need: int) -> bool:
@@ -124,6 +125,7 @@ class Contribution:
     frame: int = FRAME_OK
     finite: bool = True      # every decoded value is finite
     norm: float = 0.0        # of the decoded pseudo-gradient, over the whole fragment
+    member: bool = True      # its island matches the federation's reference fingerprint
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,9 @@ def judge_contributions(rows: Sequence[Contribution], allowances: Sequence[Allow
 
 
 def _judge_one(row: Contribution, allowance: Allowance, weighting: str) -> Verdict:
+    if not row.member:
+        return Verdict(False, "its island does not match the federation (model or settings differ from the "
+                              "majority's fingerprint)")
     if row.frame == FRAME_UNSIGNED:
         return Verdict(False, "not signed with the federation key for this round (or tampered, or a replay)")
     if row.frame != FRAME_OK:
@@ -259,7 +264,96 @@ def aligned_inner_step(peer_inner_step: int, fragment_sync_delay: int) -> int:
     return peer_inner_step + fragment_sync_delay
 
 
-def reference_fingerprint(table: Sequence[dict]) -> dict:
-    """The fingerprint a joining island must match: the island furthest ahead, then the
-    lowest island id."""
-    return max(table, key=lambda fp: (fp.get("step", 0), -int(fp.get("island", 0) or 0)))
+def claimed_step(fp: dict) -> int:
+    """The outer step a peer claims in its fingerprint or state claim: a whole number >= 0,
+    else -1 (a float, a string or a bool claims nothing, and never crashes a comparison)."""
+    step = fp.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else -1
+
+
+def reference_fingerprint(table: Sequence[dict], groups: Sequence[int], me: int) -> dict:
+    """The fingerprint this island (`table[me]`) must match to train with the others.
+
+    `groups[k]` numbers the distinct fingerprints (equal numbers: the fields every island
+    must agree on are equal). A group of more than half of the members is the reference,
+    whatever its members claim about their steps: one dishonest member cannot make the
+    honest ones look odd. Without such a majority, an island that has committed a round in
+    this process ("established") keeps its own fingerprint and goes on (refusing the
+    others' rows); a fresh one follows the largest group with an established member, then
+    the old rule: the island furthest ahead, then the lowest island id.
+    """
+    sizes = {g: groups.count(g) for g in set(groups)}
+    largest = max(sizes.values())
+    if 2 * largest > len(groups):
+        return next(fp for fp, g in zip(table, groups) if sizes[g] == largest)
+    if table[me].get("established") is True:
+        return table[me]
+    tied = [k for k, g in enumerate(groups) if sizes[g] == largest]
+
+    def rank(k: int) -> tuple[bool, int, int]:
+        fp = table[k]
+        island = fp.get("island")
+        island = island if isinstance(island, int) and not isinstance(island, bool) else 1 << 62
+        established = any(table[j].get("established") is True for j in tied if groups[j] == groups[k])
+        return established, claimed_step(fp), -island
+
+    return table[max(tied, key=rank)]
+
+
+def bounded_batches(declared: Sequence[float], ratio: float) -> list[float]:
+    """Each island's tokens per inner step as the receivers count it: what it declared, but
+    at most `ratio` x the median of the other islands' declarations (a claim nobody can
+    check, so no island may buy itself a dominating weight by declaring a huge batch).
+    Alone, or with `ratio` 0, an island's declaration stands."""
+    bounded = []
+    for k, value in enumerate(declared):
+        others = [d for j, d in enumerate(declared) if j != k and d > 0]
+        cap = ratio * statistics.median(others) if others and ratio > 0 else math.inf
+        bounded.append(min(value, cap))
+    return bounded
+
+
+@dataclass(frozen=True)
+class StateClaim:
+    """What an island says about its own state at a membership change, in a signed frame of
+    its own (membership.exchange_claims): its committed outer step, a digest of its global
+    weights (this bridge rank's chunks), whether its last round committed (`current`), and
+    its counters. A healing island checks the state it received against these."""
+
+    step: int = -1
+    digest: str = ""
+    current: bool = False
+    inner_step: int = 0
+    federation_tokens: int = 0
+
+
+def heal_verdict(offer: StateClaim, claims: Sequence[StateClaim], me: int) -> tuple[Verdict, StateClaim]:
+    """May a healing island take `offer` (the state a peer sent, its step the quorum's
+    highest), given every member's claim (`claims[me]` its own, before healing)? Returns
+    the verdict and, when accepted, the counters to take.
+
+    Supporters are the other members that claim exactly that step and those weights.
+    Contradicting them are the members whose last round committed (`current`) at a lower
+    step: they were in the rounds the offer claims to come after. The offer is taken when
+    at least one member supports it and no agreeing group of current members outnumbers its
+    supporters; one member claiming a step ahead of the others is therefore refused as soon
+    as two honest islands that trained together are present. The counters taken (inner step,
+    federation tokens) are the supporters' lower median, not the source's own: a source
+    cannot declare the healing island done.
+    """
+    supporters = [c for k, c in enumerate(claims) if k != me and c.step == offer.step and c.digest == offer.digest]
+    if not supporters:
+        return Verdict(False, f"no member vouches for the state it was sent (step {offer.step}, weights "
+                              f"{offer.digest[:12]}): not even its source claims it"), offer
+    groups: dict[tuple[int, str], int] = {}
+    for c in claims:
+        if c.current and 0 <= c.step < offer.step:
+            groups[(c.step, c.digest)] = groups.get((c.step, c.digest), 0) + 1
+    if groups and max(groups.values()) > len(supporters):
+        (step, digest), count = max(groups.items(), key=lambda item: item[1])
+        return Verdict(False, f"{count} member(s) that committed their last round together hold step {step} "
+                              f"(weights {digest[:12]}), only {len(supporters)} vouch for step {offer.step}"), offer
+    taken = StateClaim(offer.step, offer.digest, False,
+                       statistics.median_low(c.inner_step for c in supporters),
+                       statistics.median_low(c.federation_tokens for c in supporters))
+    return Verdict(True), taken
