@@ -31,6 +31,42 @@ def test_round_trip_is_within_the_stated_bound(codec):
         assert torch.equal(codec.decode(payload), x.to(torch.bfloat16).float())
 
 
+def _worst_for_norm(codec, numel: int) -> list[torch.Tensor]:
+    """Chunks whose round trip grows the norm most: per block one value at 127 steps and
+    the rest just above a half step (int8: each rounds up; the bound's worst case is near
+    7.5 steps for blocks of 256, 15.5 for 64), or just above the midpoint between two bf16
+    numbers (each rounds up); and the same, tiny, and negated."""
+    if isinstance(codec, Int8Codec):
+        chunks = []
+        for steps in (0.5, 1.5, 7.5, 15.5, 32.5):
+            x = torch.full((numel,), steps + 1e-3)
+            x[::codec.block] = 127.0
+            chunks.append(x)
+        return [*chunks, chunks[0] * 1e-38, -chunks[2]]
+    x = torch.full((numel,), 1 + 2.0 ** -8 + 2.0 ** -20)  # rounds up to 1 + 2^-7
+    return [x, x * 2.0 ** -130, -x]
+
+
+@pytest.mark.parametrize("codec", [Bf16Codec(1000), Int8Codec(1000, 64), Int8Codec(1024, 256),
+                                   Int8Codec(100_000, 100_000)],
+                         ids=["bf16", "int8-block64", "int8-block256", "int8-one-large-block"])
+def test_norm_bound_holds_for_the_round_trips_worst_chunks(codec):
+    # The exchange checks a summed segment, encoded a second time, against norm_bound of
+    # what the segments' norms allow (exchange._check_sum): it must hold for any chunk, and
+    # for the usual blocks the worst chunks grow the norm by at least 98% of what it allows (tight).
+    numel = codec.numel
+    growths = []
+    for x in [_signal(numel, seed) for seed in range(5)] + _worst_for_norm(codec, numel) + [torch.zeros(numel)]:
+        norm = float(x.double().norm())
+        grown = float(codec.decode(codec.encode(x)).double().norm())
+        assert grown <= codec.norm_bound(norm), (grown, norm, codec.norm_bound(norm))
+        growths.append(grown / norm if norm else 1.0)
+    if not isinstance(codec, Int8Codec) or codec.block <= 256:
+        assert max(growths) > 1 + 0.98 * (codec.norm_bound(1.0) - 1), (max(growths), codec.norm_bound(1.0))
+    if isinstance(codec, Int8Codec) and codec.block == 256:
+        assert codec.norm_bound(1.0) < 1.032
+
+
 def test_int8_scales_each_block_by_its_own_largest_value():
     x = torch.cat([torch.full((64,), 1e-3), torch.full((64,), 10.0)])
     x[0], x[64] = 2e-3, 20.0
@@ -184,7 +220,8 @@ def test_checkpoints_carry_the_error_feedback_and_healing_keeps_the_islands_own(
     # sends that itself, and a copy would enter the average twice.
     restarted.codecs[0].encode(_signal(restarted.codecs[0].numel, 8))
     own = restarted.codecs[0].error.clone()
-    restarted._load_heal(peer._heal_state())  # what torchft's transport carries
+    restarted._load_heal(peer._heal_state())  # what torchft's transport carries: held until vouched for
+    restarted._apply_heal(restarted._heal_offer)  # what the members' claims then allow
     assert torch.equal(restarted.codecs[0].error, own)
     assert torch.equal(restarted.globals[0].detach(), peer.globals[0].detach())
     assert "codec" not in _outer_loop("int8").state_dict()["bridge0"]["fragment0"]  # stateless

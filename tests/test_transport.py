@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import _socket
+import contextlib
 import json
 import os
 import pickle
 import socket
 import struct
+import threading
+import time
 import urllib.error
 import urllib.request
 from datetime import timedelta
@@ -15,7 +19,15 @@ import pytest
 import torch
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.transport import MAGIC, SafeHTTPTransport, StateFormatError, decode_state, encode_state
+from archipelago.federation.transport import (
+    MAGIC,
+    HealingRefused,
+    SafeHTTPTransport,
+    StateFormatError,
+    decode_state,
+    encode_state,
+)
+from archipelago.federation.trust import FederationKey
 
 TIMEOUT = timedelta(seconds=5)
 
@@ -248,7 +260,9 @@ def _listening(pid: str = "self") -> set[tuple[str, int]]:
                 raw = bytes.fromhex(hex_addr)
                 # /proc prints each 32-bit word in host (little-endian) order.
                 raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
-                found.add((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
+                ip = ipaddress.ip_address(raw)
+                mapped = getattr(ip, "ipv4_mapped", None)  # grpc listens dual-stack: ::ffff:127.0.0.2
+                found.add((str(mapped or ip), int(hex_port, 16)))
     return found
 
 
@@ -272,9 +286,16 @@ def test_an_islands_manager_store_and_transport_listen_on_its_address_only(monke
         manager = build_manager(ft, 0, 1)
         opened = _listening() - before
         # The manager server, the rendezvous store and the healing transport: nothing else,
-        # and nothing on every interface (0.0.0.0 / ::).
-        assert len(opened) == 3, opened
-        assert {host for host, _ in opened} == {address or "127.0.0.1"}, opened
+        # and nothing on every interface (0.0.0.0 / ::). With LOCAL_ADDR the manager server
+        # itself stays on loopback and its gate takes the same port on LOCAL_ADDR.
+        if not address:
+            assert len(opened) == 3, opened
+            assert {host for host, _ in opened} == {"127.0.0.1"}, opened
+        else:
+            assert len(opened) == 4, opened
+            assert {host for host, _ in opened} == {"127.0.0.1", address}, opened
+            [(_, port)] = [o for o in opened if o[0] == "127.0.0.1"]
+            assert (address, port) in opened
     finally:
         if manager is not None:
             manager.shutdown(wait=False)
@@ -347,3 +368,300 @@ def test_a_multi_rank_islands_rendezvous_stores_listen_on_its_address_only(tmp_p
             while os.path.exists(f"/proc/{pid}") and _alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not _alive(pid), f"rank process {pid} survived"
+
+
+# ---- a peer's URL, size and pace are hostile too ---------------------------------------
+
+
+@contextlib.contextmanager
+def _hostile_peer(answer):
+    """A TCP server on loopback that reads each request head and then runs `answer(conn,
+    stop)`: a peer that advertises itself as a healing source and answers as it likes.
+    Yields (its healing URL, the stop event)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def one(conn: socket.socket) -> None:
+        with conn:
+            try:
+                head = b""
+                while b"\r\n\r\n" not in head and not stop.is_set():
+                    head += conn.recv(4096) or b"\r\n\r\n"
+                answer(conn, stop)
+            except OSError:  # the healing island hung up: what it should
+                pass
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=one, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/checkpoint/", stop
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def _received_from(monkeypatch, port: int) -> list[int]:
+    """A list whose sum is every byte this process receives from `port` from now on (both
+    urllib's http.client and ours read with socket.recv_into)."""
+    got: list[int] = []
+
+    def counting(sock, *args, **kwargs):
+        n = _socket.socket.recv_into(sock, *args, **kwargs)
+        try:
+            if sock.getpeername()[1] == port:
+                got.append(n)
+        except OSError:
+            pass
+        return n
+
+    monkeypatch.setattr(socket.socket, "recv_into", counting)
+    return got
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
+def _in_thread(fn, seconds: float) -> tuple[bool, BaseException | None, float, object]:
+    """(finished within `seconds`, what it raised, how long it took, what it returned):
+    `fn` runs in a thread left behind if it does not end (the original transport read a
+    slow peer forever)."""
+    out: dict = {}
+
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+        out["s"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive(), out.get("error"), out.get("s", seconds), out.get("value")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("url", [
+    "file://{tmp}/state#", "data:application/octet-stream;base64,QVJDSFNUMDE=#", "ftp://127.0.0.1:1/state#",
+    "https://127.0.0.1:1/checkpoint/", "http://127.0.0.1/checkpoint/", "http://island:pw@127.0.0.1:1/checkpoint/",
+    "http://127.0.0.1:1/other/", "http://127.0.0.1:1/checkpoint/?x=", "http://127.0.0.1:1/check point/",
+], ids=["file", "data", "ftp", "https", "no-port", "credentials", "other-path", "query", "space"])
+def test_a_peer_advertising_anything_but_a_healing_url_is_refused_before_anything_is_read(
+        monkeypatch, tmp_path, url):
+    import urllib.request
+
+    # A URL ending in '#' made the original `metadata + "7/full"` a fragment: it read the
+    # file (a regular one here, not /dev/zero: the original would read it whole).
+    (tmp_path / "state").write_bytes(os.urandom(4 << 20))
+    opened = []
+    monkeypatch.setattr(urllib.request.OpenerDirector, "open", lambda *a, **k: opened.append(a) or pytest.fail(
+        "urllib's opener (with file:, ftp: and data: handlers) was reached"))
+    healing = SafeHTTPTransport(TIMEOUT)
+    try:
+        start = time.monotonic()
+        with pytest.raises(HealingRefused, match="refusing to heal from") as refused:
+            healing.recv_checkpoint(0, url.format(tmp=tmp_path), 7, TIMEOUT)
+        assert time.monotonic() - start < 1 and not opened
+        assert "stop that process" in str(refused.value)
+    finally:
+        healing.shutdown(wait=False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "streamed"])
+def test_an_answer_over_the_size_cap_is_refused_after_at_most_the_cap(monkeypatch, declared):
+    cap, size = 256 << 10, 8 << 20
+
+    def answer(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(b"HTTP/1.0 200 OK\r\n" + (f"Content-Length: {size}\r\n".encode() if declared else b"") + b"\r\n")
+        chunk = b"\0" * (64 << 10)
+        for _ in range(size // len(chunk)):
+            conn.sendall(chunk)
+
+    healing = SafeHTTPTransport(TIMEOUT, max_state_bytes=cap)
+    try:
+        with _hostile_peer(answer) as (url, _):
+            received = _received_from(monkeypatch, _port(url))
+            refusal = f"over the cap of {cap}" if declared else f"more than the cap of {cap}"
+            with pytest.raises(HealingRefused, match=refusal):
+                healing.recv_checkpoint(0, url, 7, TIMEOUT)
+            # cap + 1 bytes of the body, and what one buffered read of the socket takes in.
+            assert sum(received) <= cap + 1 + (64 << 10), sum(received)
+            if declared:
+                assert sum(received) <= 64 << 10  # refused on the header: none of the body read
+    finally:
+        healing.shutdown(wait=False)
+
+
+def test_the_size_cap_comes_from_the_islands_own_state():
+    from archipelago.federation.transport import _memory_cap, encoded_size, heal_cap
+
+    state = _state()
+    assert len(encode_state(7, state)) <= encoded_size(7, state) <= len(encode_state(7, state)) + 1024
+    secret = os.urandom(32)
+    source, member = _keyed(secret, 0), _keyed(secret, 1)
+    try:
+        assert member.state_cap() == _memory_cap()  # nothing set, nothing served
+        source.send_checkpoint([1], 7, state, TIMEOUT)
+        assert source.state_cap() == heal_cap(len(encode_state(7, state)))  # the size it serves
+        assert member.expect_state_like(state) == member.max_state_bytes == heal_cap(encoded_size(0, state))
+        assert _equal(member.recv_checkpoint(0, source.metadata(), 7, TIMEOUT), state)  # signed, under the cap
+        bigger = {**state, "user": {**state["user"], "extra": torch.zeros(1 << 20)}}  # 4 MiB more
+        source.send_checkpoint([1], 7, bigger, TIMEOUT)
+        with pytest.raises(HealingRefused, match="over the cap.*expect_state_like"):
+            member.recv_checkpoint(0, source.metadata(), 7, TIMEOUT)
+    finally:
+        source.shutdown(wait=False)
+        member.shutdown(wait=False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("phase", ["headers", "body"])
+def test_a_slow_drip_peer_is_given_up_at_the_deadline(phase):
+    prefix = b"HTTP/1.0 200 OK\r\n" + (b"X-Drip: " if phase == "headers" else b"Content-Length: 1000\r\n\r\n")
+
+    def answer(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(prefix)
+        while not stop.wait(0.5):  # a byte every half second: no per-socket timeout trips
+            conn.sendall(b"a")
+
+    healing = SafeHTTPTransport(TIMEOUT)
+    try:
+        with _hostile_peer(answer) as (url, _):
+            done, error, seconds, _ = _in_thread(
+                lambda: healing.recv_checkpoint(0, url, 7, timedelta(seconds=2)), 10)
+            assert done, "still reading a slow-drip peer after 10 s: no deadline over the whole fetch"
+            assert isinstance(error, HealingRefused) and "within the healing timeout of 2 s" in str(error), error
+            assert seconds < 6
+    finally:
+        healing.shutdown(wait=False)
+
+
+def test_a_source_on_another_host_than_the_quorums_member_or_a_redirect_is_refused(monkeypatch):
+    monkeypatch.delenv("LOCAL_ADDR", raising=False)
+    source, healing = SafeHTTPTransport(TIMEOUT), SafeHTTPTransport(TIMEOUT)
+    try:
+        source.send_checkpoint([1], 7, _state(), TIMEOUT)
+        healing.expect_source("127.0.0.2")
+        with pytest.raises(HealingRefused, match="host '127.0.0.1' is not '127.0.0.2'"):
+            healing.recv_checkpoint(0, source.metadata(), 7, TIMEOUT)
+        healing.expect_source("http://127.0.0.1:29500")  # the member's manager address
+        assert _equal(healing.recv_checkpoint(0, source.metadata(), 7, TIMEOUT), _state())
+        healing.expect_source(None)
+
+        def redirect(conn: socket.socket, stop: threading.Event) -> None:
+            conn.sendall(f"HTTP/1.0 302 Found\r\nLocation: {source.metadata()}7/full\r\n\r\n".encode())
+
+        with _hostile_peer(redirect) as (url, _):
+            with pytest.raises(HealingRefused, match="redirect"):
+                healing.recv_checkpoint(0, url, 7, TIMEOUT)
+    finally:
+        source.shutdown(wait=False)
+        healing.shutdown(wait=False)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """The server closed `sock` (a reset: it closed with bytes of ours unread)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _healing_threads() -> int:
+    return sum(t.name == "healing-server-conn" for t in threading.enumerate())
+
+
+@pytest.mark.timeout(60)
+def test_a_flood_of_idle_connections_holds_no_threads_and_is_closed_at_the_timeout(monkeypatch):
+    monkeypatch.delenv("LOCAL_ADDR", raising=False)
+    secret = os.urandom(32)
+    source = SafeHTTPTransport(TIMEOUT, key=FederationKey(secret), island=0, request_timeout=timedelta(seconds=1))
+    member = _keyed(secret, 1)
+    flood: list[socket.socket] = []
+    try:
+        source.send_checkpoint([1], 7, _state(), TIMEOUT)
+        host, port = source._server.server_address[:2]
+        threads = threading.active_count()
+        flood = [socket.create_connection((host, port), timeout=5) for _ in range(64)]
+        for sock in flood[::2]:
+            sock.sendall(b"GET /checkpoint/7/full HTTP/1.0\r\n")  # half a request head, never ended
+        time.sleep(0.5)
+        assert threading.active_count() - threads <= 16
+        start = time.monotonic()  # a member's signed request is answered through the flood
+        assert _equal(member.recv_checkpoint(0, source.metadata(), 7, TIMEOUT), _state())
+        assert time.monotonic() - start < 3
+        time.sleep(1.5)  # past the request timeout: every idle connection was closed
+        assert all(_closed(sock) for sock in flood)
+    finally:
+        for sock in flood:
+            sock.close()
+        source.shutdown(wait=False)
+        member.shutdown(wait=False)
+
+
+@pytest.mark.timeout(60)
+def test_the_server_handles_at_most_max_connections_requests_and_closes_the_rest(monkeypatch):
+    import selectors
+
+    monkeypatch.delenv("LOCAL_ADDR", raising=False)
+    source = SafeHTTPTransport(timedelta(seconds=5))  # nothing served: each request waits 5 s for a state
+    clients: list[socket.socket] = []
+    try:
+        host, port = source._server.server_address[:2]
+        threads = threading.active_count()
+        for _ in range(20):
+            clients.append(socket.create_connection((host, port), timeout=5))
+            clients[-1].sendall(b"GET /checkpoint/9/full HTTP/1.0\r\n\r\n")
+        time.sleep(1)
+        assert threading.active_count() - threads <= 16 and _healing_threads() <= 16
+        with selectors.DefaultSelector() as selector:
+            for sock in clients:
+                selector.register(sock, selectors.EVENT_READ)
+            closed = [key.fileobj for key, _ in selector.select(1)]
+        assert len(closed) == 4 and all(_closed(sock) for sock in closed)  # unanswered, at once
+    finally:
+        for sock in clients:
+            sock.close()
+        source.shutdown(wait=False)
+
+
+@pytest.mark.timeout(60)
+def test_an_oversized_request_head_is_closed_and_the_oldest_idle_connection_makes_room(monkeypatch):
+    from archipelago.federation import transport as module
+
+    monkeypatch.delenv("LOCAL_ADDR", raising=False)
+    monkeypatch.setattr(module, "MAX_PENDING", 8)
+    source = SafeHTTPTransport(TIMEOUT)
+    clients: list[socket.socket] = []
+    try:
+        host, port = source._server.server_address[:2]
+        big = socket.create_connection((host, port), timeout=5)
+        clients.append(big)
+        big.sendall(b"GET /checkpoint/7/full HTTP/1.0\r\nX-Pad: " + b"a" * (module.MAX_REQUEST_BYTES + 10))
+        assert _closed(big)  # without an answer, long before the 15 s timeout
+        for _ in range(20):
+            clients.append(socket.create_connection((host, port), timeout=5))
+            time.sleep(0.01)
+        time.sleep(0.5)
+        assert all(_closed(sock) for sock in clients[1:13])  # the oldest made room for the newest
+        for sock in clients[13:]:
+            sock.settimeout(0.2)
+            with pytest.raises(TimeoutError):
+                sock.recv(1)
+    finally:
+        for sock in clients:
+            sock.close()
+        source.shutdown(wait=False)

@@ -231,6 +231,10 @@ class OuterLoop:
             self.fingerprint = dict(fingerprint, start=f"own weights {self.global_hash()}")  # collective
         if manager is not None:
             manager.register_state_dict_fn("archipelago_outer", self._load_heal, self._heal_state)
+            expect = getattr(getattr(manager, "_checkpoint_transport", None), "expect_state_like", None)
+            if expect is not None:  # a peer's state may be at most about this island's own size
+                expect({"user": {"archipelago_outer": self._heal_shape()},
+                        "torchft": {"step": 0, "batches_committed": 0}})
 
     # ---- public --------------------------------------------------------------------
 
@@ -791,13 +795,16 @@ class OuterLoop:
         log.info("healed: received the global weights from a peer island (federation step %d)",
                  self.manager.current_step())
 
+    def _heal_shape(self) -> dict[str, Any]:
+        """This island's own healing state, uncopied: what a peer's must look like."""
+        return {"fingerprint": self.fingerprint, "inner_step": 0, "federation_tokens": 0,
+                "guard": self.guard.state_tensor(),
+                "fragments": [{"global": g, "outer": tensor_state(o, g)} for g, o in zip(self.globals, self.outer)]}
+
     def _heal_problem(self, state: Any) -> str | None:
         """What is wrong with a peer's state, checked against this island's own before any of
         it is applied: the same keys, tensors of the same shapes and dtypes, all finite."""
-        ours = {"fingerprint": self.fingerprint, "inner_step": 0, "federation_tokens": 0,
-                "guard": self.guard.state_tensor(),
-                "fragments": [{"global": g, "outer": tensor_state(o, g)} for g, o in zip(self.globals, self.outer)]}
-        return _shape_problem(ours, state, "state")
+        return _shape_problem(self._heal_shape(), state, "state")
 
     # ---- checkpoint (DCP Stateful) -------------------------------------------------
 

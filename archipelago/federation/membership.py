@@ -179,8 +179,7 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int, key: F
         )
     manager._archipelago_store = store  # keep a self-hosted store alive as long as the manager
     manager._archipelago_outsiders = []
-    if key is not None:
-        manager._client = MembersOnly(manager._client, key, manager)
+    manager._client = MembersOnly(manager._client, key, manager)
     return manager
 
 
@@ -201,11 +200,18 @@ class MembersOnly:
     nothing (OuterLoop._membership).
     """
 
-    def __init__(self, client: Any, key: FederationKey, manager: Any) -> None:
+    def __init__(self, client: Any, key: FederationKey | None, manager: Any) -> None:
         self._client, self._key, self._manager = client, key, manager
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         quorum = self._client._quorum(*args, **kwargs)
+        # The healing download may only go to the host of the member the quorum names as its
+        # source (torchft asks that member's manager for the URL, which the member chooses).
+        expect_source = getattr(getattr(self._manager, "_checkpoint_transport", None), "expect_source", None)
+        if quorum.heal and expect_source is not None:
+            expect_source(quorum.recover_src_manager_address)
+        if self._key is None:
+            return quorum
         outsiders = [rid for rid in quorum.replica_ids if check_member_id(self._key, rid) is None]
         self._manager._archipelago_outsiders = outsiders
         if not outsiders:

@@ -22,20 +22,36 @@ reaches the port can fetch the state.
 
 The server binds LOCAL_ADDR when set, else loopback: a federation across machines sets
 LOCAL_ADDR to the address its peers reach it at (docs/federation.md).
+
+Every byte of a peer is hostile, the URL it advertises included. The healing island
+fetches only `http://HOST:PORT/checkpoint/` (no file:, ftp: or data: handler is
+reachable: http.client, not urllib), from the host of the member the quorum named when
+the caller says which (`expect_source`), never through a redirect, at most a cap of
+bytes (`max_state_bytes`, `expect_state_like`) checked against Content-Length before the
+body is read, and all of it (connect, headers, body) within the `timeout` of
+`recv_checkpoint`; only then is the signature checked and the state decoded. The
+server gives a thread only to a connection whose request head has arrived (within
+`request_timeout`), at most `max_connections` at a time (`_HealingServer`).
 """
 
 from __future__ import annotations
 
+import http.client
+import io
+import ipaddress
 import json
 import logging
+import os
 import secrets
+import selectors
 import socket
 import struct
 import threading
-import urllib.error
-import urllib.request
+import time
+import urllib.parse
+from collections.abc import Callable
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import torch
@@ -52,7 +68,7 @@ from archipelago.federation.trust import (
     open_frame,
     seal,
 )
-from archipelago.netutil import local_address, url_host
+from archipelago.netutil import listening_socket, local_address, url_host
 
 log = logging.getLogger("archipelago.federation")
 
@@ -61,10 +77,20 @@ MAX_HEADER_BYTES = 16 << 20  # the skeleton of a state is kilobytes; more is an 
 MAX_DEPTH = 32
 FRAME_HEADER = "X-Archipelago-Frame"  # the signed request, in hex
 _MAX_NONCES = 4096  # nonces remembered against replayed requests
+HEAL_PATH = "/checkpoint/"  # what `SafeHTTPTransport.address()` advertises after HOST:PORT
+MAX_REQUEST_BYTES = 16 << 10  # a request head: ours is < 1 KiB (a GET and a hex frame)
+MAX_PENDING = 256  # connections whose request head is still arriving (a descriptor each)
+_CHUNK = 1 << 20  # bytes per read of an answer without Content-Length, per send of ours
 
 
 class StateFormatError(ValueError):
     """A peer's state that is not what an island sends: refused before anything is applied."""
+
+
+class HealingRefused(ValueError):
+    """A peer's healing source or answer this island does not fetch or read: a URL that is
+    not a healing server of the quorum's member, a redirect, an answer over the size cap or
+    past the deadline. Nothing of it is applied."""
 
 
 # ---- the format -----------------------------------------------------------------------
@@ -73,24 +99,38 @@ class StateFormatError(ValueError):
 def encode_state(step: int, state: Any) -> bytes:
     """`state` (nested dicts with string keys, lists, tensors, numbers, strings) as bytes."""
     tensors: dict[str, torch.Tensor] = {}
+    header = json.dumps({"step": step, "tree": _skeleton(state, tensors)}).encode()
+    body = save_tensors({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()})
+    return MAGIC + struct.pack(">Q", len(header)) + header + body
 
-    def skeleton(value: Any) -> dict[str, Any]:
-        if isinstance(value, torch.Tensor):
-            name = f"t{len(tensors)}"
-            tensors[name] = value.detach().to("cpu").contiguous()
-            return {"t": name}
-        if isinstance(value, dict):
-            if not all(isinstance(k, str) for k in value):
-                raise TypeError(f"state keys must be strings, got {sorted(map(repr, value))[:5]}")
-            return {"d": {k: skeleton(v) for k, v in value.items()}}
-        if isinstance(value, (list, tuple)):
-            return {"l": [skeleton(v) for v in value]}
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return {"v": value}
-        raise TypeError(f"cannot send a {type(value).__name__} in the healing state")
 
-    header = json.dumps({"step": step, "tree": skeleton(state)}).encode()
-    return MAGIC + struct.pack(">Q", len(header)) + header + save_tensors(tensors)
+def encoded_size(step: int, state: Any) -> int:
+    """At least as many bytes as `encode_state(step, state)` writes, without copying a
+    tensor (only their sizes are read): what a peer's state shaped like `state` takes."""
+    tensors: dict[str, torch.Tensor] = {}
+    header = json.dumps({"step": step, "tree": _skeleton(state, tensors)}).encode()
+    # safetensors: a u64, its JSON header (an entry per tensor: its name, dtype, shape and
+    # two offsets, here counted at their longest), padding to 8 bytes, then the data.
+    entries = sum(len(name) + len(str(list(t.shape))) + 96 for name, t in tensors.items())
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    return len(MAGIC) + 8 + len(header) + 8 + entries + 8 + data
+
+
+def _skeleton(value: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The header's tree of `value`; its tensors are added to `tensors` (not copied)."""
+    if isinstance(value, torch.Tensor):
+        name = f"t{len(tensors)}"
+        tensors[name] = value
+        return {"t": name}
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"state keys must be strings, got {sorted(map(repr, value))[:5]}")
+        return {"d": {k: _skeleton(v, tensors) for k, v in value.items()}}
+    if isinstance(value, (list, tuple)):
+        return {"l": [_skeleton(v, tensors) for v in value]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"v": value}
+    raise TypeError(f"cannot send a {type(value).__name__} in the healing state")
 
 
 def decode_state(blob: bytes, step: int) -> Any:
@@ -132,23 +172,315 @@ def _rebuild(node: Any, tensors: dict[str, torch.Tensor], used: set[str], depth:
     raise StateFormatError(f"malformed state tree node {kind!r}")
 
 
+# ---- the healing client: what it fetches, how much, how long ----------------------------
+
+
+def heal_cap(state_bytes: int) -> int:
+    """The most bytes a healing answer may have when this island's own state takes
+    `state_bytes`: a peer of the same federation sends the same tensors, but its strings
+    (fingerprint, names) and the signed frame around them may be a little longer."""
+    return int(state_bytes * 1.25) + (1 << 20)
+
+
+def _memory_cap() -> int:
+    """The cap when the caller set none and nothing was served: half the host memory. The
+    answer and its decoded tensors are both held in host memory, so a larger one could
+    only end in the island being killed for memory."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (AttributeError, OSError, ValueError):
+        return 64 << 30
+
+
+def _host_key(host: str) -> str:
+    """`host` as compared: without IPv6 brackets, lower case, an IP literal in its one form."""
+    host = host.strip().strip("[]").lower().rstrip(".")
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
+
+
+def _source_problem(parts: urllib.parse.SplitResult, port: int, expected: str | None, fragment: bool) -> str | None:
+    """Why a peer's advertised URL (split; `fragment`: it has a '#') is not one this island
+    fetches, or None."""
+    if parts.scheme != "http":
+        return (f"its scheme is {parts.scheme or 'missing'!r}: only http:// is fetched (a file:, ftp: or data: "
+                "URL would read this machine's files or another server)")
+    if not parts.hostname or not port:
+        return "it names no host and port"
+    if parts.username is not None or parts.password is not None:
+        return "it carries credentials"
+    if parts.path != HEAL_PATH or parts.query or fragment:
+        return f"its path is not {HEAL_PATH!r} (with no query or fragment)"
+    if expected is not None and _host_key(parts.hostname) != _host_key(expected):
+        return (f"its host {parts.hostname!r} is not {expected!r}, the host of the member the quorum named as "
+                "the source")
+    return None
+
+
+class _DeadlineSocket(socket.socket):
+    """A connected socket whose every read and write ends by `deadline` (time.monotonic()).
+
+    A per-socket timeout bounds one recv only: a server that sends a byte a second never
+    trips it and held a healing island forever. Here each recv and send gets the time left
+    of the whole fetch, and none starts after it (one clock read per operation)."""
+
+    deadline = 0.0
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the healing deadline passed")
+        self.settimeout(left)
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        self._arm()
+        return super().recv_into(buffer, nbytes, flags)
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        self._arm()
+        return super().recv(bufsize, flags)
+
+    def sendall(self, data: Any, flags: int = 0) -> None:
+        self._arm()
+        super().sendall(data, flags)
+
+
+class _DeadlineConnection(http.client.HTTPConnection):
+    """http.client to one host and port, connect, request, headers and body by `deadline`.
+
+    http.client has no file:, ftp: or data: handler and follows no redirect (urllib's
+    urlopen did both); the name lookup of a host name is the one step outside the deadline."""
+
+    def __init__(self, host: str, port: int, deadline: float) -> None:
+        super().__init__(host, port, timeout=max(deadline - time.monotonic(), 0.001))
+        self._deadline = deadline
+
+    def connect(self) -> None:
+        plain = socket.create_connection((self.host, self.port), max(self._deadline - time.monotonic(), 0.001))
+        self.sock = _DeadlineSocket(fileno=plain.detach())
+        self.sock.deadline = self._deadline
+
+
+def _read_capped(response: http.client.HTTPResponse, cap: int, url: str) -> bytes:
+    """The body of `response`, refused (HealingRefused) past `cap` bytes: a declared
+    Content-Length before any of the body is read, else after cap + 1 bytes."""
+    if response.length is not None:
+        if response.length > cap:
+            raise HealingRefused(f"refusing the state at {url}: it declares {response.length} bytes, over the cap "
+                                 f"of {cap}{_CAP_FIX}")
+        return response.read()  # exactly Content-Length bytes, in one buffer
+    chunks, got = [], 0
+    while got <= cap:
+        chunk = response.read(min(_CHUNK, cap + 1 - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    if got > cap:
+        raise HealingRefused(f"refusing the state at {url}: more than the cap of {cap} bytes arrived{_CAP_FIX}")
+    return b"".join(chunks)  # a second copy for a moment: answers without Content-Length are not ours
+
+
+_CAP_FIX = (". A state of this federation is the size of this island's own; a larger one is another model or an "
+            "attack. If this island's state is larger than the cap, the outer loop sets it from its own "
+            "(SafeHTTPTransport.expect_state_like)")
+
+
+# ---- the healing server: a thread only for a request that has arrived -------------------
+
+
+class _HealingServer:
+    """The healing server's sockets. One thread accepts connections and reads each request
+    head without blocking (at most MAX_REQUEST_BYTES, within `request_timeout`), then gives
+    the complete request to a handler thread, at most `max_connections` at a time; over
+    that, the connection is closed unanswered (the member retries at its next quorum).
+
+    http.server's ThreadingHTTPServer started a thread per connection and waited for its
+    request line without a timeout: 10,000 idle connections were 10,000 threads, forever.
+    Here an idle or slow-drip connection costs a descriptor until its deadline, not a
+    thread; with MAX_PENDING of them waiting, the oldest is closed for the newest, so a
+    flood cannot hold a member's request (sent at once, read in milliseconds) out for long.
+    """
+
+    def __init__(self, host: str, handler: Callable[..., Any], request_timeout: float, max_connections: int) -> None:
+        self._listener = listening_socket(host)
+        self._listener.setblocking(False)
+        self.server_address = self._listener.getsockname()
+        self._handler, self.request_timeout = handler, request_timeout
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._pending: dict[socket.socket, tuple[float, Any, bytearray]] = {}  # oldest first
+        self._selector = selectors.DefaultSelector()
+        self._wake, self._waker = socket.socketpair()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._serve, name="healing-server", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake, selectors.EVENT_READ)
+        try:
+            while not self._stopping:
+                for key, _ in self._selector.select(self._until_next_deadline()):
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj is not self._wake:
+                        self._read_head(key.fileobj)  # type: ignore[arg-type]
+                self._expire()
+        except Exception:  # a bug, not a peer: say so, this island serves no heal from now on
+            log.exception("healing server: stopped")
+        finally:
+            for conn in list(self._pending):
+                self._drop(conn)
+            self._selector.close()
+            for sock in (self._listener, self._wake, self._waker):
+                sock.close()
+
+    def _until_next_deadline(self) -> float | None:
+        if not self._pending:
+            return None
+        return max(next(iter(self._pending.values()))[0] - time.monotonic(), 0.0)
+
+    def _accept(self) -> None:
+        for _ in range(64):  # then the pending heads get their turn
+            try:
+                conn, address = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:  # out of descriptors: make room, or let the backlog wait
+                log.debug("healing server: accept failed: %s", exc)
+                if self._pending:
+                    self._drop(next(iter(self._pending)))
+                else:
+                    time.sleep(0.05)  # the listener stays readable: not a busy loop meanwhile
+                return
+            conn.setblocking(False)
+            if len(self._pending) >= MAX_PENDING:
+                self._drop(next(iter(self._pending)))
+            self._pending[conn] = (time.monotonic() + self.request_timeout, address, bytearray())
+            self._selector.register(conn, selectors.EVENT_READ)
+
+    def _read_head(self, conn: socket.socket) -> None:
+        if conn not in self._pending:  # dropped for a newer one earlier in this select's events
+            return
+        _, address, head = self._pending[conn]
+        try:
+            data = conn.recv(MAX_REQUEST_BYTES + 1 - len(head))
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        head += data
+        if b"\n\n" in head or b"\n\r\n" in head:  # the blank line that ends the head
+            self._selector.unregister(conn)
+            del self._pending[conn]
+            self._dispatch(conn, address, bytes(head))
+        elif len(head) > MAX_REQUEST_BYTES:
+            log.debug("healing server: a request head of more than %d bytes from %s", MAX_REQUEST_BYTES, address)
+            self._drop(conn)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._pending:
+            conn, (deadline, address, _) = next(iter(self._pending.items()))
+            if deadline > now:
+                return
+            log.debug("healing server: no request from %s within %.0f s", address, self.request_timeout)
+            self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._pending.pop(conn, None)
+        try:
+            self._selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def _dispatch(self, conn: socket.socket, address: Any, head: bytes) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.debug("healing server: all handlers busy, closing a request from %s", address)
+            conn.close()
+            return
+        try:
+            threading.Thread(target=self._handle, args=(conn, address, head), name="healing-server-conn",
+                             daemon=True).start()
+        except RuntimeError:  # no thread to be had: as if all were busy
+            self._slots.release()
+            conn.close()
+
+    def _handle(self, conn: socket.socket, address: Any, head: bytes) -> None:
+        try:
+            conn.setblocking(True)
+            conn.settimeout(self.request_timeout)  # each send of the answer (a chunk) within it
+            self._handler((conn, head), address, self)
+        except Exception as exc:  # noqa: BLE001 - a peer that went away, or stopped reading
+            log.debug("healing server: the request from %s ended early: %s", address, exc)
+        finally:
+            try:
+                conn.shutdown(socket.SHUT_WR)  # the answer's end, before the close
+            except OSError:
+                pass
+            conn.close()
+            self._slots.release()
+
+    def close(self, wait: bool = True) -> None:
+        self._stopping = True
+        try:
+            self._waker.send(b"x")
+        except OSError:  # the loop has closed it: it is stopped
+            pass
+        if wait:
+            self._thread.join()
+
+
 # ---- the transport ----------------------------------------------------------------------
 
 
 class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
-    """torchft's CheckpointTransport, serving `encode_state` bytes over HTTP."""
+    """torchft's CheckpointTransport, serving `encode_state` bytes over HTTP.
+
+    What the healing side accepts, set by the caller (torchft knows neither):
+    `expect_source(host)` before each heal, the host of the member the quorum named
+    (else any host is fetched from, http:// only, no redirect), and
+    `expect_state_like(state)` once, the cap on the answer's size from this island's own
+    state (else the size of the last state it served, with the same headroom, else half
+    the host memory). `timeout` of `recv_checkpoint` bounds the whole fetch.
+
+    The server closes a connection whose request head has not arrived within
+    `request_timeout`, or that takes longer than that for a MiB of the answer (a peer
+    that reads less than about 70 KB/s at the default), and handles at most
+    `max_connections` requests at a time.
+    """
 
     def __init__(self, timeout: timedelta, host: str | None = None, key: FederationKey | None = None,
-                 island: int = 0) -> None:
+                 island: int = 0, max_state_bytes: int | None = None, expected_host: str | None = None,
+                 request_timeout: timedelta = timedelta(seconds=15), max_connections: int = 16) -> None:
         self._timeout = timeout
         self._host = host or local_address()
         self._key, self._island = key, island
+        self.max_state_bytes, self.expected_host = max_state_bytes, expected_host
+        self._served_bytes = 0  # the size of the last state served: a cap when none is set
         self._nonces: set[int] = set()
         self._ready = threading.Condition()
         self._step, self._body = -1, b""  # nothing is served until send_checkpoint
+        self._server = _HealingServer(self._host, self._handler_class(), request_timeout.total_seconds(),
+                                      max_connections)
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         transport = self
 
         class Handler(BaseHTTPRequestHandler):
+            def setup(self) -> None:
+                # _HealingServer read the request head: parse it from memory. Nothing else is
+                # ever read from the connection, so a request body is never read.
+                self.connection, head = self.request
+                self.rfile = io.BytesIO(head)
+                self.wfile = self.connection.makefile("wb")
+
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 try:
                     body = transport._body_for(self.path, self.headers.get(FRAME_HEADER, ""))
@@ -163,17 +495,17 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.flush()
+                # A MiB per send, each within the socket's timeout (sendall's is for the whole
+                # call): a peer that stops reading frees its handler.
+                view = memoryview(body)
+                for start in range(0, len(view), _CHUNK):
+                    self.connection.sendall(view[start:start + _CHUNK])
 
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
                 log.debug("healing server: " + format, *args)
 
-        server_class = type("Server", (ThreadingHTTPServer,), {
-            "address_family": socket.AF_INET6 if ":" in self._host else socket.AF_INET,
-            "daemon_threads": True})
-        self._server = server_class((self._host, 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="healing-server", daemon=True)
-        self._thread.start()
+        return Handler
 
     def _body_for(self, path: str, frame_hex: str) -> bytes | None:
         """The bytes for GET /checkpoint/STEP/full, waiting (bounded) for send_checkpoint;
@@ -211,10 +543,38 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
     def address(self) -> str:
         host, port = self._server.server_address[:2]
         host = url_host(str(host))
-        return f"http://{host}:{port}/checkpoint/"
+        return f"http://{host}:{port}{HEAL_PATH}"
 
     def metadata(self) -> str:
         return self.address()
+
+    # ---- what the healing side accepts --------------------------------------------
+
+    def expect_source(self, source: str | None) -> None:
+        """Fetch the next heals only from `source`: the host of the member the quorum named
+        as the healing source, or a URL on it (torchft's `recover_src_manager_address`,
+        "http://HOST:PORT"). Hosts are compared as written (an IP literal in any of its
+        forms), not resolved: the member advertises its healing server on the address its
+        manager has (both LOCAL_ADDR). None: any host (http:// only, no redirect)."""
+        if source is not None and "://" in source:
+            source = urllib.parse.urlsplit(source).hostname
+        self.expected_host = source
+
+    def expect_state_like(self, state_dict: Any) -> int:
+        """Cap the answers of peers by this island's own healing state (the dict torchft
+        serves, or one shaped like it: its tensors are measured, not copied): its encoded
+        size * 1.25 + 1 MiB. Returns the cap, also in `max_state_bytes`."""
+        self.max_state_bytes = heal_cap(encoded_size(0, state_dict))
+        return self.max_state_bytes
+
+    def state_cap(self) -> int:
+        """The most bytes a healing answer may have: `max_state_bytes` when set, else from
+        the last state this island served, else half the host memory."""
+        if self.max_state_bytes is not None:
+            return self.max_state_bytes
+        return heal_cap(self._served_bytes) if self._served_bytes else _memory_cap()
+
+    # ---- torchft's CheckpointTransport ---------------------------------------------
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict[str, Any],
                         timeout: timedelta) -> None:
@@ -223,6 +583,7 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
         body = encode_state(step, state_dict)
         with self._ready:
             self._step, self._body = step, body
+            self._served_bytes = len(body)
             self._ready.notify_all()
 
     def disallow_checkpoint(self) -> None:
@@ -230,21 +591,28 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
             self._step, self._body = -1, b""
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> dict[str, Any]:
-        request = urllib.request.Request(f"{metadata}{step}/full")
+        """The state of federation `step` from the peer at `metadata` (the URL it advertised),
+        all of it within `timeout`; HealingRefused for a URL, redirect, size or delay this
+        island does not accept, FrameRefused for an answer not signed with the key."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        host, port = self._source(metadata)
         nonce = secrets.randbits(64)
+        headers = {}
         if self._key is not None:
             frame = seal(self._key, FrameHeader(quorum=nonce, step=step, fragment=0, island=self._island,
                                                 kind=HEAL_REQUEST), b"")
-            request.add_header(FRAME_HEADER, frame.hex())
+            headers[FRAME_HEADER] = frame.hex()
+        url = f"{metadata}{step}/full"
         try:
-            with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as response:
-                blob = response.read()
-        except urllib.error.HTTPError as exc:
-            if self._key is None or exc.code != 403:
-                raise
-            raise FrameRefused(f"the island serving federation step {step} at {metadata} refused this "
-                               "island's signed request (HTTP 403): it holds another federation key "
-                               "(check the key file on both), or saw the request before") from exc
+            blob = self._fetch(host, port, step, headers, deadline, url)
+        except TimeoutError as exc:
+            raise HealingRefused(f"the state at {url} did not arrive within the healing timeout of "
+                                 f"{timeout.total_seconds():g} s (connect, headers and body together): a slow or "
+                                 "stalled peer. The next quorum retries; over a slow link raise the fault "
+                                 "tolerance timeout (process_group_timeout_ms), which bounds the fetch") from exc
+        except OSError as exc:  # refused, reset: a peer that went away
+            raise ConnectionError(f"could not fetch the state of federation step {step} from {url}: {exc}. The "
+                                  "next quorum retries (from another member, if this one is gone)") from exc
         if self._key is not None:  # the answer to this request, from an island of the federation
             expect = FrameHeader(quorum=nonce, step=step, fragment=0, island=0, kind=HEAL_STATE)
             try:
@@ -263,12 +631,54 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
             raise StateFormatError(f"the peer's state does not hold federation step {step}")
         return state
 
-    def shutdown(self, wait: bool = True) -> None:
-        def stop() -> None:
-            self._server.shutdown()  # returns within serve_forever's 0.5 s poll
-            self._server.server_close()
-
-        if wait:
-            stop()
+    def _source(self, metadata: str) -> tuple[str, int]:
+        """(host, port) of a peer's advertised healing URL, HealingRefused unless it is an
+        http:// healing server of this federation's kind on the expected host."""
+        problem, host, port = None, "", 0
+        if not (isinstance(metadata, str) and metadata.isascii() and metadata.isprintable() and " " not in metadata):
+            problem = "it is not a printable URL without spaces"
         else:
-            threading.Thread(target=stop, name="healing-server-stop", daemon=True).start()
+            try:
+                parts = urllib.parse.urlsplit(metadata)
+                port = parts.port or 0
+            except ValueError as exc:
+                problem = f"it is not a URL ({exc})"
+            else:
+                problem = _source_problem(parts, port, self.expected_host, "#" in metadata)
+                host = parts.hostname or ""
+        if problem is not None:
+            raise HealingRefused(f"refusing to heal from {metadata!r}: {problem}. A member of this federation "
+                                 f"advertises http://HOST:PORT{HEAL_PATH} on the address of its manager "
+                                 "(LOCAL_ADDR); anything else is not such a member: stop that process, or "
+                                 "restart the lighthouse without it")
+        return host, port
+
+    def _fetch(self, host: str, port: int, step: int, headers: dict[str, str], deadline: float, url: str) -> bytes:
+        """The body of GET /checkpoint/STEP/full at host:port, all of it by `deadline` (else
+        TimeoutError), at most the cap; nothing of an answer other than 200 is read."""
+        connection = _DeadlineConnection(host, port, deadline)
+        try:
+            connection.request("GET", f"{HEAL_PATH}{step}/full", headers=headers)
+            response = connection.getresponse()
+            if response.status != 200:
+                raise self._status_error(response.status, url, step)
+            return _read_capped(response, self.state_cap(), url)
+        except http.client.HTTPException as exc:  # a malformed answer, or a short one
+            raise HealingRefused(f"the answer at {url} is not a well-formed HTTP answer: {exc!r}") from exc
+        finally:
+            connection.close()
+
+    def _status_error(self, status: int, url: str, step: int) -> Exception:
+        if self._key is not None and status == 403:
+            return FrameRefused(f"the island serving federation step {step} at {url} refused this island's signed "
+                                "request (HTTP 403): it holds another federation key (check the key file on "
+                                "both), or saw the request before")
+        if 300 <= status < 400:
+            return HealingRefused(f"the peer at {url} answered with a redirect (HTTP {status}): redirects are "
+                                  "refused, the state comes only from the member the quorum named. Stop that "
+                                  "process, or restart the lighthouse without it")
+        return HealingRefused(f"the peer at {url} answered HTTP {status}, not the state of federation step {step} "
+                              "(it moved on, or serves nothing now): the next quorum retries")
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._server.close(wait)
