@@ -301,9 +301,11 @@ class Trainer:
         if not c.enable and not c.resume:
             return None
         folder = Path(c.folder) if Path(c.folder).is_absolute() else self.run_dir / c.folder
-        key = self.federation_key  # signs the manifests when set
+        # Manifests are signed with the island's local key (checkpoint/signing.py), not the federation's;
+        # a federation run still verifies its checkpoints whatever checkpoint.verify says, as before.
         return CheckpointManager(folder, keep=c.keep, rank=self.ctx.rank, world_size=self.ctx.world_size,
-                                 verify=c.verify, manifest_key=key.manifest_key() if key is not None else None)
+                                 verify=c.verify or self.federation_key is not None,
+                                 accept_unsigned=c.accept_unsigned)
 
     def build_metrics(self) -> RunMetrics:
         return RunMetrics(self.cfg, self.ctx, self.run_dir, self.model, self.model_info.flops_per_token,

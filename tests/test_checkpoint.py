@@ -98,6 +98,25 @@ def data_files(step_dir: Path) -> list[Path]:
     return sorted(step_dir.glob("*.distcp"), key=lambda p: p.stat().st_size)
 
 
+@pytest.fixture(autouse=True)
+def checkpoint_key(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh local checkpoint key file per test, outside every checkpoint folder (not ~/.config)."""
+    path = tmp_path_factory.mktemp("key") / "checkpoint.key"
+    monkeypatch.setenv("ARCHIPELAGO_CHECKPOINT_KEY_FILE", str(path))
+    return path
+
+
+@pytest.fixture
+def scratch(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """$TMPDIR for this test (tempfile caches it, so both are set)."""
+    import tempfile
+
+    path = tmp_path_factory.mktemp("scratch")
+    monkeypatch.setenv("TMPDIR", str(path))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    return path
+
+
 # ----------------------------------------------------------------- round trip
 
 
@@ -249,11 +268,8 @@ def test_a_signed_manifest_refuses_a_checkpoint_changed_without_the_key(
 ) -> None:
     import json
 
-    from archipelago.federation.trust import FederationKey
-
-    key = FederationKey(os.urandom(32)).manifest_key()
     model, opt, loader = make_run()
-    mgr = CheckpointManager(tmp_path, keep=5, verify=False, manifest_key=key)  # a key turns hashing on
+    mgr = CheckpointManager(tmp_path, keep=5)
     mgr.save(1, app_state(model, opt, loader))
     first = tensors_of(model, opt)
     train_steps(model, opt, 1)
@@ -269,12 +285,177 @@ def test_a_signed_manifest_refuses_a_checkpoint_changed_without_the_key(
     (step2 / "COMPLETE.json").write_text(json.dumps(manifest))
     with caplog.at_level(logging.WARNING, logger="archipelago.checkpoint"):
         step, loaded = load_fresh(mgr)
-    assert step == 1 and "not signed with this federation's key" in caplog.text
+    assert step == 1 and "not signed with this island's checkpoint key" in caplog.text
     assert_same_tensors(loaded, first)
-    unsigned = CheckpointManager(tmp_path / "plain", keep=5)  # written without a key: refused with one
+    unsigned = CheckpointManager(tmp_path / "plain", keep=5, verify=False)  # no hashes, no signature
     unsigned.save(1, app_state(model, opt, loader))
     with pytest.raises(CheckpointUnusable):
-        load_fresh(CheckpointManager(tmp_path / "plain", keep=5, manifest_key=key))
+        load_fresh(CheckpointManager(tmp_path / "plain", keep=5))
+
+
+# ------------------------------------------- what DCP reads is what was verified
+
+
+class _Marker:
+    """Unpickling it creates a file: stands in for code run by a planted `.metadata`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.path,))
+
+
+@pytest.mark.parametrize("swapped", [".metadata", "__0_0.distcp"])
+def test_a_file_swapped_after_verification_is_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swapped: str
+) -> None:
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    folder, marker = tmp_path / "ckpt", tmp_path / "pwned"
+    mgr, _, second = two_checkpoints(folder)
+    step2 = folder / "step-00000002"
+    evil = {".metadata": pickle.dumps(_Marker(marker)),
+            "__0_0.distcp": (folder / "step-00000001" / "__0_0.distcp").read_bytes()}[swapped]
+
+    def swap_then(real: Any) -> Any:
+        # Runs where DCP reads: after the manager has checked the file, before DCP's read.
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            (step2 / swapped).write_bytes(evil)
+            return real(self, *args, **kwargs)
+        return wrapper
+
+    method = "read_metadata" if swapped == ".metadata" else "read_data"
+    monkeypatch.setattr(FileSystemReader, method, swap_then(getattr(FileSystemReader, method)))
+    step, loaded = load_fresh(mgr)
+    assert not marker.exists(), "a .metadata swapped after verification was unpickled"
+    assert step == 2
+    assert_same_tensors(loaded, second)
+
+
+def test_loads_through_a_private_copy_removed_afterwards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scratch: Path
+) -> None:
+    import stat
+
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    mgr, first, _ = two_checkpoints(tmp_path / "ckpt")
+    victim = data_files(tmp_path / "ckpt" / "step-00000002")[-1]
+    victim.write_bytes(victim.read_bytes()[::-1])  # same size: only its hash tells
+    seen: list[tuple[Path, int]] = []
+    real = FileSystemReader.read_data
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append((Path(self.path), stat.S_IMODE(Path(self.path).stat().st_mode)))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", spy)
+    step, loaded = load_fresh(mgr)  # step 2 fails its hash while copied, step 1 loads
+    assert step == 1
+    assert_same_tensors(loaded, first)
+    assert seen and all(path.parent == scratch and mode == 0o700 for path, mode in seen), seen
+    assert not list(scratch.iterdir()), "private copies left behind"
+
+
+def test_a_scratch_folder_others_can_write_is_refused(tmp_path: Path, scratch: Path) -> None:
+    mgr = CheckpointManager(tmp_path / "ckpt", keep=1)
+    mgr.save(1, {"x": torch.ones(2)})
+    scratch.chmod(0o777)  # no sticky bit: another user could rename our private folder away
+    with pytest.raises(RuntimeError, match="TMPDIR"):
+        mgr.load_latest({"x": torch.zeros(2)})
+
+
+def test_a_renamed_checkpoint_dir_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import shutil
+
+    mgr, _, second = two_checkpoints(tmp_path)
+    shutil.copytree(tmp_path / "step-00000001", tmp_path / "step-00000003")  # an old state as a new step
+    (tmp_path / "latest").write_text("step-00000003\n")
+    with caplog.at_level(logging.WARNING, logger="archipelago.checkpoint"):
+        step, loaded = load_fresh(mgr)
+    assert step == 2 and "manifest of step 1" in caplog.text
+    assert_same_tensors(loaded, second)
+
+
+# ------------------------------------------------------------ the local signing key
+
+
+def _member_signature(key: bytes, manifest: dict[str, Any]) -> str:
+    """What anyone holding `key` can sign (the manifest HMAC's message, canonical JSON)."""
+    import hmac
+    import json
+
+    message = json.dumps({"step": manifest["step"], "files": manifest["files"]}, sort_keys=True,
+                         separators=(",", ":")).encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def test_a_manifest_signed_with_the_federation_key_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, checkpoint_key: Path
+) -> None:
+    import json
+    import shutil
+
+    from archipelago.federation.trust import FederationKey
+
+    federation = FederationKey(os.urandom(32)).manifest_key()
+    model, opt, loader = make_run()
+    mgr = CheckpointManager(tmp_path / "ckpt", keep=5, manifest_key=federation)  # as a federation trainer builds it
+    mgr.save(2, app_state(model, opt, loader))
+    mine = tensors_of(model, opt)
+    # Another member, who holds the federation secret but not this island's key, plants a
+    # step with its own weights and signs the manifest with the federation's manifest key.
+    planted = tmp_path / "ckpt" / "step-00000003"
+    other_model, other_opt, _ = make_run(seed=7)
+    CheckpointManager(tmp_path / "theirs", keep=1, verify=False).save(3, app_state(other_model, other_opt, loader))
+    shutil.copytree(tmp_path / "theirs" / "step-00000003", planted)
+    files = {p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+             for p in planted.iterdir() if p.name != "COMPLETE.json"}
+    manifest: dict[str, Any] = {"step": 3, "time": time.time(), "files": files}
+    manifest["hmac"] = _member_signature(federation, manifest)
+    (planted / "COMPLETE.json").write_text(json.dumps(manifest))
+    (tmp_path / "ckpt" / "latest").write_text("step-00000003\n")
+    with caplog.at_level(logging.WARNING, logger="archipelago.checkpoint"):
+        step, loaded = load_fresh(mgr)
+    assert step == 2, "a manifest any federation member can sign was loaded"
+    assert_same_tensors(loaded, mine)  # the island's own checkpoint, signed with its local key, loads
+    assert "not signed with this island's checkpoint key" in caplog.text and str(checkpoint_key) in caplog.text
+
+
+def test_the_local_key_is_made_private_and_a_readable_one_is_refused(tmp_path: Path, checkpoint_key: Path) -> None:
+    import stat
+
+    CheckpointManager(tmp_path / "ckpt", keep=1).save(1, {"x": torch.ones(2)})
+    assert stat.S_IMODE(checkpoint_key.stat().st_mode) == 0o600
+    assert len(bytes.fromhex(checkpoint_key.read_text())) == 32
+    checkpoint_key.chmod(0o640)
+    with pytest.raises(RuntimeError, match=f"chmod 600 {checkpoint_key}"):
+        CheckpointManager(tmp_path / "ckpt", keep=1)
+
+
+def test_a_checkpoint_signed_with_another_local_key_is_refused_naming_the_key_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    CheckpointManager(tmp_path / "ckpt", keep=1).save(1, {"x": torch.ones(2)})
+    other = tmp_path / "other" / "checkpoint.key"  # e.g. rank 0 now runs on another machine
+    monkeypatch.setenv("ARCHIPELAGO_CHECKPOINT_KEY_FILE", str(other))
+    with caplog.at_level(logging.WARNING, logger="archipelago.checkpoint"), pytest.raises(CheckpointUnusable):
+        CheckpointManager(tmp_path / "ckpt", keep=1).load_latest({"x": torch.zeros(2)})
+    assert f"not signed with this island's checkpoint key {other}" in caplog.text
+    assert "ARCHIPELAGO_CHECKPOINT_KEY_FILE" in caplog.text
+
+
+def test_an_unsigned_checkpoint_loads_only_when_accepted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    CheckpointManager(tmp_path, keep=1, verify=False).save(1, {"x": torch.ones(2)})  # as older releases wrote
+    with caplog.at_level(logging.WARNING, logger="archipelago.checkpoint"), pytest.raises(CheckpointUnusable):
+        CheckpointManager(tmp_path, keep=1).load_latest({"x": torch.zeros(2)})
+    assert "is not signed" in caplog.text and "accept_unsigned" in caplog.text
+    state = {"x": torch.zeros(2)}
+    assert CheckpointManager(tmp_path, keep=1, accept_unsigned=True).load_latest(state) == 1
+    assert torch.equal(state["x"], torch.ones(2))
 
 
 def test_latest_marker_wins_over_higher_abandoned_step(tmp_path: Path) -> None:

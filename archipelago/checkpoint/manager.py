@@ -15,19 +15,28 @@ corruption (bit rot, truncated copies) is detected and the previous checkpoint
 is used instead.
 
 DCP unpickles parts of a checkpoint when it loads it (its .metadata file, and non-tensor
-values with torch.load(weights_only=False)), so a checkpoint directory must be trusted.
-With a `manifest_key` (derived from the federation key) COMPLETE.json carries an
-HMAC-SHA256 of its step and file hashes, checked before DCP opens any file: a checkpoint
-someone without the key changed or planted is skipped like a corrupt one.
+values with torch.load(weights_only=False)), so what it reads must be what this island
+wrote. With `verify` (the default):
+
+- COMPLETE.json carries an HMAC-SHA256 of its step and file hashes under the island's
+  LOCAL checkpoint key (signing.py: random, made on first use, kept outside the folder,
+  mode 0600). A checkpoint signed with another key, or not signed, is skipped like a
+  corrupt one. The federation secret signs nothing here: every member holds it.
+- DCP never reads the folder itself: each rank copies the files it loads into a private
+  folder under $TMPDIR, hashing them through the descriptor it copies from, and DCP reads
+  only copies whose bytes match the manifest (verified.py; it costs scratch space the size
+  of the largest file a rank loads). A file swapped after it was hashed is never read.
+
+With verify=False only sizes are checked and DCP reads the folder: it must be trusted.
 
 Multi-rank runs need ``folder`` on a filesystem every rank of the island can
-see: the ranks hash each other's files (in parallel, round-robin) and rank 0
-writes the manifest.
+see: at save the ranks hash each other's files (in parallel, round-robin) and rank 0
+writes the manifest; at load rank 0 reads the manifest and checks its signature, and
+each rank hashes the files it loads. Only rank 0 uses the key.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -44,11 +53,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from archipelago.checkpoint.signing import (
+    KEY_FILE_ENV,
+    CheckpointKeyError,
+    default_key_path,
+    load_or_create_key,
+    manifest_hmac,
+)
+from archipelago.checkpoint.verified import CorruptCheckpointFile, ScratchError, VerifiedCopyReader, scratch_root
 from archipelago.fsutil import sha256_file, write_text_atomic
 
 log = logging.getLogger("archipelago.checkpoint")
 
 COMPLETE_NAME = "COMPLETE.json"
+_MAX_MANIFEST_BYTES = 64 << 20  # ~300k files; a bigger COMPLETE.json is not ours
+_SCRATCH = "scratch: "  # marks a rank's ScratchError among the problems ranks exchange as text
 LATEST_NAME = "latest"
 _STEP_DIR_RE = re.compile(r"^step-(\d+)$")
 
@@ -103,12 +122,24 @@ def _short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
-def _all_ranks_true(flag: bool) -> bool:
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (a collective; [obj] without a process group)."""
     if not _dist_active():
-        return flag
-    flags: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, flag)
-    return all(flags)
+        return [obj]
+    objs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(objs, obj)
+    return objs
+
+
+def _failure(exc: BaseException, kind: type[Exception]) -> Exception | None:
+    """The first `kind` error in `exc` or, for DCP's CheckpointException, in any rank's failure."""
+    if isinstance(exc, kind):
+        return exc
+    failures = getattr(exc, "failures", None) if isinstance(exc, CheckpointException) else None
+    for inner, _trace in (failures or {}).values():
+        if isinstance(inner, kind):
+            return inner
+    return None
 
 
 class CheckpointManager:
@@ -122,11 +153,20 @@ class CheckpointManager:
         keep: number of newest complete checkpoints to retain; <= 0 keeps all.
         rank, world_size: this process's position; must match the process
             group when one is initialized.
-        verify: hash every file at save and check the hashes at load. Costs
-            one extra read of the whole checkpoint each time (~1-2 GB/s);
-            with False only file sizes are checked.
-        manifest_key: sign the manifest, and load only checkpoints whose manifest
-            carries a valid signature (hashing is then always on).
+        verify: hash every file at save and sign the manifest with the local key;
+            at load, require that signature and load only private copies whose hashes
+            match (module docstring). Costs one read of the checkpoint at save and, at
+            load, one read plus one write to $TMPDIR of the files each rank loads; with
+            False only file sizes are checked and the folder must be trusted.
+        manifest_key: deprecated and not used for signing (every member of a federation
+            holds the secret it comes from, so it proved nothing); passing one still turns
+            `verify` on, as it did. Callers should pass `verify` instead.
+        key_file: the local key file; None: $ARCHIPELAGO_CHECKPOINT_KEY_FILE, else
+            ~/.config/archipelago/checkpoint.key (signing.py). Read (or made) by rank 0.
+        accept_unsigned: also load checkpoints this key did not sign (none, or another
+            key's, such as the federation key older releases signed with), to resume once
+            from them. Their hashes are still checked: that proves them intact, not whose.
+        scratch_dir: where the private copies go; None: $TMPDIR (else /tmp).
     """
 
     def __init__(
@@ -137,20 +177,43 @@ class CheckpointManager:
         world_size: int = 1,
         verify: bool = True,
         manifest_key: bytes | None = None,
+        *,
+        key_file: Path | None = None,
+        accept_unsigned: bool = False,
+        scratch_dir: Path | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.keep = keep
         self.rank = rank
         self.world_size = world_size
-        self.manifest_key = manifest_key
-        self.verify = verify or manifest_key is not None  # a signature over sizes alone proves little
+        self.verify = verify or manifest_key is not None
+        self.key_file = Path(key_file) if key_file is not None else default_key_path()
+        self.accept_unsigned = accept_unsigned
+        self.scratch_dir = scratch_dir
+        self._key: bytes | None = None
+        self._key_created = False
         if rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
+            if self.verify:  # a bad key file stops the run now, not at its first save hours later
+                self._key, self._key_created = self._load_key()
         # Newest committed step on disk; updated by save/load so error messages
         # can say "last good checkpoint: <dir>" without touching the disk.
         self.last_saved_step: int | None = self.latest_step()
 
     # ------------------------------------------------------------------ paths
+
+    def _load_key(self) -> tuple[bytes, bool]:
+        folder, key = self.folder.resolve(), self.key_file.expanduser().resolve()
+        if key.is_relative_to(folder):
+            raise CheckpointKeyError(
+                f"the checkpoint key file {self.key_file} is inside the checkpoint folder {self.folder}: whoever "
+                f"can write the folder could read or replace it. Point ${KEY_FILE_ENV} elsewhere")
+        return load_or_create_key(self.key_file)
+
+    def _signing_key(self) -> bytes:
+        if self._key is None:  # loaded in __init__ on rank 0, the only rank that signs or checks
+            self._key, self._key_created = self._load_key()
+        return self._key
 
     def step_path(self, step: int) -> Path:
         """Directory that holds (or will hold) the checkpoint of `step`."""
@@ -192,7 +255,7 @@ class CheckpointManager:
         # Every rank's shard must be on disk before any rank hashes them.
         _barrier()
         names = self._on_rank0(lambda: self._list_files(path), f"listing {path}") or []
-        files = self._hash_files(path, names)
+        files = self._hash_files(path, names, with_hash=self.verify)
         nbytes = self._on_rank0(lambda: self._commit(step, path, files), f"committing {path}")
         self.last_saved_step = step
         if self.rank == 0:
@@ -212,8 +275,8 @@ class CheckpointManager:
 
     def _commit(self, step: int, path: Path, files: dict[str, dict[str, Any]]) -> int:
         manifest: dict[str, Any] = {"step": step, "time": time.time(), "files": files}
-        if self.manifest_key is not None:
-            manifest["hmac"] = _manifest_hmac(self.manifest_key, step, files)
+        if self.verify:  # signs the hashes; a signature over sizes alone would prove little
+            manifest["hmac"] = manifest_hmac(self._signing_key(), step, files)
         write_text_atomic(path / COMPLETE_NAME, json.dumps(manifest, indent=1) + "\n")
         write_text_atomic(self.folder / LATEST_NAME, path.name + "\n")
         self._prune(step)
@@ -225,8 +288,8 @@ class CheckpointManager:
         return sorted(p.relative_to(path).as_posix() for p in path.rglob("*")
                       if p.is_file() and p.name != COMPLETE_NAME and not p.name.endswith(".tmp"))
 
-    def _hash_files(self, path: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-        """Size and SHA-256 of each file, hashed by all ranks in parallel (a collective).
+    def _hash_files(self, path: Path, names: list[str], with_hash: bool) -> dict[str, dict[str, Any]]:
+        """Size and (`with_hash`) SHA-256 of each file, by all ranks in parallel (a collective).
 
         Rank r reads files r, r + W, r + 2W, ...: hashing costs one read of the
         checkpoint, spread over the island instead of done by rank 0 alone, which at
@@ -238,12 +301,8 @@ class CheckpointManager:
             file = path / name
             present = file.is_file()
             share[name] = {"size": file.stat().st_size if present else None,
-                           "sha256": sha256_file(file) if present and self.verify else None}
-        if not _dist_active():
-            return share
-        shares: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(shares, share)
-        return {name: entry for part in shares for name, entry in part.items()}
+                           "sha256": sha256_file(file) if present and with_hash else None}
+        return {name: entry for part in _gather(share) for name, entry in part.items()}
 
     def _prune(self, current_step: int) -> None:
         """Keep the newest `keep` committed checkpoints up to `current_step`.
@@ -287,11 +346,12 @@ class CheckpointManager:
                                    "listing checkpoints")
         failed: list[str] = []
         while True:
-            name = self._next_usable(candidates)
-            if name is None:
+            usable = self._next_usable(candidates)
+            if usable is None:
                 break
+            name, files = usable
             path = self.folder / name
-            if self._try_load(path, state):
+            if self._try_load(path, state, files):
                 step = parse_step_dir(name)
                 self.last_saved_step = step
                 log.info("resumed from checkpoint %s (step %s)", path, step)
@@ -307,24 +367,69 @@ class CheckpointManager:
         log.info("no usable checkpoint in %s: training starts from scratch", self.folder)
         return None
 
-    def _try_load(self, path: Path, state: dict[str, Any]) -> bool:
+    def _try_load(self, path: Path, state: dict[str, Any], files: dict[str, Any]) -> bool:
+        """Collectively load `path` into `state`; False (all ranks) when any rank could not.
+
+        Raises ScratchError on every rank when a rank could not make its private copies: that
+        is this machine's problem, and skipping to an older checkpoint would not solve it.
+        """
+        reader = self._open_reader(path, files)
+        try:
+            problem = self._load(path, state, reader)
+        finally:
+            if reader is not None:
+                reader.close()
+        outcomes = _gather(problem)
+        scratch = next((p for p in outcomes if p and p.startswith(_SCRATCH)), None)
+        if scratch is not None:
+            raise ScratchError(scratch[len(_SCRATCH):])
+        if problem is not None:
+            log.warning("%s", problem)
+        elif any(outcomes):
+            log.warning("checkpoint %s failed to load on another rank: skipped", path)
+        return not any(outcomes)
+
+    def _open_reader(self, path: Path, files: dict[str, Any]) -> VerifiedCopyReader | None:
+        """The reader DCP loads through (None with verify=False: DCP reads the folder).
+
+        A collective: when any rank cannot make its private folder, every rank raises
+        ScratchError, so that no rank is left waiting in DCP's collectives.
+        """
+        if not self.verify:
+            return None
+        reader, error = None, None
+        try:
+            reader = VerifiedCopyReader(path, files, scratch_root(self.scratch_dir))
+        except Exception as exc:
+            error = f"rank {self.rank}: {exc}"
+        errors = [e for e in _gather(error) if e]
+        if errors:
+            if reader is not None:
+                reader.close()
+            raise ScratchError(errors[0])
+        return reader
+
+    def _load(self, path: Path, state: dict[str, Any], reader: VerifiedCopyReader | None) -> str | None:
+        """Load through `reader` (or from `path` directly); None, or why it failed."""
         try:
             with _quiet_single_process():
-                dcp.load(state, checkpoint_id=path, no_dist=not _dist_active())
-            ok = True
+                if reader is None:
+                    dcp.load(state, checkpoint_id=path, no_dist=not _dist_active())
+                else:
+                    dcp.load(state, storage_reader=reader, no_dist=not _dist_active())
+            return None
         # CheckpointException derives from BaseException (not Exception) in
         # torch 2.x, so it must be named explicitly.
         except (Exception, CheckpointException) as exc:
-            log.warning(
-                "could not load checkpoint %s: %s: skipped, using the previous one",
-                path, _short_error(exc),
-            )
             log.debug("full load error for %s", path, exc_info=exc)
-            ok = False
-        everyone_ok = _all_ranks_true(ok)
-        if ok and not everyone_ok:
-            log.warning("checkpoint %s failed to load on another rank: skipped", path)
-        return everyone_ok
+            own = reader.failure if reader is not None else None
+            scratch = own if isinstance(own, ScratchError) else _failure(exc, ScratchError)
+            if scratch is not None:
+                return f"{_SCRATCH}{scratch}"
+            corrupt = own if isinstance(own, CorruptCheckpointFile) else _failure(exc, CorruptCheckpointFile)
+            if corrupt is not None:
+                return f"corrupt checkpoint {path}: {corrupt}: skipped, using the previous one"
+            return f"could not load checkpoint {path}: {_short_error(exc)}: skipped, using the previous one"
 
     def _candidates(self) -> list[Path]:
         ordered: list[Path] = []
@@ -341,10 +446,11 @@ class CheckpointManager:
                 ordered.append(path)
         return ordered
 
-    def _next_usable(self, candidates: list[Path]) -> str | None:
-        """Pop candidates (held by rank 0) until one verifies; its dir name, or None.
+    def _next_usable(self, candidates: list[Path]) -> tuple[str, dict[str, Any]] | None:
+        """Pop candidates (held by rank 0) until one passes; (dir name, manifest files), or None.
 
-        A collective: rank 0 reads each manifest, all ranks hash its files together.
+        A collective: rank 0 reads each manifest and checks its signature, all ranks check
+        the sizes together. The hashes are checked as the files are copied for loading.
         """
         while True:
             head = self._on_rank0(lambda: self._pop_manifest(candidates), "reading manifests")
@@ -352,34 +458,55 @@ class CheckpointManager:
                 return None
             name, files, problem = head
             if problem is None:
-                actual = self._hash_files(self.folder / name, sorted(files))
+                actual = self._hash_files(self.folder / name, sorted(files), with_hash=False)
                 problem = self._on_rank0(  # called at once: the loop variables cannot change meanwhile
                     lambda: self._compare(self.folder / name, files, actual), "verifying checkpoint")  # noqa: B023
             if problem is None:
-                return name
+                return name, files
             if self.rank == 0:
                 log.warning("%s", problem)
 
     def _pop_manifest(self, candidates: list[Path]) -> tuple[str, dict[str, Any], str | None] | None:
-        """(name, manifest files, problem) of the next candidate; None when none is left."""
+        """(name, manifest files, problem) of the next candidate; None when none is left.
+
+        The manifest is read from one open; every rank then works from this one reading
+        (broadcast by `_on_rank0`), so what was checked is what the ranks verify against.
+        """
         if not candidates:
             return None
         path = candidates.pop(0)
-        complete = path / COMPLETE_NAME
-        if not complete.is_file():
-            return path.name, {}, f"incomplete checkpoint {path} (no {COMPLETE_NAME}): skipped"
         try:
-            manifest = json.loads(complete.read_text(encoding="utf-8"))
-            files = dict(manifest["files"])
-            signed = self.manifest_key is None or hmac.compare_digest(
-                str(manifest.get("hmac", "")), _manifest_hmac(self.manifest_key, manifest["step"], files))
+            manifest = _read_manifest(path)
+        except FileNotFoundError:
+            return path.name, {}, f"incomplete checkpoint {path} (no {COMPLETE_NAME}): skipped"
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return path.name, {}, (f"corrupt checkpoint {path}: {COMPLETE_NAME} unreadable ({exc}): "
                                    "skipped, using the previous one")
-        if not signed:
-            return path.name, {}, (f"checkpoint {path} is not signed with this federation's key (written "
-                                   "without it, with another key, or changed since): skipped")
-        return path.name, files, None
+        problem = self._signature_problem(path, manifest)
+        return path.name, (manifest["files"] if problem is None else {}), problem
+
+    def _signature_problem(self, path: Path, manifest: dict[str, Any]) -> str | None:
+        """None when the manifest is signed with this island's key (or need not be), else why not."""
+        if not self.verify:
+            return None  # sizes only: the folder is trusted
+        given, files = manifest.get("hmac"), manifest["files"]
+        if given is not None and hmac.compare_digest(
+                str(given), manifest_hmac(self._signing_key(), manifest["step"], files)):
+            return None
+        if self.accept_unsigned:
+            log.warning("checkpoint %s is %s: loading it anyway (accept_unsigned); its hashes are still checked",
+                        path, "not signed" if given is None else "signed with another key")
+            return None
+        if given is None:
+            return (f"checkpoint {path} is not signed (written by an older release, with checkpoint.verify = "
+                    "false, or by someone else): skipped. If you trust it, resume from it once with "
+                    "accept_unsigned (checkpoint.accept_unsigned = true)")
+        new = " (it was made just now: none existed)" if self._key_created else ""
+        return (f"checkpoint {path} is not signed with this island's checkpoint key {self.key_file}{new}: "
+                "written with another key (another machine or user, or the federation key of an older "
+                "release) or changed since: skipped. If this island wrote it with another key file, point "
+                f"${KEY_FILE_ENV} at that file; if an older release wrote it and you trust it, resume from it "
+                "once with accept_unsigned (checkpoint.accept_unsigned = true)")
 
     def _compare(self, path: Path, files: dict[str, Any], actual: dict[str, Any]) -> str | None:
         """None when every file matches its manifest entry, else why not."""
@@ -389,14 +516,12 @@ class CheckpointManager:
                 return f"corrupt checkpoint {path}: {rel} {problem}: skipped, using the previous one"
         return None
 
-    def _file_problem(self, expected: dict[str, Any], got: dict[str, Any]) -> str | None:
+    @staticmethod
+    def _file_problem(expected: dict[str, Any], got: dict[str, Any]) -> str | None:
         if got["size"] is None:
             return "is missing"
         if got["size"] != expected.get("size"):
             return f"has size {got['size']}, expected {expected.get('size')} (truncated?)"
-        want = expected.get("sha256")
-        if self.verify and want and got["sha256"] != want:
-            return f"sha256 mismatch (expected {want[:12]}..., got {got['sha256'][:12]}...)"
         return None
 
     # ---------------------------------------------------------------- helpers
@@ -467,7 +592,16 @@ def _remove_checkpoint_dir(path: Path) -> None:
         log.warning("could not remove %s (%s): delete it by hand to reclaim space", path, exc)
 
 
-def _manifest_hmac(key: bytes, step: int, files: dict[str, Any]) -> str:
-    """HMAC-SHA256 over the manifest's step and file entries (canonical JSON)."""
-    message = json.dumps({"step": step, "files": files}, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(key, message, hashlib.sha256).hexdigest()
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """`path`'s COMPLETE.json, read from one open, with the fields the loader relies on."""
+    with open(path / COMPLETE_NAME, "rb") as f:
+        raw = f.read(_MAX_MANIFEST_BYTES + 1)
+    if len(raw) > _MAX_MANIFEST_BYTES:
+        raise ValueError(f"larger than {_MAX_MANIFEST_BYTES} bytes")
+    manifest = json.loads(raw.decode("utf-8"))
+    files = manifest["files"]
+    if not isinstance(files, dict) or not all(isinstance(e, dict) for e in files.values()):
+        raise TypeError("'files' is not a mapping of file entries")
+    if manifest["step"] != parse_step_dir(path.name):  # a renamed dir would resume as another step
+        raise ValueError(f"it is the manifest of step {manifest['step']}")
+    return dict(manifest)

@@ -165,7 +165,9 @@ class CheckpointConfig:
     resume: bool = True
     """Resume from the newest usable checkpoint in `folder` when one exists."""
     verify: bool = True
-    """Check SHA-256 of every checkpoint file before loading (costs one read of the checkpoint)."""
+    """Sign every checkpoint's manifest with this island's local key (`~/.config/archipelago/checkpoint.key`, or $ARCHIPELAGO_CHECKPOINT_KEY_FILE; made on first use, mode 0600) and load only checkpoints it signed, from a private copy of the bytes whose SHA-256 was checked (costs one read and one local write of what is loaded). Always on in a federation."""
+    accept_unsigned: bool = False
+    """Also load checkpoints this island's checkpoint key did not sign (unsigned, or signed with the federation key by older releases), to resume once from checkpoints written before local signing. Their hashes are still checked, which proves them intact, not who wrote them; only for checkpoints you trust."""
     initial_load_path: str = ""
     """A Hugging Face model directory (config.json + *.safetensors, as `huggingface-cli download` leaves it) whose weights a fresh run starts from; ignored when the run resumes from its own checkpoint. Its config.json must describe the chosen flavor (the error names each differing field); language models (llama3, qwen3, gpt_oss) only."""
     scope: Literal["island", "leader"] = "island"
@@ -297,7 +299,7 @@ class FederationSecurityConfig:
     """Trust between islands: the secret every island of a federation shares."""
 
     key_file: str = ""
-    """File holding the federation secret (make one with `archipelago secret new > fed.key`, copy it to every island, `chmod 600`). Peers then prove they hold it: a healing island only accepts the state of a peer that signs it, and a peer only serves a healing island that signs its request; checkpoint manifests are signed and checked before loading. Empty: the file named by $ARCHIPELAGO_FEDERATION_KEY_FILE, else no key (peers are not authenticated; keep the federation on a private network)."""
+    """File holding the federation secret (make one with `archipelago secret new --out fed.key`, which writes it mode 0600, and copy it to every island). Peers then prove they hold it: a healing island only accepts the state of a peer that signs it, and a peer only serves a healing island that signs its request (checkpoint manifests are signed with the island's own local key, not this one: see checkpoint.verify). Empty: the file named by $ARCHIPELAGO_FEDERATION_KEY_FILE, else no key (peers are not authenticated; keep the federation on a private network)."""
     insecure: bool = False
     """Allow an island without a federation key to serve healing on a LOCAL_ADDR other than loopback, where anyone who reaches that address can fetch the global weights. Without this, such an island stops at the join and names the fix (a key)."""
 

@@ -69,8 +69,8 @@ def load_run(run_dir: Path) -> tuple[Any, Any, Any, int]:
     c = cfg.checkpoint
     folder = Path(c.folder) if Path(c.folder).is_absolute() else run_dir / c.folder
     key = load_key(cfg.federation_security.key_file)
-    manager = CheckpointManager(folder, keep=0, rank=0, world_size=1, verify=c.verify,
-                                manifest_key=key.manifest_key() if key is not None else None)
+    manager = CheckpointManager(folder, keep=0, rank=0, world_size=1, verify=c.verify or key is not None,
+                                accept_unsigned=c.accept_unsigned)
     step = manager.load_latest({"train": ModelOptimizerState(model)})
     if step is None:
         raise ConfigError(f"{folder}: no usable checkpoint (train with checkpoint.enable)")
