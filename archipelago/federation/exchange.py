@@ -19,8 +19,11 @@ Two ways to move the rows, both leaving every island with bit-identical results:
   so every island judges every contribution from all its segments; island j then sums
   the accepted ones in fp32 (replica order), encodes that sum again and the islands
   all-gather the summed segments. Each island then sends and receives about
-  2 x (G-1)/G payloads instead of G - 1, at the price of a second rounding, and trusts
-  island j with the sum of segment j. Top-k's segments are whole chunks of its own, cut
+  2 x (G-1)/G payloads instead of G - 1, at the price of a second rounding. Island j is
+  trusted with the sum of segment j only as far as every island can check it: its values
+  must be finite and its norm within what the accepted segments' norms allow (the
+  table's, per island and segment; each island checks what its own segments were
+  reported to be): `_check_sum`. Top-k's segments are whole chunks of its own, cut
   from one selection over the whole chunk (so its error feedback is unchanged), and its
   sums are not rounded again: island j all-gathers its sum exactly, as a bitmap of the
   nonzero values and those values in fp32 (codecs.pack_sum), after the islands have
@@ -157,6 +160,12 @@ class Gathered:
     segments: list[tuple[int, int]] | None = None  # reduce-scatter: the islands' segments
     rank: int = 0          # this island's replica rank (its segment)
     payloads: list[torch.Tensor | None] = field(default_factory=list)  # opened by inspect_gather
+    # Reduce-scatter: every summer's first-phase table as it sent it ([segment, island,
+    # COLUMNS], host): the per-(island, segment) norms that bound each summed segment.
+    reports: torch.Tensor | None = None
+    # Reduce-scatter: the sums of squares of this island's own segments as it sent them
+    # (decoded, float64, on its device); None when it sent weight 0 (nothing to check).
+    own_sumsq: torch.Tensor | None = None
     started: float = 0.0   # perf_counter() when it was handed to the transport
     done_at: list[float] = field(default_factory=list)  # perf_counter() when the first phase's rows were in
 
@@ -353,6 +362,7 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
         pieces = [codec.for_length(end - start) for start, end in segments]
         size = framing.row_bytes(max(piece.payload_bytes() for piece in pieces))
         payloads = _segment_payloads(codec, pieces, segments, pseudo_gradient, weight)
+        own_sumsq = _own_sumsq(pieces, payloads) if weight else None
         send = torch.stack([framing.frame(tokens, weight, payload, size, ROUND_SEGMENT, j).to(wire)
                             for j, payload in enumerate(payloads)])
         received = torch.zeros_like(send)
@@ -366,7 +376,7 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
                         received, done_at)
         return Gathered(work, framing, [received], encode_s, sent=(participants - 1) * size,
                         received=(participants - 1) * size, segments=segments, rank=rank, started=started,
-                        done_at=done_at or [])
+                        done_at=done_at or [], own_sumsq=own_sumsq)
     size = framing.row_bytes(codec.payload_bytes())
     row = framing.frame(tokens, weight, _encoded(codec, pseudo_gradient, weight), size).to(wire)
     encode_s = time.perf_counter() - began
@@ -374,6 +384,15 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
     work, outputs = allgather(manager, row, participants, done_at)
     return Gathered(work, framing, outputs, encode_s, sent=row.numel(), received=row.numel() * (participants - 1),
                     started=started, done_at=done_at or [])
+
+
+def _own_sumsq(pieces: list[Codec], payloads: list[torch.Tensor]) -> torch.Tensor:
+    """The float64 sum of squares of each segment this island sends, decoded as its summer
+    decodes it: what that summer must report of it (`_misreported_segment`). One more
+    decode of the island's own chunk and a float64 dot product (about 6x faster on a CPU
+    than squaring and summing), kept on its device (no sync until finish)."""
+    decoded = (piece.decode(payload).double() for piece, payload in zip(pieces, payloads))  # one at a time
+    return torch.stack([torch.dot(values, values) for values in decoded])
 
 
 def empty_table(participants: int) -> torch.Tensor:
@@ -389,7 +408,9 @@ def inspect_gather(gathered: Gathered, codec: Codec, manager: Any, participants:
 
     With the reduce-scatter this island holds one segment of each; the islands then
     all-gather their tables, so each row sums its segments' squares and flags. A claim
-    (tokens, weight, island) that differs between segments marks the row malformed.
+    (tokens, weight, island) that differs between segments marks the row malformed. The
+    tables as each summer sent them stay in `gathered.reports` (the summed segments'
+    check needs the norms per segment).
     """
     gathered.work.wait()
     if manager.errored() is not None or len(gathered.outputs[0]) == 0:
@@ -402,7 +423,8 @@ def inspect_gather(gathered: Gathered, codec: Codec, manager: Any, participants:
     work.wait()
     if manager.errored() is not None:
         return empty_table(participants)
-    return _merge_segment_tables([t.cpu() for t in tables])
+    gathered.reports = torch.stack([t.cpu() for t in tables])
+    return _merge_segment_tables(list(gathered.reports))
 
 
 def _inspect_rows(gathered: Gathered, codec: Codec, rows: list[torch.Tensor], kind: int,
@@ -494,7 +516,11 @@ def aggregate(values: list[torch.Tensor], weights: list[float], trimmed: bool = 
 def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, weights: list[float],
                       manager: Any, trimmed: bool) -> None:
     """Sum this island's segment, encode the sum (dense codecs: again with the codec;
-    top-k: exactly, `pack_sum`) and all-gather the summed segments."""
+    top-k: exactly, `pack_sum`) and all-gather the summed segments, each checked
+    (`_read_sums`) before it is used. The sum's frame carries, in its tokens field (unused
+    otherwise), this island's complaint: 1 + the segment whose summer misreported what
+    this island sent (`_misreported_segment`), else 0; so every island refuses the round
+    alike, at no extra byte."""
     segments = gathered.segments
     assert segments is not None, "a two-phase exchange always has segments"
     pieces = [codec.for_length(end - start) for start, end in segments]
@@ -513,7 +539,9 @@ def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, weig
         sizes = [piece.payload_bytes() for piece in pieces]
     framing = gathered.framing
     size = framing.row_bytes(max(sizes))
-    row = replace(framing, forge=None).frame(0.0, sum(weights), payload, size, ROUND_SUM, gathered.rank)
+    misreported = _misreported_segment(gathered)
+    complaint = 0.0 if misreported is None else float(misreported + 1)
+    row = replace(framing, forge=None).frame(complaint, sum(weights), payload, size, ROUND_SUM, gathered.rank)
     work, outputs = allgather(manager, row.to(wire), len(segments))
     work.wait()
     gathered.sent += size
@@ -521,20 +549,144 @@ def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, weig
     if manager.errored() is not None:  # the second phase failed: the round will not commit
         into.zero_()
         return
-    # Every island decodes the same summed segments: the same bytes, the same result.
-    for j, (piece, (start, end), out) in enumerate(zip(pieces, segments, outputs)):
-        _, _, _, opened, frame = framing.open(out, sizes[j], ROUND_SUM, j)
+    problem = _read_sums(gathered, codec, pieces, sizes, outputs, into, weights, trimmed)
+    if problem is not None:  # the same bytes and table on every island: every island refuses
+        manager.report_error(problem)
+        into.zero_()
+
+
+class SumRefused(ValueError):
+    """A summed segment (or a complaint about its summer) that fails the round."""
+
+
+def _read_sums(gathered: Gathered, codec: Codec, pieces: list[Codec], sizes: list[int],
+               outputs: list[torch.Tensor], into: torch.Tensor, weights: list[float],
+               trimmed: bool) -> Exception | None:
+    """Open, decode and check every summed segment into `into`, in replica order; the
+    first problem, or None. Every island decodes the same summed segments: the same
+    bytes, the same result, the same verdict."""
+    assert gathered.segments is not None
+    if gathered.reports is None:  # inspect_gather did not run or failed: nothing to check the sums by
+        return SumRefused("the summed segments came without the first phase's table")
+    framing = gathered.framing
+    for j, (piece, (start, end), out) in enumerate(zip(pieces, gathered.segments, outputs)):
+        complaint, _, _, opened, frame = framing.open(out, sizes[j], ROUND_SUM, j)
         if opened is None or frame != FRAME_OK:
-            manager.report_error(FrameRefused(f"the sum of segment {j} is not signed by the federation's key"))
-            into.zero_()
-            return
+            return FrameRefused(f"the sum of segment {j} is not signed by the federation's key")
+        if complaint:
+            return SumRefused(f"the island at replica rank {j} says the island at replica rank "
+                              f"{int(complaint) - 1}, which summed segment {int(complaint) - 1}, misreported "
+                              f"the norm of its segment {int(complaint) - 1} in the first phase's table")
         try:
             values = unpack_sum(opened, end - start) if codec.sparse else piece.decode(opened)
-            into[start:end] = values.to(into.device)
         except PayloadError as exc:
-            manager.report_error(exc)
-            into.zero_()
-            return
+            return exc
+        why = _check_sum(values, gathered.reports[j], weights, trimmed, None if codec.sparse else piece)
+        if why is not None:
+            return SumRefused(f"the sum of segment {j} from the island at replica rank {j}: {why}")
+        into[start:end] = values.to(into.device)
+    return None
+
+
+# What a summer reports of a segment must match what its sender decoded: the same fp32
+# values, their float64 squares summed in another order (another device), which moves the
+# sum by at most n 2^-53 of it (1e-6 covers 2^33 values).
+REPORT_TOLERANCE = 1e-6
+
+
+def _misreported_segment(gathered: Gathered) -> int | None:
+    """The first segment whose summer reported a sum of squares of this island's segment
+    other than the one this island sent (a summer inflating its bound, or framing this
+    island for the norm limits); None when all match or this island sent weight 0."""
+    if gathered.own_sumsq is None or gathered.reports is None:
+        return None
+    own = gathered.own_sumsq.cpu().tolist()
+    for j, report in enumerate(gathered.reports[:, gathered.rank].tolist()):
+        if report[FRAME] != FRAME_OK or report[NONFINITE] or report[WEIGHT] == 0 or not math.isfinite(own[j]):
+            continue  # it says it read nothing of it (or nothing finite): the row is refused anyway
+        if not abs(report[SUMSQ] - own[j]) <= REPORT_TOLERANCE * own[j]:  # a NaN report fails too
+            return j
+    return None
+
+
+def summed_norm_bound(norms: list[float], weights: list[float], trimmed: bool) -> float:
+    """The largest norm the exact `aggregate` of rows of these norms can have, with these
+    weights (0: left out, as `_weighted_sum` leaves them out; the receivers' weights are
+    never negative).
+
+    The weighted sum: sum_i |w_i| ||x_i|| (the triangle inequality). The trimmed mean of
+    three or more rows: per coordinate a weighted mean of values that are neither that
+    coordinate's largest nor its smallest, so at most its second-largest magnitude m2,
+    times W = sum_i w_i. For any one row a, m2 is at most the largest magnitude among the
+    other rows (the two largest come from two rows, one of them not a), so summed over
+    coordinates m2^2 is at most sum_{i != a} ||x_i||^2; a = the row of the largest norm
+    leaves that row out, so a summer that inflates one norm (its own segment's, which no
+    other island sees) gains nothing by it. And m2^2 is at most half the sum of the two
+    largest squares, so of all of them. Hence
+    W sqrt(min(sum_i ||x_i||^2 - max_i ||x_i||^2, sum_i ||x_i||^2 / 2))."""
+    live = [(abs(w), n) for w, n in zip(weights, norms) if w]
+    if not live:
+        return 0.0
+    if not trimmed or len(live) < 3:
+        return sum(w * n for w, n in live)
+    squares = sorted(n * n for _, n in live)
+    allowed = min(sum(squares[:-1]), sum(squares) / 2)  # summed without the largest: no cancellation
+    return sum(w for w, _ in live) * math.sqrt(allowed)
+
+
+def _sum_of_squares(values: torch.Tensor) -> float:
+    """sum(values^2) in float64 with the same bits on every island: the squares of fp32
+    values are exact in float64, and they are added pairwise in a fixed tree of
+    elementwise additions (IEEE-rounded alike on every device), where torch's own sum
+    picks its order by device, instruction set and threads; a summer could otherwise aim
+    its sum at the bound, to be kept by some islands and refused by others. Costs about
+    what .sum() does: each level of the tree adds half of what is left, in place."""
+    squares = values.detach().double().square().flatten()  # a new buffer: summed in place
+    count = squares.numel()
+    while count > 1:  # the last `half` values onto the first (an odd one in the middle waits)
+        half = count // 2
+        squares[:half].add_(squares[count - half:count])
+        count -= half
+    return float(squares[0]) if count else 0.0
+
+
+def summing_slack(rows: int) -> float:
+    """How far the computed `aggregate` of `rows` rows, and the float64 norms it is
+    checked with, may exceed `summed_norm_bound`'s exact bound, as a factor. fp32: each
+    product and addition rounds by at most 2^-24 of the running sum of magnitudes, so the
+    sum grows by at most (rows + 1) 2^-24; the trimmed mean's second sum (the weights),
+    division and product add rows + 3 more (2 rows + 8 covers both). float64 norms of
+    fp32 values: at most n 2^-53 off (1e-6 covers 2^33 values)."""
+    return 1 + (2 * rows + 8) * 2.0 ** -24 + 1e-6
+
+
+def _check_sum(values: torch.Tensor, reported: torch.Tensor, weights: list[float], trimmed: bool,
+               piece: Codec | None) -> str | None:
+    """Why a summed segment's decoded `values` cannot be the sum of the accepted segments
+    whose norms its summer reported (`reported`: its first-phase table), or None.
+
+    Finite, and of norm at most summed_norm_bound x summing_slack, grown by the codec's
+    second rounding (`piece.norm_bound`; None: top-k's exact sums). A summer can then move
+    its segment no further than a contributor of the norms the table holds: every island
+    checks what it was reported to have sent (`_misreported_segment`), and the summer's
+    own segment counts in its own row's norm, which the receivers judge. Every island
+    computes the same verdict (`_sum_of_squares`): torchft's should_commit is a vote
+    within an island only, so islands that decided otherwise would step apart. Costs about
+    three passes (and two device syncs) over the segment."""
+    if not bool(torch.isfinite(values).all()):
+        return "values that are not finite"
+    sumsq = [float(reported[k, SUMSQ]) for k, w in enumerate(weights) if w]
+    if not all(math.isfinite(sq) and sq >= 0 for sq in sumsq):
+        return "its first-phase table reports a norm that is not a finite number >= 0"
+    norms = [math.sqrt(float(reported[k, SUMSQ])) if w else 0.0 for k, w in enumerate(weights)]
+    bound = summed_norm_bound(norms, weights, trimmed) * summing_slack(len(sumsq))
+    if piece is not None:
+        bound = piece.norm_bound(bound)
+    norm = math.sqrt(_sum_of_squares(values))
+    if norm > bound:
+        return (f"norm {norm:.6g} is above {bound:.6g}, the most the accepted segments' norms allow "
+                f"({'trimmed mean' if trimmed else 'weighted sum'})")
+    return None
 
 
 def _sum_sizes(gathered: Gathered, manager: Any, mine: int, lengths: list[int], bounds: list[int],
