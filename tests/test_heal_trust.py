@@ -140,6 +140,23 @@ def test_a_member_claiming_the_next_step_does_not_become_the_healing_source(capl
     assert "refused the global state a peer island sent" in caplog.text and "2 member(s)" in caplog.text
 
 
+def test_a_source_at_the_federations_step_serving_other_weights_is_refused():
+    manager = _Quorum(step=0, max_step=4, offer=None, gathers=[])
+    loop = _loop(manager, step=0)
+    loop.last_committed, loop.committed_rounds = False, 0  # a restarted island heals
+    offer = _forged_state(loop, scale=3.0)
+    manager.offer = offer
+    honest = StateClaim(4, "a" * 64, True, 40, 5000)  # two members (1 and 3) hold other weights at step 4
+    liar = StateClaim(4, _digest(f["global"] for f in offer["fragments"]), True, 40, 5000)
+    manager.gathers = [[_claim(1, honest), _claim(3, honest), _claim(2, liar)],
+                       [_fingerprint_row(1, 4), _fingerprint_row(3, 4), _fingerprint_row(2, 4)]]
+    manager.num_participants = lambda: 4
+    assert loop.prepare() is True
+    assert not loop.healed and manager.step == 0
+    for g, f in zip(loop.globals, offer["fragments"]):
+        assert not torch.equal(g.detach(), f["global"])
+
+
 def test_a_state_the_members_vouch_for_heals_with_their_counters_not_the_sources():
     manager = _Quorum(step=0, max_step=5, offer=None, gathers=[])
     loop = _loop(manager, step=0)

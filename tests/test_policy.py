@@ -180,6 +180,11 @@ def test_a_member_claiming_a_step_ahead_of_islands_that_trained_together_is_refu
     for me in (0, 1):
         verdict, _ = heal_verdict(StateClaim(5, "forged"), claims, me)
         assert not verdict.accepted and "2 member(s)" in verdict.reason
+    # A source at the federation's own step serving other weights than its peers at that step hold.
+    claims = [_claim(0, "own", current=False), _claim(4, "h4"), _claim(4, "h4"), _claim(4, "forged")]
+    verdict, _ = heal_verdict(StateClaim(4, "forged"), claims, me=0)
+    assert not verdict.accepted and "2 member(s)" in verdict.reason
+    assert heal_verdict(StateClaim(4, "h4"), claims, me=0)[0].accepted  # ... and from an honest source it heals
     # Weights that nobody claims (not even the source) are refused whatever the count.
     verdict, _ = heal_verdict(StateClaim(4, "other"), [_claim(0, "own", False), _claim(4, "h4")], me=0)
     assert not verdict.accepted and "no member vouches" in verdict.reason

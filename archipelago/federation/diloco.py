@@ -212,8 +212,6 @@ class OuterLoop:
         self._heal_refusal: str | None = None   # why the offer was refused before the claims
         self._heal_taken = StateClaim()         # the counters the supporters vouched for
         self._before_quorum: tuple[int, int] = (0, 0)  # the manager's step and batches before it
-        self._claims_quorum: int | None = None  # the quorum whose state claims were exchanged
-        self._claims: list[StateClaim] = []
         self.committed_rounds = 0   # rounds this process committed (it is "established" after one)
         self.last_committed = False  # its last round committed ("current" in its state claim)
         self.odd_ranks: set[int] = set()  # rank 0: replica ranks whose fingerprint the federation refuses
@@ -453,26 +451,20 @@ class OuterLoop:
                           replica_rank=_rank_or_none(self.manager), heal_refused=refusal is not None)
 
     def _judge_offer(self) -> str | None:
-        """At a membership change every bridge rank all-gathers the members' signed state
-        claims (policy.StateClaim); a state torchft handed this rank is then checked against
-        them (policy.heal_verdict). Why it is refused, or None (also when there is none)."""
+        """Every round every bridge rank all-gathers the members' signed state claims
+        (policy.StateClaim: ~300 bytes per island, and a SHA-256 over this rank's global
+        chunks); a state torchft handed this rank in this quorum is checked against them
+        (policy.heal_verdict). Why it is refused, or None (also when there is none)."""
         assert self.manager is not None
-        quorum = self.manager._quorum_id
-        changed = quorum != self._claims_quorum
-        exchanged = False
-        if changed:
-            claims = exchange_claims(self.manager, self._own_claim(), self.ft.replica_id, self.key)
-            if claims is not None:
-                self._claims_quorum, self._claims, exchanged = quorum, claims, True
+        claims = exchange_claims(self.manager, self._own_claim(), self.ft.replica_id, self.key)
         offer = self._heal_offer
         if offer is None:
             return self._heal_refusal
         me = self.manager.participating_rank()
-        if not exchanged or me is None or len(self._claims) <= me:
-            return ("a member claims to be ahead of the islands it has been in the same quorum with (members "
-                    "of one quorum commit together): a dishonest member, or its claims could not be exchanged")
+        if claims is None or me is None or len(claims) <= me:
+            return "the members' state claims could not be exchanged (the round failed)"
         claim = StateClaim(self.manager.current_step(), _digest(f["global"] for f in offer["fragments"]))
-        verdict, self._heal_taken = heal_verdict(claim, self._claims, me)
+        verdict, self._heal_taken = heal_verdict(claim, claims, me)
         return verdict.reason
 
     def _own_claim(self) -> StateClaim:

@@ -334,10 +334,11 @@ def heal_verdict(offer: StateClaim, claims: Sequence[StateClaim], me: int) -> tu
 
     Supporters are the other members that claim exactly that step and those weights.
     Contradicting them are the members whose last round committed (`current`) at a lower
-    step: they were in the rounds the offer claims to come after. The offer is taken when
-    at least one member supports it and no agreeing group of current members outnumbers its
-    supporters; one member claiming a step ahead of the others is therefore refused as soon
-    as two honest islands that trained together are present. The counters taken (inner step,
+    step (they were in the rounds the offer claims to come after), or at the same step with
+    other weights. The offer is taken when at least one member supports it and no agreeing
+    group of current members outnumbers its supporters: one member claiming a step ahead
+    of the others, or serving other weights than the ones its peers at that step hold, is
+    refused as soon as two honest islands that trained together are present. The counters taken (inner step,
     federation tokens) are the supporters' lower median, not the source's own: a source
     cannot declare the healing island done.
     """
@@ -347,7 +348,7 @@ def heal_verdict(offer: StateClaim, claims: Sequence[StateClaim], me: int) -> tu
                               f"{offer.digest[:12]}): not even its source claims it"), offer
     groups: dict[tuple[int, str], int] = {}
     for c in claims:
-        if c.current and 0 <= c.step < offer.step:
+        if c.current and 0 <= c.step <= offer.step and (c.step, c.digest) != (offer.step, offer.digest):
             groups[(c.step, c.digest)] = groups.get((c.step, c.digest), 0) + 1
     if groups and max(groups.values()) > len(supporters):
         (step, digest), count = max(groups.items(), key=lambda item: item[1])
