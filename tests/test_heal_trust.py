@@ -116,7 +116,8 @@ def _loop(manager: _Quorum, step: int) -> OuterLoop:
 
 def _forged_state(loop: OuterLoop, scale: float) -> dict:
     """A state of the right shapes and dtypes, finite, with weights of the sender's choosing."""
-    fragments = [{"global": g.detach() * scale + 1, "outer": tensor_state(o, g)} for g, o in zip(loop.globals, loop.outer)]
+    fragments = [{"global": g.detach() * scale + 1, "outer": tensor_state(o, g)}
+                 for g, o in zip(loop.globals, loop.outer)]
     return {"fingerprint": loop.fingerprint, "inner_step": 10**9, "federation_tokens": 10**15,
             "guard": loop.guard.state_tensor(), "fragments": fragments}
 
