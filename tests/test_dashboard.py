@@ -232,3 +232,36 @@ def test_the_dashboard_only_reads_nothing_on_it_can_change_the_run():
     for route in ("/", "/api/state", "/metrics"):
         for verb in (client.post, client.put, client.delete, client.patch):
             assert verb(route).status_code == 405, (route, verb)
+
+
+def _raw_push(address: str, head: str, timeout: float = 10) -> str:
+    """Send `head` (request line and headers, no body) to the dashboard; its answer's status
+    line, read without sending a byte of body."""
+    import socket
+
+    host, port = address.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+        conn.sendall(head.encode())
+        try:
+            answer = conn.recv(4096)
+        except TimeoutError:
+            pytest.fail(f"no answer within {timeout} s: the dashboard waits for the body")
+    return answer.decode(errors="replace").split("\r\n", 1)[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_push_over_the_limit_or_without_a_length_is_refused_before_its_body_is_read():
+    dashboard = Dashboard("127.0.0.1", 0)
+    try:
+        # 10^9 bytes announced, none sent: the answer comes at once, from the headers alone.
+        status = _raw_push(dashboard.address, "POST /push HTTP/1.1\r\nHost: d\r\nContent-Type: application/json\r\n"
+                           "Content-Length: 1000000000\r\n\r\n")
+        assert status.split()[1] == "413", status
+        status = _raw_push(dashboard.address, "POST /push HTTP/1.1\r\nHost: d\r\nContent-Type: application/json\r\n"
+                           "Transfer-Encoding: chunked\r\n\r\n")
+        assert status.split()[1] == "411", status
+        assert dashboard.state.snapshot()["islands"] == []
+        # A connection that never finishes its request frees its thread (a socket timeout).
+        assert 0 < dashboard.server.RequestHandlerClass.timeout <= 60
+    finally:
+        dashboard.shutdown()

@@ -38,6 +38,83 @@ def test_skypilot_tasks_have_the_fields_skypilot_reads(name):
     if name == "island.yaml":
         assert "--fault_tolerance.replica_id" in task["run"] and "run_train.sh" in task["run"]
         assert {"ISLAND", "ISLANDS", "TORCHFT_LIGHTHOUSE"} <= set(task["envs"])
+    # Keyed, with no keyless default: the key file where you launch is copied to every node.
+    assert task["envs"]["FEDERATION_KEY"] and task["file_mounts"][KEY_ON_VM] == "${FEDERATION_KEY}"
+    assert "ARCHIPELAGO_FEDERATION_KEY_FILE" not in task["envs"]
+
+
+KEY_ON_VM = "~/.archipelago/federation.key"
+
+
+def _stubs(folder: Path, **programs: str) -> dict[str, str]:
+    """Executables named by `programs` (each a shell body) in `folder`, first on PATH."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, body in programs.items():
+        path = folder / name
+        path.write_text(f"#!/usr/bin/env bash\n{body}\n")
+        path.chmod(0o755)
+    return {**os.environ, "PATH": f"{folder}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("name", ["lighthouse.yaml", "island.yaml"])
+def test_skypilot_tasks_stop_without_the_key_and_run_with_it(name, tmp_path):
+    task = yaml.safe_load((DEPLOY / "skypilot" / name).read_text())
+    env = _stubs(tmp_path / "bin", hostname='echo "10.0.0.9 fd00::9"')
+    env.update(HOME=str(tmp_path), MIN_REPLICAS="1", ISLAND="0", ISLANDS="2", RUN_DIR=str(tmp_path / "runs"),
+               SKYPILOT_NUM_GPUS_PER_NODE="1", SKYPILOT_NUM_NODES="1", SKYPILOT_NODE_IPS="10.0.0.9",
+               SKYPILOT_NODE_RANK="0")
+    # What runs in the workdir: archipelago and run_train.sh, as stubs that print their arguments.
+    workdir = tmp_path / "workdir"
+    _stubs(workdir / ".venv" / "bin", archipelago='echo "archipelago $*"')
+    _stubs(workdir, **{"run_train.sh": 'echo "run_train.sh $* key=$ARCHIPELAGO_FEDERATION_KEY_FILE"'})
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", task["run"]], cwd=workdir, env=env, capture_output=True, text=True,
+                              timeout=60)
+
+    refused = run()
+    assert refused.returncode == 2 and "archipelago secret new --out" in refused.stderr, refused
+    assert refused.stdout == ""  # nothing started
+    key = tmp_path / ".archipelago" / "federation.key"
+    key.parent.mkdir()
+    key.write_text("00" * 32 + "\n")
+    key.chmod(0o644)  # as a copy may arrive: the task makes it private
+    done = run()
+    assert done.returncode == 0, done.stderr
+    assert (key.stat().st_mode & 0o777) == 0o600
+    if name == "lighthouse.yaml":
+        assert done.stdout.split() == ["archipelago", "lighthouse", "--bind", "10.0.0.9:29510", "--min-replicas", "1",
+                                       "--key-file", str(key)]
+    else:
+        assert done.stdout.startswith("run_train.sh --fault_tolerance.enable") and f"key={key}" in done.stdout
+
+
+@pytest.mark.parametrize("name", ["lighthouse.sbatch", "island.sbatch"])
+def test_sbatch_jobs_stop_without_the_federation_key(name, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "ARCHIPELAGO_FEDERATION_KEY_FILE"}
+    env.update(ARCHIPELAGO_SHARED=str(tmp_path / "fed"), ISLAND="0", ISLANDS="2", LOCAL_ADDR="127.0.0.1",
+               ARCHIPELAGO_REPO=str(tmp_path))
+    for key_file, message in (("", "archipelago secret new --out"), (str(tmp_path / "missing.key"), "cannot read")):
+        done = subprocess.run(["bash", str(DEPLOY / "slurm" / name)], env={**env, "ARCHIPELAGO_FEDERATION_KEY_FILE":
+                                                                          key_file}, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode != 0 and message in done.stderr, done
+        assert not (tmp_path / "fed").exists()  # it stopped before doing anything
+
+
+def test_the_lighthouse_job_gives_the_lighthouse_its_key(tmp_path):
+    _stubs(tmp_path / ".venv" / "bin", archipelago='echo "archipelago $*"')
+    key = tmp_path / "fed.key"
+    key.write_text("00" * 32)
+    key.chmod(0o600)
+    env = {**os.environ, "ARCHIPELAGO_SHARED": str(tmp_path / "fed"), "LOCAL_ADDR": "127.0.0.1",
+           "ARCHIPELAGO_REPO": str(tmp_path), "ARCHIPELAGO_FEDERATION_KEY_FILE": str(key), "LIGHTHOUSE_PORT": "29599"}
+    done = subprocess.run(["bash", str(DEPLOY / "slurm" / "lighthouse.sbatch")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["archipelago", "lighthouse", "--bind", "127.0.0.1:29599", "--min-replicas", "1",
+                                   "--key-file", str(key)]
+    assert (tmp_path / "fed" / "lighthouse.url").read_text().strip() == "http://127.0.0.1:29599"
 
 
 SKY_PYTHON = ROOT / ".venv-skypilot" / "bin" / "python"
@@ -60,6 +137,10 @@ def test_skypilot_own_loader_accepts_the_task_files_and_refuses_a_broken_one(nam
         return subprocess.run([str(SKY_PYTHON), "-c", SKY_CHECK, str(path)], capture_output=True, text=True,
                               timeout=120, env={**os.environ, "HOME": str(tmp_path)})  # its ~/.sky state here
 
+    key = tmp_path / ".archipelago" / "federation.key"  # the key file the task copies (FEDERATION_KEY)
+    key.parent.mkdir()
+    key.write_text("00" * 32)
+    key.chmod(0o600)
     done = load(DEPLOY / "skypilot" / name)
     assert done.returncode == 0, done.stderr[-2000:]
     task = json.loads(done.stdout.strip().splitlines()[-1])

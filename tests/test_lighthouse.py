@@ -25,9 +25,11 @@ import pytest
 from conftest import ROOT
 
 
-def start(args: list[str], **kwargs) -> tuple[subprocess.Popen, queue.Queue]:
-    """Start `archipelago ARGS`; a thread feeds its output lines into the returned queue."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def start(args: list[str], env_extra: dict[str, str] | None = None, **kwargs) -> tuple[subprocess.Popen, queue.Queue]:
+    """Start `archipelago ARGS` (with `env_extra` in its environment; an empty value
+    removes a variable); a thread feeds its output lines into the returned queue."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    env = {k: v for k, v in env.items() if v}
     # Separate pipes: torchft's Rust logger writes partial lines to stderr from its own
     # thread; merged into one pipe they can land in the middle of one of our stdout lines.
     proc = subprocess.Popen([sys.executable, "-m", "archipelago.launch.cli", *args], cwd=ROOT, env=env,
@@ -141,8 +143,8 @@ def test_lighthouse_dashboard_takes_pushes_and_serves_them_and_prometheus():
         kill(proc)
 
 
-def run_lighthouse(args: list[str], timeout: float = 60) -> tuple[int, str]:
-    proc, lines = start(["lighthouse", *args])
+def run_lighthouse(args: list[str], timeout: float = 60, env_extra: dict[str, str] | None = None) -> tuple[int, str]:
+    proc, lines = start(["lighthouse", *args], env_extra)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -340,10 +342,16 @@ def _keys():
     return FederationKey(bytes.fromhex(new_secret())), FederationKey(bytes.fromhex(new_secret()))
 
 
+def _flipped(replica_id: str) -> str:
+    """`replica_id` with its last character changed (a forged tag)."""
+    return replica_id[:-1] + ("0" if replica_id[-1] != "0" else "1")
+
+
 @pytest.mark.timeout(90)
 def test_with_a_key_only_members_enter_a_quorum_and_outsiders_are_logged(caplog):
     from torchft.coordination import LighthouseClient
 
+    from archipelago.federation.gate import check_admission
     from archipelago.federation.trust import member_id
     from archipelago.launch.lighthouse import start_lighthouse
 
@@ -352,22 +360,27 @@ def test_with_a_key_only_members_enter_a_quorum_and_outsiders_are_logged(caplog)
     try:
         assert gate.address().startswith("http://127.0.0.1:")
         client = LighthouseClient(gate.address(), connect_timeout=timedelta(seconds=10))
-        member = member_id(key, 0) + ":0f1e2d"  # torchft appends its own suffix
-        outsiders = ["island_1", member_id(other, 1), member_id(key, 1)[:-1] + "0", "island_1:" + "0" * 48]
+        member = f"{member_id(key, 0)}:{uuid.uuid4()}"  # torchft appends its own suffix
+        outsiders = ["island_1", member_id(other, 1), _flipped(member_id(key, 1)), "island_1:" + "0" * 48]
         for rogue in outsiders:  # no token, another federation's, a forged tag, a made-up one
             with pytest.raises(RuntimeError, match="PermissionDenied"):
                 client.quorum(replica_id=rogue, timeout=timedelta(seconds=5), address="a", store_address="s",
                               step=10**9, world_size=1)
             with pytest.raises(RuntimeError, match="PermissionDenied"):
                 client.heartbeat(rogue)
+        assert check_admission(gate.address(), member, 10)  # the island proves its key, as check_membership does
         client.heartbeat(member)
         quorum = client.quorum(replica_id=member, timeout=timedelta(seconds=10), address="a",
                                store_address="s", step=3, world_size=1)
         # The outsider that claimed step 10^9 never entered: the member is alone, at its own step.
         assert [(m.replica_id, m.step) for m in quorum.participants] == [(member, 3)]
-        assert sorted(gate.refused) == sorted(outsiders)
         logged = caplog.text
         assert logged.count("refused an unauthenticated member") == len(outsiders), logged
+        assert not any(o[13:] in logged for o in outsiders if ":" in o)  # no token past its first 4 characters
+
+        from archipelago.federation.trust import redacted
+
+        assert sorted(gate.refused) == sorted(redacted(o) for o in outsiders)
         # torchft's dashboard (and its kill endpoint) is reachable on loopback only.
         assert gate.dashboard().startswith("http://127.0.0.1:")
         with urllib.request.urlopen(gate.dashboard(), timeout=10) as page:
@@ -393,6 +406,7 @@ def test_the_gate_reads_replica_ids_from_torchfts_messages_and_refuses_garbage()
 def test_archipelago_lighthouse_with_a_key_file_says_members_only(tmp_path):
     from torchft.coordination import LighthouseClient
 
+    from archipelago.federation.gate import check_admission
     from archipelago.federation.trust import load_key, member_id, new_secret
 
     key_file = tmp_path / "fed.key"
@@ -409,11 +423,14 @@ def test_archipelago_lighthouse_with_a_key_file_says_members_only(tmp_path):
         with pytest.raises(RuntimeError, match="PermissionDenied"):
             client.quorum(replica_id="island_9", timeout=timedelta(seconds=5), step=0, world_size=1)
         member = member_id(load_key(str(key_file)), 0)
+        assert check_admission(url, member, 10)
         quorum = client.quorum(replica_id=member, timeout=timedelta(seconds=20), step=0, world_size=1)
         assert [m.replica_id for m in quorum.participants] == [member]
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        assert "refused an unauthenticated member (replica id 'island_9'" in rest_of(lines, seen)
+        output = rest_of(lines, seen)
+        assert "refused an unauthenticated member (replica id 'island_9'" in output
+        assert member.split(":")[1][4:] not in output, output  # torchft's log names members: quiet with a key
     finally:
         kill(proc)
 
@@ -453,3 +470,235 @@ def test_an_island_learns_before_joining_whether_the_gate_admits_it():
     finally:
         gate.shutdown()
         plain.shutdown()
+
+
+# ---- the gate's door: whole messages, one member per token, proven keys ----------------
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def _string(number: int, value: str | bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    raw = value.encode() if isinstance(value, str) else value
+    return _varint(number << 3 | 2) + _varint(len(raw)) + raw
+
+
+def _quorum_member(*replica_ids: str, step: int = 0) -> bytes:
+    """torchft's QuorumMember with each id as a replica_id field (1), then address, store
+    address, step and world size (2, 3, 4, 5)."""
+    return (b"".join(_string(1, r) for r in replica_ids) + _string(2, "a") + _string(3, "s")
+            + _varint(4 << 3) + _varint(step) + _varint(5 << 3) + _varint(1))
+
+
+@contextlib.contextmanager
+def _keyed_gate():
+    """A gate (min_replicas 1, fast ticks), its key, and a raw gRPC caller of its methods."""
+    import grpc
+
+    from archipelago.launch.lighthouse import start_lighthouse
+
+    key, _ = _keys()
+    gate = start_lighthouse("127.0.0.1:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=20, key=key)
+    channel = grpc.insecure_channel(gate.address().split("://")[1])
+    try:
+        yield gate, key, lambda method, raw, timeout=5: channel.unary_unary(method)(raw, timeout=timeout)
+    finally:
+        channel.close()
+        gate.shutdown()
+
+
+def _denied(call, method: str, raw: bytes) -> str:
+    """The details of the PERMISSION_DENIED that `method(raw)` must get."""
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as refused:
+        call(method, raw)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
+    return refused.value.details()
+
+
+def _members_seen(gate, key, member: str) -> list[str]:
+    """The replica ids of a quorum `member` (admitted) asks for now, and torchft's status page
+    must name no one else's token either."""
+    from torchft.coordination import LighthouseClient
+
+    client = LighthouseClient(gate.address(), connect_timeout=timedelta(seconds=10))
+    quorum = client.quorum(replica_id=member, timeout=timedelta(seconds=10), address="a", store_address="s",
+                           step=1, world_size=1)
+    return [m.replica_id for m in quorum.participants]
+
+
+HEARTBEAT, QUORUM = "/torchft.LighthouseService/Heartbeat", "/torchft.LighthouseService/Quorum"
+
+
+@pytest.mark.timeout(90)
+def test_a_request_naming_a_replica_id_twice_or_malformed_is_refused_and_never_reaches_torchft():
+    from archipelago.federation.gate import check_admission
+    from archipelago.federation.trust import member_id
+
+    with _keyed_gate() as (gate, key, call):
+        member = f"{member_id(key, 0)}:{uuid.uuid4()}"
+        assert check_admission(gate.address(), member, 10)
+        forged = "island_7:no-token-at-all"  # torchft's decoder keeps the last of repeated fields
+        for method, raw in [
+            (HEARTBEAT, _string(1, member) + _string(1, forged)),
+            (QUORUM, _string(1, _quorum_member(member, forged, step=10**9))),
+            (QUORUM, _string(1, _quorum_member(member)) + _string(1, _quorum_member(forged, step=10**9))),
+            (HEARTBEAT, _string(1, member) + b"\x0b"),  # a group (wire type 3) after a valid id
+            (HEARTBEAT, _string(1, member) + b"\x12\x05ab"),  # a truncated field after it
+            (HEARTBEAT, _varint(1 << 3) + _varint(7) + _string(1, member)),  # the id's field as a number too
+            (QUORUM, _string(1, _quorum_member(member)) + b"\x07"),  # wire type 7 does not exist
+        ]:
+            assert "malformed" in _denied(call, method, raw)
+        call(HEARTBEAT, _string(1, member))  # the same member, whole: passes
+        import grpc
+
+        with pytest.raises(grpc.RpcError) as big:  # torchft's requests are small: a huge one is not parsed
+            call(HEARTBEAT, _string(1, member) + _string(9, b"x" * (1 << 17)))
+        assert big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _members_seen(gate, key, member) == [member]
+        with urllib.request.urlopen(gate.dashboard(), timeout=10) as page:  # torchft's own status page
+            assert b"island_7" not in page.read()
+
+
+@pytest.mark.timeout(90)
+def test_one_member_token_is_one_member_whatever_follows_it():
+    from archipelago.federation.gate import check_admission
+    from archipelago.federation.trust import member_id
+
+    with _keyed_gate() as (gate, key, call):
+        token = member_id(key, 0)
+        member = f"{token}:{uuid.uuid4()}"
+        assert check_admission(gate.address(), member, 10)
+        call(HEARTBEAT, _string(1, member))  # the first full id the token passes with is its one member
+        for sybil in (f"{token}:sybil0", f"{token}:sybil1", f"{token}:{uuid.uuid4()}", token):
+            _denied(call, HEARTBEAT, _string(1, sybil))
+            _denied(call, QUORUM, _string(1, _quorum_member(sybil, step=10**9)))
+        assert _members_seen(gate, key, member) == [member]
+
+
+@pytest.mark.timeout(90)
+def test_a_valid_token_passes_only_once_proven_with_the_key(caplog):
+    import logging
+
+    from archipelago.federation.gate import ADMIT, check_admission
+    from archipelago.federation.trust import FederationKey, _member_message, member_id
+
+    caplog.set_level(logging.INFO, logger="archipelago.lighthouse")
+    with _keyed_gate() as (gate, key, call):
+        # A token read off the network, by someone without the key: valid, never proven.
+        nonce = "5eed" * 4
+        copied = f"island_3:{nonce}{key.tag(3, _member_message('island_3', nonce))[:16].hex()}"
+        assert "never proven" in _denied(call, HEARTBEAT, _string(1, copied))
+        _denied(call, QUORUM, _string(1, _quorum_member(copied, step=10**9)))
+
+        from archipelago.federation.gate import PROVE
+
+        assert not check_admission(gate.address(), copied, 10)  # nothing to prove it with: not this process's
+        assert not check_admission(gate.address(), copied, 10, FederationKey(os.urandom(32)))
+        challenge = call(ADMIT, copied.encode())
+        assert len(challenge) == 40
+        _denied(call, PROVE, challenge + bytes(32) + copied.encode())  # a guessed answer
+        _denied(call, HEARTBEAT, _string(1, copied))
+        # The island that made its token proves it, and passes from then on.
+        mine = member_id(key, 4)
+        assert "never proven" in _denied(call, HEARTBEAT, _string(1, mine))
+        assert check_admission(gate.address(), mine, 10, key)
+        call(HEARTBEAT, _string(1, mine))
+        assert _members_seen(gate, key, mine) == [mine]
+    logged = caplog.text
+    assert "island_4:" + mine[9:13] in logged and "proved its federation key" in logged
+    assert mine[13:] not in logged and copied[13:] not in logged  # tokens stay out of the log
+
+
+def test_a_proven_token_passes_from_the_address_that_proved_it_only():
+    import time as clock
+
+    from archipelago.federation.gate import NEVER_PROVEN, Admissions, peer_host
+    from archipelago.federation.trust import admission_proof, member_id
+
+    key, other = _keys()
+    admissions = Admissions(key, capacity=3)
+    token = member_id(key, 2)
+    member = f"{token}:{uuid.uuid4()}"
+    challenge = admissions.challenge(token, "10.0.0.5")
+    proof = admission_proof(key, 2, token, challenge)
+    assert admissions.refusal(member, "10.0.0.5") == NEVER_PROVEN
+    assert not admissions.prove(member, "10.0.0.6", challenge, proof)  # a challenge asked for elsewhere
+    assert not admissions.prove(member, "10.0.0.5", challenge, admission_proof(other, 2, token, challenge))
+    stale = admissions.challenge(token, "10.0.0.5", now=clock.time() - 120)
+    assert not admissions.prove(member, "10.0.0.5", stale, admission_proof(key, 2, token, stale))
+    assert admissions.prove(member, "10.0.0.5", challenge, proof)
+    assert "proven from 10.0.0.5, not 10.0.0.6" in admissions.refusal(member, "10.0.0.6")  # a replay elsewhere
+    assert admissions.refusal(member, "10.0.0.5") is None
+    assert "already belongs" in admissions.refusal(f"{token}:{uuid.uuid4()}", "10.0.0.5")
+    for island in (10, 11, 12):  # bounded: the least recently used token is forgotten
+        other_token = member_id(key, island)
+        asked = admissions.challenge(other_token, "10.0.0.7")
+        assert admissions.prove(other_token, "10.0.0.7", asked, admission_proof(key, island, other_token, asked))
+    assert len(admissions) == 3 and admissions.refusal(member, "10.0.0.5") == NEVER_PROVEN
+    # Where a call comes from, as gRPC names it: every loopback address is one (127.0.0.1, ::1).
+    assert [peer_host(p) for p in ("ipv4:10.0.0.5:41000", "ipv6:%5B::ffff:10.0.0.5%5D:41000", "ipv4:127.0.0.2:9",
+                                   "ipv6:%5B::1%5D:5", "ipv6:%5Bfd00::11%5D:7", "unix:/tmp/s")] == \
+        ["10.0.0.5", "10.0.0.5", "loopback", "loopback", "fd00::11", "unix:/tmp/s"]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("bind", ["192.0.2.1:29510", "[2001:db8::1]:0"])  # documentation addresses: never bound
+def test_a_lighthouse_without_a_key_beyond_loopback_is_refused_naming_the_fix(bind):
+    code, out = run_lighthouse(["--bind", bind], timeout=30, env_extra={"ARCHIPELAGO_FEDERATION_KEY_FILE": ""})
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1, out
+    assert "without a federation key" in errors[0] and "--key-file" in errors[0] and "--insecure" in errors[0], out
+    assert "secret new --out" in errors[0] and "Traceback" not in out
+
+
+def test_only_loopback_a_key_or_insecure_lets_a_lighthouse_listen():
+    from archipelago.config import ConfigError
+    from archipelago.launch.lighthouse import refuse_open_without_key
+
+    key, _ = _keys()
+    for bind in ("127.0.0.1:29510", "127.0.0.2:0", "[::1]:29510", "localhost:29510"):
+        refuse_open_without_key(bind, None, insecure=False)
+    for bind in ("0.0.0.0:29510", ":29510", "[::]:29510", "10.0.0.1:29510", "lighthouse.example:29510"):
+        with pytest.raises(ConfigError, match="--insecure"):
+            refuse_open_without_key(bind, None, insecure=False)
+        refuse_open_without_key(bind, key, insecure=False)
+        refuse_open_without_key(bind, None, insecure=True)
+
+
+@pytest.mark.timeout(120)
+def test_an_island_proves_its_token_again_to_a_restarted_lighthouse(caplog):
+    """A restarted gate has forgotten every proof: the island's next quorum request fails,
+    it proves its member token again and the request after it goes through."""
+    from archipelago.config.schema import FaultToleranceConfig
+    from archipelago.federation.membership import build_manager, check_membership
+    from archipelago.federation.trust import FederationKey
+    from archipelago.launch.lighthouse import start_lighthouse
+
+    key = FederationKey(os.urandom(32))
+    gate = start_lighthouse(bind="127.0.0.1:0", min_replicas=1, key=key)
+    url = gate.address()
+    manager = None
+    try:
+        ft = FaultToleranceConfig(enable=True, lighthouse=url, quorum_timeout_ms=2000, connect_timeout_ms=5000)
+        check_membership(url, key, ft)
+        manager = build_manager(ft, 0, 1, key)
+        manager.start_quorum()
+        assert manager.errored() is None and manager.num_participants() == 1
+        gate.shutdown()
+        gate = start_lighthouse(bind=f"127.0.0.1:{url.rsplit(':', 1)[1]}", min_replicas=1, key=key)
+        manager.start_quorum()  # cb92e48 asked no proof; without a second proof this times out
+        assert manager.errored() is None and manager.num_participants() == 1
+        assert "never proven" in caplog.text and "proved this island's member token" in caplog.text
+    finally:
+        if manager is not None:
+            manager.shutdown(wait=False)
+        gate.shutdown()

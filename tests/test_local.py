@@ -193,6 +193,17 @@ def test_bad_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> N
     assert "--run-dir" in out.out + out.err and "no/such/config.toml" in out.err
 
 
+def test_a_keyless_lighthouse_beyond_loopback_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # 192.0.2.1 (TEST-NET-1) is not this machine's: the refusal comes before anything binds.
+    monkeypatch.delenv("ARCHIPELAGO_FEDERATION_KEY_FILE", raising=False)
+    args = ["--islands", "1", "--lighthouse-bind", "192.0.2.1:0", "--job.run_dir", str(tmp_path / "run")]
+    assert local.main(args) == 2
+    err = capsys.readouterr().err
+    assert "--lighthouse-bind 192.0.2.1:0 without a federation key" in err
+    assert "--federation_security.insecure" in err and "islands" not in err.split("error:")[0]
+
+
 def test_slowdown_and_inject_reach_only_their_island(monkeypatch: pytest.MonkeyPatch) -> None:
     opts = local.parse_args(["--islands", "2,1", "--slowdown", "1,3", "--inject", "1:nan@2",
                              "--inject", "1:scale1000@4", "--inject", "0:crash@7"])

@@ -139,8 +139,13 @@ def _checkpointed(island_dir: Path) -> bool:
 @pytest.mark.timeout(900)
 def test_lighthouse_and_two_island_jobs_of_different_sizes_end_equal_after_a_requeue(cluster, tmp_path):
     shared = tmp_path / "fed"
+    from archipelago.federation.trust import write_secret
+
+    key_file = tmp_path / "fed.key"
+    write_secret(str(key_file))  # the jobs refuse to start without a federation key (mode 600)
     common = {"ARCHIPELAGO_SHARED": str(shared), "LOCAL_ADDR": "127.0.0.1", "ISLANDS": "2",
-              "CONFIG_FILE": "configs/llama3/federation.toml", "OMP_NUM_THREADS": "1"}
+              "CONFIG_FILE": "configs/llama3/federation.toml", "OMP_NUM_THREADS": "1",
+              "ARCHIPELAGO_FEDERATION_KEY_FILE": str(key_file)}
     lighthouse = cluster.submit(SLURM / "lighthouse.sbatch", export={**common, "LIGHTHOUSE_PORT": str(_free_port())})
     url = shared / "lighthouse.url"
     cluster.wait_for(url.exists, 60, "the lighthouse job to write its URL")

@@ -6,6 +6,9 @@ import dataclasses
 import hashlib
 import hmac
 import os
+import stat
+import tracemalloc
+import uuid
 
 import pytest
 
@@ -257,12 +260,12 @@ class _Quorum:
         return None
 
 
-def test_an_island_no_peer_authenticates_stops_and_one_among_members_is_reported(caplog):
+def test_an_island_among_impostors_trains_on_and_one_among_members_is_reported(caplog):
     from torch import nn
 
     from archipelago.config.schema import FaultToleranceConfig
     from archipelago.federation.diloco import OuterLoop
-    from archipelago.federation.membership import FederationMismatch, fingerprint, fingerprint_row
+    from archipelago.federation.membership import fingerprint, fingerprint_row
 
     ours, theirs = FederationKey(SECRET), FederationKey(os.urandom(32))
 
@@ -278,8 +281,11 @@ def test_an_island_no_peer_authenticates_stops_and_one_among_members_is_reported
 
     ft, model, fp = island(0, ours)
     alone = OuterLoop(ft, [list(model.parameters())], 0, 1, _Quorum([row(1, theirs), row(2, theirs)]), fp, key=ours)
-    with pytest.raises(FederationMismatch, match="none of the 2 other island"):
-        alone._check_members()
+    # Alone with members that replay tokens but sign nothing: it neither exits nor blames its own
+    # key (cb92e48 raised FederationMismatch here); it refuses their rows and goes on.
+    assert alone._check_members() is False
+    assert "none of the 2 other island(s) of quorum 5" in caplog.text and "impostors" in caplog.text
+    assert [p.get("unauthenticated", False) for p in alone.peers] == [False, True, True]
     member = OuterLoop(ft, [list(model.parameters())], 0, 1, _Quorum([row(1, theirs), row(2, ours)]), fp, key=ours)
     assert member._check_members() is False  # the outsider is no mismatch: its rows are refused
     assert "unauthenticated member at replica rank 1 of quorum 5" in caplog.text
@@ -292,9 +298,10 @@ def test_member_ids_carry_a_token_only_the_key_makes():
     key, other = FederationKey(SECRET), FederationKey(bytes.fromhex(new_secret()))
     assert member_id(None, 3) == "island_3"
     made = member_id(key, 3)
-    assert made.startswith("island_3:") and made != member_id(key, 3)  # a fresh nonce each time
+    # One token per island and key in a process: the one it proves to the gate is the one torchft sends.
+    assert made.startswith("island_3:") and made == member_id(key, 3) != member_id(key, 4) != member_id(other, 4)
     assert check_member_id(key, made) == 3
-    assert check_member_id(key, made + ":5b0c3d1e-uuid") == 3  # torchft's suffix
+    assert check_member_id(key, f"{made}:{uuid.uuid4()}") == 3  # torchft's suffix
     name, token = made.split(":")
     guess = hmac.new(b"guess", b"", "sha256").hexdigest()[:32]
     forged = [member_id(other, 3), f"island_4:{token}", made[:-1] + ("0" if made[-1] != "0" else "1"),
@@ -309,7 +316,7 @@ def test_an_island_neither_heals_from_nor_serves_a_quorum_with_an_outsider():
     from archipelago.federation.trust import member_id
 
     key = FederationKey(SECRET)
-    members = [member_id(key, 0) + ":u0", member_id(key, 1) + ":u1"]
+    members = [f"{member_id(key, 0)}:{uuid.uuid4()}", f"{member_id(key, 1)}:{uuid.uuid4()}"]
     quorum = SimpleNamespace(quorum_id=4, replica_rank=1, replica_world_size=3, recover_src_manager_address="rogue",
                              recover_src_replica_rank=2, recover_dst_replica_ranks=[0], store_address="s",
                              max_step=10**9, max_replica_rank=2, max_world_size=1, heal=True, commit_failures=0,
@@ -348,3 +355,86 @@ def test_a_round_in_a_quorum_with_an_outsider_reports_an_error_and_names_it_once
     assert len(manager.errors) == 2 and "'island_2:rogue'" in str(manager.errors[0])
     assert caplog.text.count("unauthenticated member(s) 'island_2:rogue' in quorum 5") == 1
     assert "archipelago lighthouse --key-file" in caplog.text
+
+
+def test_one_token_names_one_member_id_only_whole_and_canonical():
+    from archipelago.federation.trust import check_member_id, member_id
+
+    key = FederationKey(SECRET)
+    made = member_id(key, 7)
+    name, token = made.split(":")
+    suffix = str(uuid.uuid4())
+    # Anything but nothing or exactly torchft's `:UUID` after a valid token would mint members.
+    sybils = [f"{made}:sybil0", f"{made}:sybil1", f"{made}:", f"{made}:{suffix}x", f"{made}:{suffix}:{suffix}",
+              f"{made}:{suffix.upper()}", f"{made}:{suffix[:-1]}", f"{made}\n", f"{made}:{suffix}\n", f" {made}",
+              f"island_07:{token}", f"island_\u0667:{token}", f"island_007:{token}:{suffix}"]
+    assert [check_member_id(key, s) for s in sybils] == [None] * len(sybils)
+    assert check_member_id(key, f"{made}:{suffix}") == check_member_id(key, made) == 7
+
+    from archipelago.federation.trust import verified_member
+
+    assert verified_member(key, f"{made}:{suffix}") == (7, made)  # the token the gate binds to one member
+
+
+def test_island_keys_cost_bounded_memory_whatever_ids_are_asked_for():
+    from archipelago.federation.trust import check_member_id
+
+    key = FederationKey(SECRET)
+    forged = bytearray(seal(key, HEADER, b"p"))
+    at = 4 + 16 + 8 + 8 + 4  # the header's island field: magic, federation, quorum, step, fragment
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for island in range(20_000):  # ids an outsider picks: the gate's replica ids, a frame's island field
+            assert check_member_id(key, f"island_{island}:{'0' * 48}") is None
+            forged[at:at + 4] = (10**6 + island).to_bytes(4, "big")
+            with pytest.raises(FrameRefused):
+                open_frame(key, bytes(forged), HEADER)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 1 << 20, f"{grown} bytes kept for 40,000 ids"  # unbounded: ~5 MB
+
+
+def test_a_key_file_others_can_read_is_refused_unless_allowed(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("ARCHIPELAGO_ALLOW_READABLE_KEY", raising=False)
+    path = tmp_path / "fed.key"
+    path.write_text(SECRET.hex() + "\n")
+    for mode in (0o644, 0o640, 0o604, 0o620):
+        path.chmod(mode)
+        with pytest.raises(ConfigError, match=f"chmod 600 {path}"):
+            load_key(str(path))
+    path.chmod(0o644)
+    assert load_key(str(path), allow_readable=True).federation_id == FederationKey(SECRET).federation_id
+    monkeypatch.setenv("ARCHIPELAGO_ALLOW_READABLE_KEY", "1")
+    assert load_key(str(path)).federation_id == FederationKey(SECRET).federation_id
+    assert "can be read by other users" in caplog.text
+    path.chmod(0o400)
+    monkeypatch.delenv("ARCHIPELAGO_ALLOW_READABLE_KEY")
+    assert load_key(str(path)) is not None
+
+
+def test_secret_new_out_writes_a_private_file_and_never_overwrites_without_force(tmp_path, capsys):
+    from archipelago.launch.cli import main
+
+    path = tmp_path / "fed.key"
+    old_umask = os.umask(0)  # even a umask that keeps nothing private
+    try:
+        assert main(["secret", "new", "--out", str(path)]) == 0
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    first = path.read_text()
+    assert load_key(str(path)) is not None and len(bytes.fromhex(first.strip())) == 32
+    assert main(["secret", "new", "--out", str(path)]) == 2
+    assert "exists" in capsys.readouterr().err and path.read_text() == first
+    path.chmod(0o644)
+    assert main(["secret", "new", "--out", str(path), "--force"]) == 0
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() != first
+    assert [p.name for p in tmp_path.iterdir()] == ["fed.key"]  # no temporary file left
+    link = tmp_path / "link.key"
+    link.symlink_to(tmp_path / "elsewhere.key")
+    assert main(["secret", "new", "--out", str(link)]) == 2  # a planted link is not followed
+    assert not (tmp_path / "elsewhere.key").exists()
+    capsys.readouterr()
+    assert main(["secret", "new"]) == 0 and len(capsys.readouterr().out.strip()) == 64  # printed, as before

@@ -5,35 +5,79 @@ and can claim any step (a member far ahead becomes every other island's healing 
 With a federation key, `archipelago lighthouse` and `archipelago local` run torchft's
 lighthouse on loopback and put this gate on the address the user chose. The gate speaks
 the lighthouse's two gRPC calls (`Quorum`, `Heartbeat`), reads the replica id from each
-request and forwards the request, byte for byte, only when the id carries a valid member
-token (`trust.member_id`); anything else is answered PERMISSION_DENIED and logged once per
-id. An outsider therefore never enters a quorum: it cannot be a healing source, take
-part in an exchange, or learn the members' addresses.
+request and forwards the request, byte for byte, only when
 
-The gate parses nothing but the replica id (a protobuf string at a fixed field number, read
-by `_field`); the bytes it forwards are torchft's. torchft's dashboard (and its
-unauthenticated kill endpoint) stays on the loopback address of the inner lighthouse.
-What the gate costs: one Python hop per heartbeat and quorum request, a few per second per
-island.
+- the id is a member id, whole (`trust.verified_member`: `island_N:NONCETAG`, then nothing
+  or torchft's `:UUID`), whose token only a holder of the key can make;
+- the island proved, before torchft joined, that it holds the key for this token: `Admit`
+  (the id) answers a challenge, `Prove` takes an HMAC of token and challenge under the
+  island's key (`check_admission` does both). The challenge names the address it was
+  asked from, and the token then passes from that address only. A token read off the
+  network (or a log) is useless elsewhere; one never proven passes nowhere;
+- it is the first full id seen with this token: one token is one member, never more.
+
+Anything else is answered PERMISSION_DENIED and logged once per id, with the id cut to
+`island_N:abcd...` (a token is a credential). An outsider therefore never enters a quorum:
+it cannot be a healing source, take part in an exchange, or learn the members' addresses.
+
+The gate parses the whole of every request (a protobuf message, by `_fields`) and refuses
+one whose replica id (or requester) field occurs more than once: torchft's decoder keeps
+the last, and a gate that checked the first would let torchft register another. The bytes
+it forwards are torchft's. All loopback addresses count as one address: an island on the
+lighthouse's machine may reach it over 127.0.0.1 in one call and ::1 in the next, and
+anyone on that machine can use torchft's dashboard on loopback anyway. torchft's
+dashboard (and its unauthenticated kill endpoint) stays on the loopback address of the
+inner lighthouse. What the gate costs: one Python hop per heartbeat and quorum request, a
+few per second per island; memory: at most MAX_TOKENS proven tokens (~200 bytes each).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 import logging
+import secrets
 import socket
+import struct
 import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
-from archipelago.federation.trust import FederationKey, check_member_id
+from archipelago.federation.trust import (
+    FederationKey,
+    admission_proof,
+    minted_key,
+    redacted,
+    verified_member,
+)
 from archipelago.netutil import url_host
 
 log = logging.getLogger("archipelago.lighthouse")
 
 SERVICE = "torchft.LighthouseService"
-ADMIT = "/archipelago.LighthouseGate/Admit"  # an island asks, before torchft joins, whether its id passes
+GATE_SERVICE = "archipelago.LighthouseGate"
+ADMIT = f"/{GATE_SERVICE}/Admit"  # (replica id) -> a challenge, or PERMISSION_DENIED if the id has no valid token
+PROVE = f"/{GATE_SERVICE}/Prove"  # (challenge | proof | replica id) -> b"" once the island proved its key
+MAX_TOKENS = 65_536  # proven tokens remembered, least recently used out (only key holders make them)
+CHALLENGE_TTL_S = 60.0  # a challenge older than this is refused
+_CHALLENGE = struct.Struct(">Q32s")  # issue time (ms) | HMAC under the gate's own secret
+_PROOF_BYTES = 32
 _MAX_REFUSALS_LOGGED = 256  # distinct ids named in the log; more are counted only
 _WORKERS = 64  # a quorum request waits (long poll) on a worker thread until the quorum forms
+_MAX_FIELD_NUMBER = (1 << 29) - 1  # protobuf's largest
+_MAX_REQUEST_BYTES = 1 << 16  # torchft's requests take a few hundred bytes; grpc's default allows 4 MiB
+
+NOT_A_MEMBER = ("the replica id carries no valid member token (start the island with the federation's key "
+                "file)")
+NEVER_PROVEN = ("this member token was never proven to the gate (an island asks, with its key, before torchft "
+                "joins: start it with this version of archipelago)")
+MALFORMED = "a malformed request, or one with its replica id more than once"
 
 
 class GateError(RuntimeError):
@@ -58,60 +102,190 @@ def _deadline(context: Any) -> float | None:
     return None if remaining is None or remaining > 1e6 else max(remaining, 0.0)
 
 
+# ---- the requests' bytes -------------------------------------------------------------
+
+
 def _varint(data: bytes, at: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         if at >= len(data) or shift > 63:
-            raise ValueError("truncated varint")
+            raise ValueError("truncated or overlong varint")
         byte = data[at]
         value |= (byte & 0x7F) << shift
         at, shift = at + 1, shift + 7
         if not byte & 0x80:
+            if value >> 64:
+                raise ValueError("varint overflows 64 bits")
             return value, at
 
 
-def _field(data: bytes, number: int) -> bytes:
-    """The bytes of the first length-delimited field `number` of a protobuf message
-    (ValueError if the message is malformed or has none)."""
+def _fields(data: bytes) -> Iterator[tuple[int, int, int, int]]:
+    """(number, wire type, start, end) of every field of a protobuf message, in order (a
+    varint's bytes too), read lazily: a message of many tiny fields costs time, not memory.
+    ValueError if the message is malformed, or uses a wire type that torchft's messages
+    never use (groups, 3 and 4; 6 and 7 do not exist)."""
     at = 0
     while at < len(data):
         tag, at = _varint(data, at)
-        kind = tag & 7
+        number, kind = tag >> 3, tag & 7
+        if not 1 <= number <= _MAX_FIELD_NUMBER:
+            raise ValueError(f"field number {number}")
+        start = at
         if kind == 0:
             _, at = _varint(data, at)
-        elif kind == 1:
-            at += 8
-        elif kind == 5:
-            at += 4
+        elif kind in (1, 5):
+            at += 8 if kind == 1 else 4
         elif kind == 2:
-            size, at = _varint(data, at)
-            if at + size > len(data):
-                raise ValueError("truncated field")
-            if tag >> 3 == number:
-                return data[at:at + size]
-            at += size
+            size, start = _varint(data, at)
+            at = start + size
         else:
             raise ValueError(f"wire type {kind}")
-    raise ValueError(f"no field {number}")
+        if at > len(data):
+            raise ValueError("truncated field")
+        yield number, kind, start, at
+
+
+def _only(data: bytes, number: int) -> bytes:
+    """The bytes of field `number`, which must occur exactly once, length-delimited
+    (ValueError otherwise: torchft's decoder keeps the last of repeated strings and merges
+    repeated messages, so any repeat could hide the id it registers)."""
+    found: tuple[int, int, int] | None = None
+    for n, kind, start, end in _fields(data):  # every field: the message must parse to its end
+        if n == number:
+            if found is not None:
+                raise ValueError(f"field {number} occurs more than once")
+            found = (kind, start, end)
+    if found is None or found[0] != 2:
+        raise ValueError(f"field {number} is missing or not length-delimited")
+    return data[found[1]:found[2]]
 
 
 def replica_id(method: str, request: bytes) -> str:
     """The replica id of a serialized `Quorum` (requester = field 1, its replica_id =
-    field 1) or `Heartbeat` (replica_id = field 1) request."""
-    raw = _field(_field(request, 1), 1) if method == "Quorum" else _field(request, 1)
+    field 1) or `Heartbeat` (replica_id = field 1) request; ValueError (UnicodeDecodeError
+    included) if the request is malformed or names an id more than once."""
+    raw = _only(_only(request, 1), 1) if method == "Quorum" else _only(request, 1)
     return raw.decode("utf-8")
 
 
-def check_admission(url: str, replica_id: str, timeout_s: float) -> bool:
-    """False if the lighthouse at `url` is a gate that would refuse `replica_id`; True if it
-    admits it or is torchft's lighthouse without a gate (every caller is admitted there).
-    torchft itself would only retry a refused quorum request until its quorum timeout."""
+def peer_host(peer: str) -> str:
+    """The address a gRPC peer (`ipv4:10.0.0.1:5000`, `ipv6:%5B::1%5D:5000`) calls from:
+    an IP address as text, IPv4 for an IPv4-mapped one, "loopback" for any loopback one."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return peer
+    host = unquote(rest).rpartition(":")[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return "loopback" if address.is_loopback else str(address)
+
+
+# ---- admissions: who proved which token, from where ---------------------------------
+
+
+@dataclass
+class _Member:
+    host: str             # where its proof came from: the only address its calls pass from
+    replica_id: str = ""  # the first full id (torchft's `:UUID` added) a call carried
+
+
+class Admissions:
+    """The gate's memory of proven member tokens (thread-safe, at most `capacity`).
+
+    Challenges carry their own issue time and an HMAC under a secret of this gate (made at
+    start): checking one needs no state, so asking for challenges costs the gate nothing.
+    """
+
+    def __init__(self, key: FederationKey, capacity: int = MAX_TOKENS) -> None:
+        self._key, self._capacity = key, capacity
+        self._secret = secrets.token_bytes(32)
+        self._members: OrderedDict[str, _Member] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def challenge(self, token: str, host: str, now: float | None = None) -> bytes:
+        """A challenge for `token` asked from `host`."""
+        issued = int((time.time() if now is None else now) * 1000)
+        return _CHALLENGE.pack(issued, self._sign(issued, token, host))
+
+    def _sign(self, issued: int, token: str, host: str) -> bytes:
+        message = b"archipelago challenge\n%d\n%s\n%s" % (issued, token.encode(), host.encode())
+        return hmac.new(self._secret, message, hashlib.sha256).digest()
+
+    def prove(self, replica_id: str, host: str, challenge: bytes, proof: bytes) -> bool:
+        """Record the token of `replica_id` as proven from `host`, if `challenge` is one this
+        gate gave for it to `host` within CHALLENGE_TTL_S and `proof` its island's answer."""
+        member = verified_member(self._key, replica_id)
+        if member is None or len(challenge) != _CHALLENGE.size:
+            return False
+        island, token = member
+        issued, mac = _CHALLENGE.unpack(challenge)
+        fresh = 0 <= time.time() * 1000 - issued <= CHALLENGE_TTL_S * 1000
+        if not (fresh and hmac.compare_digest(mac, self._sign(issued, token, host))
+                and hmac.compare_digest(proof, admission_proof(self._key, island, token, challenge))):
+            return False
+        with self._lock:
+            known = self._members.pop(token, None)
+            self._members[token] = _Member(host, known.replica_id if known else "")  # a new proof moves it
+            while len(self._members) > self._capacity:
+                self._members.popitem(last=False)
+        return True
+
+    def refusal(self, replica_id: str, host: str) -> str | None:
+        """Why a call with `replica_id` from `host` must not pass; None if it may. The first
+        full id a proven token passes with is the only one it passes with from then on."""
+        member = verified_member(self._key, replica_id)
+        if member is None:
+            return NOT_A_MEMBER
+        with self._lock:
+            known = self._members.get(member[1])
+            if known is None:
+                return NEVER_PROVEN
+            if known.host != host:
+                return (f"this member token was proven from {known.host}, not {host} (a copied token, or an island "
+                        "that reaches the lighthouse by another address than torchft does: give it the "
+                        "lighthouse's IP address)")
+            if known.replica_id and known.replica_id != replica_id:
+                return (f"this member token already belongs to {redacted(known.replica_id)} (one token, one "
+                        "member: a copied token, or a second torchft manager in one island process)")
+            known.replica_id = replica_id
+            self._members.move_to_end(member[1])
+        return None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._members)
+
+
+def check_admission(url: str, replica_id: str, timeout_s: float, key: FederationKey | None = None) -> bool:
+    """Prove to the lighthouse at `url` that this island holds the key of `replica_id`'s member
+    token (made by `trust.member_id`, in this process); from then on the gate passes
+    torchft's calls with this token from this host. False if the gate refuses the id or
+    the proof; True once it took the proof, or if it is torchft's lighthouse without a gate
+    (every caller is admitted there) or an older gate that asks for no proof.
+
+    `key`: the island's key; None: the key this process made `replica_id` with, if any.
+    torchft itself would only retry a refused quorum request until its quorum timeout.
+    """
     import grpc
 
     target = url.split("://", 1)[-1].rstrip("/")
+    deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(target) as channel:
         try:
-            channel.unary_unary(ADMIT)(replica_id.encode(), timeout=timeout_s)
+            challenge = channel.unary_unary(ADMIT)(replica_id.encode(), timeout=timeout_s)
+            if not challenge:
+                return True
+            key = key or minted_key(replica_id)
+            member = None if key is None else verified_member(key, replica_id)
+            if key is None or member is None:
+                return False  # a token this process did not make, or not with this key: nothing to prove
+            proof = admission_proof(key, member[0], member[1], challenge)
+            channel.unary_unary(PROVE)(challenge + proof + replica_id.encode(),
+                                       timeout=max(deadline - time.monotonic(), 0.1))
         except grpc.RpcError as exc:
             return exc.code() != grpc.StatusCode.PERMISSION_DENIED  # UNIMPLEMENTED: no gate
     return True
@@ -126,15 +300,18 @@ class LighthouseGate:
 
         _probe(host, port)  # grpc logs why a bind failed but raises without the reason
         self._grpc, self._inner, self._key = grpc, inner, key
-        self._refused: set[str] = set()
+        self.admissions = Admissions(key)
+        self._refused: dict[bytes, str] = {}  # hash of a refused id -> the id as logged
         self._lock = threading.Lock()
         target = "127.0.0.1:" + inner.address().rsplit(":", 1)[1]
         self._channel = grpc.insecure_channel(target)
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name)) for name in ("Quorum", "Heartbeat")}
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="gate"))
-        admit = {"Admit": grpc.unary_unary_rpc_method_handler(self._admit)}
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="gate"),
+                                   options=[("grpc.max_receive_message_length", _MAX_REQUEST_BYTES)])
+        admit = {"Admit": grpc.unary_unary_rpc_method_handler(self._admit),
+                 "Prove": grpc.unary_unary_rpc_method_handler(self._prove)}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),
-                                               grpc.method_handlers_generic_handler(ADMIT.split("/")[1], admit)))
+                                               grpc.method_handlers_generic_handler(GATE_SERVICE, admit)))
         where = f"{url_host(host)}:{port}"
         try:
             self.port = self._server.add_insecure_port(where)
@@ -147,17 +324,29 @@ class LighthouseGate:
         self.host = host
         self._server.start()
 
-    def _refuse(self, who: str, context: Any) -> None:
-        self._log_refusal(who, context.peer())
-        context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
-                      "not a member of this federation: the replica id carries no valid member token "
-                      "(start the island with the federation's key file)")
+    def _refuse(self, who: str, context: Any, reason: str) -> None:
+        self._log_refusal(who, context.peer(), reason)
+        context.abort(self._grpc.StatusCode.PERMISSION_DENIED, f"not a member of this federation: {reason}")
 
     def _admit(self, request: bytes, context: Any) -> bytes:
-        """`Admit(replica id)`: an empty answer if the id would pass, PERMISSION_DENIED if not."""
+        """`Admit(replica id)`: a challenge if the id carries a valid token, PERMISSION_DENIED if not."""
         who = request.decode("utf-8", errors="replace")
-        if check_member_id(self._key, who) is None:
-            self._refuse(who, context)
+        member = verified_member(self._key, who)
+        if member is None:
+            self._refuse(who, context, NOT_A_MEMBER)
+            raise AssertionError("unreachable: abort raises")
+        return self.admissions.challenge(member[1], peer_host(context.peer()))
+
+    def _prove(self, request: bytes, context: Any) -> bytes:
+        """`Prove(challenge | proof | replica id)`: an empty answer once the token is proven
+        from the caller's address, PERMISSION_DENIED if the proof does not hold."""
+        size = _CHALLENGE.size
+        challenge, proof = request[:size], request[size:size + _PROOF_BYTES]
+        who = request[size + _PROOF_BYTES:].decode("utf-8", errors="replace")
+        host = peer_host(context.peer())
+        if not self.admissions.prove(who, host, challenge, proof):
+            self._refuse(who, context, "a wrong or stale answer to the gate's challenge (another federation's key?)")
+        log.info("lighthouse: %s proved its federation key from %s", redacted(who), host)
         return b""
 
     def _handler(self, method: str) -> Any:
@@ -166,10 +355,11 @@ class LighthouseGate:
         def handle(request: bytes, context: Any) -> bytes:
             try:
                 who = replica_id(method, request)
-            except (ValueError, UnicodeDecodeError):
-                who = ""
-            if not who or check_member_id(self._key, who) is None:
-                self._refuse(who, context)
+                reason = self.admissions.refusal(who, peer_host(context.peer()))
+            except ValueError:  # UnicodeDecodeError included
+                who, reason = "", MALFORMED
+            if reason is not None:
+                self._refuse(who, context, reason)
             try:
                 return forward(request, timeout=_deadline(context))
             except self._grpc.RpcError as exc:  # the lighthouse's own answer (a quorum timeout, ...)
@@ -178,20 +368,21 @@ class LighthouseGate:
 
         return handle
 
-    def _log_refusal(self, who: str, peer: str) -> None:
+    def _log_refusal(self, who: str, peer: str, reason: str) -> None:
+        digest = hashlib.sha256(f"{who}\n{reason}".encode()).digest()[:16]  # bounded, whatever the id's size
         with self._lock:
-            first = who not in self._refused
+            first = digest not in self._refused
             if first and len(self._refused) < _MAX_REFUSALS_LOGGED:
-                self._refused.add(who)
+                self._refused[digest] = redacted(who)
         if first:
-            log.warning("lighthouse: refused an unauthenticated member (replica id %r, from %s): no valid member "
-                        "token for this federation's key; it is kept out of every quorum", who[:80], peer)
+            log.warning("lighthouse: refused an unauthenticated member (replica id %r, from %s): %s; it is kept out "
+                        "of every quorum", redacted(who), peer, reason)
 
     @property
     def refused(self) -> list[str]:
-        """The replica ids refused so far (up to the first few hundred)."""
+        """The replica ids refused so far, as logged (`island_N:abcd...`; up to the first few hundred)."""
         with self._lock:
-            return sorted(self._refused)
+            return sorted(self._refused.values())
 
     def address(self) -> str:
         return f"http://{url_host(self.host)}:{self.port}"

@@ -16,7 +16,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from datetime import timedelta
 from types import SimpleNamespace
@@ -95,7 +95,7 @@ def check_membership(url: str, key: FederationKey | None, ft: FaultToleranceConf
     never comes."""
     from archipelago.federation.gate import check_admission
 
-    if check_admission(url, member_id(key, ft.replica_id), ft.connect_timeout_ms / 1000):
+    if check_admission(url, member_id(key, ft.replica_id), ft.connect_timeout_ms / 1000, key):
         return
     if key is None:
         raise FederationMismatch(
@@ -179,7 +179,13 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int, key: F
         )
     manager._archipelago_store = store  # keep a self-hosted store alive as long as the manager
     manager._archipelago_outsiders = []
-    manager._client = MembersOnly(manager._client, key, manager)
+    readmit = None
+    if key is not None and bridge_rank == 0:  # the rank whose host torchft's manager server runs on
+        from archipelago.federation.gate import check_admission
+
+        def readmit() -> bool:
+            return check_admission(url, member_id(key, ft.replica_id), ft.connect_timeout_ms / 1000, key)
+    manager._client = MembersOnly(manager._client, key, manager, readmit)
     return manager
 
 
@@ -198,13 +204,26 @@ class MembersOnly:
     torchft's healing source), and the island names the outsiders in
     `manager._archipelago_outsiders` so that the round reports an error and commits
     nothing (OuterLoop._membership).
+
+    A quorum request that fails is tried once more after `readmit` (bridge rank 0 with a
+    key: prove the member token to the lighthouse's gate again). A restarted gate has
+    forgotten every proof and refuses the island's calls until then; torchft only reports
+    the quorum timeout, so a real failure costs a second timeout before it surfaces.
     """
 
-    def __init__(self, client: Any, key: FederationKey | None, manager: Any) -> None:
-        self._client, self._key, self._manager = client, key, manager
+    def __init__(self, client: Any, key: FederationKey | None, manager: Any,
+                 readmit: Callable[[], bool] | None = None) -> None:
+        self._client, self._key, self._manager, self._readmit = client, key, manager, readmit
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        quorum = self._client._quorum(*args, **kwargs)
+        try:
+            quorum = self._client._quorum(*args, **kwargs)
+        except Exception:
+            if self._readmit is None or not self._readmit():
+                raise
+            log.warning("a quorum request failed; proved this island's member token to the lighthouse again "
+                        "(a restarted lighthouse forgets it) and asks once more")
+            quorum = self._client._quorum(*args, **kwargs)
         # The healing download may only go to the host of the member the quorum names as its
         # source (torchft asks that member's manager for the URL, which the member chooses).
         expect_source = getattr(getattr(self._manager, "_checkpoint_transport", None), "expect_source", None)

@@ -1,6 +1,6 @@
 """Trust between islands: the federation secret, the keys derived from it, signed frames.
 
-Every island of a federation holds the same secret (`archipelago secret new > fed.key`).
+Every island of a federation holds the same secret (`archipelago secret new --out fed.key`).
 From it each island derives, with HKDF-SHA256, the federation's public id and one signing
 key per island id. Whatever crosses islands and can change model state travels as a
 frame:
@@ -19,6 +19,7 @@ kind than the one expected: a valid frame replayed elsewhere is refused.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -29,6 +30,7 @@ import re
 import secrets
 import stat
 import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ from archipelago.config.errors import ConfigError
 log = logging.getLogger("archipelago.federation")
 
 KEY_FILE_ENV = "ARCHIPELAGO_FEDERATION_KEY_FILE"
+ALLOW_READABLE_KEY_ENV = "ARCHIPELAGO_ALLOW_READABLE_KEY"  # =1: load a key file other users can read (warned)
 SECRET_BYTES = 32
 MAGIC = b"ARF1"
 _HEADER = struct.Struct(">4s16sQQIIHQdQ32s")
@@ -54,7 +57,14 @@ HEAL_REQUEST = 1  # a healing island asks a peer for the global state (empty pay
 HEAL_STATE = 2    # the peer's answer: transport.encode_state bytes
 
 MEMBER_PREFIX = "island_"  # torchft reads the island id from the digits before the first ":"
-_MEMBER_ID = re.compile(r"island_(\d{1,9}):([0-9a-f]{16})([0-9a-f]{32})(?::|$)")
+# A member id, whole: `island_N:NONCE TAG` (N without leading zeros: one spelling per island),
+# then nothing or exactly torchft's `:UUID` (str(uuid.uuid4())). Anything else after a valid
+# token would let one token name any number of members.
+_UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+_MEMBER_ID = re.compile(rf"(island_(0|[1-9][0-9]{{0,8}}):([0-9a-f]{{16}})([0-9a-f]{{32}}))(?::{_UUID})?", re.ASCII)
+# Derived island keys kept: a lookup of an uncached id costs one HKDF (tens of microseconds),
+# never memory: ids come from the network (the gate's replica ids, a frame's island field).
+ISLAND_KEYS_CACHED = 1024
 
 
 class FrameRefused(ValueError):
@@ -76,15 +86,21 @@ class FederationKey:
     def __init__(self, secret: bytes) -> None:
         if len(secret) < SECRET_BYTES:
             raise ConfigError(f"the federation secret has {len(secret)} bytes, at least {SECRET_BYTES} are "
-                              "needed; make one with `archipelago secret new > fed.key`")
+                              "needed; make one with `archipelago secret new --out fed.key`")
         self._secret = secret
         self.federation_id = _derive(secret, b"archipelago federation id", 16)
-        self._islands: dict[int, bytes] = {}
+        # Bounded (least recently used out) and thread-safe: the gate's workers and the
+        # healing transport look keys up concurrently.
+        self._islands = functools.lru_cache(maxsize=ISLAND_KEYS_CACHED)(self._derive_island)
+
+    def __reduce__(self) -> tuple[type, tuple[bytes]]:  # picklable as before the cache (a dict then)
+        return (FederationKey, (self._secret,))
+
+    def _derive_island(self, island: int) -> bytes:
+        return _derive(self._secret, b"archipelago island %d" % island)
 
     def island_key(self, island: int) -> bytes:
-        if island not in self._islands:
-            self._islands[island] = _derive(self._secret, b"archipelago island %d" % island)
-        return self._islands[island]
+        return self._islands(island)
 
     def manifest_key(self) -> bytes:
         """The key that signs checkpoint manifests (checkpoint/manager.py)."""
@@ -118,55 +134,135 @@ def dashboard_verifier(key: FederationKey) -> Callable[[int, bytes, dict[str, st
     return verify
 
 
-def load_key(key_file: str = "") -> FederationKey | None:
-    """The federation key from `key_file`, else from $ARCHIPELAGO_FEDERATION_KEY_FILE, else None."""
+def load_key(key_file: str = "", allow_readable: bool = False) -> FederationKey | None:
+    """The federation key from `key_file`, else from $ARCHIPELAGO_FEDERATION_KEY_FILE, else None.
+
+    A key file that other users can read or write is refused (ConfigError naming `chmod
+    600`): whoever reads it is a member. `allow_readable`, or $ARCHIPELAGO_ALLOW_READABLE_KEY=1
+    (a file system without Unix permissions), loads it anyway, with a warning.
+    """
     path = key_file or os.environ.get(KEY_FILE_ENV, "")
     if not path:
         return None
     try:
-        text = Path(path).read_text().strip()
-        secret = bytes.fromhex(text)
+        with open(path, "rb") as file:  # the mode of the file read, not of a path that may change
+            mode = os.fstat(file.fileno()).st_mode
+            text = file.read(1 << 16)  # a secret is 65 bytes; whatever else is there is not one
     except OSError as exc:
         raise ConfigError(f"cannot read the federation key file {path}: {exc.strerror}") from exc
-    except ValueError as exc:
+    _check_private(path, mode, allow_readable or os.environ.get(ALLOW_READABLE_KEY_ENV, "") == "1")
+    try:
+        secret = bytes.fromhex(text.decode("ascii").strip())
+    except ValueError as exc:  # UnicodeDecodeError included
         raise ConfigError(f"the federation key file {path} does not hold a secret in hex; make one with "
-                          "`archipelago secret new > fed.key`") from exc
-    mode = Path(path).stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("the federation key file %s can be read by other users; `chmod 600 %s`", path, path)
+                          "`archipelago secret new --out fed.key`") from exc
     return FederationKey(secret)
+
+
+def _check_private(path: str, mode: int, allowed: bool) -> None:
+    if not mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return
+    if allowed:
+        log.warning("the federation key file %s can be read by other users (mode %o); `chmod 600 %s`",
+                    path, stat.S_IMODE(mode), path)
+        return
+    raise ConfigError(f"the federation key file {path} can be read or written by other users (mode "
+                      f"{stat.S_IMODE(mode):o}): whoever reads it can join the federation. Run `chmod 600 {path}` "
+                      f"(`archipelago secret new --out FILE` writes it so); where the file system has no Unix "
+                      f"permissions, {ALLOW_READABLE_KEY_ENV}=1 loads it anyway")
+
+
+def write_secret(path: str, force: bool = False) -> None:
+    """A new secret into a new file `path`, mode 600 from its creation (it is never readable
+    by others, whatever the umask). An existing `path` is refused unless `force`; then it is
+    replaced at once (a new file renamed over it, so the old file's mode does not carry over)."""
+    target = Path(path)
+    temporary = target.with_name(f".{target.name}.{secrets.token_hex(4)}") if force else target
+    try:
+        fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "w") as file:
+            file.write(new_secret() + "\n")
+        if force:
+            os.replace(temporary, target)
+    except FileExistsError:
+        raise ConfigError(f"{path} exists; a new secret would lock every island holding the old one out. "
+                          "Pick another file, or replace it with --force") from None
+    except OSError as exc:
+        if force:
+            temporary.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write the federation key file {path}: {exc.strerror}") from None
+
+
+# This process's member token per (federation, island): the token the island proves to the
+# gate (gate.check_admission) must be the one torchft then sends. Keyed by process id too: a
+# forked child mints its own (two processes of one island must not share a token).
+_MINTED: dict[tuple[int, bytes, int], tuple[str, FederationKey]] = {}
+_MINTED_LOCK = threading.Lock()
 
 
 def member_id(key: FederationKey | None, island: int) -> str:
     """The replica id island `island` gives torchft: `island_N`, and with a key
     `island_N:NONCE TAG`, a member token the lighthouse gate checks (federation/gate.py).
 
-    The tag is an HMAC of the id and a fresh nonce under the island's key: only a holder of
-    the secret can make one. torchft appends `:UUID`. A token is not bound to a quorum (the
-    lighthouse admits a member before any quorum exists): someone who reads it off the
-    network can reuse it to join; the join frame (membership.fingerprint_row), bound to the
-    quorum, is what such an impostor cannot forge.
+    The tag is an HMAC of the id and a nonce under the island's key: only a holder of the
+    secret can make one. One process gets one token per island and key (made at the first
+    call): the island proves to the gate that it holds the key for this token, and the gate
+    then passes the token only from that address and under the first full id it sees with
+    it (torchft appends `:UUID`). A token copied off the network is therefore useless from
+    another host; the join frame (membership.fingerprint_row), bound to the quorum, is what
+    keeps even a copy from the same host out of the averages.
     """
     name = f"{MEMBER_PREFIX}{island}"
     if key is None:
         return name
-    nonce = secrets.token_hex(8)
-    return f"{name}:{nonce}{key.tag(island, _member_message(name, nonce))[:16].hex()}"
+    slot = (os.getpid(), key.federation_id, island)
+    with _MINTED_LOCK:
+        if slot not in _MINTED:
+            nonce = secrets.token_hex(8)
+            _MINTED[slot] = (f"{name}:{nonce}{key.tag(island, _member_message(name, nonce))[:16].hex()}", key)
+        return _MINTED[slot][0]
+
+
+def minted_key(replica_id: str) -> FederationKey | None:
+    """The key this process made the member token of `replica_id` with (member_id), or None."""
+    with _MINTED_LOCK:
+        return next((key for (pid, _, _), (token, key) in _MINTED.items()
+                     if pid == os.getpid() and (replica_id == token or replica_id.startswith(token + ":"))), None)
 
 
 def _member_message(name: str, nonce: str) -> bytes:
     return f"archipelago member {name}:{nonce}".encode()
 
 
+def verified_member(key: FederationKey, replica_id: str) -> tuple[int, str] | None:
+    """(island id, member token `island_N:NONCETAG`) of a replica id `member_id(key, ...)`
+    made, alone or followed by torchft's `:UUID`; None for anything else."""
+    match = _MEMBER_ID.fullmatch(replica_id)
+    if match is None:
+        return None
+    token, island, nonce, tag = match.group(1), int(match.group(2)), match.group(3), match.group(4)
+    expected = key.tag(island, _member_message(f"{MEMBER_PREFIX}{island}", nonce))[:16].hex()
+    return (island, token) if hmac.compare_digest(expected, tag) else None
+
+
 def check_member_id(key: FederationKey, replica_id: str) -> int | None:
     """The island id of a replica id `member_id(key, ...)` made (torchft's `:UUID` after
     it or not), else None."""
-    match = _MEMBER_ID.match(replica_id)
-    if match is None:
-        return None
-    island, nonce, tag = int(match.group(1)), match.group(2), match.group(3)
-    expected = key.tag(island, _member_message(f"{MEMBER_PREFIX}{island}", nonce))[:16].hex()
-    return island if hmac.compare_digest(expected, tag) else None
+    member = verified_member(key, replica_id)
+    return None if member is None else member[0]
+
+
+def admission_proof(key: FederationKey, island: int, token: str, challenge: bytes) -> bytes:
+    """An island's answer to the gate's challenge for its member token: an HMAC under the
+    island's key, which a token read off the network does not give."""
+    return key.tag(island, b"archipelago admit\n" + token.encode() + b"\n" + challenge)
+
+
+def redacted(replica_id: str) -> str:
+    """A replica id as logs show it: `island_N` and the first 4 characters after it (a member
+    token is a credential; the full id stays out of logs)."""
+    name, colon, rest = replica_id.partition(":")
+    return name[:24] + (f":{rest[:4]}..." if colon else "")
 
 
 def refuse_exposed_without_key(key: FederationKey | None, insecure: bool) -> None:
@@ -180,7 +276,7 @@ def refuse_exposed_without_key(key: FederationKey | None, insecure: bool) -> Non
         return
     raise ConfigError(f"LOCAL_ADDR={address} exposes this island's healing server beyond this machine, and "
                       "no federation key is set: anyone who reaches it could fetch the global weights. Make "
-                      "a key (`archipelago secret new > fed.key`, the same file on every island) and set "
+                      "a key (`archipelago secret new --out fed.key`, the same file on every island) and set "
                       f"{KEY_FILE_ENV} or [federation_security] key_file; or accept the risk on a trusted "
                       "network with --federation_security.insecure")
 

@@ -50,7 +50,7 @@ commands:
   config         `config reference` prints the configuration reference;
                  `config show [--config FILE] [overrides]` prints the resolved config;
                  `config convert FILE` prints a torchtitan-format run file as ours
-  secret new     print a new federation secret (`archipelago secret new > fed.key`)
+  secret new     make a new federation secret (`archipelago secret new --out fed.key`: mode 600)
   simulate SCENARIO
                  a federation of 10 to 1,000 islands on a simulated clock: utilisation,
                  goodput, bytes, failures (--islands N ..., --hours H)
@@ -340,22 +340,49 @@ def cmd_data(argv: list[str]) -> int:
 
 
 SECRET_HELP = """\
-usage: archipelago secret new > fed.key
+usage: archipelago secret new --out FILE [--force]
+       archipelago secret new
 
-Print a new federation secret (32 random bytes, in hex). Copy the file to every island of
-the federation (`chmod 600`) and point each island at it with [federation_security]
-key_file or $ARCHIPELAGO_FEDERATION_KEY_FILE: islands then prove to each other that they
-hold it before they exchange model state.
+Make a new federation secret (32 random bytes, in hex). With --out FILE it is written to a
+new FILE, readable by you only (mode 600 from its creation); an existing FILE is refused
+(every island holding the old secret would be locked out) unless --force replaces it.
+Without --out it is printed (mind who can read where it goes: islands refuse a key file
+that other users can read, naming `chmod 600`).
+
+Copy the file to every island of the federation and to the lighthouse, keeping it mode
+600, and point each at it with [federation_security] key_file, --key-file (the
+lighthouse) or $ARCHIPELAGO_FEDERATION_KEY_FILE: islands then prove to each other and to
+the lighthouse that they hold it before they exchange model state.
 """
 
 
 def cmd_secret(argv: list[str]) -> int:
-    if argv != ["new"]:
-        print(SECRET_HELP, file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    from archipelago.federation.trust import new_secret
+    if argv[:1] != ["new"]:
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        print(SECRET_HELP, file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
+    import argparse
 
-    print(new_secret())
+    parser = argparse.ArgumentParser(prog="archipelago secret new", usage=SECRET_HELP.splitlines()[0][7:],
+                                     add_help=False)
+    parser.add_argument("--out", metavar="FILE")
+    parser.add_argument("--force", action="store_true")
+    parser.add_argument("-h", "--help", action="store_true")
+    args = parser.parse_args(argv[1:])
+    if args.help:
+        print(SECRET_HELP)
+        return 0
+    if args.force and not args.out:
+        parser.error("--force replaces the file --out names; give --out FILE")
+    from archipelago.federation.trust import new_secret, write_secret
+
+    if not args.out:
+        print(new_secret())
+        return 0
+    write_secret(args.out, force=args.force)
+    print(f"wrote a new federation secret to {args.out} (mode 600): copy it to every island and the lighthouse "
+          "(keep it mode 600) and point them at it with [federation_security] key_file, --key-file or "
+          "$ARCHIPELAGO_FEDERATION_KEY_FILE")
     return 0
 
 

@@ -7,14 +7,19 @@ console script) inside this process, prints the URL to give the islands, and sto
 cleanly on Ctrl-C / SIGTERM. `start_lighthouse` is the reusable part (the local
 federation launcher starts its lighthouse with it). With a federation key the lighthouse
 listens on loopback and a gate (federation/gate.py) on the chosen address admits members only.
+Without one, `archipelago lighthouse` listens beyond loopback only with --insecure.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ipaddress
+import os
 import signal
 import socket
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from archipelago.config import ConfigError
@@ -48,8 +53,11 @@ it).
 With the federation's key (--key-file, or $ARCHIPELAGO_FEDERATION_KEY_FILE) only islands
 holding the same key join: torchft's lighthouse listens on loopback and a gate on --bind
 refuses every other caller, and the dashboard (which has an unauthenticated kill endpoint)
-stays on loopback. Without a key anyone who reaches the lighthouse can join the federation
-and reach the dashboard: expose it on a private network only (docs/federation.md).
+stays on loopback. torchft's own log, which names every member's token, then shows
+warnings only (RUST_LOG=info brings it back, tokens included). Without a key anyone who
+reaches the lighthouse can join the federation and use the dashboard: a keyless lighthouse
+listens on a loopback address only, unless --insecure accepts that risk (a trusted private
+network; docs/federation.md).
 """
 
 
@@ -90,7 +98,8 @@ def start_lighthouse(bind: str = DEFAULT_BIND, min_replicas: int = DEFAULT_MIN_R
                              ("heartbeat_timeout_ms", heartbeat_timeout_ms, 1)):
         if value < low:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
-    from torchft.coordination import LighthouseServer
+    with _quiet_torchft_log() if key is not None else contextlib.nullcontext():
+        from torchft.coordination import LighthouseServer
 
     from archipelago.federation.gate import GateError, LighthouseGate
 
@@ -120,6 +129,46 @@ def start_lighthouse(bind: str = DEFAULT_BIND, min_replicas: int = DEFAULT_MIN_R
         else:
             hint = "expected HOST:PORT with an address of this machine, e.g. --bind 0.0.0.0:29510"
         raise ConfigError(f"--bind {bind}: {reason}: {hint}") from None
+
+
+@contextlib.contextmanager
+def _quiet_torchft_log() -> Iterator[None]:
+    """torchft's lighthouse logs every replica id it sees at INFO, member tokens included (a
+    token is a credential): RUST_LOG defaults to warnings while torchft is imported (its
+    Rust module reads RUST_LOG once, then; a process that imported it before keeps its
+    level). An explicit RUST_LOG wins."""
+    user_setting = os.environ.get("RUST_LOG")
+    os.environ["RUST_LOG"] = user_setting or "warn"
+    try:
+        yield
+    finally:
+        if user_setting is None:
+            del os.environ["RUST_LOG"]
+
+
+def refuse_open_without_key(bind: str, key: FederationKey | None, insecure: bool,
+                            flags: tuple[str, str, str] = ("--bind", "--key-file", "--insecure")) -> None:
+    """Raise ConfigError, naming the fix, for a lighthouse without a key on an address
+    beyond loopback, unless `insecure`: anyone who reaches it would join the federation
+    (and could claim any step, becoming every island's healing source) and use torchft's
+    dashboard, whose kill endpoint stops islands. `flags`: the caller's names for the
+    bind address, the key file and the opt-out."""
+    host, _ = split_bind(bind)
+    if key is not None or insecure or _is_loopback(host):
+        return
+    bind_flag, key_flag, insecure_flag = flags
+    raise ConfigError(f"{bind_flag} {bind} without a federation key: anyone who reaches it could join the "
+                      "federation and use torchft's dashboard there, whose kill endpoint stops islands. Give the "
+                      f"lighthouse the federation's key file ({key_flag} FILE or $ARCHIPELAGO_FEDERATION_KEY_FILE; "
+                      "make one with `archipelago secret new --out FILE`), or bind 127.0.0.1; on a trusted private "
+                      f"network, {insecure_flag} accepts the risk")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def island_urls(bind: str, server: LighthouseServer | LighthouseGate) -> tuple[str, str | None]:
@@ -157,7 +206,11 @@ def _parser() -> argparse.ArgumentParser:
                    "--metrics.dashboard")
     p.add_argument("--key-file", "--key_file", default="", metavar="FILE",
                    help="the federation's key file: admit only islands that hold it (default: "
-                   "$ARCHIPELAGO_FEDERATION_KEY_FILE, else no key: anyone who reaches the lighthouse joins)")
+                   "$ARCHIPELAGO_FEDERATION_KEY_FILE, else no key: anyone who reaches the lighthouse joins, so "
+                   "--bind must then be a loopback address unless --insecure)")
+    p.add_argument("--insecure", action="store_true",
+                   help="listen beyond loopback without a federation key (anyone who reaches --bind joins the "
+                   "federation and can use the dashboard's kill endpoint): a trusted private network only")
     return p
 
 
@@ -180,7 +233,8 @@ def _banner(args: argparse.Namespace, url: str, local_url: str | None, server: A
     lines += ["give islands either of:", f"  export TORCHFT_LIGHTHOUSE={url}",
               f"  --fault_tolerance.lighthouse {url}"]
     if hasattr(server, "dashboard"):
-        lines += ["members only: islands must hold this federation's key file; others are refused and logged",
+        lines += ["members only: islands must hold this federation's key file and prove it from the address they "
+                  "join from; others are refused and logged",
                   f"dashboard: {server.dashboard()} (this machine only); Ctrl-C or SIGTERM stops the lighthouse"]
     else:
         lines += ["no federation key: anyone who reaches this address can join (--key-file admits members only)",
@@ -212,6 +266,7 @@ def cmd_lighthouse(argv: list[str]) -> int:
         from archipelago.federation.trust import load_key
 
         key = load_key(args.key_file)
+        refuse_open_without_key(args.bind, key, args.insecure)
         server = start_lighthouse(args.bind, args.min_replicas, args.join_timeout_ms,
                                   args.quorum_tick_ms, args.heartbeat_timeout_ms, key=key)
         dashboard = start_dashboard(args.dashboard, key) if args.dashboard else None

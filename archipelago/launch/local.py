@@ -166,7 +166,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="options for one island only, after the shared ones (repeatable): "
                         "\"0:--parallelism.pipeline_stages 2\" pipelines island 0 alone")
     p.add_argument("--lighthouse-bind", default="127.0.0.1:0", metavar="HOST:PORT",
-                   help="address of the in-process lighthouse (port 0: any free port)")
+                   help="address of the in-process lighthouse (port 0: any free port); beyond loopback "
+                        "it needs the islands' federation key, or --federation_security.insecure")
     p.add_argument("--min-replicas", type=int, default=1, help="islands needed for a quorum")
     p.add_argument("--join-timeout-ms", type=int, default=60000,
                    help="how long the lighthouse waits for islands that are alive (heartbeating) but "
@@ -732,7 +733,12 @@ def federation_key(passthrough: list[str]) -> Any:
 def start_lighthouse_server(opts: Options) -> Any:
     """The in-process lighthouse: behind the members-only gate when the islands hold a
     federation key (federation/gate.py)."""
-    from archipelago.launch.lighthouse import start_lighthouse
+    from archipelago.launch.lighthouse import refuse_open_without_key, start_lighthouse
+
+    key = federation_key(opts.passthrough)
+    # Beyond loopback without a key anyone could join: the islands' own opt-out accepts it.
+    refuse_open_without_key(opts.lighthouse_bind, key, "--federation_security.insecure" in opts.passthrough,
+                            ("--lighthouse-bind", "--federation_security.key_file", "--federation_security.insecure"))
     # The lighthouse logs every quorum request straight to fd 2, mid-line into the island
     # lines and through the live table, while the islands' join/leave/quorum records say
     # the same. torchft reads RUST_LOG once, when its first server starts, so quietening it
@@ -743,8 +749,7 @@ def start_lighthouse_server(opts: Options) -> Any:
     try:
         return start_lighthouse(bind=opts.lighthouse_bind, min_replicas=opts.min_replicas,
                                 join_timeout_ms=opts.join_timeout_ms, quorum_tick_ms=opts.quorum_tick_ms,
-                                heartbeat_timeout_ms=opts.heartbeat_timeout_ms,
-                                key=federation_key(opts.passthrough))
+                                heartbeat_timeout_ms=opts.heartbeat_timeout_ms, key=key)
     finally:
         if user_setting is None:
             del os.environ["RUST_LOG"]
@@ -813,6 +818,9 @@ def main(argv: list[str]) -> int:
     previous = _set_signals(_raise_interrupt)
     try:
         return LocalFederation(opts, Output(tty)).run()
+    except ConfigError as exc:  # e.g. a lighthouse address it may not open without a key
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

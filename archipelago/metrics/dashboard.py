@@ -196,9 +196,15 @@ def create_app(state: DashboardState, verify: Verifier | None = None):  # noqa: 
 
     @app.post("/push")
     def push() -> tuple[Response, int]:
+        # The size is judged from the headers, before a byte of the body is read: a push
+        # without a length (chunked) or over the limit is refused unread, and the stream
+        # reads at most the length given (werkzeug limits it to Content-Length).
+        size = request.content_length
+        if size is None:
+            return jsonify(error="a push needs a Content-Length"), 411
+        if size > MAX_BODY:
+            return jsonify(error=f"push too large: at most {MAX_BODY} bytes"), 413
         body = request.get_data(cache=False)
-        if len(body) > MAX_BODY:
-            return jsonify(error="push too large"), 413
         try:
             payload = json.loads(body)
             island = payload["island"] if isinstance(payload, dict) else None
@@ -212,6 +218,17 @@ def create_app(state: DashboardState, verify: Verifier | None = None):  # noqa: 
     return app
 
 
+def _handler_class() -> type:
+    from werkzeug.serving import WSGIRequestHandler
+
+    class Handler(WSGIRequestHandler):
+        # A socket timeout per connection: a client that stops sending mid-request (or never
+        # sends one) frees its thread after this long instead of holding it forever.
+        timeout = 30
+
+    return Handler
+
+
 class Dashboard:
     """The dashboard served on host:port from a background thread (`address`, `shutdown`)."""
 
@@ -219,7 +236,8 @@ class Dashboard:
         from werkzeug.serving import make_server
 
         self.state = DashboardState()
-        self.server = make_server(host, port, create_app(self.state, verify), threaded=True)
+        self.server = make_server(host, port, create_app(self.state, verify), threaded=True,
+                                  request_handler=_handler_class())
         self.thread = threading.Thread(target=self.server.serve_forever, name="dashboard", daemon=True)
         self.thread.start()
 
