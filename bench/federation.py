@@ -337,6 +337,22 @@ def print_tables(result: dict[str, Any]) -> None:
                   f"| {num(r['signed_codec_s'], '.3f')} | {num(r['plain_codec_s'], '.3f')} |")
 
 
+def where_measured() -> dict[str, Any]:
+    """Machine, device, threads, torch and the commit the figures come from."""
+    import os
+    import platform
+    import subprocess
+
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True).stdout.strip()
+    return {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(), "device": "cpu",
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"), "torch": torch.__version__,
+            "commit": commit.stdout.strip() + (" (with uncommitted changes)" if dirty else "")}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=REPO / "configs/llama3/debug.toml")
@@ -396,6 +412,7 @@ def main() -> None:
         "measurement": fed["traffic"]["method"], "work_dir": str(root),
         "commands": [fed["cmd"], ddp["cmd"], *(a["cmd"] for a in kill["attempts"])],
         "federation": fed, "ddp": ddp, "kill": kill, "signing": signing, "dashboard": dashboard,
+        **where_measured(),
     }
     print_tables(result)
     if dashboard is not None:
