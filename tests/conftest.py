@@ -154,3 +154,46 @@ def assert_crash_resume_reproduces(train: Callable[..., Finished], tmp_path: Pat
     assert sorted(got) == list(range(1, 9))
     for step in range(4, 9):
         assert got[step] == pytest.approx(want[step], abs=1e-5), (step, want, got)
+
+
+class FinishedWork:
+    """A finished collective, as torchft's managed work expects one (for fake process groups)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def get_future(self):
+        import torch
+
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def listening(pid: int | str = "self") -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on (from /proc: no tools
+    needed); an IPv4-mapped address (grpc listens dual-stack) as its IPv4 form."""
+    import ipaddress
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hex_addr, hex_port = fields[1].split(":")
+                raw = bytes.fromhex(hex_addr)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))  # host-order 32-bit words
+                address = ipaddress.ip_address(raw)
+                mapped = getattr(address, "ipv4_mapped", None)
+                found.add((str(mapped or address), int(hex_port, 16)))
+    return found

@@ -399,11 +399,12 @@ def test_a_manifest_signed_with_the_federation_key_is_refused(
     import json
     import shutil
 
-    from archipelago.federation.trust import FederationKey
+    from archipelago.federation.trust import _derive
 
-    federation = FederationKey(os.urandom(32)).manifest_key()
+    # The key cb92e48 signed manifests with: derived from the secret every member holds.
+    federation = _derive(os.urandom(32), b"archipelago checkpoint manifest")
     model, opt, loader = make_run()
-    mgr = CheckpointManager(tmp_path / "ckpt", keep=5, manifest_key=federation)  # as a federation trainer builds it
+    mgr = CheckpointManager(tmp_path / "ckpt", keep=5, verify=True)  # as a federation trainer builds it
     mgr.save(2, app_state(model, opt, loader))
     mine = tensors_of(model, opt)
     # Another member, who holds the federation secret but not this island's key, plants a

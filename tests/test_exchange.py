@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from conftest import FinishedWork
 
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation import exchange
@@ -75,18 +76,6 @@ NUMEL = 1000
 LIAR = 1
 
 
-class _Work:
-    """A finished collective, as torchft's managed work expects one."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def get_future(self):
-        future = torch.futures.Future()
-        future.set_result(None)
-        return future
-
-
 class _Bus:
     """What the islands' collectives exchange: each call returns when every island made it."""
 
@@ -126,12 +115,12 @@ class _Island:
     def allgather(self, outputs, inputs, options=None):
         for out, value in zip(outputs[0], self.bus.swap(self.rank, inputs[0])):
             out.copy_(value)
-        return _Work()
+        return FinishedWork()
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, options=None):
         for k, value in enumerate(self.bus.swap(self.rank, input)):
             output[k].copy_(value[self.rank])
-        return _Work()
+        return FinishedWork()
 
 
 def _weights(count: int) -> list[float]:

@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from conftest import FinishedWork
 from torch import nn
 
 from archipelago.config.schema import FaultToleranceConfig
@@ -27,16 +28,6 @@ from archipelago.federation.trust import FederationKey
 
 KEY = FederationKey(os.urandom(32))
 QUORUM = 11
-
-
-class _Done:
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def get_future(self):
-        future = torch.futures.Future()
-        future.set_result(None)
-        return future
 
 
 class _Quorum:
@@ -64,7 +55,7 @@ class _Quorum:
             outputs[0][k].zero_()
             outputs[0][k][:2] = torch.tensor(list(len(raw).to_bytes(2, "big")), dtype=torch.uint8)
             outputs[0][k][2:2 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-        return _Done()
+        return FinishedWork()
 
     def current_step(self) -> int:
         return self.step

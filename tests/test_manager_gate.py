@@ -8,7 +8,6 @@ the advertised manager address with raw gRPC, as an outsider would.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import queue
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import listening
 
 ROOT = Path(__file__).resolve().parents[1]
 ISLAND = ROOT / "tests" / "manager_gate_island.py"
@@ -104,32 +104,6 @@ def _call(target: str, method: str, request: bytes, timeout: float = 5.0) -> tup
             return exc.code(), exc.details()
 
 
-def _listening(pid: int) -> set[tuple[str, int]]:
-    """The (address, port) pairs process `pid` listens on (/proc: no tools needed)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    found = set()
-    for table, width in (("tcp", 4), ("tcp6", 16)):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            for line in list(f)[1:]:
-                fields = line.split()
-                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
-                    continue
-                hex_addr, hex_port = fields[1].split(":")
-                raw = bytes.fromhex(hex_addr)
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))  # host-order words
-                address = ipaddress.ip_address(raw)
-                mapped = getattr(address, "ipv4_mapped", None)  # grpc listens on ::ffff:a.b.c.d
-                found.add((str(mapped or address), int(hex_port, 16)))
-    return found
-
-
 @pytest.fixture
 def lighthouse():
     from torchft.coordination import LighthouseServer
@@ -175,7 +149,7 @@ def test_from_outside_only_the_healing_call_reaches_the_manager_and_kill_never_d
             == grpc.StatusCode.INVALID_ARGUMENT
 
         # The real server is on loopback only; LOCAL_ADDR's port is the gate's; nothing on every interface.
-        bound = _listening(island.proc.pid)
+        bound = listening(island.proc.pid)
         assert ("127.0.0.1", port) in bound and ("127.0.0.2", port) in bound, bound
         assert not {host for host, _ in bound} & {"0.0.0.0", "::"}, bound
         # The island's own rounds go on, and it says what it refused.
@@ -245,10 +219,10 @@ def test_the_real_server_stays_inside_a_one_host_island_and_the_gate_takes_local
         assert built[-1].bind == f"127.0.0.1:{port}" and built[-1].hostname == "127.0.0.2"
         assert server.address() == f"http://127.0.0.1:{port}"  # what the bridge ranks use
         assert server.advertised() == f"http://127.0.0.2:{port}"  # what the lighthouse hands out
-        assert ("127.0.0.2", port) in _listening(os.getpid())
+        assert ("127.0.0.2", port) in listening(os.getpid())
     finally:
         server.shutdown()
-    assert built[-1].closed and ("127.0.0.2", port) not in _listening(os.getpid())
+    assert built[-1].closed and ("127.0.0.2", port) not in listening(os.getpid())
 
 
 def test_without_local_addr_there_is_no_gate_and_the_server_is_on_loopback():

@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from conftest import listening
 
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.transport import (
@@ -236,36 +237,6 @@ def test_with_a_key_only_a_member_gets_the_state_and_only_from_a_member(monkeypa
             transport.shutdown(wait=False)
 
 
-def _listening(pid: str = "self") -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket process `pid` listens on (from /proc)."""
-    import ipaddress
-    import os
-
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table, width in (("tcp", 4), ("tcp6", 16)):
-        with open(f"/proc/net/{table}") as f:
-            for line in list(f)[1:]:
-                fields = line.split()
-                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
-                    continue
-                hex_addr, hex_port = fields[1].split(":")
-                raw = bytes.fromhex(hex_addr)
-                # /proc prints each 32-bit word in host (little-endian) order.
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
-                ip = ipaddress.ip_address(raw)
-                mapped = getattr(ip, "ipv4_mapped", None)  # grpc listens dual-stack: ::ffff:127.0.0.2
-                found.add((str(mapped or ip), int(hex_port, 16)))
-    return found
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("address", [None, pytest.param("127.0.0.2", marks=pytest.mark.slow)],
                          ids=["loopback", "local-addr"])
@@ -279,12 +250,12 @@ def test_an_islands_manager_store_and_transport_listen_on_its_address_only(monke
     if address:
         monkeypatch.setenv("LOCAL_ADDR", address)
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
-    before = _listening()
+    before = listening()
     manager = None
     try:
         ft = FaultToleranceConfig(enable=True, lighthouse=lighthouse.address())
         manager = build_manager(ft, 0, 1)
-        opened = _listening() - before
+        opened = listening() - before
         # The manager server, the rendezvous store and the healing transport: nothing else,
         # and nothing on every interface (0.0.0.0 / ::). With LOCAL_ADDR the manager server
         # itself stays on loopback and its gate takes the same port on LOCAL_ADDR.
@@ -347,8 +318,8 @@ def test_a_multi_rank_islands_rendezvous_stores_listen_on_its_address_only(tmp_p
             time.sleep(0.5)
         assert proc.poll() is None and "step 1" in log.read_text(), log.read_text()[-3000:]
         tree = _process_tree(proc.pid)
-        agent = _listening(str(proc.pid))
-        ranks = set().union(*(_listening(str(pid)) for pid in tree[1:]))
+        agent = listening(str(proc.pid))
+        ranks = set().union(*(listening(str(pid)) for pid in tree[1:]))
         # torchrun's agent hosts two stores (rendezvous, and the one the ranks share): both
         # on the island's address; nothing of the island listens on every interface.
         assert len(agent) == 2 and {host for host, _ in agent} == {address or "127.0.0.1"}, agent

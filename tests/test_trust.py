@@ -11,6 +11,7 @@ import tracemalloc
 import uuid
 
 import pytest
+from conftest import FinishedWork
 
 from archipelago.config import ConfigError
 from archipelago.federation.trust import (
@@ -212,20 +213,6 @@ def test_a_join_frame_authenticates_a_fingerprint_for_one_quorum_only():
     assert read_fingerprint_row(bytes(forged), key, 7)["unauthenticated"]
 
 
-class _Gathered:
-    """A finished collective, as torchft's managed work expects one."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def get_future(self):
-        import torch
-
-        future = torch.futures.Future()
-        future.set_result(None)
-        return future
-
-
 class _Quorum:
     """A manager whose fingerprint all-gather brings the other members' rows (replica ranks 1..)."""
 
@@ -242,7 +229,7 @@ class _Quorum:
         for k, raw in enumerate(self.rows, start=1):
             outputs[0][k][:2] = torch.tensor(list(len(raw).to_bytes(2, "big")), dtype=torch.uint8)
             outputs[0][k][2:2 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-        return _Gathered()
+        return FinishedWork()
 
     def register_state_dict_fn(self, *args) -> None:
         pass

@@ -158,9 +158,6 @@ class CheckpointManager:
             match (module docstring). Costs one read of the checkpoint at save and, at
             load, one read plus one write to $TMPDIR of the files each rank loads; with
             False only file sizes are checked and the folder must be trusted.
-        manifest_key: deprecated and not used for signing (every member of a federation
-            holds the secret it comes from, so it proved nothing); passing one still turns
-            `verify` on, as it did. Callers should pass `verify` instead.
         key_file: the local key file; None: $ARCHIPELAGO_CHECKPOINT_KEY_FILE, else
             ~/.config/archipelago/checkpoint.key (signing.py). Read (or made) by rank 0.
         accept_unsigned: also load checkpoints this key did not sign (none, or another
@@ -176,7 +173,6 @@ class CheckpointManager:
         rank: int = 0,
         world_size: int = 1,
         verify: bool = True,
-        manifest_key: bytes | None = None,
         *,
         key_file: Path | None = None,
         accept_unsigned: bool = False,
@@ -186,7 +182,7 @@ class CheckpointManager:
         self.keep = keep
         self.rank = rank
         self.world_size = world_size
-        self.verify = verify or manifest_key is not None
+        self.verify = verify
         self.key_file = Path(key_file) if key_file is not None else default_key_path()
         self.accept_unsigned = accept_unsigned
         self.scratch_dir = scratch_dir

@@ -102,10 +102,6 @@ class FederationKey:
     def island_key(self, island: int) -> bytes:
         return self._islands(island)
 
-    def manifest_key(self) -> bytes:
-        """The key that signs checkpoint manifests (checkpoint/manager.py)."""
-        return _derive(self._secret, b"archipelago checkpoint manifest")
-
     def tag(self, island: int, message: bytes) -> bytes:
         return hmac.new(self.island_key(island), message, hashlib.sha256).digest()
 
