@@ -930,6 +930,8 @@ class RunMetrics:
             "peak_source": self.peak_source, "run_dir": str(self.run_dir),
             # This session's: wall_s spans every session of a resumed run.
             **({"dashboard_push_cpu_s": self.pusher.cpu_s} if self.pusher is not None else {}),
+            # The leader's (rank 0, the first bridge rank) peak resident memory in this session.
+            "peak_rss_bytes": _peak_rss_bytes(),
         }
         if self.ctx.is_leader:
             write_json_atomic(path, summary)
@@ -942,6 +944,15 @@ class RunMetrics:
             self.display.close()
         self.tensorboard.close()
         self.jsonl.close()
+
+
+def _peak_rss_bytes() -> int | None:
+    """This process's peak resident set size (Linux reports KiB; None where unknown)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # Settings a checkpoint is tied to: resuming with other values would load the wrong
