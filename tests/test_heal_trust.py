@@ -99,7 +99,7 @@ def _claim(replica: int, claim: StateClaim) -> bytes:
 def _loop(manager: _Quorum, step: int) -> OuterLoop:
     ft, model, fp = _island(0)
     loop = OuterLoop(ft, [list(model.parameters())], 0, 1, manager, fp, key=KEY)
-    loop.step, loop.last_committed, loop.committed_rounds = step, True, step
+    loop.step, loop.last_committed, loop.established = step, True, step > 0
     loop.federation_tokens, loop.inner_step = 5000, 40
     manager.step = step
     return loop
@@ -135,7 +135,7 @@ def test_a_member_claiming_the_next_step_does_not_become_the_healing_source(capl
 def test_a_source_at_the_federations_step_serving_other_weights_is_refused():
     manager = _Quorum(step=0, max_step=4, offer=None, gathers=[])
     loop = _loop(manager, step=0)
-    loop.last_committed, loop.committed_rounds = False, 0  # a restarted island heals
+    loop.last_committed, loop.established = False, False  # a restarted island heals
     offer = _forged_state(loop, scale=3.0)
     manager.offer = offer
     honest = StateClaim(4, "a" * 64, True, 40, 5000)  # two members (1 and 3) hold other weights at step 4
@@ -152,7 +152,7 @@ def test_a_source_at_the_federations_step_serving_other_weights_is_refused():
 def test_a_state_the_members_vouch_for_heals_with_their_counters_not_the_sources():
     manager = _Quorum(step=0, max_step=5, offer=None, gathers=[])
     loop = _loop(manager, step=0)
-    loop.last_committed, loop.committed_rounds = False, 0  # a restarted island
+    loop.last_committed, loop.established = False, False  # a restarted island
     offer = _forged_state(loop, scale=2.0)
     manager.offer = offer
     digest = _digest(f["global"] for f in offer["fragments"])

@@ -42,18 +42,18 @@ def _island_view(*ranks: Membership) -> Membership:
 
 
 def test_membership_survives_the_island_max_whatever_the_ranks_know():
-    bridge = Membership(outer_step=7, healed=True, progress_void=True, refuse_peer=False, peer_inner_step=140,
+    bridge = Membership(outer_step=7, healed=True, progress_void=True, peer_inner_step=140,
                         participants=3, replica_rank=0)
     assert _island_view(bridge) == bridge
     # Ranks without a bridge know nothing: the island's view is the bridge rank's.
     assert _island_view(Membership(), bridge, Membership()) == bridge
     assert bridge.leads and not Membership(replica_rank=1).leads and not Membership().leads
     # Two bridge ranks (sync_width 2) of one island hold the same quorum; any refusal wins.
-    assert _island_view(bridge, Membership(**{**bridge.__dict__, "refuse_peer": True})).refuse_peer
+    assert _island_view(bridge, Membership(**{**bridge.__dict__, "heal_refused": True})).heal_refused
 
 
 def test_the_peer_step_counts_only_when_the_island_healed():
-    assert Membership(peer_inner_step=99).to_values()[4] == 0
+    assert Membership(peer_inner_step=99).to_values()[3] == 0  # its peer step
     assert Membership.from_values(Membership(healed=True, peer_inner_step=99).to_values()).peer_inner_step == 99
 
 
@@ -200,11 +200,6 @@ def test_an_island_that_missed_rounds_heals_from_the_ones_that_went_on():
     # A restarted island among three that went on.
     claims = [_claim(2, "old", current=False), _claim(9, "h9"), _claim(9, "h9"), _claim(9, "h9")]
     assert heal_verdict(StateClaim(9, "h9"), claims, me=0)[0].accepted
-
-
-def test_membership_carries_a_refused_heal_through_the_island_max():
-    bridge = Membership(outer_step=7, healed=False, heal_refused=True, participants=3, replica_rank=1)
-    assert _island_view(bridge, Membership()).heal_refused
 
 
 # ---- every receiver's verdict on every island's row --------------------------------

@@ -33,7 +33,6 @@ Rounds end after `sync_steps` inner steps (round_pacing = "steps"), or after
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import time
@@ -65,10 +64,10 @@ from archipelago.federation.guard import FORGE_KINDS, Poison, UpdateGuard
 from archipelago.federation.inner_state import InnerStateAverager, StateExchange
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.membership import (
-    FINGERPRINT_KEYS,
     FederationMismatch,
     exchange_claims,
     exchange_fingerprints,
+    fingerprint_groups,
     lighthouse_address,
     mismatch,
 )
@@ -212,8 +211,9 @@ class OuterLoop:
         self._heal_refusal: str | None = None   # why the offer was refused before the claims
         self._heal_taken = StateClaim()         # the counters the supporters vouched for
         self._before_quorum: tuple[int, int] = (0, 0)  # the manager's step and batches before it
-        self.committed_rounds = 0   # rounds this process committed (it is "established" after one)
+        self.established = False     # this process committed a round (policy.reference_fingerprint)
         self.last_committed = False  # its last round committed ("current" in its state claim)
+        self._digest: str | None = None  # _chunk_digest()'s, until the global weights change
         self.odd_ranks: set[int] = set()  # rank 0: replica ranks whose fingerprint the federation refuses
         self.guard = UpdateGuard(ft.outer_norm_limit, len(fragments))
         self.round_tokens = 0             # this island's tokens since the last exchange
@@ -298,20 +298,22 @@ class OuterLoop:
         pin = torch.cuda.is_available()
         self.globals = [nn.Parameter(c.detach().to("cpu").clone().pin_memory() if pin
                                      else c.detach().to("cpu").clone()) for c in chunks]
+        self._digest = None
         self.outer = [build_outer_optimizer(self.ft, g) for g in self.globals]
         if len(self.codecs) != len(self.globals):  # codec state (error feedback) outlives a reset
             self.codecs = [build_codec(self.ft, g.numel()) for g in self.globals]
 
     def global_hash(self) -> str:
         """SHA-256 over the global weights in canonical order (a collective)."""
-        digest = None
-        if self.is_bridge:
-            h = hashlib.sha256()
-            for g in self.globals:
-                h.update(g.detach().contiguous().numpy().tobytes())
-            digest = h.hexdigest()
-        digests = self._island_gather_objects(digest)
+        digests = self._island_gather_objects(self._chunk_digest() if self.is_bridge else None)
         return hashlib.sha256("".join(d for d in digests if d).encode()).hexdigest()[:16]
+
+    def _chunk_digest(self) -> str:
+        """SHA-256 of this bridge rank's global chunks (_digest), computed once per change of
+        them: the round's global hash and the next round's state claim hash the same bytes."""
+        if self._digest is None:
+            self._digest = _digest(self.globals)
+        return self._digest
 
     def shutdown(self) -> None:
         if self.manager is not None:
@@ -439,13 +441,13 @@ class OuterLoop:
         self.manager.start_quorum()  # a healing island's _load_heal holds the peer's state
         self._refuse_outsiders()
         refusal = self._heal_refusal = self._judge_offer()
-        refuse = self._check_members()
+        self._check_members()
         offer = self._heal_offer
         healed = offer is not None and refusal is None
         same = healed and all(torch.equal(g.detach(), f["global"].to(g.device))
                               for g, f in zip(self.globals, offer["fragments"]))  # type: ignore[index]
         return Membership(outer_step=self.manager.current_step(), healed=healed,
-                          progress_void=healed and not same, refuse_peer=refuse,
+                          progress_void=healed and not same,
                           peer_inner_step=self._heal_taken.inner_step if healed else 0,
                           participants=self.manager.num_participants(),
                           replica_rank=_rank_or_none(self.manager), heal_refused=refusal is not None)
@@ -469,7 +471,7 @@ class OuterLoop:
 
     def _own_claim(self) -> StateClaim:
         """This bridge rank's claim about its state before this quorum (what it committed)."""
-        return StateClaim(self._before_quorum[0], _digest(self.globals), self.last_committed,
+        return StateClaim(self._before_quorum[0], self._chunk_digest(), self.last_committed,
                           self.inner_step, self.federation_tokens)
 
     def _settle_heal(self, m: Membership) -> Membership:
@@ -574,7 +576,7 @@ class OuterLoop:
         self.last_committed = committed
         if committed:
             self.step += 1
-            self.committed_rounds += 1
+            self.established = True
             self.federation_tokens += tokens
             if p.tokens:
                 self.tokens_ratio = tokens / p.tokens
@@ -690,6 +692,7 @@ class OuterLoop:
             g.grad = buffer[:-2].to(g.device) / total
             self.outer[fragment].step()
             self.outer[fragment].zero_grad(set_to_none=True)
+        self._digest = None
 
     def _should_commit(self) -> bool:
         try:
@@ -707,7 +710,7 @@ class OuterLoop:
         quorum_id = self.manager._quorum_id
         if quorum_id == self.quorum_id or self.rank != 0:
             return False
-        mine = dict(self.fingerprint, step=self.manager.current_step(), established=self.committed_rounds > 0)
+        mine = dict(self.fingerprint, step=self.manager.current_step(), established=self.established)
         table = exchange_fingerprints(self.manager, mine, self.key)
         if table is None:
             return False  # the collective failed; retried at the next membership change
@@ -725,7 +728,7 @@ class OuterLoop:
                 log.error("unauthenticated member at replica rank %d of quorum %d: no valid join frame (another "
                           "federation key, or none); every island refuses its updates", k, quorum_id)
         table[me] = mine  # its own row as it sent it
-        groups = _fingerprint_groups([table[k] for k in members])
+        groups = fingerprint_groups([table[k] for k in members])
         reference = reference_fingerprint([table[k] for k in members], groups, members.index(me))
         problem = mismatch(mine, reference)
         if problem is not None:
@@ -782,6 +785,7 @@ class OuterLoop:
         could make it refuse or wave through this island's next updates)."""
         for g, o, f in zip(self.globals, self.outer, state["fragments"]):
             load_tensor_state(o, g, f)  # the codecs keep this island's own error feedback
+        self._digest = None
         self.peer_inner_step = self._heal_taken.inner_step
         self.federation_tokens = self._heal_taken.federation_tokens
         log.info("healed: received the global weights from a peer island (federation step %d)",
@@ -818,6 +822,7 @@ class OuterLoop:
                 saved = state[f"bridge{self.rank}"][f"fragment{i}"]
                 load_tensor_state(o, g, saved)
                 c.load_state_dict(saved.get("codec", {}))
+            self._digest = None
         if self.manager is not None:
             self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
 
@@ -860,13 +865,6 @@ def _digest(tensors: Any) -> str:
     for t in tensors:
         h.update(t.detach().to("cpu").contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def _fingerprint_groups(table: list[dict[str, Any]]) -> list[int]:
-    """Numbers the distinct fingerprints of `table` (equal on every field islands must agree on)."""
-    seen: dict[str, int] = {}
-    keys = [json.dumps([fp.get(k) for k in FINGERPRINT_KEYS], sort_keys=True, default=str) for fp in table]
-    return [seen.setdefault(key, len(seen)) for key in keys]
 
 
 def _rank_or_none(manager: Any) -> int:

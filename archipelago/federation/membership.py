@@ -335,6 +335,14 @@ def differing(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     return [k for k in FINGERPRINT_KEYS if mine.get(k) != theirs.get(k)]
 
 
+def fingerprint_groups(table: list[dict[str, Any]]) -> list[int]:
+    """Numbers the distinct fingerprints of `table` (equal numbers: equal on every field
+    islands must agree on, the ones `differing` compares)."""
+    seen: dict[str, int] = {}
+    keys = [json.dumps([fp.get(k) for k in FINGERPRINT_KEYS], sort_keys=True, default=str) for fp in table]
+    return [seen.setdefault(key, len(seen)) for key in keys]
+
+
 def mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     """Why two islands cannot train together, or None."""
     keys = differing(mine, theirs)

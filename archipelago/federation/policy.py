@@ -40,7 +40,6 @@ class Membership:
     outer_step: int = 0         # the federation's outer step count before this round
     healed: bool = False        # the island received the global state from a peer
     progress_void: bool = False  # ...whose weights differed: its own progress since is void
-    refuse_peer: bool = False   # a peer island's fingerprint differs from this island's
     peer_inner_step: int = 0    # the inner step of the peer it healed from (0 if not healed)
     participants: int = 0       # islands in the quorum
     replica_rank: int = -1      # this island's rank in the quorum (-1: not in it)
@@ -54,14 +53,14 @@ class Membership:
     def to_values(self) -> list[float]:
         """Numbers whose element-wise max over the island's ranks is the island's view:
         only bridge ranks know the quorum, the others send `Membership()` (all lowest)."""
-        return [float(self.outer_step), float(self.healed), float(self.progress_void), float(self.refuse_peer),
+        return [float(self.outer_step), float(self.healed), float(self.progress_void),
                 float(self.peer_inner_step if self.healed else 0), float(self.participants),
                 float(self.replica_rank + 1), float(self.heal_refused)]
 
     @classmethod
     def from_values(cls, values: Sequence[float]) -> Membership:
-        step, healed, void, refuse, peer, participants, rank, heal_refused = values
-        return cls(int(step), bool(healed), bool(void), bool(refuse), int(peer) if healed else 0,
+        step, healed, void, peer, participants, rank, heal_refused = values
+        return cls(int(step), bool(healed), bool(void), int(peer) if healed else 0,
                    int(participants), int(rank) - 1, bool(heal_refused))
 
 
