@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from urllib.parse import unquote
 
 from torch.distributed import TCPStore
 
@@ -20,6 +21,21 @@ def url_host(host: str) -> str:
         return f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
     except ValueError:
         return host
+
+
+def grpc_peer_address(peer: str) -> str:
+    """The address a gRPC peer (`ipv4:10.0.0.1:5000`, `ipv6:%5B::1%5D:5000`) calls from,
+    without its port, an IPv4-mapped IPv6 address as IPv4; anything else as given."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return peer
+    host = unquote(rest).rpartition(":")[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return str(mapped or address)
 
 
 def listening_socket(host: str, port: int = 0) -> socket.socket:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import logging
 import secrets
 import socket
@@ -47,16 +46,16 @@ from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
 
 from archipelago.federation.trust import (
     FederationKey,
     admission_proof,
+    is_loopback,
     minted_key,
     redacted,
     verified_member,
 )
-from archipelago.netutil import url_host
+from archipelago.netutil import grpc_peer_address, url_host
 
 log = logging.getLogger("archipelago.lighthouse")
 
@@ -171,17 +170,8 @@ def replica_id(method: str, request: bytes) -> str:
 def peer_host(peer: str) -> str:
     """The address a gRPC peer (`ipv4:10.0.0.1:5000`, `ipv6:%5B::1%5D:5000`) calls from:
     an IP address as text, IPv4 for an IPv4-mapped one, "loopback" for any loopback one."""
-    kind, _, rest = peer.partition(":")
-    if kind not in ("ipv4", "ipv6"):
-        return peer
-    host = unquote(rest).rpartition(":")[0].strip("[]")
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return host
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return "loopback" if address.is_loopback else str(address)
+    address = grpc_peer_address(peer)
+    return "loopback" if is_loopback(address) and address != "localhost" else address
 
 
 # ---- admissions: who proved which token, from where ---------------------------------

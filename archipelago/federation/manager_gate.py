@@ -39,7 +39,7 @@ from concurrent import futures
 from typing import Any
 
 from archipelago.config import ConfigError
-from archipelago.netutil import url_host
+from archipelago.netutil import grpc_peer_address, url_host
 
 log = logging.getLogger("archipelago.federation")
 
@@ -106,11 +106,6 @@ def _deadline(context: Any) -> float:
     return _FORWARD_S if remaining is None else max(0.0, min(remaining, _FORWARD_S))
 
 
-def _peer_host(peer: str) -> str:
-    """`ipv4:1.2.3.4:567` or `ipv6:[::1]:567` -> the address, without the port."""
-    return peer.split(":", 1)[-1].rsplit(":", 1)[0]
-
-
 class _Calls:
     """The gate's handlers: the healing call forwarded, the service's other calls refused
     (PERMISSION_DENIED); grpc answers UNIMPLEMENTED to any other method, including one a
@@ -133,7 +128,7 @@ class _Calls:
         raise AssertionError("unreachable: abort raises")
 
     def _refuse(self, method: str, request: bytes, context: Any) -> bytes:
-        self._log_refusal(method, _peer_host(context.peer()))
+        self._log_refusal(method, grpc_peer_address(context.peer()))
         context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
                       f"{method} is this island's own call: another island may ask only "
                       f"CheckpointMetadata here (archipelago's manager gate)")

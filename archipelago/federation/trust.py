@@ -264,7 +264,7 @@ def redacted(replica_id: str) -> str:
 def refuse_exposed_without_key(key: FederationKey | None, insecure: bool) -> None:
     """An island that serves healing beyond loopback (LOCAL_ADDR) needs a key, or `insecure`."""
     address = os.environ.get("LOCAL_ADDR", "")
-    if key is not None or not address or _is_loopback(address):
+    if key is not None or not address or is_loopback(address):
         return
     if insecure:
         log.warning("no federation key and LOCAL_ADDR=%s: anyone who reaches that address can fetch the "
@@ -277,11 +277,12 @@ def refuse_exposed_without_key(key: FederationKey | None, insecure: bool) -> Non
                       "network with --federation_security.insecure")
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """True for a loopback address (any of 127.0.0.0/8, ::1) or `localhost`."""
     try:
-        return ipaddress.ip_address(address).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return address == "localhost"
+        return host == "localhost"
 
 
 @dataclass(frozen=True)

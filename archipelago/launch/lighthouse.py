@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import os
 import signal
 import socket
@@ -98,7 +97,7 @@ def start_lighthouse(bind: str = DEFAULT_BIND, min_replicas: int = DEFAULT_MIN_R
                              ("heartbeat_timeout_ms", heartbeat_timeout_ms, 1)):
         if value < low:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
-    with _quiet_torchft_log() if key is not None else contextlib.nullcontext():
+    with quiet_torchft_log() if key is not None else contextlib.nullcontext():
         from torchft.coordination import LighthouseServer
 
     from archipelago.federation.gate import GateError, LighthouseGate
@@ -132,11 +131,12 @@ def start_lighthouse(bind: str = DEFAULT_BIND, min_replicas: int = DEFAULT_MIN_R
 
 
 @contextlib.contextmanager
-def _quiet_torchft_log() -> Iterator[None]:
-    """torchft's lighthouse logs every replica id it sees at INFO, member tokens included (a
-    token is a credential): RUST_LOG defaults to warnings while torchft is imported (its
-    Rust module reads RUST_LOG once, then; a process that imported it before keeps its
-    level). An explicit RUST_LOG wins."""
+def quiet_torchft_log() -> Iterator[None]:
+    """RUST_LOG defaults to warnings inside this block (an explicit RUST_LOG wins): torchft's
+    Rust module reads it once, when first imported or started, and its lighthouse then logs
+    every request at INFO, replica ids and so member tokens (credentials) included. The
+    environment is put back afterwards (a process that imported torchft before keeps its
+    level)."""
     user_setting = os.environ.get("RUST_LOG")
     os.environ["RUST_LOG"] = user_setting or "warn"
     try:
@@ -153,8 +153,10 @@ def refuse_open_without_key(bind: str, key: FederationKey | None, insecure: bool
     (and could claim any step, becoming every island's healing source) and use torchft's
     dashboard, whose kill endpoint stops islands. `flags`: the caller's names for the
     bind address, the key file and the opt-out."""
+    from archipelago.federation.trust import is_loopback
+
     host, _ = split_bind(bind)
-    if key is not None or insecure or _is_loopback(host):
+    if key is not None or insecure or is_loopback(host):
         return
     bind_flag, key_flag, insecure_flag = flags
     raise ConfigError(f"{bind_flag} {bind} without a federation key: anyone who reaches it could join the "
@@ -162,13 +164,6 @@ def refuse_open_without_key(bind: str, key: FederationKey | None, insecure: bool
                       f"lighthouse the federation's key file ({key_flag} FILE or $ARCHIPELAGO_FEDERATION_KEY_FILE; "
                       "make one with `archipelago secret new --out FILE`), or bind 127.0.0.1; on a trusted private "
                       f"network, {insecure_flag} accepts the risk")
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def island_urls(bind: str, server: LighthouseServer | LighthouseGate) -> tuple[str, str | None]:

@@ -733,7 +733,7 @@ def federation_key(passthrough: list[str]) -> Any:
 def start_lighthouse_server(opts: Options) -> Any:
     """The in-process lighthouse: behind the members-only gate when the islands hold a
     federation key (federation/gate.py)."""
-    from archipelago.launch.lighthouse import refuse_open_without_key, start_lighthouse
+    from archipelago.launch.lighthouse import quiet_torchft_log, refuse_open_without_key, start_lighthouse
 
     key = federation_key(opts.passthrough)
     # Beyond loopback without a key anyone could join: the islands' own opt-out accepts it.
@@ -744,15 +744,10 @@ def start_lighthouse_server(opts: Options) -> Any:
     # the same. torchft reads RUST_LOG once, when its first server starts, so quietening it
     # there changes nothing else (islands get the environment as it was). RUST_LOG=info
     # brings the log back.
-    user_setting = os.environ.get("RUST_LOG")
-    os.environ["RUST_LOG"] = user_setting or "warn"
-    try:
+    with quiet_torchft_log():
         return start_lighthouse(bind=opts.lighthouse_bind, min_replicas=opts.min_replicas,
                                 join_timeout_ms=opts.join_timeout_ms, quorum_tick_ms=opts.quorum_tick_ms,
                                 heartbeat_timeout_ms=opts.heartbeat_timeout_ms, key=key)
-    finally:
-        if user_setting is None:
-            del os.environ["RUST_LOG"]
 
 
 def reachable_url(address: str, bind: str) -> str:
