@@ -20,14 +20,8 @@ import torch
 from conftest import listening
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.transport import (
-    MAGIC,
-    HealingRefused,
-    SafeHTTPTransport,
-    StateFormatError,
-    decode_state,
-    encode_state,
-)
+from archipelago.federation.state_format import MAGIC, StateFormatError, decode_state, encode_state
+from archipelago.federation.transport import HealingRefused, SafeHTTPTransport
 from archipelago.federation.trust import FederationKey
 
 TIMEOUT = timedelta(seconds=5)
@@ -477,7 +471,8 @@ def test_an_answer_over_the_size_cap_is_refused_after_at_most_the_cap(monkeypatc
 
 
 def test_the_size_cap_comes_from_the_islands_own_state():
-    from archipelago.federation.transport import _memory_cap, encoded_size, heal_cap
+    from archipelago.federation.state_format import encoded_size
+    from archipelago.federation.transport import _memory_cap, heal_cap
 
     state = _state()
     assert len(encode_state(7, state)) <= encoded_size(7, state) <= len(encode_state(7, state)) + 1024

@@ -54,7 +54,7 @@ _ISLAND_OFFSET = 4 + 16 + 8 + 8 + 4  # where the island id sits in the header
 
 # Frame kinds.
 HEAL_REQUEST = 1  # a healing island asks a peer for the global state (empty payload)
-HEAL_STATE = 2    # the peer's answer: transport.encode_state bytes
+HEAL_STATE = 2    # the peer's answer: state_format.encode_state bytes
 
 MEMBER_PREFIX = "island_"  # torchft reads the island id from the digits before the first ":"
 # A member id, whole: `island_N:NONCE TAG` (N without leading zeros: one spelling per island),
