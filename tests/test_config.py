@@ -106,6 +106,15 @@ def test_adam_federation_batch_with_another_inner_optimizer_names_the_fix():
     validate(cfg)
 
 
+def test_a_declared_limit_below_one_names_the_fix():
+    cfg = Config()
+    cfg.fault_tolerance.enable, cfg.fault_tolerance.declared_limit = True, 0.5
+    assert "fault_tolerance.declared_limit = 0.5: use a factor of at least 1" in _refusal(cfg)
+    for allowed in (0.0, 1.0, 16.0):  # 0 turns the bound off
+        cfg.fault_tolerance.declared_limit = allowed
+        validate(cfg)
+
+
 def test_fault_tolerance_keys_of_the_reference_platform_exist():
     names = {"enable", "replica_id", "group_size", "min_replica_size", "semi_sync_method",
              "sync_steps", "num_fragments", "fragment_sync_delay", "fragment_update_alpha",
