@@ -24,6 +24,7 @@ depend on how it is sharded).
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -32,9 +33,10 @@ from torch import nn
 
 from archipelago.config import Config
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
-from archipelago.federation.exchange import Framing, aggregate
-from archipelago.federation.fragments import build_outer_optimizer, split_fragments
+from archipelago.federation.exchange import Framing
+from archipelago.federation.fragments import split_fragments
 from archipelago.federation.inner_state import WIRE_DTYPES, state_keys
+from archipelago.federation.outer_core import OuterCore, fragment_of
 from archipelago.island.optim import build_lr_scheduler, build_optimizer, set_schedule_position
 from archipelago.island.parallelize import compute_dtype
 from archipelago.tasks import Task, build_task
@@ -56,6 +58,8 @@ class SimResult:
     bytes_sent: int = 0  # payload bytes all islands handed to the exchange (as the meter counts)
     inner_steps: list[int] = field(default_factory=list)  # each island's inner steps
     models: list[nn.Module] = field(default_factory=list)  # the islands' models at the end
+    staleness: list[int] = field(default_factory=list)  # decoupled rounds: of every contribution that entered
+    dropped: int = 0  # decoupled rounds: contributions left out as too stale
 
     @property
     def final(self) -> SimPoint:
@@ -198,6 +202,17 @@ def evaluate(model: nn.Module, task: Task, device: torch.device, dtype: torch.dt
     return task.eval_metrics(sums)
 
 
+def _wire(island: _Island, fragment: int, pseudo: torch.Tensor, codec_name: str) -> tuple[torch.Tensor, int]:
+    """The pseudo-gradient as every receiver decodes it, and its row's bytes (tokens and
+    weight, then the payload)."""
+    payload = 4 * pseudo.numel()
+    if codec_name != "fp32":
+        codec = island.codecs[fragment]
+        pseudo = codec.decode(codec.encode(pseudo))
+        payload = codec.payload_bytes()
+    return pseudo, Framing().row_bytes(payload)
+
+
 class _Outer:
     """The outer loop between the simulated islands (OuterLoop's semantics, in lockstep)."""
 
@@ -210,8 +225,8 @@ class _Outer:
         if sync_warmup_rounds and (self.ft.num_fragments > 1 or self.ft.fragment_sync_delay):
             raise ValueError("sync_warmup_rounds: one fragment without fragment_sync_delay only")
         n = len(islands[0].fragments)
-        self.globals = [nn.Parameter(islands[0].flat(f).clone()) for f in range(n)]
-        self.outer = [build_outer_optimizer(self.ft, g) for g in self.globals]
+        self.core = OuterCore(self.ft, [islands[0].flat(f) for f in range(n)])
+        self.globals = self.core.globals
         self.codec = effective_codec(self.ft)
         if self.codec == "auto":
             raise ValueError("codec = \"auto\" chooses by the link between islands, which this in-process "
@@ -246,20 +261,16 @@ class _Outer:
 
     def prepare(self) -> None:
         """Each island's weighted pseudo-gradient, encoded and decoded, summed in island order."""
-        fragment = self.step % len(self.globals)
+        fragment = fragment_of(self.step, self.core.fragments)
         values, weights, self.round_tokens = [], [], []
         for island in self.islands:
-            pseudo = self.globals[fragment].detach() - island.flat(fragment)
-            weight = 1.0 if self.ft.outer_weighting == "equal" else float(island.fragment_tokens[fragment])
+            pseudo = self.core.pseudo_gradient(fragment, island.flat(fragment))
+            weight, _ = self.core.weight(island.fragment_tokens[fragment], contributes=True)
             self.round_tokens.append(island.fragment_tokens[fragment])
             island.fragment_tokens[fragment] = 0
-            payload = 4 * pseudo.numel()
-            if self.codec != "fp32":
-                codec = island.codecs[fragment]
-                pseudo = codec.decode(codec.encode(pseudo))
-                payload = codec.payload_bytes()
-            self.bytes_sent += Framing().row_bytes(payload)  # its row: tokens and weight, then the payload
-            values.append(pseudo)
+            decoded, sent = _wire(island, fragment, pseudo, self.codec)
+            self.bytes_sent += sent
+            values.append(decoded)
             weights.append(weight)
             if self.ft.average_optimizer_state:  # rounded to the wire's type, as every receiver sees them
                 wire = WIRE_DTYPES[self.ft.moments_dtype]
@@ -268,26 +279,19 @@ class _Outer:
                                         [a + b for a, b in zip(self.pending_moments, moments)])
                 size = torch.finfo(wire).bits // 8 * sum(m.numel() for m in moments)
                 self.bytes_sent += Framing().row_bytes(size)  # their row
-        total = aggregate(values, weights, self.ft.outer_aggregation == "trimmed_mean")
-        self.pending = (fragment, total, sum(weights))
+        self.pending = (fragment, self.core.merge(values, weights), sum(weights))
 
     @torch.no_grad()
     def perform(self) -> None:
         fragment, total, weights = self.pending
-        g = self.globals[fragment]
-        g.grad = total / weights
         if self.momentum_warmup_rounds:  # an experiment: outer momentum ramps up from 0
             ramp = min(1.0, self.step / self.momentum_warmup_rounds)
-            for group in self.outer[fragment].param_groups:
+            for group in self.core.outer[fragment].param_groups:
                 group["momentum"] = self.ft.outer_momentum * ramp
-        self.outer[fragment].step()
-        self.outer[fragment].zero_grad(set_to_none=True)
+        self.core.apply(fragment, total, weights)
         self.step += 1
         for island in self.islands:
-            new = g.detach()
-            if self.ft.fragment_update_alpha > 0:
-                new = new.lerp(island.flat(fragment), self.ft.fragment_update_alpha)
-            island.write(fragment, new)
+            island.write(fragment, self.core.island_weights(fragment, island.flat(fragment)))
         if self.ft.average_optimizer_state and weights > 0:
             for island in self.islands:
                 island.write_moments(fragment, [m / weights for m in self.pending_moments])
@@ -303,10 +307,104 @@ class _Outer:
                     s[k].copy_(mean)
 
 
+@dataclass
+class _HandOff:
+    """A pseudo-gradient handed off and not yet entered (decoupled rounds)."""
+
+    entry: int          # the round boundary at which it enters an outer step
+    island: int
+    values: torch.Tensor
+    tokens: int
+    base_step: int      # the outer steps applied when the island took its base weights
+    raw: torch.Tensor   # its pseudo-gradient before the codec (the island's own progress)
+
+
+class _Decoupled:
+    """Decoupled rounds between the simulated islands (fault_tolerance.round_mode = "decoupled").
+
+    At every round boundary (each `sync_steps` ticks), in this order: each island whose cycle
+    ends hands off its pseudo-gradient (its base weights - its weights), to enter `delays[i]`
+    boundaries later (1: the exchange overlaps the next round; more: a thin link, whose
+    island then also hands off only every `delays[i]` rounds); the contributions due enter
+    one outer step, each discounted by its staleness (the outer steps applied since its base);
+    the islands that handed off continue from the new global weights minus their own
+    pseudo-gradients still in flight (`OuterCore.rebased`: their own progress is not lost
+    while it travels; `eager` False drops it until it enters). With every
+    delay 0 this is the synchronous round, bit for bit. The quality simulator leaves out
+    that a thin island's download of the global weights also takes time (the scale
+    simulator charges it).
+    """
+
+    def __init__(self, cfg: Config, islands: list[_Island], delays: Sequence[int], eager: bool = True) -> None:
+        self.ft, self.islands, self.delays, self.eager = cfg.fault_tolerance, islands, list(delays), eager
+        if len(islands[0].fragments) != 1:
+            raise ValueError("decoupled rounds synchronise the whole model at once: num_fragments = 1")
+        if self.ft.average_optimizer_state or self.ft.adam_federation_batch:
+            raise ValueError("decoupled rounds exchange pseudo-gradients only: set average_optimizer_state and "
+                             "adam_federation_batch to false (compare against a synchronous run without them)")
+        self.core = OuterCore(self.ft, [islands[0].flat(0)])
+        self.codec = effective_codec(self.ft)
+        if self.codec == "auto":
+            raise ValueError("codec = \"auto\" needs links between islands: give the codec to compare")
+        for island in islands:
+            island.codecs = [build_codec(self.ft, self.core.globals[0].numel())]
+        self.bases = [g.detach().clone() for g in [self.core.globals[0]] * len(islands)]
+        self.base_steps = [0] * len(islands)
+        self.tokens = [0] * len(islands)
+        self.in_flight: list[_HandOff] = []
+        self.local_step, self.boundary, self.step, self.bytes_sent = 0, 0, 0, 0
+        self.staleness: list[int] = []  # of every contribution that entered
+        self.dropped = 0                # contributions staler than max_staleness
+
+    def after_inner_step(self, tokens: Sequence[int]) -> None:
+        for k, trained in enumerate(tokens):
+            self.tokens[k] += trained
+        self.local_step += 1
+        if self.local_step == self.ft.sync_steps:
+            self.local_step = 0
+            self.round_boundary()
+
+    def round_boundary(self) -> None:
+        self.boundary += 1
+        handing = [k for k, d in enumerate(self.delays) if self.boundary % max(d, 1) == 0]
+        for k in handing:
+            island = self.islands[k]
+            pseudo = self.core.pseudo_gradient(0, island.flat(0), base=self.bases[k])
+            values, sent = _wire(island, 0, pseudo, self.codec)
+            self.bytes_sent += sent
+            self.in_flight.append(_HandOff(self.boundary + self.delays[k], k, values, self.tokens[k],
+                                           self.base_steps[k], pseudo))
+            self.tokens[k] = 0
+        self.enter_due()
+        for k in handing:  # the new global weights, plus its own progress not in them yet
+            own = [h.raw for h in self.in_flight if h.island == k] if self.eager else []
+            weights = self.core.rebased(0, own)
+            self.islands[k].write(0, weights)
+            self.bases[k] = weights.clone()
+            self.base_steps[k] = self.step
+
+    def enter_due(self) -> None:
+        due = sorted((h for h in self.in_flight if h.entry == self.boundary), key=lambda h: h.island)
+        self.in_flight = [h for h in self.in_flight if h.entry != self.boundary]
+        values, weights, divisor = [], [], 0.0
+        for h in due:
+            weight, undiscounted = self.core.weight(h.tokens, True, staleness=self.step - h.base_step)
+            if not weight:
+                self.dropped += 1
+                continue
+            self.staleness.append(self.step - h.base_step)
+            values.append(h.values)
+            weights.append(weight)
+            divisor += undiscounted
+        if values and self.core.apply(0, self.core.merge(values, weights), divisor):
+            self.step += 1
+
+
 def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval_windows: int = 256,
              eval_every: int | None = None, log: Callable[[str], None] | None = None,
              momentum_warmup_rounds: int = 0, sync_warmup_rounds: int = 0, ranks: int = 1,
-             average_running_stats: int = 0, slow_period: int = 0) -> SimResult:
+             average_running_stats: int = 0, slow_period: int = 0, link_ticks: Sequence[int] | None = None,
+             wall_ticks: int = 0, handoff_delays: Sequence[int] | None = None) -> SimResult:
     """Train `islands` islands of `cfg` for `cfg.training.steps` inner steps each.
 
     With `fault_tolerance.enable` they meet in outer steps; without it (one island) this
@@ -325,6 +423,13 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
     one island's tokens per step x islands), and training stops at the first round end at
     which the federation has trained `islands x training.steps` steps' tokens, as a
     time-paced federation stops at its token budget. Evaluation points count ticks.
+    `link_ticks[i]`: the ticks island i's exchange takes over its link. A synchronous round
+    then idles every island for the slowest one's ticks after each round; in decoupled rounds
+    (`fault_tolerance.round_mode`) the exchange is waited for only when it is short
+    (`overlap_threshold`), else it overlaps the next round, and a thin island's the next
+    ceil(link_ticks[i] / sync_steps) rounds (`decoupled_delays`; `handoff_delays` gives the
+    delays directly, 0 = synchronous, with no waiting). `wall_ticks` T > 0 stops at tick
+    T instead of a token budget (equal wall-clock), every schedule following the ticks.
     """
     device = torch.device(device)
     t = cfg.training
@@ -341,8 +446,17 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
     first = task.build_model().module.to(device)
     models = [first] + [copy.deepcopy(first) for _ in range(islands - 1)]  # init_sync: one start
     crew = [_Island(cfg, task, m, i, islands, device, ranks) for i, m in enumerate(models)]
-    outer = (_Outer(cfg, crew, momentum_warmup_rounds, sync_warmup_rounds, average_running_stats)
-             if cfg.fault_tolerance.enable else None)
+    ft = cfg.fault_tolerance
+    links = list(link_ticks or [0] * islands)
+    outer: _Outer | _Decoupled | None = None
+    pause = max(links)  # a synchronous round waits for its slowest exchange
+    if ft.enable and ft.round_mode == "decoupled":
+        delays, pause = decoupled_delays(links, ft.sync_steps, ft.overlap_threshold)
+        if handoff_delays is not None:
+            delays, pause = list(handoff_delays), 0
+        outer = _Decoupled(cfg, crew, delays)
+    elif ft.enable:
+        outer = _Outer(cfg, crew, momentum_warmup_rounds, sync_warmup_rounds, average_running_stats)
     tokens_per_step = t.batch_size * task.tokens_per_sample
     every = t.val_every if eval_every is None else eval_every
     result = SimResult()
@@ -356,9 +470,9 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
             log(f"step {step}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items()))
 
     point(0)
-    if slow_period > 1:
-        assert outer is not None
-        _train_time_paced(crew, outer, t.steps, slow_period, tokens_per_step, every, point)
+    if slow_period > 1 or wall_ticks or any(links):
+        assert outer is not None, "a clock of ticks needs a federation"
+        _train_ticks(crew, outer, t.steps, max(slow_period, 1), tokens_per_step, every, point, pause, wall_ticks)
     else:
         for step in range(1, t.steps + 1):
             for island in crew:
@@ -368,29 +482,53 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
             if step == t.steps or (every and step % every == 0):
                 point(step)
     result.bytes_sent = outer.bytes_sent if outer is not None else 0
+    if isinstance(outer, _Decoupled):
+        result.staleness, result.dropped = outer.staleness, outer.dropped
     result.inner_steps = [island.steps for island in crew]
     result.models = [island.model for island in crew]
     return result
 
 
-def _train_time_paced(crew: list[_Island], outer: _Outer, steps: int, period: int, tokens_per_step: int,
-                      every: int, point: Callable[[int], None]) -> None:
-    """`simulate`'s `slow_period`: ticks until the federation's token budget, the last
-    island stepping every `period`-th tick; schedules follow the federation's progress."""
+def decoupled_delays(link_ticks: Sequence[int], round_ticks: int, threshold: float) -> tuple[list[int], int]:
+    """Decoupled rounds in ticks: (each island's hand-off delay in rounds, the ticks every
+    island waits after a round). Islands whose exchange fits in a round are members: when
+    the slowest member's exchange takes at most `threshold` of the round they wait for it
+    (delay 0, as a synchronous round), else it overlaps the next round (delay 1). A thin
+    island's exchange spans ceil(ticks / round) rounds (its delay and its cycle)."""
+    members = [t for t in link_ticks if t <= round_ticks]
+    slowest = max(members, default=0)
+    waits = slowest <= threshold * round_ticks
+    delays = [(0 if waits else 1) if t <= round_ticks else math.ceil(t / round_ticks) for t in link_ticks]
+    return delays, slowest if waits else 0
+
+
+def _train_ticks(crew: list[_Island], outer: _Outer | _Decoupled, steps: int, period: int, tokens_per_step: int,
+                 every: int, point: Callable[[int], None], pause: int = 0, wall_ticks: int = 0) -> None:
+    """`simulate`'s clock: ticks until the federation's token budget (or tick `wall_ticks`),
+    the last island stepping every `period`-th tick, every island idle for `pause` ticks
+    after each round (a synchronous exchange); schedules follow the federation's progress
+    (or the ticks)."""
     budget = steps * len(crew)  # in island-steps, as the platform's token budget
-    tick = 0
+    tick = idle = 0
     while True:
         tick += 1
         trained = [0] * len(crew)
-        for i, island in enumerate(crew):
-            if i < len(crew) - 1 or tick % period == 0:
-                island.train_step()
-                trained[i] = tokens_per_step
-        progress = min(steps, sum(island.steps for island in crew) / len(crew))  # capped at the budget
-        for island in crew:
-            set_schedule_position(island.scheduler, progress)
-        outer.after_inner_step(trained)
-        done = outer.local_step == 0 and sum(island.steps for island in crew) >= budget  # a round just ended
+        if idle:
+            idle -= 1
+        else:
+            for i, island in enumerate(crew):
+                if i < len(crew) - 1 or tick % period == 0:
+                    island.train_step()
+                    trained[i] = tokens_per_step
+            progress = (steps * tick / wall_ticks if wall_ticks
+                        else sum(island.steps for island in crew) / len(crew))
+            for island in crew:
+                set_schedule_position(island.scheduler, min(steps, progress))  # capped at the budget
+            outer.after_inner_step(trained)
+            if outer.local_step == 0:  # a round just ended
+                idle = pause
+        ended = outer.local_step == 0 and not idle
+        done = tick >= wall_ticks if wall_ticks else ended and sum(island.steps for island in crew) >= budget
         if done or (every and tick % every == 0):
             point(tick)
         if done:

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, num, outer_steps, read_summary, run_job, run_main, work_root, write_json  # noqa: E402
 from heterogeneous import island_stats, run_cmd, slowdowns_of  # noqa: E402
 
-from archipelago.federation.simulate import exchange_bytes, scenario_from_dict, simulate  # noqa: E402
+from archipelago.federation.simulate import exchange_bytes, scenario_from_dict  # noqa: E402
+from archipelago.federation.simulate_cli import simulate  # noqa: E402
 
 # (speeds, setting): bench/heterogeneous.py's settings for 2 and 3 islands.
 CASES = [("1:3", "fixed-tokens"), ("1:3", "time-tokens"), ("1:1:2", "fixed-tokens"), ("1:1:2", "time-tokens")]

@@ -115,6 +115,16 @@ def test_a_declared_limit_below_one_names_the_fix():
         validate(cfg)
 
 
+def test_negative_exchange_retries_name_the_fix():
+    cfg = Config()
+    cfg.fault_tolerance.enable, cfg.fault_tolerance.exchange_retries = True, -1
+    assert "fault_tolerance.exchange_retries = -1: must be >= 0 (0: a round whose exchange loses a member is lost" \
+        in _refusal(cfg)
+    for allowed in (0, 2, 5):
+        cfg.fault_tolerance.exchange_retries = allowed
+        validate(cfg)
+
+
 def test_fault_tolerance_keys_of_the_reference_platform_exist():
     names = {"enable", "replica_id", "group_size", "min_replica_size", "semi_sync_method",
              "sync_steps", "num_fragments", "fragment_sync_delay", "fragment_update_alpha",

@@ -20,11 +20,11 @@ from archipelago.federation.exchange import (
     SUMSQ,
     WEIGHT,
     Framing,
-    aggregate,
     finish_gather,
     inspect_gather,
     start_gather,
 )
+from archipelago.federation.outer_core import aggregate
 from archipelago.federation.policy import FRAME_OK
 from archipelago.federation.trust import FederationKey, new_secret
 

@@ -48,3 +48,18 @@ def test_the_environment_carries_a_list_and_the_rank_filter(monkeypatch):
     monkeypatch.setenv("ARCHIPELAGO_FAULT_RANK", "1")
     assert faults_from_env(TRAINER_KINDS, rank=0) == []
     assert len(faults_from_env(TRAINER_KINDS, rank=1)) == 2
+
+
+def test_die_in_exchange_is_an_outer_loop_fault_that_archipelago_local_injects(monkeypatch):
+    from archipelago.config.faults import OUTER_KINDS
+    from archipelago.federation.guard import poisons_from_env
+    from archipelago.launch.local import parse_args
+
+    assert parse_fault("2:die_in_exchange@3") == Fault("die_in_exchange", 3, 2)
+    with pytest.raises(ConfigError, match="outer steps count from 1"):
+        parse_fault("die_in_exchange@0")
+    assert "die_in_exchange" in OUTER_KINDS and "die_in_exchange" not in UPDATE_KINDS + TRAINER_KINDS
+    opts = parse_args(["--islands", "1,1,1", "--inject", "2:die_in_exchange@3"])
+    assert opts.injections == {2: [Fault("die_in_exchange", 3, 2)]}
+    monkeypatch.setenv("ARCHIPELAGO_FAULT", env_value(opts.injections[2]))
+    assert [(p.kind, p.round) for p in poisons_from_env()] == [("die_in_exchange", 3)]

@@ -6,7 +6,9 @@ import math
 
 import pytest
 
+from archipelago.federation.outer_core import contribution_weight
 from archipelago.federation.policy import (
+    EXCHANGE_COMPLETED,
     FRAME_MALFORMED,
     FRAME_UNSIGNED,
     GUARD_HISTORY,
@@ -20,16 +22,18 @@ from archipelago.federation.policy import (
     aligned_inner_step,
     applies_outer_step,
     bounded_batches,
+    exchange_agreed,
     heal_verdict,
-    island_weight,
     judge_contributions,
     judge_update,
+    keeps_pending,
     merges_local,
     must_wait,
     norm_allowance,
     plan_round,
     reference_fingerprint,
     remember_norm,
+    retries_exchange,
     round_is_up,
     skips_exchange,
     steps_between_exchanges,
@@ -92,13 +96,12 @@ def test_guard_window_keeps_the_newest_norms():
     assert norms == [float(i) for i in range(5, GUARD_HISTORY + 5)]
 
 
-def test_island_weight_edges():
-    ok, refused = Verdict(True), Verdict(False, "x")
-    assert island_weight("tokens", 4096, True, ok) == 4096.0
-    assert island_weight("equal", 4096, True, ok) == 1.0
-    assert island_weight("tokens", 0, True, ok) == 0.0      # zero tokens: nothing to weigh
-    assert island_weight("equal", 4096, False, ok) == 0.0   # not contributing (joining, void)
-    assert island_weight("tokens", 4096, True, refused) == 0.0
+def test_contribution_weight_edges():
+    assert contribution_weight("tokens", 4096, True) == 4096.0
+    assert contribution_weight("equal", 4096, True) == 1.0
+    assert contribution_weight("tokens", 0, True) == 0.0      # zero tokens: nothing to weigh
+    assert contribution_weight("equal", 4096, False) == 0.0   # not contributing (joining, void)
+    assert contribution_weight("tokens", 4096, True, accepted=False) == 0.0  # refused
 
 
 def test_outer_step_only_after_a_commit_with_progress():
@@ -247,3 +250,34 @@ def test_the_absolute_bound_follows_steps_learning_rate_size_and_global_norm():
     assert norm_allowance(10.0, 20, 0.0, 10_000, 30.0) == math.inf  # no declared learning rate
     assert steps_between_exchanges("steps", 20, 1000, 4) == 20
     assert steps_between_exchanges("time", 20, 50, 2) == 100
+
+
+# ---- a member dead in the exchange (tests/test_exchange_retry.py runs it) -------------
+
+
+def test_a_round_is_agreed_only_when_every_member_says_its_exchange_went_through():
+    assert exchange_agreed([EXCHANGE_COMPLETED] * 3, 3)
+    assert not exchange_agreed([EXCHANGE_COMPLETED, 0.0, EXCHANGE_COMPLETED], 3)  # one member failed
+    assert not exchange_agreed(None, 3)  # the agreement itself failed here (a member died in it)
+    assert not exchange_agreed([EXCHANGE_COMPLETED] * 2, 3)  # a member's flag is missing
+    # An island without the federation's key signs no flag we can read: it has no say (its
+    # rows count for nothing either), or an outsider in the quorum would fail every round.
+    assert exchange_agreed([EXCHANGE_COMPLETED, None, EXCHANGE_COMPLETED], 3)
+
+
+@pytest.mark.parametrize("agreed,attempt,retries,retry", [
+    (True, 0, 2, False),   # it went through: no retry
+    (False, 0, 2, True), (False, 1, 2, True),
+    (False, 2, 2, False),  # retries spent: the round is lost
+    (False, 0, 0, False),  # exchange_retries = 0: today's behaviour
+])
+def test_a_failed_exchange_is_retried_a_bounded_number_of_times(agreed, attempt, retries, retry):
+    assert retries_exchange(agreed, attempt, retries) is retry
+
+
+def test_the_pending_update_is_kept_only_while_the_federation_is_at_the_rounds_step():
+    assert keeps_pending(Membership(outer_step=4, participants=2), 4)
+    # A member committed the round without this island, which healed from it: plan anew.
+    assert not keeps_pending(Membership(outer_step=5, healed=True, participants=2), 4)
+    # A joining island that only now receives the state: its round is planned again.
+    assert not keeps_pending(Membership(outer_step=4, healed=True, participants=3), 4)

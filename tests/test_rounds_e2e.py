@@ -106,6 +106,9 @@ def test_streaming_int8_islands_agree_send_a_quarter_and_hide_the_exchange(tmp_p
     assert fed["global_hash_agree"]
     rounds = _rounds(run / "island-0")
     assert len(rounds) == 4 and all(r["codec"] == "int8" for r in rounds)
+    # The island that healed in the join round starts at its peer's step, not fragment_sync_delay
+    # steps ahead: it trains as many steps and rounds (it once left with an exchange in flight).
+    assert len(_rounds(run / "island-1")) == 4
     params = 7_212_288  # llama3 debug; a fragment is about half of it
     for r in rounds:
         # int8: one byte per value + an fp32 scale per 256 values, vs 4 bytes in fp32.

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from archipelago.config import ConfigError
-from archipelago.federation.simulate import load_scenario, scaled, scenario_from_dict, simulate
+from archipelago.federation.simulate import Simulation, load_scenario, scaled, scenario_from_dict
+from archipelago.federation.simulate_cli import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = sorted((ROOT / "configs" / "scenarios").glob("*.toml"))
@@ -72,13 +74,43 @@ def test_a_failure_before_the_exchange_costs_the_island_and_not_the_round():
     assert survivor.compute_s > failed.compute_s + 100  # it trained through
 
 
-def test_a_failure_inside_the_exchange_loses_the_round_for_every_island():
-    scenario = scenario_from_dict(_scenario([{"count": 3, "step_s": 1.0}], sync_steps=20))
+def test_a_failure_inside_the_exchange_loses_the_round_for_every_island_without_retries():
+    scenario = scenario_from_dict(_scenario([{"count": 3, "step_s": 1.0}], sync_steps=20, exchange_retries=0))
     exchange = _fp32_exchange_s(3)
     fail = exchange + 20 + exchange / 2  # the middle of round 1's exchange
     report = simulate(scenario, fail_at=[(2, fail)])
     assert report.failed_rounds == 1
     assert all(s.wasted_s == pytest.approx(20.0) for s in report.islands)  # round 1's training, lost
+
+
+@pytest.mark.parametrize("repair", ["restart", "segment"])
+def test_with_retries_the_survivors_commit_the_round_a_member_died_in(repair):
+    raw = _scenario([{"count": 3, "step_s": 1.0}], sync_steps=20, exchange_retries=1)
+    raw["simulation"]["repair"] = repair
+    exchange3, exchange2 = _fp32_exchange_s(3), _fp32_exchange_s(2)
+    fail = exchange3 + 20 + exchange3 / 2  # the middle of round 1's exchange
+    report = Simulation(scenario_from_dict(raw), fail_at=[(2, fail)])
+    report.joined = [True] * 3  # round 1, by hand: the join took one exchange
+    end, ok = report._round(exchange3, [0, 1, 2], 1)
+    assert ok
+    # By hand: the lighthouse drops the dead member after detect_s (10 s); then the two others
+    # run the whole exchange again (restart), or only the dead member's segment: 2 x a half.
+    again = exchange2 if repair == "restart" else 2 * exchange2 / 2
+    assert end == pytest.approx(fail + 10.0 + again)
+    survivors, dead = report.stats[:2], report.stats[2]
+    assert all(s.compute_s == pytest.approx(20.0) and s.wasted_s == 0 for s in survivors)
+    assert dead.wasted_s == pytest.approx(20.0) and dead.failures == 1
+
+
+def test_retries_are_bounded_a_second_death_past_them_loses_the_round():
+    scenario = scenario_from_dict(_scenario([{"count": 4, "step_s": 1.0}], sync_steps=20, exchange_retries=1))
+    exchange = _fp32_exchange_s(4)
+    fail = exchange + 20 + exchange / 4
+    sim = Simulation(scenario, fail_at=[(2, fail), (3, fail + 1.0)])
+    sim.joined = [True] * 4
+    _, ok = sim._round(exchange, [0, 1, 2, 3], 1)
+    assert not ok
+    assert all(s.compute_s == 0 for s in sim.stats)
 
 
 def test_reduce_scatter_is_what_keeps_topk_bytes_bounded_at_a_hundred_islands():
@@ -243,3 +275,73 @@ def test_a_round_left_with_fewer_islands_than_the_quorum_minimum_does_not_commit
     both = simulate(scenario_from_dict(_scenario([{"count": 2, "step_s": 1.0}], sync_steps=20)),
                     fail_at=[(0, exchange + 5.0), (1, exchange + 6.0)])
     assert both.failed_rounds >= 1 and both.islands[0].failures == 1
+
+
+# ---- decoupled rounds (simulate_decoupled.py) ----------------------------------------
+
+
+def test_decoupled_islands_never_wait_and_each_contribution_is_one_step_stale():
+    report = simulate(scenario_from_dict(_scenario([{"count": 2, "step_s": 1.0}], sync_steps=20,
+                                                   round_mode="decoupled", overlap_threshold=0.0)))
+    # By hand: a hand-off every 20 s from t = 20 to 3600, each 20 steps; the exchange overlaps
+    # the next 20 steps, so no island ever idles: every token enters.
+    assert report.rounds == report.committed == 180 and report.failed_rounds == 0
+    assert report.goodput == pytest.approx(1.0)
+    # The first contribution started from the initial weights, nothing applied before it
+    # enters; each later one misses exactly the outer step of the round before it.
+    assert sorted(report.staleness) == [0, 0] + [1] * (2 * 179)
+
+
+def test_decoupled_rounds_wait_for_a_short_exchange_as_a_synchronous_round_does():
+    raw = _scenario([{"count": 2, "step_s": 1.0}], sync_steps=20, round_mode="decoupled", overlap_threshold=0.05)
+    exchange = _fp32_exchange_s(2)
+    assert exchange < 0.05 * 20  # short: waited for
+    report = simulate(scenario_from_dict(raw))
+    # By hand: a round of 20 s, then the exchange, nothing stale; the first starts at 0.
+    rounds = math.floor((3600 - 20) / (20 + exchange)) + 1
+    assert report.committed == rounds and report.staleness == [0] * (2 * rounds)
+    assert report.utilisation(0) == pytest.approx(rounds * 20 / 3600)
+
+
+def test_decoupled_member_killed_mid_exchange_costs_only_its_own_work():
+    raw = _scenario([{"count": 3, "step_s": 1.0}], sync_steps=20, round_mode="decoupled", exchange_retries=1,
+                    overlap_threshold=0.0)
+    exchange3 = _fp32_exchange_s(3)
+    fail = 40 + exchange3 / 2  # in the middle of the exchange of the hand-off at t = 40
+    report = simulate(scenario_from_dict(raw), fail_at=[(2, fail)])
+    assert report.failed_rounds == 0
+    alive, dead = report.islands[0], report.islands[2]
+    assert alive.compute_s == pytest.approx(3600.0)  # every second of the survivors entered
+    # The dead island lost the 20 s it handed off at t = 40 (in flight) and the seconds it
+    # trained after the hand-off; then 100 s down and a heal of the fp32 weights.
+    assert dead.wasted_s == pytest.approx(20.0 + exchange3 / 2)
+    assert dead.down_s == 100.0 and dead.heal_s == pytest.approx(4 * PARAMS * 8 / (MBIT * 1e6) + 0.005)
+
+
+def test_a_thin_link_island_sends_through_a_member_every_few_rounds_and_its_work_enters():
+    fast = {"count": 2, "step_s": 1.0, "bandwidth_mbit": 1000.0}
+    thin = {"count": 1, "step_s": 1.0, "bandwidth_mbit": 1.0}  # the 3-member exchange: 64 s > a round
+    raw = _scenario([fast, thin], hours=2.0, round_pacing="time", round_seconds=30.0, round_mode="decoupled",
+                    max_staleness=8)
+    from archipelago.federation.simulate_decoupled import DecoupledSimulation
+
+    sim = DecoupledSimulation(scenario_from_dict(raw))
+    assert sim.thin == {2}
+    # By hand: its row (16-byte header + 4 bytes per value) up and the weights in bf16 down
+    # over 1 Mbit/s, plus a latency each way, in whole rounds of 30 s.
+    link_s = ((16 + 4 * PARAMS) + 2 * PARAMS) * 8 / 1e6 + 2 * 0.005
+    assert sim.cycle[2] == math.ceil(link_s / 30.0) == 2
+    report = sim.run()
+    assert report.thin == 1 and report.islands[2].tokens > 0
+    assert report.utilisation(2) > 0.9 and report.utilisation(0) > 0.98  # nobody waits for the thin link
+    synchronous = simulate(scenario_from_dict({**raw, "fault_tolerance": {**raw["fault_tolerance"],
+                                                                           "round_mode": "synchronous"}}))
+    assert synchronous.utilisation(0) < 0.6  # the same federation, every round waiting for 4 Mbit/s
+
+
+def test_decoupled_rounds_reach_the_goodput_the_issue_asks_of_the_mixed_speeds_scenario():
+    scenario = load_scenario(ROOT / "configs" / "scenarios" / "mixed-speeds.toml")
+    synchronous = simulate(scenario).goodput
+    ft = replace(scenario.ft, round_mode="decoupled", exchange_retries=1000)
+    decoupled = simulate(replace(scenario, ft=ft)).goodput
+    assert synchronous < 0.5 and decoupled >= 0.9

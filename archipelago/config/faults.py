@@ -13,6 +13,7 @@
 | `forge_tokens` | outer step | the island claims 10^15 tokens for its update | the outer loop |
 | `forge_weight` | outer step | the island claims weight -10^6 for its update | the outer loop |
 | `unsigned` | outer step | the island signs its update with a key outside the federation | the outer loop |
+| `die_in_exchange` | outer step | the island SIGKILLs itself, its row of that exchange in flight | the outer loop |
 
 `archipelago local --inject ISLAND:KIND@AT` (repeatable, every entry kept) hands an
 island its faults in the environment variable `ARCHIPELAGO_FAULT` (`KIND@AT[,KIND@AT...]`,
@@ -33,15 +34,17 @@ RANK_ENV = "ARCHIPELAGO_FAULT_RANK"
 LAUNCHER_KINDS = ("kill",)
 TRAINER_KINDS = ("crash", "error", "nan-loss")
 UPDATE_KINDS = ("nan", "scale1000", "forge_tokens", "forge_weight", "unsigned")
-KINDS = LAUNCHER_KINDS + TRAINER_KINDS + UPDATE_KINDS
-_UNIT = {"kill": "SECONDS", **{k: "STEP" for k in TRAINER_KINDS}, **{k: "ROUND" for k in UPDATE_KINDS}}
+EXCHANGE_KINDS = ("die_in_exchange",)  # the island dies mid-exchange (the survivors' retry: docs/rounds.md)
+OUTER_KINDS = UPDATE_KINDS + EXCHANGE_KINDS  # acted on by the outer loop, AT in outer steps
+KINDS = LAUNCHER_KINDS + TRAINER_KINDS + OUTER_KINDS
+_UNIT = {"kill": "SECONDS", **{k: "STEP" for k in TRAINER_KINDS}, **{k: "ROUND" for k in OUTER_KINDS}}
 _EXAMPLE = "1:kill@30, crash@7, nan-loss@3 or 1:scale1000@4"
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    at: float                 # seconds (kill), inner step (trainer kinds) or outer step (update kinds)
+    at: float                 # seconds (kill), inner step (trainer kinds) or outer step (outer-loop kinds)
     island: int | None = None
 
     def __str__(self) -> str:
@@ -66,8 +69,8 @@ def parse_fault(text: str, where: str = ENV, kinds: tuple[str, ...] = KINDS,
     except ValueError:
         raise ConfigError(expected) from None
     whole = kind != "kill"
-    if at < 0 or (whole and (at != int(at) or (kind in UPDATE_KINDS and at < 1))):
-        raise ConfigError(expected + ("; outer steps count from 1" if kind in UPDATE_KINDS else ""))
+    if at < 0 or (whole and (at != int(at) or (kind in OUTER_KINDS and at < 1))):
+        raise ConfigError(expected + ("; outer steps count from 1" if kind in OUTER_KINDS else ""))
     return Fault(kind, int(at) if whole else at, int(island_text) if island_text else None)
 
 

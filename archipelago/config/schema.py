@@ -240,6 +240,8 @@ class FaultToleranceConfig:
     """How long an island waits for a quorum of islands at an outer step."""
     max_retries: int = 10
     """Stop after this many consecutive outer steps that failed to commit."""
+    exchange_retries: int = 2
+    """When a round's exchange fails because a member died or a link broke (not when the receivers refused rows), re-form the quorum at once and run the exchange again with the members left, keeping this island's pseudo-gradient, up to this many times; every island commits the round only if all members agree that the exchange went through. 0: such a round is lost (every island restores the fragment's global weights). A dead member is dropped once the lighthouse's heartbeat timeout expires (docs/rounds.md)."""
     init_sync: bool = True
     """At the start of a new federation, every island downloads the starting state from one peer. false: each island starts from its own initialisation, which must be the same on every island (same model, seed and init device; checked at the join, a mismatch is refused); saves one full-state download per island."""
     join_wait_ms: int = 60000
@@ -282,6 +284,14 @@ class FaultToleranceConfig:
     """topk codec: each round the error-feedback residue (what was not sent) is multiplied by this before it joins the next pseudo-gradient, as SparseLoCo does (1: kept whole; 0: no error feedback)."""
     topk_exchange: Literal["auto", "all_gather", "reduce_scatter"] = "auto"
     """topk codec: how payloads cross islands. `all_gather`: every island receives every other island's payload (G - 1 of them). `reduce_scatter`: island j receives everyone's segment j, sums it exactly and all-gathers that sum in a sparse fp32 form, so each island receives about one payload plus the summed chunk (at most about 4.1 bytes per value) whatever the number of islands (the same result, bit for bit); each island is then trusted with the sum of its segment, as with int8's reduce-scatter. `auto`: the reduce-scatter when its bound on received bytes is the smaller (from about 17 islands at the default fraction and bits); docs/codecs.md."""
+    round_mode: Literal["synchronous", "decoupled"] = "synchronous"
+    """`synchronous`: every island of a round waits for the round's exchange before it trains on. `decoupled` (so far in `archipelago simulate` and the quality simulator only; the platform refuses it): an island hands its pseudo-gradient off and trains on, taking the new global weights plus its progress since the hand-off when they arrive; its contribution enters the first outer step after its exchange, discounted by its staleness (`staleness_exponent`, `max_staleness`); docs/rounds.md."""
+    staleness_exponent: float = 0.5
+    """Decoupled rounds: a contribution that enters s outer steps after the global weights it started from weighs (1 + s)^-exponent times its tokens; the sum is still divided by the undiscounted tokens (0: no discount)."""
+    max_staleness: int = 4
+    """Decoupled rounds: a contribution staler than this many outer steps is left out."""
+    overlap_threshold: float = 0.05
+    """Decoupled rounds: a round whose exchange among its members is expected to take at most this fraction of the round's seconds is waited for, as a synchronous round is (its contributions enter fresh); a longer one overlaps the next round instead (its contributions one outer step stale). Staleness costs quality (docs/rounds.md); waiting costs the exchange's seconds."""
 
 
 @dataclass

@@ -121,6 +121,8 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
     for key in ("connect_timeout_ms", "quorum_timeout_ms"):
         _require(getattr(ft, key) > 0, f"fault_tolerance.{key} = {getattr(ft, key)}: must be positive", p)
     _require(ft.max_retries >= 0, f"fault_tolerance.max_retries = {ft.max_retries}: must be >= 0", p)
+    _require(ft.exchange_retries >= 0, f"fault_tolerance.exchange_retries = {ft.exchange_retries}: must be >= 0 "
+             "(0: a round whose exchange loses a member is lost; 2 is the default)", p)
     _require(cfg.training.time_budget_s >= 0,
              f"training.time_budget_s = {cfg.training.time_budget_s}: must be >= 0 (0 = no limit)", p)
     _require(ft.round_seconds > 0, f"fault_tolerance.round_seconds = {ft.round_seconds}: must be positive", p)
@@ -159,6 +161,14 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
              f"fault_tolerance.topk_bits = {ft.topk_bits}: use 1 to 8, e.g. 1 or 2", p)
     _require(2 <= ft.topk_chunk_size <= 2 ** 24,
              f"fault_tolerance.topk_chunk_size = {ft.topk_chunk_size}: must be in [2, 16777216], e.g. 256", p)
+    _require(math.isfinite(ft.staleness_exponent) and ft.staleness_exponent >= 0,
+             f"fault_tolerance.staleness_exponent = {ft.staleness_exponent}: must be >= 0 (0: no discount, "
+             "0.5: a contribution one outer step old weighs 0.71)", p)
+    _require(ft.max_staleness >= 0,
+             f"fault_tolerance.max_staleness = {ft.max_staleness}: must be >= 0 outer steps", p)
+    _require(math.isfinite(ft.overlap_threshold) and ft.overlap_threshold >= 0,
+             f"fault_tolerance.overlap_threshold = {ft.overlap_threshold}: must be >= 0 (a fraction of the round; "
+             "0: every exchange overlaps the next round)", p)
 
 
 def fault_tolerance_problems(ft: FaultToleranceConfig) -> list[str]:

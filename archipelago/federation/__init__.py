@@ -62,6 +62,10 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module | NamedParameter
                      optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None) -> OuterLoop:
     """Join the federation: check the lighthouse, make the bridge ranks' managers, and
     take the current weights as the first global weights (a collective over the island)."""
+    if ft.round_mode != "synchronous":
+        raise ConfigError(f"fault_tolerance.round_mode = \"{ft.round_mode}\" runs in `archipelago simulate` and "
+                          "the quality simulator only so far; a federation of islands runs synchronous rounds: "
+                          "set fault_tolerance.round_mode = \"synchronous\"")
     named = named_parameters(model)  # a pipeline stage: the whole model's, others' parameters on meta
     check_exchange_device(ft, next((p.device for _, p in named if not p.is_meta), torch.device("cpu")))
     url = lighthouse_address(ft)
@@ -88,8 +92,10 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module | NamedParameter
                  "sync every %d steps, %d fragment(s), %s)", url, ft.replica_id, world_size, width,
                  ft.semi_sync_method, ft.sync_steps, len(fragments), fp["federation"])
     for poison in poisons if rank == 0 else []:
-        log.warning("ARCHIPELAGO_FAULT %s@%d: this island will send a poisoned update in outer step %d "
-                    "(a test/demo of the update guard)", poison.kind, poison.round, poison.round)
+        what = ("will die with its exchange of outer step %d in flight (a drill of exchange_retries)"
+                if poison.kind == "die_in_exchange" else
+                "will send a poisoned update in outer step %d (a test/demo of the update guard)")
+        log.warning("ARCHIPELAGO_FAULT %s@%d: this island " + what, poison.kind, poison.round, poison.round)
     return OuterLoop(ft, fragments, rank, world_size, manager, fp, poisons=poisons, optimizer=optimizer, key=key)
 
 

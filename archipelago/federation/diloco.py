@@ -13,6 +13,12 @@ homogeneous islands both give the same weights:
 * a round commits only if torchft's `should_commit` agrees; otherwise the island
   restores the last global weights of the fragment and goes on.
 
+What is added to that: the islands agree that the exchange went through on every member
+before anyone votes (torchft's vote is one island's), and when a member died or a link
+broke in it, the survivors form a new quorum at once and run the exchange again with the
+same pseudo-gradient, up to `exchange_retries` times, instead of losing the round
+(docs/rounds.md, "When a member dies in the exchange").
+
 What differs, on purpose: the global weights and the outer optimizer live on the
 bridge ranks in the canonical flat layout (layout.py), so islands of any size meet
 and a healing island can take them from any peer; each island's pseudo-gradient
@@ -50,17 +56,20 @@ from archipelago.federation.codecs import AUTO_FIRST, Codec, build_codec, effect
 from archipelago.federation.exchange import (
     Framing,
     Gathered,
+    abandon_group,
+    agree_on_exchange,
     agree_on_link,
     auto_target_s,
     choose_codec,
     empty_table,
     finish_gather,
     inspect_gather,
+    member_failure,
     start_gather,
     wire_device,
 )
-from archipelago.federation.fragments import build_outer_optimizer, load_tensor_state, tensor_state
-from archipelago.federation.guard import FORGE_KINDS, Poison, UpdateGuard
+from archipelago.federation.fragments import load_tensor_state, tensor_state
+from archipelago.federation.guard import DIE_IN_EXCHANGE, FORGE_KINDS, Poison, UpdateGuard
 from archipelago.federation.inner_state import InnerStateAverager, StateExchange
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.membership import (
@@ -71,6 +80,7 @@ from archipelago.federation.membership import (
     lighthouse_address,
     mismatch,
 )
+from archipelago.federation.outer_core import OuterCore, contribution_weight
 from archipelago.federation.policy import (
     FRAME_MALFORMED,
     FRAME_OK,
@@ -84,14 +94,16 @@ from archipelago.federation.policy import (
     aligned_inner_step,
     applies_outer_step,
     bounded_batches,
+    exchange_agreed,
     heal_verdict,
-    island_weight,
     judge_contributions,
+    keeps_pending,
     merges_local,
     must_wait,
     norm_allowance,
     plan_round,
     reference_fingerprint,
+    retries_exchange,
     round_is_up,
     skips_exchange,
     steps_between_exchanges,
@@ -138,6 +150,9 @@ class OuterReport:
     exposed_s: float = 0.0        # seconds the island then still waited for the exchange
     untimed_s: float = 0.0        # seconds of evaluation and checkpointing in the round (busy, not training)
     global_hash: str | None = None
+    retries: int = 0              # exchanges of this round run again, with a new quorum, after a member failed
+    retry_s: float = 0.0          # seconds from the first failed exchange to the end of the last (mostly: the
+                                  # lighthouse dropping the dead member after its heartbeat timeout)
     # Time pacing: the seconds from the round's start at each inner step's end, what
     # round_is_up decided on (this rank's clock), so that a recorded run can be replayed.
     pacing_elapsed_s: list[float] | None = None
@@ -163,6 +178,12 @@ class _Pending:
     started: float = 0.0              # perf_counter when the exchange was handed to the network
     waited: float = 0.0               # perf_counter when perform's wait for the rows returned
     residue: torch.Tensor | None = None  # codec = "auto": top-k's residue this dense round carries
+    step: int = 0                     # the federation's outer step the round started from
+    joining: bool = False             # the island's join round (it sends nothing)
+    framing: Framing | None = None    # how this attempt's rows are framed (its quorum's id)
+    codec_state: dict[str, torch.Tensor] | None = None  # the codec's state before it encoded (a retry restores it)
+    spent: tuple[int, int] = (0, 0)   # (sent, received) bytes of attempts that failed (bridge rank's own)
+    total: torch.Tensor | None = None  # the exchange's sum, apart from `buffer` when a retry may resend it
 
 
 class OuterLoop:
@@ -197,10 +218,12 @@ class OuterLoop:
         self.healed = False       # the last quorum sent this island the global state
         self.leads = True         # this island is the lowest live one (checkpoint.scope = "leader")
         self.peer_inner_step = 0  # the step count of the peer this island last healed from
+        self.peer_delay = self.delay  # inner steps that peer trains between its state and its commit
         self.quorum_id: int | None = None
         self._outsider_quorum: int | None = None  # the last quorum whose outsiders were logged
         self.globals: list[nn.Parameter] = []
         self.outer: list[torch.optim.Optimizer] = []
+        self.core: OuterCore | None = None  # the global weights and outer optimizers (bridge ranks)
         self.codec_name = effective_codec(ft)
         self.codecs: list[Codec] = []  # one per fragment chunk, on bridge ranks
         # codec = "auto": this bridge rank's last measured link (bits/s) and round (compute s).
@@ -287,7 +310,7 @@ class OuterLoop:
 
     def aligned_inner_step(self) -> int:
         """After healing: the inner step of the peer this island healed from."""
-        return aligned_inner_step(self.peer_inner_step, self.delay)
+        return aligned_inner_step(self.peer_inner_step, self.peer_delay)
 
     def save_global(self) -> None:
         """Take the island's current weights as the global weights (a collective)."""
@@ -295,11 +318,9 @@ class OuterLoop:
         chunks = [c for c in gathered if c is not None]  # all of them on a bridge rank, none elsewhere
         if not self.is_bridge:
             return
-        pin = torch.cuda.is_available()
-        self.globals = [nn.Parameter(c.detach().to("cpu").clone().pin_memory() if pin
-                                     else c.detach().to("cpu").clone()) for c in chunks]
+        self.core = OuterCore(self.ft, chunks, pin=torch.cuda.is_available())
+        self.globals, self.outer = self.core.globals, self.core.outer
         self._digest = None
-        self.outer = [build_outer_optimizer(self.ft, g) for g in self.globals]
         if len(self.codecs) != len(self.globals):  # codec state (error feedback) outlives a reset
             self.codecs = [build_codec(self.ft, g.numel()) for g in self.globals]
 
@@ -347,50 +368,146 @@ class OuterLoop:
         same count and waits, so none is left alone in an all-reduce.
         """
         began = time.perf_counter()
-        m = self._settle_heal(self._island_membership(self._membership()))
-        self.step = m.outer_step
-        self.leads = m.leads
+        m = self._enter_quorum()
         if must_wait(m, need):
             return False
+        self.pending = self._plan(m, joining)
+        self.pending.prepare_s = time.perf_counter() - began
+        return True
+
+    def _enter_quorum(self, again: bool = False) -> Membership:
+        """Join a quorum (a new one with `again`: a retry), healing if behind; the island's view."""
+        m = self._settle_heal(self._island_membership(self._membership(again)))
+        self.step, self.leads = m.outer_step, m.leads
+        return m
+
+    def _plan(self, m: Membership, joining: bool) -> _Pending:
+        """This round's pseudo-gradient, checked and weighted, with its exchange started."""
         self.healed = m.healed
         if self.healed:
             self.peer_inner_step = m.peer_inner_step
+            # A running federation's members train fragment_sync_delay steps between handing
+            # out their state and committing; in a new federation's join round every island
+            # commits at once (join), so the healed island starts at the peer's own step.
+            self.peer_delay = 0 if joining and m.outer_step == 0 else self.delay
         plan = plan_round(m, joining, len(self.layouts))
         fragment = plan.fragment
         local = self.layouts[fragment].gather()
         buffer = self._pseudo_gradient(fragment, local) if local is not None else None  # bridge ranks
-        poison = self.poisons.get(self.step + 1) if plan.contributes else None
-        if buffer is not None and poison is not None:
+        poison = self.poisons.get(self.step + 1)
+        corrupt = poison if poison is not None and plan.contributes and poison.kind != DIE_IN_EXCHANGE else None
+        if buffer is not None and corrupt is not None:
             log.warning("ARCHIPELAGO_FAULT: poisoning this island's update (%s) in outer step %d",
-                        poison.kind, self.step + 1)
-            poison.apply(buffer[:-2])
-        pending = _Pending(fragment, reset=plan.reset, tokens=self.round_tokens)
+                        corrupt.kind, self.step + 1)
+            corrupt.apply(buffer[:-2])
+        pending = _Pending(fragment, reset=plan.reset, tokens=self.round_tokens, step=self.step, joining=joining)
         pending.exchanged = not skips_exchange(joining, self.step, self.ft.init_sync)
         if pending.exchanged and buffer is not None and self.codec_name == "auto":  # before the guard sees it
             pending.residue = self._choose_codec(fragment, buffer, plan.contributes)
         verdict = self._guard(fragment, buffer, pending) if plan.contributes else Verdict(True)
-        pending.weight = island_weight(self.ft.outer_weighting, self.fragment_tokens[fragment],
-                                       plan.contributes, verdict)
+        pending.weight = contribution_weight(self.ft.outer_weighting, self.fragment_tokens[fragment],
+                                             plan.contributes, verdict.accepted)
         self.round_tokens, self.fragment_tokens[fragment] = 0, 0
         if buffer is not None:
             if not pending.weight:  # nothing of this island enters the average
                 buffer[:-2].zero_()
             buffer[-2], buffer[-1] = float(pending.tokens), pending.weight
-        pending.participants, pending.replica_rank = m.participants, m.replica_rank
-        framing = Framing(self.key, int(self.manager._quorum_id or 0) if self.manager is not None else 0,
-                          self.step, fragment, self.ft.replica_id)
-        if pending.exchanged and buffer is not None:
-            forge = poison.kind if poison is not None and poison.kind in FORGE_KINDS else None
-            pending.gathered = start_gather(self.manager, self.codecs[fragment], buffer[:-2], pending.tokens,
-                                            pending.weight, replace(framing, forge=forge))
-        if self.inner_state is not None and pending.exchanged:
-            device = torch.device("cpu") if self.ft.copy_pseudogradients_to_cpu else None
-            pending.state = self.inner_state.start(fragment, pending.weight > 0, self.manager, self._island_max,
-                                                   framing, device)
-        pending.buffer, pending.prepare_s = buffer, time.perf_counter() - began
+        pending.buffer = buffer
+        forge = corrupt.kind if corrupt is not None and corrupt.kind in FORGE_KINDS else None
+        self._start_exchange(pending, m, forge)
         pending.started = time.perf_counter()
-        self.pending = pending
-        return True
+        if poison is not None and poison.kind == DIE_IN_EXCHANGE and pending.exchanged:
+            poison.die()  # test-only: this island's row is in flight
+        return pending
+
+    def _start_exchange(self, p: _Pending, m: Membership, forge: str | None = None) -> None:
+        """Hand the pending pseudo-gradient (and moments) to the exchange of quorum `m`, in
+        frames signed for that quorum; the codec's state is kept first, for a retry."""
+        p.participants, p.replica_rank = m.participants, m.replica_rank
+        p.framing = Framing(self.key, int(self.manager._quorum_id or 0) if self.manager is not None else 0,
+                            self.step, p.fragment, self.ft.replica_id)
+        if p.exchanged and p.buffer is not None:
+            codec = self.codecs[p.fragment]
+            if self.ft.exchange_retries > 0:  # encoding moves error feedback; a retry starts from here
+                p.codec_state = {k: v.clone() for k, v in codec.state_dict().items()}
+            p.gathered = start_gather(self.manager, codec, p.buffer[:-2], p.tokens, p.weight,
+                                      replace(p.framing, forge=forge))
+        if self.inner_state is not None and p.exchanged:
+            device = torch.device("cpu") if self.ft.copy_pseudogradients_to_cpu else None
+            p.state = self.inner_state.start(p.fragment, p.weight > 0, self.manager, self._island_max,
+                                             p.framing, device)
+
+    def _exchange_failed(self, p: _Pending) -> bool:
+        """Agree with every member whether the exchange went through everywhere (exchange.
+        agree_on_exchange on each bridge rank's group), then over the island's ranks: True
+        when it failed somewhere. Only a failure of a member or link counts; refused rows
+        are a verdict every island reached alike."""
+        failed = False
+        if self.manager is not None and p.framing is not None and p.exchanged:
+            completed = not member_failure(self.manager)
+            device = p.buffer.device if p.buffer is not None else torch.device("cpu")
+            flags = agree_on_exchange(self.manager, completed, p.framing, wire_device(self.manager, device))
+            failed = not exchange_agreed(flags, max(self.manager.num_participants(), 1))
+            if failed:  # members blocked on this island fail now, not at process_group_timeout_ms
+                abandon_group(self.manager)
+        return self._island_max([float(failed)])[0] > 0
+
+    def _retry_exchange(self, p: _Pending, attempt: int) -> _Pending:
+        """Run a failed exchange again with the members left: a new quorum through the usual
+        path (healing, state claims, fingerprints), the same pseudo-gradient, tokens and
+        weight, in frames signed for the new quorum. If the federation went on without this
+        island meanwhile (it healed), the round is planned again from the new quorum."""
+        log.warning("the exchange of outer step %d failed (%s); running it again with a new quorum "
+                    "(retry %d of %d, fault_tolerance.exchange_retries)", p.step + 1, self._failure(), attempt,
+                    self.ft.exchange_retries)
+        self._forget_attempt(p)
+        began = time.perf_counter()
+        m = self._enter_quorum(again=True)
+        log.info("outer step %d: a new quorum of %d island(s) after %.2f s; exchanging again", p.step + 1,
+                 m.participants, time.perf_counter() - began)
+        if not keeps_pending(m, p.step):
+            self._give_back(p)
+            fresh = self._plan(m, p.joining)
+            fresh.prepare_s, fresh.started, fresh.spent = p.prepare_s, p.started, p.spent
+            return fresh
+        if self.codec_name == "auto" and p.buffer is not None:  # the members' collectives of a round, in order
+            self._rechoose_codec(p)
+        self._start_exchange(p, m)
+        return p
+
+    def _forget_attempt(self, p: _Pending) -> None:
+        """What a failed attempt leaves: its bytes counted, the codec's state as it was before."""
+        sent, received = self._attempt_bytes(p)
+        p.spent = (p.spent[0] + sent, p.spent[1] + received)
+        if p.codec_state is not None:
+            self.codecs[p.fragment].load_state_dict(p.codec_state)
+        p.gathered, p.state, p.total = None, None, None
+
+    def _give_back(self, p: _Pending) -> None:
+        """A round abandoned for a new plan: top-k's residue it took goes back to the codec."""
+        if p.residue is not None:
+            self.codecs[p.fragment].give_back(p.residue)  # type: ignore[attr-defined]
+            p.residue = None
+
+    def _rechoose_codec(self, p: _Pending) -> None:
+        """codec = "auto" on a retry: agree on the link again with the new quorum (a joining
+        member's round runs this all-gather too) and choose alike; the residue this round
+        took stays in its pseudo-gradient, whatever codec now carries it."""
+        assert p.buffer is not None
+        participants = self.manager.num_participants()
+        agreed = agree_on_link(self.manager, self.link_bits_s, self.last_round_s, participants,
+                               wire_device(self.manager, p.buffer.device))
+        name = AUTO_FIRST
+        if agreed is not None:
+            target = auto_target_s(self.ft, agreed[1], self.per_fragment)
+            name = choose_codec(self.codecs[p.fragment], participants, agreed[0], target, Framing(self.key))
+        self.codecs[p.fragment].choose(name)  # type: ignore[attr-defined]
+
+    def _failure(self) -> str:
+        error = self.manager.errored() if self.manager is not None else None
+        cause = getattr(error, "original_exception", error)
+        return f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}" if cause is not None else \
+            "it failed on another bridge rank or island"
 
     def _choose_codec(self, fragment: int, buffer: torch.Tensor, contributes: bool) -> torch.Tensor | None:
         """codec = "auto": agree on the slowest link and the median round the islands
@@ -431,14 +548,15 @@ class OuterLoop:
             self.link_bits_s = p.gathered.received * 8 / elapsed
         self.last_round_s = self.round_compute_s
 
-    def _membership(self) -> Membership:
+    def _membership(self, again: bool = False) -> Membership:
         """This rank's view of the quorum: a bridge rank joins it (blocking; a healing island
-        receives the state here); the other ranks know nothing yet."""
+        receives the state here); the other ranks know nothing yet. With `again` (a retry),
+        the lighthouse is made to hand out a new quorum id even for the same members."""
         if self.manager is None:
             return Membership()
         self._heal_offer, self._heal_refusal = None, None
         self._before_quorum = (self.manager.current_step(), self.manager.batches_committed())
-        self.manager.start_quorum()  # a healing island's _load_heal holds the peer's state
+        self._start_quorum(again)  # a healing island's _load_heal holds the peer's state
         self._refuse_outsiders()
         refusal = self._heal_refusal = self._judge_offer()
         self._check_members()
@@ -451,6 +569,23 @@ class OuterLoop:
                           peer_inner_step=self._heal_taken.inner_step if healed else 0,
                           participants=self.manager.num_participants(),
                           replica_rank=_rank_or_none(self.manager), heal_refused=refusal is not None)
+
+    def _start_quorum(self, again: bool) -> None:
+        """torchft's start_quorum. On a retry the lighthouse must issue a new quorum id, even
+        for the same members (a link broke, nobody died): only a new id makes torchft build a
+        new process group (the failed one may be broken) and signs the retry's frames apart
+        from the failed attempt's. torchft's lighthouse bumps the id when a member reports
+        commit failures, so this island reports one more for this request only (max_retries
+        keeps counting lost rounds, not retries)."""
+        failures = getattr(self.manager, "_commit_failures", None)
+        if not again or failures is None:
+            self.manager.start_quorum()
+            return
+        self.manager._commit_failures = failures + 1
+        try:
+            self.manager.start_quorum()  # use_async_quorum=False: the request is done on return
+        finally:
+            self.manager._commit_failures = failures
 
     def _judge_offer(self) -> str | None:
         """Every round every bridge rank all-gathers the members' signed state claims
@@ -531,18 +666,21 @@ class OuterLoop:
         assert p is not None, "perform() without prepare()"
         self.pending = None
         blocked_since = time.perf_counter()
-        decode_s, refused = 0.0, list[dict[str, Any]]()
-        if p.exchanged:
-            if p.gathered is not None:
-                p.gathered.work.wait()  # the network's share; opening and judging the rows is decode_s
-            judging = p.waited = time.perf_counter()
-            weights, tokens, refused = self._judge(p)
-            if p.state is not None and self.inner_state is not None:  # the moments of the islands it accepted
-                self.inner_state.judge_moments(p.state, weights, self._island_max)
-            decode_s = time.perf_counter() - judging
-            if p.gathered is not None and p.buffer is not None:
-                decode_s += finish_gather(p.gathered, self.codecs[p.fragment], p.buffer, weights, tokens,
-                                          self.manager, self.ft.outer_aggregation == "trimmed_mean")
+        attempt, failed_at = 0, 0.0
+        decode_s, refused = self._finish_exchange(p)
+        while p.exchanged:  # every member must agree that the exchange went through, or all run it again
+            agreed = not self._exchange_failed(p)
+            failed_at = failed_at or (0.0 if agreed else time.perf_counter())
+            if not retries_exchange(agreed, attempt, self.ft.exchange_retries):
+                if not agreed:
+                    self._lose_round(p)
+                break
+            attempt += 1
+            p = self._retry_exchange(p, attempt)
+            decode_s, refused = self._finish_exchange(p)
+        if p.total is not None:  # the agreed sum replaces the pseudo-gradient (freed)
+            p.buffer, p.total = p.total, None
+        retry_s = time.perf_counter() - failed_at if attempt else 0.0
         exposed_s = time.perf_counter() - blocked_since
         mine = RoundResult()
         if self.manager is not None and p.buffer is not None:
@@ -560,11 +698,7 @@ class OuterLoop:
         local = self.layouts[p.fragment].gather() if merge else None
         if p.buffer is not None and applies_outer_step(result):  # bridge ranks
             self._outer_step(p.fragment, p.buffer, total)
-        new = None
-        if self.is_bridge:
-            new = self.globals[p.fragment].detach()
-            if local is not None:  # merge
-                new = new.lerp(local.to(new.device), self.ft.fragment_update_alpha)
+        new = self.core.island_weights(p.fragment, local) if self.core is not None else None  # bridge ranks
         self.layouts[p.fragment].scatter(new)
         if p.state is not None and self.inner_state is not None:
             self.inner_state.finish(p.state, apply=result.committed and values[-1] > 0)
@@ -593,6 +727,7 @@ class OuterLoop:
                              encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=decode_s,
                              overlap_s=blocked_since - p.started, exposed_s=exposed_s,
                              untimed_s=self.round_untimed_s,
+                             retries=attempt, retry_s=retry_s,
                              pacing_elapsed_s=self.round_elapsed if self.ft.round_pacing == "time" else None)
         self.round_steps, self.round_compute_s, self.round_untimed_s = 0, 0.0, 0.0
         self.round_elapsed = []
@@ -600,6 +735,35 @@ class OuterLoop:
             report.global_hash = self.global_hash()
         self.round_start = self._last_step_end = time.monotonic()
         return report
+
+    def _finish_exchange(self, p: _Pending) -> tuple[float, list[dict[str, Any]]]:
+        """Wait for the rows, judge them and sum the accepted ones into the buffer: the
+        decode seconds and the refused rows."""
+        if not p.exchanged:
+            return 0.0, []
+        if p.gathered is not None:
+            p.gathered.work.wait()  # the network's share; opening and judging the rows is decode_s
+        judging = p.waited = time.perf_counter()
+        weights, tokens, refused = self._judge(p)
+        if p.state is not None and self.inner_state is not None:  # the moments of the islands it accepted
+            self.inner_state.judge_moments(p.state, weights, self._island_max)
+        decode_s = time.perf_counter() - judging
+        if p.gathered is not None and p.buffer is not None:
+            # The sum goes beside the pseudo-gradient when a retry may have to send that again
+            # (one more copy of the chunk during the exchange; exchange_retries = 0 saves it).
+            p.total = torch.empty_like(p.buffer) if self.ft.exchange_retries > 0 else p.buffer
+            decode_s += finish_gather(p.gathered, self.codecs[p.fragment], p.total, weights, tokens,
+                                      self.manager, self.ft.outer_aggregation == "trimmed_mean")
+        return decode_s, refused
+
+    def _lose_round(self, p: _Pending) -> None:
+        """The exchange failed somewhere and no retry is left: no island of the federation
+        commits this round (the manager's error makes this island's vote say no)."""
+        log.warning("the exchange of outer step %d failed (%s) and no retry is left "
+                    "(fault_tolerance.exchange_retries = %d): the round is lost", p.step + 1, self._failure(),
+                    self.ft.exchange_retries)
+        if self.manager is not None and self.manager.errored() is None:
+            self.manager.report_error(RuntimeError("another member's exchange failed (agree_on_exchange)"))
 
     # ---- pieces --------------------------------------------------------------------
 
@@ -685,13 +849,9 @@ class OuterLoop:
         return [combined[k * width:(k + 1) * width] for k in range(n)], combined[-1]
 
     def _outer_step(self, fragment: int, buffer: torch.Tensor, total: float) -> None:
-        g = self.globals[fragment]
-        with torch.no_grad():
-            # Divided on the globals' device (CPU) by every island: a GPU divides by multiplying
-            # with 1/total, which rounds differently. From a GPU buffer: a device-to-host copy.
-            g.grad = buffer[:-2].to(g.device) / total
-            self.outer[fragment].step()
-            self.outer[fragment].zero_grad(set_to_none=True)
+        """The core's outer step on the agreed sum (from a GPU buffer: a device-to-host copy)."""
+        assert self.core is not None, "only bridge ranks hold the global weights"
+        self.core.apply(fragment, buffer[:-2], total)
         self._digest = None
 
     def _should_commit(self) -> bool:
@@ -748,13 +908,18 @@ class OuterLoop:
         """(sent, received) bytes of the island's bridge ranks in this exchange: what they
         handed to the cross-island collective, and what came back from the other islands
         (their rows; with averaged moments also the moments' all-reduce)."""
+        sent, received = self._attempt_bytes(p)
+        totals = self._island_sums([float(sent + p.spent[0]), float(received + p.spent[1])])
+        return int(totals[0]), int(totals[1])
+
+    def _attempt_bytes(self, p: _Pending) -> tuple[int, int]:
+        """(sent, received) bytes of this bridge rank in the pending attempt of the exchange."""
         sent = received = 0
         if p.gathered is not None:
             sent, received = p.gathered.sent, p.gathered.received
         if p.state is not None:  # the rows of moments
             sent, received = sent + p.state.sent, received + p.state.received
-        totals = self._island_sums([float(sent), float(received)])
-        return int(totals[0]), int(totals[1])
+        return sent, received
 
     # ---- healing (torchft's checkpoint transport) ----------------------------------
 

@@ -34,6 +34,9 @@ Two ways to move the rows, both leaving every island with bit-identical results:
 The exchange runs in three calls, so that the outer loop can combine what the island's
 bridge ranks found between them: `start_gather`, `inspect_gather` (a table of what each
 row claims and holds), `finish_gather` (the sum with the weights the receivers decided).
+Then `agree_on_exchange` all-gathers one signed flag per island, whether the exchange went
+through there: torchft's commit vote is a vote inside one island, so without it one island
+could commit a round whose exchange failed on another (docs/rounds.md).
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ from typing import Any
 
 import torch
 
+from archipelago.config.errors import ConfigError
 from archipelago.federation.codecs import Codec, PayloadError, pack_sum, sum_bytes_bound, unpack_sum
-from archipelago.federation.policy import FRAME_MALFORMED, FRAME_OK, FRAME_UNSIGNED
+from archipelago.federation.outer_core import aggregate
+from archipelago.federation.policy import EXCHANGE_COMPLETED, FRAME_MALFORMED, FRAME_OK, FRAME_UNSIGNED
 from archipelago.federation.trust import (
     HEADER_BYTES as SIGNED_HEADER_BYTES,
 )
@@ -67,6 +72,7 @@ PLAIN_HEADER_BYTES = 16  # [tokens, weight] as two float64 values (no federation
 ROUND_ROW = 3      # an island's encoded pseudo-gradient chunk (all-gather)
 ROUND_SEGMENT = 4  # one segment of it (the reduce-scatter's all-to-all)
 ROUND_SUM = 5      # an island's sum of one segment (the reduce-scatter's all-gather)
+ROUND_AGREE = 8    # an island's flag after the exchange: it went through here (agree_on_exchange)
 
 # The table inspect_gather returns: one row per island, these columns.
 COLUMNS = ("tokens", "weight", "frame", "nonfinite", "sumsq", "island")
@@ -491,28 +497,6 @@ def _weighted_sum(payloads: list[torch.Tensor | None], codec: Codec, weights: li
     return aggregate([v for _, v in rows], [w for w, _ in rows], trimmed).to(device)
 
 
-def aggregate(values: list[torch.Tensor], weights: list[float], trimmed: bool = False) -> torch.Tensor:
-    """sum_k w_k * values_k, in list order (every island the same order, so the same bits).
-
-    With `trimmed` and three or more values: per coordinate, the weighted mean of the values
-    without that coordinate's largest and smallest one, times sum_k w_k (the outer step
-    divides by it): one island's extreme values cannot move the average.
-    """
-    if not trimmed or len(values) < 3:
-        total = torch.zeros_like(values[0])
-        for weight, value in zip(weights, values):
-            total += weight * value
-        return total
-    stacked = torch.stack(values)
-    w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device)[:, None].expand_as(stacked)
-    order = stacked.argsort(dim=0, stable=True)  # ties: the lower replica rank counts as smaller
-    keep = torch.ones_like(stacked, dtype=torch.bool)
-    keep.scatter_(0, order[:1], False)
-    keep.scatter_(0, order[-1:], False)
-    kept = torch.where(keep, w, torch.zeros_like(w))
-    return (stacked * kept).sum(dim=0) / kept.sum(dim=0) * sum(weights)
-
-
 def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, weights: list[float],
                       manager: Any, trimmed: bool) -> None:
     """Sum this island's segment, encode the sum (dense codecs: again with the codec;
@@ -707,3 +691,65 @@ def _sum_sizes(gathered: Gathered, manager: Any, mine: int, lengths: list[int], 
                                               f"for a segment of {numel} values"))
             return None
     return sizes
+
+
+# Errors the exchange reports on purpose, the same on every island (the same bytes judged
+# alike): a verdict on what was received, which a new quorum would only repeat.
+REFUSALS = (SumRefused, PayloadError, FrameRefused, ConfigError)
+
+
+def member_failure(manager: Any) -> bool:
+    """The manager saw an error that a new quorum may repair: a collective that failed or
+    timed out (a member died, a link broke, a process group could not be built), not a
+    refusal of rows (REFUSALS)."""
+    error = manager.errored()
+    if error is None:
+        return False
+    return not isinstance(getattr(error, "original_exception", error), REFUSALS)
+
+
+def agree_on_exchange(manager: Any, completed: bool, framing: Framing,
+                      device: torch.device) -> list[float | None] | None:
+    """Every member's flag, by replica rank: EXCHANGE_COMPLETED where its exchange went
+    through, 0 where it failed, None where the flag is not signed with the federation's key
+    for this round (another key's island, a replay); None instead of a list when this
+    collective failed (a member died, here or in the exchange: the group is broken).
+
+    Runs on torchft's process group even after the manager saw an error, unlike the
+    exchange's own collectives: an island whose exchange failed must still say so, or the
+    members that completed theirs would commit a round it loses. The collective's error is
+    reported to the manager, so that the round does not commit unless it is run again."""
+    from torch.distributed.distributed_c10d import AllgatherOptions
+
+    participants = max(manager.num_participants(), 1)
+    flag = torch.tensor([int(completed)], dtype=torch.uint8)
+    size = framing.row_bytes(1)
+    row = replace(framing, forge=None).frame(0.0, float(completed), flag, size, ROUND_AGREE).to(device)
+    outputs = [torch.zeros_like(row) for _ in range(participants)]
+    try:
+        manager._pg.allgather([outputs], [row], AllgatherOptions()).wait()
+    except Exception as exc:  # noqa: BLE001 - any transport failure: no agreement, the round is not committed
+        if manager.errored() is None:
+            manager.report_error(exc)
+        return None
+    return [_flag(framing, out) for out in outputs]
+
+
+def abandon_group(manager: Any) -> None:
+    """Close torchft's process group of a failed exchange now, not when the next quorum
+    forms: a member still blocked in a collective with this island then fails at once.
+    (gloo's all-gather passes rows around a ring, so a member two places from a dead one
+    waits on a live neighbour that gave up; torchft aborts the group only once the new
+    quorum forms, and the lighthouse waits for that member to ask for it.) The next quorum
+    builds a new group; a retry's quorum always has a new id (OuterLoop._start_quorum)."""
+    try:
+        manager._pg.abort()
+    except Exception:  # noqa: BLE001 - already aborted, or a transport without abort: torchft's configure does it
+        pass
+
+
+def _flag(framing: Framing, row: torch.Tensor) -> float | None:
+    _, _, _, payload, frame = framing.open(row, 1, ROUND_AGREE)
+    if frame != FRAME_OK or payload is None or payload.numel() != 1:
+        return None
+    return EXCHANGE_COMPLETED if int(payload[0]) == 1 else 0.0

@@ -15,19 +15,30 @@ multiplies it by 1000 (both are caught by its own guard once it has a history, a
 receivers before that); the lying kinds skip its own guard and falsify what it sends:
 `forge_tokens` claims 10^15 tokens, `forge_weight` a weight of -10^6, `unsigned` signs
 with a key outside the federation (only meaningful with a federation key).
+`die_in_exchange` makes every rank of the island SIGKILL itself right after it handed its
+row to that round's exchange (`Poison.die`): the other islands' exchange fails with a
+member gone mid-collective, which they survive by re-forming the quorum and running the
+exchange again (fault_tolerance.exchange_retries; docs/rounds.md).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import signal
+import time
 from dataclasses import dataclass
 
 import torch
 
-from archipelago.config.faults import UPDATE_KINDS, faults_from_env
+from archipelago.config.faults import OUTER_KINDS, faults_from_env
 from archipelago.federation.policy import GUARD_HISTORY, judge_update, remember_norm
 
 FORGE_KINDS = ("forge_tokens", "forge_weight", "unsigned")  # lie in the frame, not in the values
+DIE_IN_EXCHANGE = "die_in_exchange"  # kill the island with its row in flight (config/faults.py)
+
+log = logging.getLogger("archipelago.federation")
 
 
 @dataclass(frozen=True)
@@ -44,10 +55,20 @@ class Poison:
         elif self.kind == "scale1000":
             pseudo_gradient.mul_(1000.0)
 
+    def die(self) -> None:
+        """SIGKILL this process now: no clean-up and no goodbye to the lighthouse, as when a
+        host crashes. The log line carries the wall-clock time, so a drill can measure how
+        long the survivors stalled after it."""
+        log.warning("ARCHIPELAGO_FAULT: %s@%d: this island dies now, its exchange in flight (time %.3f)",
+                    self.kind, self.round, time.time())
+        for handler in logging.getLogger().handlers:  # the line must be out before the process is gone
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
 
 def poisons_from_env() -> list[Poison]:
     """This island's poisoned rounds from ARCHIPELAGO_FAULT (the outer loop's kinds)."""
-    return [Poison(f.kind, int(f.at)) for f in faults_from_env(UPDATE_KINDS)]
+    return [Poison(f.kind, int(f.at)) for f in faults_from_env(OUTER_KINDS)]
 
 
 class UpdateGuard:

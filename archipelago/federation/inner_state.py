@@ -32,8 +32,9 @@ import torch
 from torch import nn
 
 from archipelago.config.errors import ConfigError
-from archipelago.federation.exchange import Framing, Gathered, aggregate, allgather, wire_device
+from archipelago.federation.exchange import Framing, Gathered, allgather, wire_device
 from archipelago.federation.layout import FlatLayout, local_tensor
+from archipelago.federation.outer_core import aggregate
 from archipelago.federation.policy import FRAME_OK
 
 log = logging.getLogger("archipelago.federation")

@@ -13,9 +13,12 @@ A round of one island, in order:
 3. `plan_round`: which fragment, and whether the island's own progress counts.
 4. `judge_update`: whether the island's pseudo-gradient may enter the average (the
    sender's own check; `judge_contributions` is every receiver's, after the exchange).
-5. `island_weight`: its weight in the average.
+5. `outer_core.contribution_weight`: its weight in the average.
 6. `skips_exchange`: whether the exchange can be left out altogether.
-7. `RoundResult` / `applies_outer_step`: after the exchange and the vote, what to do.
+7. `exchange_agreed` / `retries_exchange` / `keeps_pending`: whether every member
+   completed the exchange, and if not, whether to run it again with a new quorum and
+   whether this island's pending pseudo-gradient still belongs to the round.
+8. `RoundResult` / `applies_outer_step`: after the exchange and the vote, what to do.
 
 Time-paced rounds end by `round_is_up`; a healed island continues at `aligned_inner_step`.
 """
@@ -26,6 +29,8 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from archipelago.federation.outer_core import fragment_of
 
 # The guard's median needs a few accepted rounds before it means anything; until then only
 # non-finite updates are rejected. The window follows the norm as training goes on.
@@ -80,7 +85,7 @@ class RoundPlan:
 def plan_round(m: Membership, joining: bool, fragments: int) -> RoundPlan:
     """A joining island only receives; a healed one whose own weights were stale, too."""
     reset = m.progress_void or (joining and m.healed)
-    return RoundPlan(fragment=m.outer_step % fragments, reset=reset, contributes=not (reset or joining))
+    return RoundPlan(fragment=fragment_of(m.outer_step, fragments), reset=reset, contributes=not (reset or joining))
 
 
 @dataclass(frozen=True)
@@ -199,20 +204,43 @@ def _judge_one(row: Contribution, allowance: Allowance, weighting: str) -> Verdi
     return Verdict(True)
 
 
-def island_weight(weighting: str, tokens: int, contributes: bool, verdict: Verdict) -> float:
-    """The island's weight in the average: its tokens since the fragment's last exchange
-    (`tokens`), or 1 (`equal`); 0 when it sends no progress."""
-    if not contributes or not verdict.accepted:
-        return 0.0
-    return 1.0 if weighting == "equal" else float(tokens)
-
-
 def skips_exchange(joining: bool, outer_step: int, init_sync: bool) -> bool:
     """The join round of a new federation with init_sync off: every island of the quorum
     is joining and sends weight 0, so the sum is known without the network. With
     init_sync on, the exchange stays: it keeps the serving peers up until every bridge
     rank has downloaded the starting state."""
     return joining and outer_step == 0 and not init_sync
+
+
+EXCHANGE_COMPLETED = 1.0  # an island's flag in the agreement after an exchange: its exchange went through
+
+
+def exchange_agreed(flags: Sequence[float | None] | None, participants: int) -> bool:
+    """Did every member of the quorum complete the exchange? `flags`: each member's flag in
+    the agreement collective, by replica rank (EXCHANGE_COMPLETED: no member or link
+    failed it; a refusal of rows is a verdict, not a failure, and counts as completed; None:
+    a flag not signed with the federation's key for this round, whose island has no say, as
+    its rows have no weight: an outsider in the quorum could otherwise fail every round);
+    None instead of a list when that collective itself failed here. Members that see the
+    same flags decide alike, so either all commit the same rows or all run the exchange
+    again."""
+    return (flags is not None and len(flags) == participants
+            and all(flag is None or flag == EXCHANGE_COMPLETED for flag in flags))
+
+
+def retries_exchange(agreed: bool, attempt: int, retries: int) -> bool:
+    """Run a failed exchange again, with a new quorum of the members left, while fewer than
+    `retries` (fault_tolerance.exchange_retries) retries were made; `attempt` counts the
+    retries made so far (0 for the round's first exchange). Otherwise the round is lost."""
+    return not agreed and attempt < retries
+
+
+def keeps_pending(m: Membership, step: int) -> bool:
+    """After a failed exchange at outer `step`, the retried quorum `m` still runs this
+    island's round: the federation is at the same step and sent it no state. Otherwise
+    (a member committed the round without it, and this island healed from it; or a
+    joining island was sent the state only now) the round is planned again from `m`."""
+    return m.outer_step == step and not m.healed
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Islands of given speeds, links and failure rates run rounds as the platform does, with the
 platform's own decisions: the round pacing (`policy.round_is_up`), the join (`policy.
 plan_round`: a restarted island heals, then sends weight 0 for a round), the weights
-(`policy.island_weight`), the quorum's minimum (`policy.must_wait`), the exchange's path
+(`outer_core.contribution_weight`), the quorum's minimum (`policy.must_wait`), the exchange's path
 and bytes (`exchange.round_received`: the codec's payload sizes, framing and reduce-scatter
 choice). What it leaves out: the training itself (no model, no loss), streaming
 fragments' overlap, stragglers' jitter (each island's step time is constant) and the
@@ -32,9 +32,10 @@ import heapq
 import math
 import random
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from archipelago.config.errors import ConfigError
 from archipelago.config.loading import read_toml, section_from_table
@@ -42,7 +43,8 @@ from archipelago.config.schema import FaultToleranceConfig
 from archipelago.config.validate import fault_tolerance_problems
 from archipelago.federation.codecs import build_codec
 from archipelago.federation.exchange import Framing, auto_target_s, choose_codec, round_received
-from archipelago.federation.policy import Membership, Verdict, island_weight, must_wait, plan_round, round_is_up
+from archipelago.federation.outer_core import contribution_weight
+from archipelago.federation.policy import Membership, must_wait, plan_round, round_is_up
 
 # Codec sizes are linear in the model's size; measured on a chunk this large and scaled
 # (a top-k codec of the whole model would allocate its error-feedback buffer).
@@ -62,6 +64,11 @@ class SimulationSettings:
     detect_s: float = 30.0
     """Seconds before the others stop waiting on an island that died before the exchange
     (the lighthouse's heartbeat timeout)."""
+    repair: Literal["restart", "segment"] = "restart"
+    """How a round's exchange goes on after a member died in it (with `exchange_retries`):
+    `restart`, the platform's: the others run the whole exchange again without it; `segment`,
+    a design measured here before it is built: only the dead member's segment of a two-phase
+    exchange is sent again."""
 
 
 @dataclass
@@ -157,6 +164,9 @@ class Report:
     islands: list[IslandStats] = field(default_factory=list)
     ended_s: float = 0.0   # when the last round ended (past the horizon: a round started before it runs out)
     joined_s: float = 0.0  # when the first round (the join) ended
+    staleness: list[int] = field(default_factory=list)  # decoupled rounds: of each contribution that entered
+    dropped: int = 0       # decoupled rounds: contributions left out as staler than max_staleness
+    thin: int = 0          # decoupled rounds: islands whose rows a member carries (their link is too thin)
 
     @property
     def goodput(self) -> float:
@@ -175,7 +185,10 @@ class Report:
                 "utilisation_max": max(util), "tokens": self.tokens,
                 "received_per_island_gb": sum(s.received for s in self.islands) / len(self.islands) / 1e9,
                 "failures": sum(s.failures for s in self.islands),
-                "lost_to_failures_island_h": sum(s.down_s + s.heal_s + s.wasted_s for s in self.islands) / 3600}
+                "lost_to_failures_island_h": sum(s.down_s + s.heal_s + s.wasted_s for s in self.islands) / 3600,
+                "staleness_mean": statistics.fmean(self.staleness) if self.staleness else 0.0,
+                "staleness_max": max(self.staleness, default=0), "dropped_stale": self.dropped,
+                "thin_islands": self.thin}
 
 
 def round_steps(ft: FaultToleranceConfig, step_s: float) -> int:
@@ -279,24 +292,23 @@ class Simulation:
             began[k] = start + heal
             arrive[k] = began[k] + (0.0 if joining else self.steps[g.step_s] * g.step_s)
         detect = self.s.settings.detect_s
-        # The failures up to the latest this round can end; those after its real end go back.
-        latest = max(arrive.values()) + detect + 2 * self._exchange_s(len(live))
+        # The failures up to the latest this round can end (each retry of its exchange may
+        # add a detection and a whole exchange); those after its real end go back.
+        attempts = self.ft.exchange_retries + 2
+        latest = max(arrive.values()) + detect + attempts * (detect + self._exchange_s(len(live)))
         candidates = self._gone(live, latest)
         # Gone before its exchange: it leaves the quorum, and the others wait for the
         # lighthouse to notice (detect_s) unless they were still training by then.
         early = {k: at for k, at in candidates.items() if at < arrive[k]}
         members = [k for k in live if k not in early]
         exchange_start = max([arrive[k] for k in members] + [at + detect for at in early.values()] + [start])
-        end = exchange_start + self._exchange_s(len(members))
-        inside = {k: at for k, at in candidates.items() if k not in early and at < end}
+        end, inside, lost = self._exchange(exchange_start, members, {k: at for k, at in candidates.items()
+                                                                     if k not in early})
         for k, at in candidates.items():
             if k not in early and k not in inside:  # after this round: a failure of a later one
                 heapq.heappush(self.failures, (at, k))
         gone = {**early, **inside}
-        # Died inside the exchange: the collective fails, no commit; nor with too few left.
-        lost = bool(inside) or len(members) < max(self.ft.min_replica_size, 1)
-        if inside:
-            end = max(end, max(inside.values()) + detect)
+        lost = lost or len(members) - len(inside) < max(self.ft.min_replica_size, 1)
         received = self.received(len(members))
         codec = self.round_ft(len(members)).codec
         self.codecs_used[codec] = self.codecs_used.get(codec, 0) + 1
@@ -309,6 +321,35 @@ class Simulation:
         for k in members:
             self.joined[k] = k not in gone
         return end, not lost
+
+    def _exchange(self, start: float, members: list[int], failing: dict[int, float],
+                  duration: Callable[[list[int]], float] | None = None) -> tuple[float, dict[int, float], bool]:
+        """The exchange of `members` from `start` (lasting `duration(members)`, by default
+        `_exchange_s`), with the members' failure times `failing`: (its end, the members that
+        died in it, lost). A member that dies in it fails the collective for all. With
+        `exchange_retries` the others re-form the quorum once the lighthouse has dropped it
+        (detect_s) and run the exchange again without it, keeping their pseudo-gradients
+        (`repair = "restart"`, what the platform does), or only re-send the dead member's
+        segment of a two-phase exchange (`repair = "segment"`, a design the simulator
+        measures before it is built); past the retries (or with none) the round is lost."""
+        detect, retries = self.s.settings.detect_s, self.ft.exchange_retries
+        length = duration or (lambda alive: self._exchange_s(len(alive)))
+        alive = list(members)
+        end = start + length(alive)
+        inside: dict[int, float] = {}
+        for at, k in sorted((at, k) for k, at in failing.items()):
+            if at >= end:
+                break
+            inside[k] = at
+            alive.remove(k)
+            if len(inside) > retries or len(alive) < max(self.ft.min_replica_size, 1):
+                return max(end, at + detect), inside, True
+            if self.s.settings.repair == "segment":
+                end = max(end, at + detect) + 2 * length(alive) / max(len(alive), 1)
+            else:
+                start = max(start, at + detect)
+                end = start + length(alive)
+        return end, inside, False
 
     def _gone(self, live: list[int], until: float) -> dict[int, float]:
         """The live islands that fail before `until`, with when; the failures of islands
@@ -327,7 +368,7 @@ class Simulation:
         g, stats = self.islands[k], self.stats[k]
         stats.received += received
         tokens = round(trained_s / g.step_s) * g.tokens_per_step
-        weight = island_weight("tokens", tokens, counts, Verdict(True))
+        weight = contribution_weight("tokens", tokens, counts)
         if weight > 0:
             stats.compute_s += trained_s
             stats.tokens += int(weight)
@@ -375,10 +416,6 @@ class Simulation:
         return received * 8 / slowest + 2 * (participants - 1) * latency
 
 
-def simulate(scenario: Scenario, fail_at: list[tuple[int, float]] | None = None) -> Report:
-    return Simulation(scenario, fail_at).run()
-
-
 def format_report(report: Report, groups: list[IslandGroup]) -> str:
     """A table per group of alike islands, then the federation's figures."""
     s = report.summary()
@@ -398,6 +435,10 @@ def format_report(report: Report, groups: list[IslandGroup]) -> str:
                   f"({s['outer_steps_per_hour']:.1f} per hour), {s['failed_rounds']} rounds lost; "
                   f"{s['failures']} failures cost {s['lost_to_failures_island_h']:.1f} island-hours "
                   f"(down, healing, discarded rounds)"]
+    if report.staleness:
+        lines.append(f"decoupled: contributions entered {s['staleness_mean']:.2f} outer steps stale on average "
+                     f"(at most {s['staleness_max']}), {s['dropped_stale']} left out as too stale; "
+                     f"{s['thin_islands']} thin-link island(s) sent their rows through a member")
     return "\n".join(lines)
 
 
@@ -420,63 +461,3 @@ def scaled(scenario: Scenario, islands: int) -> Scenario:
     ft = replace(scenario.ft, group_size=sum(g.count for g in groups),
                  min_replica_size=min(scenario.ft.min_replica_size, islands))
     return Scenario(scenario.settings, ft, groups)
-
-
-SIMULATE_HELP = """\
-Simulate a federation of islands on a simulated clock (no training, no sockets): the
-platform's round pacing, joins, weights and codec sizes, with the islands' speeds, links
-and failures from a scenario file. Prints utilisation per group of islands, goodput,
-outer steps per hour, bytes received and the time lost to failures (docs/scale.md).
-"""
-
-
-def cli(argv: list[str]) -> int:
-    """`archipelago simulate SCENARIO [--islands N ...] [--hours H] [--seed S] [--json FILE]`."""
-    import argparse
-    import json
-
-    p = argparse.ArgumentParser(prog="archipelago simulate", description=SIMULATE_HELP)
-    p.add_argument("scenario", nargs="?", help="scenario TOML file (configs/scenarios/*.toml)")
-    p.add_argument("--replay", type=Path, default=None, metavar="RUN_DIR",
-                   help="instead: replay a recorded `archipelago local` run's rounds through the simulator's "
-                        "decisions and list every round where they differ from the record")
-    p.add_argument("--islands", type=int, nargs="+", default=None,
-                   help="scale the scenario's groups to these island counts, one run each")
-    p.add_argument("--hours", type=float, default=None, help="simulated hours (default: the scenario's)")
-    p.add_argument("--seed", type=int, default=None, help="failure times' seed (default: the scenario's)")
-    p.add_argument("--json", type=Path, default=None, help="write every run's summary here as JSON")
-    args = p.parse_args(argv)
-    if args.replay is not None:
-        return _replay(args.replay)
-    if args.scenario is None:
-        p.error("give a scenario file, or --replay RUN_DIR")
-    scenario = load_scenario(args.scenario)
-    settings = replace(scenario.settings, **{k: v for k, v in (("hours", args.hours), ("seed", args.seed))
-                                             if v is not None})
-    scenario = replace(scenario, settings=settings)
-    runs = []
-    for count in args.islands or [len(scenario.islands)]:
-        s = scaled(scenario, count) if args.islands else scenario
-        report = simulate(s)
-        print(f"\n## {len(s.islands)} islands, {settings.hours:g} h, {s.ft.codec}, "
-              f"{s.ft.round_pacing} pacing\n\n{format_report(report, s.groups)}")
-        runs.append(report.summary())
-    if args.json:
-        args.json.write_text(json.dumps(runs, indent=2))
-        print(f"\nwrote {args.json}")
-    return 0
-
-
-def _replay(run_dir: Path) -> int:
-    from archipelago.federation.replay import compare, recorded
-
-    if not (run_dir / "federation.json").is_file():
-        raise ConfigError(f"{run_dir}: no federation.json; replay a run directory of `archipelago local`")
-    rounds = recorded(run_dir)
-    differ = compare(run_dir)
-    print(f"{run_dir}: {len(rounds)} island-rounds over {len({r.outer_step for r in rounds})} outer steps")
-    for want, got in differ:
-        print(f"  differs: recorded {want}\n           replayed {got}")
-    print("the replay reproduces every round (participants, inner steps, weights)" if not differ
-          else f"{len(differ)} island-rounds differ")
-    return 0 if not differ else 1

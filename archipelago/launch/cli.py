@@ -531,7 +531,7 @@ def convert_config(argv: list[str]) -> int:
 
 
 def cmd_simulate(argv: list[str]) -> int:
-    from archipelago.federation.simulate import cli
+    from archipelago.federation.simulate_cli import cli
 
     return cli(argv)
 

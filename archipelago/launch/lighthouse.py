@@ -194,8 +194,9 @@ def _parser() -> argparse.ArgumentParser:
                    metavar="MS", help=f"how often to check for a quorum (default {DEFAULT_QUORUM_TICK_MS})")
     p.add_argument("--heartbeat-timeout-ms", "--heartbeat_timeout_ms", type=int,
                    default=DEFAULT_HEARTBEAT_TIMEOUT_MS, metavar="MS",
-                   help="how long without a heartbeat before an island counts as dead "
-                   f"(default {DEFAULT_HEARTBEAT_TIMEOUT_MS})")
+                   help="how long without a heartbeat before an island counts as dead: about how long the "
+                   "others stall when an island dies mid-exchange; shorter also drops live islands whose "
+                   f"heartbeats (every 100 ms) come late (default {DEFAULT_HEARTBEAT_TIMEOUT_MS})")
     p.add_argument("--dashboard", metavar="[HOST]:PORT", help="also serve the live federation dashboard (a web "
                    "page and /metrics) here, e.g. 127.0.0.1:8080 (`:8080`: on 127.0.0.1); islands push to it with "
                    "--metrics.dashboard")

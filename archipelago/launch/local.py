@@ -21,7 +21,9 @@ Experiments (emulations, not real conditions): `--slowdown 1,3` makes island 1's
 steps take 3x their compute time (--island.slowdown); `--inject 1:nan@3` makes island 1
 send a poisoned update (NaN, or `scale1000`: 1000x) in outer step 3, which the update
 guards must reject (`forge_tokens`, `forge_weight` and `unsigned` make it lie about its
-update instead, which every receiver must refuse), and `--inject 1:crash@7` (or `error`,
+update instead, which every receiver must refuse), `--inject 1:die_in_exchange@3` makes it
+SIGKILL itself with its exchange of outer step 3 in flight (the others re-form the quorum
+and run the exchange again without it), and `--inject 1:crash@7` (or `error`,
 `nan-loss`) fails its trainer at inner step 7. Faults share one grammar, ISLAND:KIND@AT (docs/development.md).
 The lighthouse's own log is quiet (warnings only) unless RUST_LOG says otherwise.
 
@@ -51,7 +53,7 @@ from urllib.parse import urlsplit
 
 from archipelago.config.errors import ConfigError
 from archipelago.config.faults import ENV as FAULT_ENV
-from archipelago.config.faults import LAUNCHER_KINDS, TRAINER_KINDS, UPDATE_KINDS, Fault, parse_fault
+from archipelago.config.faults import LAUNCHER_KINDS, OUTER_KINDS, TRAINER_KINDS, Fault, parse_fault
 from archipelago.config.faults import RANK_ENV as FAULT_RANK_ENV
 from archipelago.config.faults import env_value as fault_env_value
 from archipelago.launch.args import pop_option  # one parser of --name VALUE for both commands
@@ -136,9 +138,9 @@ def _island_options_arg(text: str) -> tuple[int, list[str]]:
 
 
 def _inject_arg(text: str) -> Fault:
-    """`ISLAND:KIND@AT` with a trainer or update kind (config/faults.py)."""
+    """`ISLAND:KIND@AT` with a trainer or outer-loop kind (config/faults.py)."""
     try:
-        return parse_fault(text, where="--inject", kinds=TRAINER_KINDS + UPDATE_KINDS, island=True)
+        return parse_fault(text, where="--inject", kinds=TRAINER_KINDS + OUTER_KINDS, island=True)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -158,7 +160,8 @@ def _parser() -> argparse.ArgumentParser:
                         "an experiment setting, passed as --island.slowdown")
     p.add_argument("--inject", action="append", default=[], type=_inject_arg, metavar="ISLAND:KIND@AT",
                    help="for tests and demos: ISLAND sends a poisoned update in outer step AT (KIND nan or "
-                        "scale1000) or lies about it (forge_tokens, forge_weight, unsigned), or its trainer "
+                        "scale1000) or lies about it (forge_tokens, forge_weight, unsigned), or dies with "
+                        "its exchange of outer step AT in flight (die_in_exchange), or its trainer "
                         "fails at inner step AT (crash, error, nan-loss); "
                         "repeatable, every entry is kept")
     p.add_argument("--island-options", action="append", default=[], type=_island_options_arg,
@@ -175,7 +178,9 @@ def _parser() -> argparse.ArgumentParser:
                         "island stops heartbeating and is dropped after --heartbeat-timeout-ms")
     p.add_argument("--quorum-tick-ms", type=int, default=100, help="lighthouse quorum check period")
     p.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
-                   help="an island silent this long is dropped from the quorum")
+                   help="an island silent this long is dropped from the quorum: about how long the others "
+                        "stall when an island dies mid-exchange (500 keeps it under a second here; shorter "
+                        "also drops live islands whose heartbeats, every 100 ms, come late)")
     p.add_argument("--no-table", action="store_true", help="no live status table / status lines")
     p.add_argument("--dashboard", metavar="[HOST]:PORT", help="serve the live federation dashboard (a web page and "
                    "/metrics) here during the run, e.g. 127.0.0.1:8080 (`:8080`: on 127.0.0.1); the islands push their "

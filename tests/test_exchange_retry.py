@@ -1,0 +1,305 @@
+"""An exchange that survives a member's death: the survivors re-form the quorum at once and
+run the round's exchange again, and every island commits the same rows or none does.
+
+The retry decisions are pure functions (policy.py, tested in tests/test_policy.py). Here:
+the agreement's flags and which errors count first; then one-rank islands run the real
+outer loop against torchft (an in-process lighthouse, islands as processes with known
+local progress): island 2 SIGKILLs itself with its row of outer step 3 in flight
+(ARCHIPELAGO_FAULT die_in_exchange), and the survivors' global weights are checked
+against the average of their own updates, computed here. Last, the same drill through
+`archipelago local --islands 1,1,1`.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import _RANK_PRELOAD, TINY, records, run_cli
+from test_rounds import ROUND, TOKENS, _delta, _flat, _manager, _model, _set_flat
+
+from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.exchange import ROUND_AGREE, Framing, agree_on_exchange, member_failure
+from archipelago.federation.trust import FederationKey, new_secret
+
+# ---- which errors count, and the agreement's flags ---------------------------------------
+
+
+class _Errored:
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+
+    def errored(self) -> Any:
+        from torchft.manager import ExceptionWithTraceback
+
+        return None if self.error is None else ExceptionWithTraceback(self.error)
+
+
+def test_only_a_member_or_link_failure_counts_not_a_refusal_of_rows():
+    from archipelago.federation.codecs import PayloadError
+    from archipelago.federation.exchange import SumRefused
+    from archipelago.federation.membership import FederationMismatch
+    from archipelago.federation.trust import FrameRefused
+
+    assert not member_failure(_Errored(None))
+    assert member_failure(_Errored(RuntimeError("Connection reset by peer")))  # gloo, a dead member
+    for refusal in (SumRefused("x"), PayloadError("x"), FrameRefused("x"), FederationMismatch("x")):
+        assert not member_failure(_Errored(refusal)), refusal
+
+
+class _Group:
+    """torchft's manager and process group for agree_on_exchange: the other members' rows
+    are given; `fail` makes the all-gather raise, as a broken gloo group does."""
+
+    def __init__(self, others: list[torch.Tensor], fail: bool = False) -> None:
+        self.others, self.fail, self.errors = others, fail, []
+        self._pg = self
+
+    def num_participants(self) -> int:
+        return len(self.others) + 1
+
+    def allgather(self, outputs, inputs, options):
+        if self.fail:
+            raise RuntimeError("Connection closed by peer")
+        outputs[0][0].copy_(inputs[0])
+        for out, row in zip(outputs[0][1:], self.others):
+            out.copy_(row)
+        return self
+
+    def wait(self) -> bool:
+        return True
+
+    def errored(self) -> Any:
+        return self.errors[0] if self.errors else None
+
+    def report_error(self, exc: Exception) -> None:
+        self.errors.append(exc)
+
+
+def test_the_agreement_flags_are_signed_for_the_quorum_and_a_broken_group_agrees_on_nothing():
+    key = FederationKey(os.urandom(32))
+    framing = Framing(key, quorum=7, step=3, fragment=0, island=0)
+
+    def flag(island: int, ok: bool, quorum: int = 7) -> torch.Tensor:
+        return Framing(key, quorum, 3, 0, island).frame(0.0, float(ok), torch.tensor([int(ok)], dtype=torch.uint8),
+                                                        framing.row_bytes(1), ROUND_AGREE)
+
+    cpu = torch.device("cpu")
+    assert agree_on_exchange(_Group([flag(1, True), flag(2, True)]), True, framing, cpu) == [1.0, 1.0, 1.0]
+    assert agree_on_exchange(_Group([flag(1, False), flag(2, True)]), True, framing, cpu) == [1.0, 0.0, 1.0]
+    # A flag of the failed attempt's quorum (a replay), or of another key, says nothing.
+    assert agree_on_exchange(_Group([flag(1, True, quorum=6), flag(2, True)]), True, framing, cpu)[1] is None
+    broken = _Group([flag(1, True)], fail=True)
+    assert agree_on_exchange(broken, True, framing, cpu) is None
+    assert broken.errors, "the failed agreement is the manager's error: the round does not commit"
+
+
+# ---- islands against torchft, one dies in the exchange -------------------------------------
+
+DIES_AT = 3  # outer step: the join round is 1, so the second round of training
+
+
+def _island(island: int, group: int, lighthouse: str, store_port: int, retries: int, out: Any,
+            joins: Any = None, codec: str = "fp32", secret: str | None = None) -> None:
+    """One one-rank island of `group`: the join round, then three rounds of known local
+    progress. With `joins` (an event), it starts when the event is set and trains the last
+    round only. `secret`: the federation key's, in hex (every row signed)."""
+    from archipelago.federation.diloco import OuterLoop
+    from archipelago.federation.guard import DIE_IN_EXCHANGE, Poison
+    from archipelago.federation.membership import fingerprint
+
+    torch.set_num_threads(1)
+    if joins is not None and not joins.wait(timeout=120):
+        return
+    manager = _manager(lighthouse, island, 0, 1, store_port)
+    try:
+        ft = FaultToleranceConfig(enable=True, group_size=group, min_replica_size=2, replica_id=island,
+                                  sync_steps=ROUND, semi_sync_method="local_sgd", exchange_retries=retries,
+                                  codec=codec, codec_block_size=16, topk_fraction=0.1, topk_chunk_size=16)
+        model = _model()
+        key = FederationKey(bytes.fromhex(secret)) if secret else None
+        fp = fingerprint("two-linears", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, 1,
+                         tokens_per_step=TOKENS[island], inner_lr=0.1, key=key)
+        poisons = [Poison(DIE_IN_EXCHANGE, DIES_AT)] if island == 2 else []
+        outer = OuterLoop(ft, [list(model.parameters())], 0, 1, manager, fp, poisons=poisons, key=key)
+        joined = outer.join(group, 30 if joins is None else 0)
+        out[(island, "join")] = (_flat(model), joined.committed, joined.healed, joined.participants, joined.weight)
+        step = 0
+        for round_ in range(1 if joins is None else 3, 4):
+            start = _flat(model)
+            for _ in range(ROUND):
+                step += 1
+                _set_flat(model, start + _delta(island, round_, start.numel()))
+                report = outer.after_inner_step(step, TOKENS[island])
+            out[(island, round_)] = (_flat(model), report.committed, report.participants, report.retries,
+                                     report.global_hash)
+    finally:
+        manager.shutdown(wait=False)
+
+
+def _federation(retries: int, group: int = 3, joiner: bool = False, heartbeat_ms: int = 500,
+                codec: str = "fp32", secret: str | None = None) -> tuple[dict, list[int | None]]:
+    """Run `group` islands (island 2 dies in outer step DIES_AT) and, with `joiner`, one more
+    that asks to join as soon as island 2 is dead; their results and exit codes."""
+    from torch.distributed import TCPStore
+    from torchft.coordination import LighthouseServer
+
+    # Heartbeats come every 100 ms: a dead island is dropped heartbeat_ms after its last one.
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=5000,
+                                  heartbeat_timeout_ms=heartbeat_ms)
+    count = group + joiner
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(count)]
+    multiprocessing.set_forkserver_preload(_RANK_PRELOAD)
+    context = multiprocessing.get_context("forkserver")
+    procs: list[Any] = []
+    try:
+        with multiprocessing.Manager() as shared:
+            out, joins = shared.dict(), shared.Event()
+            procs = [context.Process(target=_island, args=(k, group, lighthouse.address(), stores[k].port, retries,
+                                                           out, joins if k == group else None, codec, secret))
+                     for k in range(count)]
+            for proc in procs:
+                proc.start()
+            procs[2].join(timeout=150)  # the island that dies in the exchange
+            joins.set()
+            for proc in procs:
+                proc.join(timeout=150)
+            return dict(out), [proc.exitcode for proc in procs]
+    finally:
+        for proc in procs:  # by PID, whatever happened
+            if proc.pid is not None and proc.exitcode is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(timeout=10)
+        lighthouse.shutdown()
+
+
+def _average(start: torch.Tensor, islands: list[int], round_: int) -> torch.Tensor:
+    """The outer step of local SGD with token weights: the islands' weighted mean, by hand."""
+    weights = [TOKENS[k] for k in islands]
+    return sum(w * (start + _delta(k, round_, start.numel())) for w, k in zip(weights, islands)) / sum(weights)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("signed", [False, True], ids=["plain", "signed"])
+def test_the_survivors_run_the_exchange_again_and_commit_their_own_two_updates(signed):
+    # Signed: the retry's join frames, state claims, rows and agreement flags are all signed
+    # for the new quorum (the joining island's test below checks that it is the new id).
+    out, codes = _federation(retries=2, secret=new_secret() if signed else None)
+    assert codes == [0, 0, -signal.SIGKILL], (codes, sorted(out.keys()))
+    g0 = _flat(_model())
+    g1 = _average(g0, [0, 1, 2], 1)
+    g2 = _average(g1, [0, 1], 2)  # island 2's row never counts: it died with it in flight
+    g3 = _average(g2, [0, 1], 3)
+    for island in (0, 1):
+        weights, committed, participants, retries, _ = out[(island, 2)]
+        assert committed and participants == 2 and retries == 1, out[(island, 2)]
+        torch.testing.assert_close(weights, g2, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out[(island, 3)][0], g3, rtol=1e-6, atol=1e-6)
+        assert out[(island, 3)][1:4] == (True, 2, 0)  # the next round: two islands, no retry
+    assert out[(0, 2)][4] == out[(1, 2)][4] and out[(0, 3)][4] == out[(1, 3)][4]  # one global model
+
+
+@pytest.mark.timeout(240)
+def test_without_retries_the_round_a_member_died_in_is_lost_on_every_survivor():
+    out, codes = _federation(retries=0)
+    assert codes == [0, 0, -signal.SIGKILL], (codes, sorted(out.keys()))
+    g1 = _average(_flat(_model()), [0, 1, 2], 1)
+    for island in (0, 1):
+        weights, committed, _, retries, _ = out[(island, 2)]
+        assert not committed and retries == 0, out[(island, 2)]
+        torch.testing.assert_close(weights, g1, rtol=1e-6, atol=1e-6)  # restored: its progress discarded
+        torch.testing.assert_close(out[(island, 3)][0], _average(g1, [0, 1], 3), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_a_retry_with_a_codec_keeps_the_survivors_bit_identical(codec):
+    # int8 among three islands takes the reduce-scatter, the retry between two the all-gather;
+    # top-k's error feedback is put back before the retry encodes the update again.
+    out, codes = _federation(retries=2, codec=codec)
+    assert codes == [0, 0, -signal.SIGKILL], (codes, sorted(out.keys()))
+    for round_ in (2, 3):
+        (a, *facts_a), (b, *facts_b) = out[(0, round_)], out[(1, round_)]
+        assert torch.equal(a, b) and facts_a == facts_b, (facts_a, facts_b)
+    assert out[(0, 2)][1:4] == (True, 2, 1)
+
+
+@pytest.mark.timeout(240)
+def test_with_four_islands_the_one_two_places_from_the_dead_one_is_not_left_waiting():
+    # gloo's all-gather is a ring: island 0 waits on island 3, which gave up when island 2
+    # died. The survivors close their failed group at once, so island 0 fails too and all
+    # three retry together (without that, island 0 hung until the lighthouse's join timeout
+    # formed a quorum without it: islands 1 and 3 committed the round alone).
+    out, codes = _federation(retries=2, group=4)
+    assert codes == [0, 0, -signal.SIGKILL, 0], (codes, sorted(out.keys()))
+    g2 = _average(_average(_flat(_model()), [0, 1, 2, 3], 1), [0, 1, 3], 2)
+    for island in (0, 1, 3):
+        weights, committed, participants, retries, _ = out[(island, 2)]
+        assert committed and participants == 3 and retries == 1, out[(island, 2)]
+        torch.testing.assert_close(weights, g2, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_an_island_joining_in_the_retried_quorum_heals_and_sends_nothing_as_in_any_round():
+    # The joiner asks for a quorum while the survivors wait for the lighthouse to drop the dead
+    # island (2 s of heartbeat timeout): the retried quorum has three members, one healing.
+    # Signed: the joiner frames its rows for the new quorum's id, so the survivors' retry must
+    # too, or each side would refuse the other's rows as replays.
+    out, codes = _federation(retries=2, joiner=True, heartbeat_ms=2000, secret=new_secret())
+    assert codes == [0, 0, -signal.SIGKILL, 0], (codes, sorted(out.keys()))
+    g1 = _average(_flat(_model()), [0, 1, 2], 1)
+    g2 = _average(g1, [0, 1], 2)
+    for island in (0, 1):
+        weights, committed, participants, retries, _ = out[(island, 2)]
+        assert committed and participants == 3 and retries == 1, out[(island, 2)]
+        torch.testing.assert_close(weights, g2, rtol=1e-6, atol=1e-6)  # the joiner's row counts for nothing
+    weights, committed, healed, participants, weight = out[(3, "join")]
+    assert committed and healed and participants == 3 and weight == 0.0, out[(3, "join")]
+    torch.testing.assert_close(weights, g2, rtol=1e-6, atol=1e-6)
+    g3 = _average(g2, [0, 1, 3], 3)  # then it trains with them
+    for island in (0, 1, 3):
+        torch.testing.assert_close(out[(island, 3)][0], g3, rtol=1e-6, atol=1e-6)
+
+
+# ---- the drill through `archipelago local` ----------------------------------------------
+
+
+def _rounds(island_dir: Path) -> list[dict]:
+    """The island's outer_step records in order: the join round first (outer step 1), so
+    the round that ends at outer step k is the k-th, committed or not."""
+    return [r for r in records(island_dir) if r.get("event") == "outer_step"]
+
+
+def _drill(run_dir: Path, retries: int) -> tuple[Any, list[list[dict]]]:
+    done = run_cli(["local", "--islands", "1,1,1", "--no-table", "--heartbeat-timeout-ms", "500",
+                    "--inject", f"2:die_in_exchange@{DIES_AT}", *TINY, "--training.val_every", "0",
+                    "--checkpoint.no_enable", "--fault_tolerance.sync_steps", "4", "--training.steps", "12",
+                    "--metrics.log_every", "4", "--fault_tolerance.exchange_retries", str(retries),
+                    "--job.run_dir", str(run_dir)], timeout=240)
+    return done, [_rounds(run_dir / f"island-{k}") for k in (0, 1)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("retries", [2, pytest.param(0, marks=pytest.mark.slow)])
+def test_archipelago_local_survivors_commit_the_round_a_member_died_in(tmp_path, retries):
+    done, rounds = _drill(tmp_path / "run", retries)
+    fed = json.loads((tmp_path / "run" / "federation.json").read_text())
+    assert [i["exit_code"] for i in fed["islands"]] == [0, 0, 128 + signal.SIGKILL], done.output[-4000:]
+    assert re.search(rf"die_in_exchange@{DIES_AT}: this island dies now", done.output), done.output[-4000:]
+    assert all(len(r) == 4 for r in rounds), rounds  # the join round and three rounds of 4 steps
+    died, before = [r[DIES_AT - 1] for r in rounds], rounds[0][DIES_AT - 2]
+    if retries:
+        assert all(r["committed"] and r["participants"] == 2 and r["retries"] == 1 for r in died), died
+        assert died[0]["global_hash"] == died[1]["global_hash"] != before["global_hash"]
+        assert all(r["committed"] for island in rounds for r in island)  # no round lost
+    else:
+        assert not any(r["committed"] for r in died), died
+        assert died[0]["global_hash"] == died[1]["global_hash"] == before["global_hash"]  # restored
+    assert rounds[0][-1]["committed"] and rounds[0][-1]["global_hash"] == rounds[1][-1]["global_hash"]

@@ -1,0 +1,102 @@
+"""The outer-step core (federation/outer_core.py) against hand computations, and the quality
+simulator's decoupled rounds driven through it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.outer_core import OuterCore, fragment_of, staleness_discount
+
+
+def test_staleness_discount_is_the_polynomial_rule_with_a_cut_off():
+    assert staleness_discount(0, 0.5, 4) == 1.0
+    assert staleness_discount(1, 0.5, 4) == pytest.approx(1 / math.sqrt(2))
+    assert staleness_discount(3, 1.0, 4) == pytest.approx(0.25)
+    assert staleness_discount(4, 0.5, 4) == pytest.approx(5 ** -0.5)
+    assert staleness_discount(5, 0.5, 4) == 0.0      # too stale: left out
+    assert staleness_discount(7, 0.0, 8) == 1.0      # exponent 0: no discount
+    with pytest.raises(ValueError, match="cannot enter before its base"):
+        staleness_discount(-1, 0.5, 4)
+
+
+def test_a_stale_update_enters_with_the_weight_and_correction_computed_by_hand():
+    ft = FaultToleranceConfig(outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True, staleness_exponent=0.5,
+                              max_staleness=4)
+    start = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    core = OuterCore(ft, [start])
+    fresh, stale = torch.tensor([0.1, 0.2, -0.3, 0.4]), torch.tensor([-0.5, 0.25, 0.125, 1.0])
+    w_fresh, d_fresh = core.weight(100, contributes=True)
+    w_stale, d_stale = core.weight(300, contributes=True, staleness=3)
+    assert (w_fresh, d_fresh) == (100.0, 100.0)
+    assert (w_stale, d_stale) == (pytest.approx(300 * 4 ** -0.5), 300.0)  # (1 + 3)^-0.5 = 0.5
+    assert core.apply(0, core.merge([fresh, stale], [w_fresh, w_stale]), d_fresh + d_stale)
+    # By hand, in float64: the mean divides by the undiscounted tokens (400), so the discount
+    # shrinks the stale island's share (150 of 400, not 300 of 400); Nesterov's first step
+    # from a zero buffer moves by lr x (1 + momentum) x the mean.
+    mean = (100 * fresh.double() + 150 * stale.double()) / 400
+    expected = start.double() - 0.7 * (1 + 0.9) * mean
+    assert torch.allclose(core.globals[0].detach().double(), expected, rtol=0, atol=1e-6)
+
+
+def test_too_stale_or_refused_or_not_contributing_weighs_nothing_everywhere():
+    core = OuterCore(FaultToleranceConfig(max_staleness=2), [torch.zeros(3)])
+    assert core.weight(500, True, staleness=3) == (0.0, 0.0)
+    assert core.weight(500, True, accepted=False, staleness=0) == (0.0, 0.0)
+    assert core.weight(500, False) == (0.0, 0.0)
+    equal = OuterCore(FaultToleranceConfig(outer_weighting="equal"), [torch.zeros(3)])
+    assert equal.weight(500, True) == (1.0, 1.0)
+
+
+def test_nothing_entered_means_no_outer_step_and_momentum_untouched():
+    ft = FaultToleranceConfig(outer_lr=0.7, outer_momentum=0.9)
+    core = OuterCore(ft, [torch.ones(4)])
+    core.apply(0, torch.full((4,), 0.5), 1.0)
+    weights, buffer = core.globals[0].detach().clone(), core.outer[0].state[core.globals[0]]["momentum_buffer"].clone()
+    assert not core.apply(0, torch.zeros(4), 0.0)  # Nesterov would still move by momentum x buffer
+    assert torch.equal(core.globals[0].detach(), weights)
+    assert torch.equal(core.outer[0].state[core.globals[0]]["momentum_buffer"], buffer)
+
+
+def test_fragment_choice_and_decoupled_rebase():
+    assert [fragment_of(step, 3) for step in range(5)] == [0, 1, 2, 0, 1]
+    core = OuterCore(replace(FaultToleranceConfig(), fragment_update_alpha=0.25), [torch.tensor([4.0, 8.0])])
+    local = torch.tensor([0.0, 4.0])
+    assert torch.equal(core.island_weights(0, local), torch.tensor([3.0, 7.0]))  # 0.75 global + 0.25 local
+    own = torch.tensor([1.0, -1.0])  # its pseudo-gradient still travelling: its progress stays
+    assert torch.equal(core.rebased(0, [own]), torch.tensor([3.0, 9.0]))
+
+
+def _tiny(mode: str, steps: int = 12):  # noqa: ANN202 - a Config
+    from conftest import TINY
+
+    from archipelago.config import load_config
+
+    return load_config(["--config", "configs/llama3/federation.toml", *TINY, "--fault_tolerance.enable",
+                        "--fault_tolerance.no_average_optimizer_state", "--fault_tolerance.sync_steps", "3",
+                        "--training.steps", str(steps), "--training.val_every", "0",
+                        "--fault_tolerance.round_mode", mode])
+
+
+@pytest.mark.timeout(300)
+def test_decoupled_rounds_without_delay_are_the_synchronous_round_bit_for_bit(shakespeare):
+    from archipelago.simulation import simulate
+
+    synchronous = simulate(_tiny("synchronous"), islands=2, eval_windows=8)
+    undelayed = simulate(_tiny("decoupled"), islands=2, eval_windows=8, handoff_delays=[0, 0])
+    for island in range(2):
+        ours, theirs = synchronous.models[island].state_dict(), undelayed.models[island].state_dict()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert undelayed.staleness == [0] * 8  # 4 rounds x 2 islands, none stale
+    delayed = simulate(_tiny("decoupled"), islands=2, eval_windows=8, handoff_delays=[1, 2])
+    # Island 0 hands off every round and enters one round later; island 1 every second round,
+    # two rounds later. By hand over 4 boundaries: boundary 2 takes island 0's first (base
+    # step 0, nothing applied yet: 0); boundary 3 island 0's second (base 0 -> 1 step: 1);
+    # boundary 4 island 0's third and island 1's first (bases 1 and 0, 2 steps applied: 1, 2).
+    assert delayed.staleness == [0, 1, 1, 2]
+    assert not torch.equal(delayed.models[0].state_dict()["norm.weight"],
+                           synchronous.models[0].state_dict()["norm.weight"])
