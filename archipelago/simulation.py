@@ -497,7 +497,7 @@ def decoupled_delays(link_ticks: Sequence[int], round_ticks: int, threshold: flo
     island's exchange spans ceil(ticks / round) rounds (its delay and its cycle)."""
     members = [t for t in link_ticks if t <= round_ticks]
     slowest = max(members, default=0)
-    waits = slowest <= threshold * round_ticks
+    waits = threshold > 0 and slowest <= threshold * round_ticks  # 0: always overlap
     delays = [(0 if waits else 1) if t <= round_ticks else math.ceil(t / round_ticks) for t in link_ticks]
     return delays, slowest if waits else 0
 

@@ -70,7 +70,8 @@ class DecoupledSimulation(Simulation):
         self.cycle = {k: max(1, math.ceil(self._thin_link_s(k) / self.period)) for k in self.thin}
         # A short exchange (overlap_threshold of the round) is waited for, as in a synchronous
         # round: its contributions enter fresh; a longer one overlaps the next round.
-        self.waits = self._member_exchange_s(self.members) <= self.ft.overlap_threshold * self.period
+        limit = self.ft.overlap_threshold * self.period
+        self.waits = limit > 0 and self._member_exchange_s(self.members) <= limit
 
     # ---- who exchanges how --------------------------------------------------------
 
