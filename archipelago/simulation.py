@@ -36,7 +36,7 @@ from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.exchange import Framing
 from archipelago.federation.fragments import split_fragments
 from archipelago.federation.inner_state import WIRE_DTYPES, state_keys
-from archipelago.federation.outer_core import OuterCore, fragment_of
+from archipelago.federation.outer_core import OuterCore
 from archipelago.island.optim import build_lr_scheduler, build_optimizer, set_schedule_position
 from archipelago.island.parallelize import compute_dtype
 from archipelago.tasks import Task, build_task
@@ -261,7 +261,7 @@ class _Outer:
 
     def prepare(self) -> None:
         """Each island's weighted pseudo-gradient, encoded and decoded, summed in island order."""
-        fragment = fragment_of(self.step, self.core.fragments)
+        fragment = self.core.fragment(self.step)
         values, weights, self.round_tokens = [], [], []
         for island in self.islands:
             pseudo = self.core.pseudo_gradient(fragment, island.flat(fragment))

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.outer_core import OuterCore, fragment_of, staleness_discount
+from archipelago.federation.outer_core import OuterCore, staleness_discount
+from archipelago.federation.policy import fragment_of
 
 
 def test_staleness_discount_is_the_polynomial_rule_with_a_cut_off():

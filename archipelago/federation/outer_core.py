@@ -5,7 +5,7 @@ simulator (archipelago/simulation.py: islands in lockstep in one process) and th
 simulator (federation/simulate.py: no tensors, only weights and clocks) all ask this module
 the same questions, so they cannot drift apart:
 
-* which fragment a round synchronises (`fragment_of`);
+* which fragment a round synchronises (`policy.fragment_of`, the pure rule it applies);
 * what weight an island's pseudo-gradient gets: its tokens (or 1), 0 when it sends no
   progress, discounted by its staleness (`contribution_weight`, `staleness_discount`);
 * how accepted contributions are combined (`aggregate`: a weighted sum in a fixed order, or
@@ -34,11 +34,7 @@ from torch import nn
 
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.fragments import build_outer_optimizer
-
-
-def fragment_of(outer_step: int, fragments: int) -> int:
-    """The fragment the round after `outer_step` synchronises (streaming DiLoCo's order)."""
-    return outer_step % fragments
+from archipelago.federation.policy import fragment_of
 
 
 def staleness_discount(staleness: int, exponent: float, max_staleness: int) -> float:
@@ -94,6 +90,10 @@ class OuterCore:
     @property
     def fragments(self) -> int:
         return len(self.globals)
+
+    def fragment(self, outer_step: int) -> int:
+        """The fragment the round after `outer_step` synchronises."""
+        return fragment_of(outer_step, self.fragments)
 
     def discount(self, staleness: int) -> float:
         """This federation's staleness rule (`staleness_exponent`, `max_staleness`)."""

@@ -30,8 +30,6 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from archipelago.federation.outer_core import fragment_of
-
 # The guard's median needs a few accepted rounds before it means anything; until then only
 # non-finite updates are rejected. The window follows the norm as training goes on.
 GUARD_MIN_HISTORY = 3
@@ -80,6 +78,11 @@ class RoundPlan:
     fragment: int       # the fragment this round synchronises
     reset: bool         # discard the island's local progress: take every fragment's global weights
     contributes: bool   # the island's pseudo-gradient may enter the average (if the guard agrees)
+
+
+def fragment_of(outer_step: int, fragments: int) -> int:
+    """The fragment the round after `outer_step` synchronises (streaming DiLoCo's order)."""
+    return outer_step % fragments
 
 
 def plan_round(m: Membership, joining: bool, fragments: int) -> RoundPlan:
