@@ -348,7 +348,7 @@ class _Decoupled:
             raise ValueError("codec = \"auto\" needs links between islands: give the codec to compare")
         for island in islands:
             island.codecs = [build_codec(self.ft, self.core.globals[0].numel())]
-        self.bases = [g.detach().clone() for g in [self.core.globals[0]] * len(islands)]
+        self.bases = [self.core.globals[0].detach().clone() for _ in islands]  # the weights each started from
         self.base_steps = [0] * len(islands)
         self.tokens = [0] * len(islands)
         self.in_flight: list[_HandOff] = []

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import _RANK_PRELOAD, TINY, records, run_cli
-from test_rounds import ROUND, TOKENS, _delta, _flat, _manager, _model, _set_flat
+from test_rounds import ROUND, TOKENS, _delta, _flat, _manager, _model, _train_round
 
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.exchange import ROUND_AGREE, Framing, agree_on_exchange, member_failure
@@ -133,11 +133,7 @@ def _island(island: int, group: int, lighthouse: str, store_port: int, retries: 
         out[(island, "join")] = (_flat(model), joined.committed, joined.healed, joined.participants, joined.weight)
         step = 0
         for round_ in range(1 if joins is None else 3, 4):
-            start = _flat(model)
-            for _ in range(ROUND):
-                step += 1
-                _set_flat(model, start + _delta(island, round_, start.numel()))
-                report = outer.after_inner_step(step, TOKENS[island])
+            report, step = _train_round(outer, model, island, round_, step)
             out[(island, round_)] = (_flat(model), report.committed, report.participants, report.retries,
                                      report.global_hash)
     finally:

@@ -21,7 +21,7 @@ from test_island import _free_port
 from torch import nn
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.diloco import OuterLoop
+from archipelago.federation.diloco import OuterLoop, OuterReport
 from archipelago.federation.guard import Poison, UpdateGuard, poisons_from_env
 from archipelago.federation.membership import fingerprint
 from archipelago.federation.trust import FederationKey, new_secret
@@ -45,6 +45,19 @@ def _flat(model: nn.Module) -> torch.Tensor:
 def _delta(island: int, round_: int, numel: int) -> torch.Tensor:
     """The local progress island `island` makes in round `round_` (known to the test)."""
     return torch.randn(numel, generator=torch.Generator().manual_seed(100 * island + round_)) * 0.1
+
+
+def _train_round(outer: OuterLoop, model: nn.Module, island: int, round_: int, step: int) -> tuple[OuterReport, int]:
+    """One round of ROUND inner steps, each setting the weights to the round's start plus the
+    island's known delta; the round's report and the step count after it."""
+    start = _flat(model)
+    report = None
+    for _ in range(ROUND):
+        step += 1
+        _set_flat(model, start + _delta(island, round_, start.numel()))
+        report = outer.after_inner_step(step, TOKENS[island])
+    assert report is not None
+    return report, step
 
 
 def _set_flat(model: nn.Module, flat: torch.Tensor) -> None:
@@ -96,17 +109,13 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
             out[(proc, 0)] = (_flat(model), joined.healed, joined.bytes_sent, joined.committed)
         step = 0
         for round_ in range(1, rounds + 1):
-            start = _flat(model)
             if optimizer is not None:  # known moments, as if the island had stepped
                 _set_moments(optimizer, model, island, round_)
                 if island in poisons and poisons[island].round == round_:  # its moments are bad too
                     next(iter(optimizer.state.values()))["exp_avg"].fill_(float("nan"))
                 if lying_moments == (island, round_):  # finite, but no Adam state: m^2 far above C * v
                     next(iter(optimizer.state.values()))["exp_avg"].mul_(1e4)
-            for _ in range(ROUND):
-                step += 1
-                _set_flat(model, start + _delta(island, round_, start.numel()))
-                report = outer.after_inner_step(step, TOKENS[island])
+            report, step = _train_round(outer, model, island, round_, step)
             out[(proc, round_)] = (_flat(model), report.weight, report.rejected, report.committed,
                                    report.federation_tokens)
             out[(proc, round_, "bytes")] = (report.bytes_sent, report.bytes_received)

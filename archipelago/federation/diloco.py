@@ -221,8 +221,6 @@ class OuterLoop:
         self.peer_delay = self.delay  # inner steps that peer trains between its state and its commit
         self.quorum_id: int | None = None
         self._outsider_quorum: int | None = None  # the last quorum whose outsiders were logged
-        self.globals: list[nn.Parameter] = []
-        self.outer: list[torch.optim.Optimizer] = []
         self.core: OuterCore | None = None  # the global weights and outer optimizers (bridge ranks)
         self.codec_name = effective_codec(ft)
         self.codecs: list[Codec] = []  # one per fragment chunk, on bridge ranks
@@ -258,6 +256,16 @@ class OuterLoop:
                         "torchft": {"step": 0, "batches_committed": 0}})
 
     # ---- public --------------------------------------------------------------------
+
+    @property
+    def globals(self) -> list[nn.Parameter]:
+        """The global weights of this bridge rank's chunks, one per fragment (none elsewhere)."""
+        return self.core.globals if self.core is not None else []
+
+    @property
+    def outer(self) -> list[torch.optim.Optimizer]:
+        """Their outer optimizers."""
+        return self.core.outer if self.core is not None else []
 
     @property
     def exchange_pending(self) -> bool:
@@ -319,7 +327,6 @@ class OuterLoop:
         if not self.is_bridge:
             return
         self.core = OuterCore(self.ft, chunks, pin=torch.cuda.is_available())
-        self.globals, self.outer = self.core.globals, self.core.outer
         self._digest = None
         if len(self.codecs) != len(self.globals):  # codec state (error feedback) outlives a reset
             self.codecs = [build_codec(self.ft, g.numel()) for g in self.globals]

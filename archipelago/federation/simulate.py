@@ -405,15 +405,16 @@ class Simulation:
                                                           participants)
         return self._received[participants]
 
-    def _exchange_s(self, participants: int) -> float:
-        """The exchange: each island's received bytes over its link, the slowest deciding,
-        plus a latency per ring hop (two phases for a reduce-scatter: counted as two)."""
+    def _exchange_s(self, participants: int, over: list[int] | None = None) -> float:
+        """An exchange of `participants` islands: each island's received bytes over its link,
+        the slowest of the islands `over` (default: all of them) deciding, plus a latency per
+        ring hop (two phases for a reduce-scatter: counted as two)."""
         if participants < 2:
             return 0.0
-        received = self.received(participants)
-        slowest = min(g.bandwidth_mbit for g in self.islands) * 1e6
-        latency = max(g.latency_ms for g in self.islands) / 1e3
-        return received * 8 / slowest + 2 * (participants - 1) * latency
+        links = [self.islands[k] for k in over] if over is not None else self.islands
+        slowest = min(g.bandwidth_mbit for g in links) * 1e6
+        latency = max(g.latency_ms for g in links) / 1e3
+        return self.received(participants) * 8 / slowest + 2 * (participants - 1) * latency
 
 
 def format_report(report: Report, groups: list[IslandGroup]) -> str:

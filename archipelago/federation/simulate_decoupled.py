@@ -67,6 +67,7 @@ class DecoupledSimulation(Simulation):
                        else statistics.median(intervals))
         self.thin = self._thin_islands()
         self.members = [k for k in range(len(self.islands)) if k not in self.thin]
+        self.row_bytes = self._row_bytes()
         self.cycle = {k: max(1, math.ceil(self._thin_link_s(k) / self.period)) for k in self.thin}
         # A short exchange (overlap_threshold of the round) is waited for, as in a synchronous
         # round: its contributions enter fresh; a longer one overlaps the next round.
@@ -76,12 +77,8 @@ class DecoupledSimulation(Simulation):
     # ---- who exchanges how --------------------------------------------------------
 
     def _member_exchange_s(self, members: list[int]) -> float:
-        """The members' exchange: bytes over the slowest member's link, a latency per ring hop."""
-        if len(members) < 2:
-            return 0.0
-        slowest = min(self.islands[k].bandwidth_mbit for k in members) * 1e6
-        latency = max(self.islands[k].latency_ms for k in members) / 1e3
-        return self.received(len(members)) * 8 / slowest + 2 * (len(members) - 1) * latency
+        """The members' exchange, over the slowest member's link."""
+        return self._exchange_s(len(members), members)
 
     def _thin_islands(self) -> set[int]:
         """Islands whose link cannot carry the members' exchange within a round."""
@@ -91,8 +88,7 @@ class DecoupledSimulation(Simulation):
             if len(members) < 2:
                 return thin
             count = len(members)
-            slow = {k for k in members if self.received(count) * 8 / (self.islands[k].bandwidth_mbit * 1e6)
-                    + 2 * (count - 1) * self.islands[k].latency_ms / 1e3 > self.period}
+            slow = {k for k in members if self._exchange_s(count, [k]) > self.period}
             if not slow or len(members) - len(slow) < 1:
                 return thin
             thin |= slow
@@ -106,7 +102,7 @@ class DecoupledSimulation(Simulation):
     def _thin_link_s(self, k: int) -> float:
         """A thin island's upload of its row and download of the global weights in bf16."""
         g = self.islands[k]
-        return (self._row_bytes() + 2 * self.s.settings.params) * 8 / (g.bandwidth_mbit * 1e6) + 2 * g.latency_ms / 1e3
+        return (self.row_bytes + 2 * self.s.settings.params) * 8 / (g.bandwidth_mbit * 1e6) + 2 * g.latency_ms / 1e3
 
     # ---- the run ------------------------------------------------------------------
 
@@ -161,7 +157,7 @@ class DecoupledSimulation(Simulation):
         seconds = math.floor((t - since[k]) / g.step_s + 1e-9) * g.step_s  # whole steps (not lost to rounding)
         c = _Contribution(k, round(seconds / g.step_s) * g.tokens_per_step, seconds, base[k], t)
         if k in self.thin:
-            c.ready_s = t + self._row_bytes() * 8 / (g.bandwidth_mbit * 1e6)  # its upload
+            c.ready_s = t + self.row_bytes * 8 / (g.bandwidth_mbit * 1e6)  # its upload
             c.placed = False
             self.stats[k].received += 2 * self.s.settings.params
         since[k], base[k] = t, t
@@ -212,8 +208,7 @@ class DecoupledSimulation(Simulation):
             self.stats[c.island].compute_s += c.seconds
             self.stats[c.island].tokens += c.tokens
         ideal = sum(horizon / g.step_s * g.tokens_per_step for g in self.islands)
-        report = Report(self.s.settings.hours, rounds, len(step_ends), lost, sum(s.tokens for s in self.stats),
-                        ideal, self.stats, ended_s=step_ends[-1] if step_ends else 0.0)
-        report.staleness, report.dropped, report.thin = staleness, dropped, len(self.thin)
-        return report
+        return Report(self.s.settings.hours, rounds, len(step_ends), lost, sum(s.tokens for s in self.stats),
+                      ideal, self.stats, ended_s=step_ends[-1] if step_ends else 0.0, staleness=staleness,
+                      dropped=dropped, thin=len(self.thin))
 
