@@ -383,9 +383,16 @@ class _Decoupled:
             self.bases[k] = weights.clone()
             self.base_steps[k] = self.step
 
-    def enter_due(self) -> None:
-        due = sorted((h for h in self.in_flight if h.entry == self.boundary), key=lambda h: h.island)
-        self.in_flight = [h for h in self.in_flight if h.entry != self.boundary]
+    def finish(self) -> None:
+        """The end of the run (the platform's `OuterLoop.finish_rounds`): everything still
+        in flight enters one outer step, and every island takes the global weights."""
+        self.enter_due(everything=True)
+        for island in self.islands:
+            island.write(0, self.core.globals[0].detach().clone())
+
+    def enter_due(self, everything: bool = False) -> None:
+        due = sorted((h for h in self.in_flight if everything or h.entry == self.boundary), key=lambda h: h.island)
+        self.in_flight = [h for h in self.in_flight if not (everything or h.entry == self.boundary)]
         values, weights, divisor = [], [], 0.0
         for h in due:
             weight, undiscounted = self.core.weight(h.tokens, True, staleness=self.step - h.base_step)
@@ -404,7 +411,7 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
              eval_every: int | None = None, log: Callable[[str], None] | None = None,
              momentum_warmup_rounds: int = 0, sync_warmup_rounds: int = 0, ranks: int = 1,
              average_running_stats: int = 0, slow_period: int = 0, link_ticks: Sequence[int] | None = None,
-             wall_ticks: int = 0, handoff_delays: Sequence[int] | None = None) -> SimResult:
+             wall_ticks: int = 0, handoff_delays: Sequence[int] | None = None, drain: bool = True) -> SimResult:
     """Train `islands` islands of `cfg` for `cfg.training.steps` inner steps each.
 
     With `fault_tolerance.enable` they meet in outer steps; without it (one island) this
@@ -430,6 +437,8 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
     ceil(link_ticks[i] / sync_steps) rounds (`decoupled_delays`; `handoff_delays` gives the
     delays directly, 0 = synchronous, with no waiting). `wall_ticks` T > 0 stops at tick
     T instead of a token budget (equal wall-clock), every schedule following the ticks.
+    `drain` (decoupled rounds): the contributions still in flight at the end enter before
+    the last evaluation, as the platform's islands let them in (False: left out).
     """
     device = torch.device(device)
     t = cfg.training
@@ -469,17 +478,25 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
         if log is not None:
             log(f"step {step}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items()))
 
+    def last_point(step: int) -> None:
+        if drain and isinstance(outer, _Decoupled):
+            outer.finish()
+        point(step)
+
     point(0)
     if slow_period > 1 or wall_ticks or any(links):
         assert outer is not None, "a clock of ticks needs a federation"
-        _train_ticks(crew, outer, t.steps, max(slow_period, 1), tokens_per_step, every, point, pause, wall_ticks)
+        _train_ticks(crew, outer, t.steps, max(slow_period, 1), tokens_per_step, every, point, pause, wall_ticks,
+                     last_point)
     else:
         for step in range(1, t.steps + 1):
             for island in crew:
                 island.train_step()
             if outer is not None:
                 outer.after_inner_step([tokens_per_step] * islands)
-            if step == t.steps or (every and step % every == 0):
+            if step == t.steps:
+                last_point(step)
+            elif every and step % every == 0:
                 point(step)
     result.bytes_sent = outer.bytes_sent if outer is not None else 0
     if isinstance(outer, _Decoupled):
@@ -503,7 +520,8 @@ def decoupled_delays(link_ticks: Sequence[int], round_ticks: int, threshold: flo
 
 
 def _train_ticks(crew: list[_Island], outer: _Outer | _Decoupled, steps: int, period: int, tokens_per_step: int,
-                 every: int, point: Callable[[int], None], pause: int = 0, wall_ticks: int = 0) -> None:
+                 every: int, point: Callable[[int], None], pause: int = 0, wall_ticks: int = 0,
+                 last_point: Callable[[int], None] | None = None) -> None:
     """`simulate`'s clock: ticks until the federation's token budget (or tick `wall_ticks`),
     the last island stepping every `period`-th tick, every island idle for `pause` ticks
     after each round (a synchronous exchange); schedules follow the federation's progress
@@ -529,7 +547,8 @@ def _train_ticks(crew: list[_Island], outer: _Outer | _Decoupled, steps: int, pe
                 idle = pause
         ended = outer.local_step == 0 and not idle
         done = tick >= wall_ticks if wall_ticks else ended and sum(island.steps for island in crew) >= budget
-        if done or (every and tick % every == 0):
-            point(tick)
         if done:
+            (last_point or point)(tick)
             return
+        if every and tick % every == 0:
+            point(tick)

@@ -437,6 +437,8 @@ class Trainer:
             self.maybe_inject_fault()
             self.after_inner_step(time.perf_counter() - started)
             final = self.done()  # once per step: the time budget must not flip between uses
+            if final:
+                self.federation.finish_rounds()
             self.after_step(result, final=final)
         return self.finish()
 

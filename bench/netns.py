@@ -57,6 +57,14 @@ class Wan:
     subnet: ipaddress.IPv4Network
     rate_mbit: float
     delay_ms: float = 0.0
+    rates: tuple[float, ...] = ()  # each island's own link rate (Mbit/s); empty: ISLANDS islands at rate_mbit
+
+    @property
+    def islands(self) -> int:
+        return len(self.rates) if self.rates else ISLANDS
+
+    def rate_of(self, k: int) -> float:
+        return self.rates[k] if self.rates else self.rate_mbit
 
     @property
     def lh_addr(self) -> str:
@@ -72,7 +80,7 @@ class Wan:
     def endpoints(self) -> list[tuple[str, str, str]]:
         """(namespace, address, bridge-side port name) of the lighthouse and every island."""
         return [(LH_NS, self.lh_addr, "lh")] + [(self.island_ns(k), self.island_addr(k), f"i{k}")
-                                                for k in range(ISLANDS)]
+                                                for k in range(self.islands)]
 
     def up(self) -> None:
         sh(["ip", "netns", "add", NET_NS])
@@ -87,15 +95,15 @@ class Wan:
             sh(["ip", "-n", NET_NS, "link", "set", port, "up"])
             sh(["ip", "-n", ns, "addr", "add", f"{addr}/{self.subnet.prefixlen}", "dev", WAN_IF])
             sh(["ip", "-n", ns, "link", "set", WAN_IF, "up"])
-        for k in range(ISLANDS):
-            self.shape(self.island_ns(k), WAN_IF)  # upload
-            self.shape(NET_NS, f"i{k}")  # download
+        for k in range(self.islands):
+            self.shape(self.island_ns(k), WAN_IF, self.rate_of(k))  # upload
+            self.shape(NET_NS, f"i{k}", self.rate_of(k))  # download
 
-    def shape(self, ns: str, dev: str) -> None:
+    def shape(self, ns: str, dev: str, rate_mbit: float) -> None:
         # tbf needs a bucket of at least one timer tick at the rate (4 ms at HZ 250) to reach
         # it; 16 KB at least so that a full-size frame always fits.
-        burst = max(16384, int(self.rate_mbit * 1e6 / 8 * 0.004))
-        tbf = ["tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"]
+        burst = max(16384, int(rate_mbit * 1e6 / 8 * 0.004))
+        tbf = ["tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"]
         if self.delay_ms <= 0:
             sh(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *tbf])
             return
@@ -193,7 +201,8 @@ def setup(wan: Wan) -> None:
                            "another private /24 with --subnet")
     wan.up()
     print(f"network: {', '.join(f'{ns} {addr}' for ns, addr, _ in wan.endpoints())} on bridge {BRIDGE} in "
-          f"{NET_NS}; island links tbf {wan.rate_mbit:g} Mbit/s each way", flush=True)
+          f"{NET_NS}; island links tbf {', '.join(f'{wan.rate_of(k):g}' for k in range(wan.islands))} Mbit/s "
+          "each way", flush=True)
 
 
 # ------------------------------------------------------------------ counters
@@ -207,7 +216,7 @@ class Sample:
 
 def wan_bytes(ports: dict[str, tuple[int, int]]) -> int:
     """Bytes between islands: sent by islands into the bridge, less what reached the lighthouse."""
-    return sum(ports[f"i{k}"][0] for k in range(ISLANDS)) - ports["lh"][1]
+    return sum(rx for port, (rx, _) in ports.items() if port[:1] == "i" and port[1:].isdigit()) - ports["lh"][1]
 
 
 class Sampler:
@@ -259,8 +268,8 @@ class Sampler:
         first, last = self.samples[0].ports, self.samples[-1].ports
         delta = {port: (last[port][0] - first[port][0], last[port][1] - first[port][1]) for port in last}
         return {"wan_bytes": wan_bytes(last) - wan_bytes(first),
-                "island_bytes_sent": [delta[f"i{k}"][0] for k in range(ISLANDS)],
-                "island_bytes_received": [delta[f"i{k}"][1] for k in range(ISLANDS)],
+                "island_bytes_sent": [delta[f"i{k}"][0] for k in range(self.wan.islands)],
+                "island_bytes_received": [delta[f"i{k}"][1] for k in range(self.wan.islands)],
                 "lighthouse_bytes": delta["lh"][0] + delta["lh"][1]}
 
 
@@ -294,7 +303,7 @@ c.recv(1); print(want * 8 / (time.perf_counter() - t) / 1e6)
 
 def link_check(wan: Wan, run_id: str, threads: int) -> float:
     """Mbit/s of one TCP stream island 0 -> island 1 through both shapers (about 1 s of data)."""
-    size = int(wan.rate_mbit * 1e6 / 8)
+    size = int(min(wan.rate_of(0), wan.rate_of(1)) * 1e6 / 8)
     token = f"{PREFIX}{run_id}-probe"
     env = base_env(token, threads)
     port = "5201"

@@ -139,8 +139,10 @@ def run_job(job: dict[str, Any], threads: int) -> dict[str, Any]:
     began = time.perf_counter()
     original, simulation._Decoupled = simulation._Decoupled, Recorded
     try:
+        # drain False: the recorded table leaves the contributions still in flight at the end out
+        # (it was measured before the platform let them in; simulate's default now does).
         result = simulation.simulate(cfg, job["islands"], eval_windows=job["eval_windows"], eval_every=0,
-                                     **job["sim"])
+                                     **{"drain": False, **job["sim"]})
     finally:
         simulation._Decoupled = original
     row = {**job, "val_loss": result.final.val_loss, "tokens": result.final.tokens,

@@ -12,14 +12,30 @@ federation from what the run measured of its inputs only:
 * the window: the measured one (from the join to the last outer step).
 
 and predicts what the run then did: each island's utilisation (compute seconds over the
-window) and the rounds after the join. Table, ratio first: simulated / measured.
+window) and the rounds after the join. Table, ratio first: simulated / measured. In the kill
+case the simulator is also told when the island died (the survivors' round end at which
+its row was in flight) and that it never came back, and detects it after the heartbeat
+timeout; the survivors' utilisation and rounds are compared.
+
+With `--wan FILE` it checks a throttled island instead, from a finished `bench/wan.py` run
+(FILE: its --out, whose run directories must still exist) of settings c (synchronous, int8)
+and h (decoupled, int8) with one thin link (`--island-rates 100,100,5`): the thin link's
+rate is calibrated on the synchronous run only (the rate at which the exchange, as the
+simulator counts its bytes, takes the median seconds the island that waited least spent in
+it), each run gives its own step times, and the simulator predicts both runs' utilisation
+and round ends, the decoupled one with a link it never saw overlapped. The decoupled run is
+compared over its steady rounds (bench/wan.py's `utilisation_steady`): the simulator does
+not model the first exchange, which the platform waits for to measure it, nor the wait for
+the last one at the end.
 
     python bench/simulate_check.py [--budget 90] [--out FILE]
+    python bench/simulate_check.py --wan bench/results/wan-thin-5-cpu.json [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -29,12 +45,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import REPO, num, outer_steps, read_summary, run_job, run_main, work_root, write_json  # noqa: E402
 from heterogeneous import island_stats, run_cmd, slowdowns_of  # noqa: E402
+from wan import steady_utilisation  # noqa: E402
 
 from archipelago.federation.simulate import exchange_bytes, scenario_from_dict  # noqa: E402
 from archipelago.federation.simulate_cli import simulate  # noqa: E402
 
-# (speeds, setting): bench/heterogeneous.py's settings for 2 and 3 islands.
-CASES = [("1:3", "fixed-tokens"), ("1:3", "time-tokens"), ("1:1:2", "fixed-tokens"), ("1:1:2", "time-tokens")]
+# (speeds, setting): bench/heterogeneous.py's settings for 2 and 3 islands; "kill": island 2
+# of 3 equal islands is SIGKILLed with its row of outer step KILL_AT in flight (the others
+# retry that exchange without it once the lighthouse dropped it, after HEARTBEAT_MS).
+CASES = [("1:3", "fixed-tokens"), ("1:3", "time-tokens"), ("1:1:2", "fixed-tokens"), ("1:1:2", "time-tokens"),
+         ("1:1:1", "fixed-tokens-kill")]
+KILL_AT, HEARTBEAT_MS = 4, 500
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,6 +70,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--root", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--wan", type=Path, default=None, help="check a bench/wan.py run with a thin link instead")
     return p.parse_args()
 
 
@@ -76,41 +98,61 @@ def federation_settings(args: argparse.Namespace, setting: str) -> dict[str, Any
     return ft
 
 
-def simulated(args: argparse.Namespace, inputs: dict[str, Any], ft: dict[str, Any], params: int) -> Any:
+def simulated(args: argparse.Namespace, inputs: dict[str, Any], ft: dict[str, Any], params: int,
+              died_after_join_s: float | None = None) -> Any:
     # Rounds start until the budget is spent from the join's end, as the islands' time budget does.
-    scenario = scenario_from_dict({
-        "simulation": {"hours": (inputs["exchange_s"] + args.budget) / 3600, "params": params},
-        "fault_tolerance": ft,
-        "islands": [{"step_s": s, "tokens_per_step": args.batch_size * args.seq_len,
-                     "bandwidth_mbit": inputs["mbit"], "latency_ms": 0.0} for s in inputs["step_s"]]})
-    return simulate(scenario)
+    raw = {"simulation": {"hours": (inputs["exchange_s"] + args.budget) / 3600, "params": params,
+                          "detect_s": HEARTBEAT_MS / 1000},
+           "fault_tolerance": ft,
+           "islands": [{"step_s": s, "tokens_per_step": args.batch_size * args.seq_len,
+                        "bandwidth_mbit": inputs["mbit"], "latency_ms": 0.0, "restart_s": 1e9}
+                       for s in inputs["step_s"]]}
+    if died_after_join_s is None:
+        return simulate(scenario_from_dict(raw))
+    joined = simulate(scenario_from_dict(raw)).joined_s  # the same clock without the failure
+    return simulate(scenario_from_dict(raw), fail_at=[(len(inputs["step_s"]) - 1, joined + died_after_join_s)])
+
+
+def death_after_join(run_dir: Path) -> float:
+    """Seconds from the join's end to the round end at which the killed island handed its
+    row off: the survivors' round whose exchange was run again, less its sync seconds."""
+    records = outer_steps(run_dir / "island-0")
+    retried = next(r for r in records if r.get("retries"))
+    return float(retried["time"] - retried["sync_s"] - records[0]["time"])
 
 
 def check(args: argparse.Namespace, root: Path, speeds: str, setting: str) -> dict[str, Any]:
     name = f"{speeds.replace(':', 'x')}-{setting}"
     run_dir = root / name
     bench_args = argparse.Namespace(**vars(args))
-    run = run_job(run_cmd(bench_args, speeds, setting, run_dir, args.round_seconds), root / f"{name}.log",
-                  args.timeout, None)
-    if run.exit_code != 0:
+    kill = setting.endswith("-kill")
+    cmd = run_cmd(bench_args, speeds, setting.removesuffix("-kill"), run_dir, args.round_seconds)
+    if kill:
+        cmd += ["--inject", f"2:die_in_exchange@{KILL_AT}", "--heartbeat-timeout-ms", str(HEARTBEAT_MS)]
+    run = run_job(cmd, root / f"{name}.log", args.timeout, None)
+    if run.exit_code != 0 and not kill:  # `local` exits non-zero when an island was killed
         raise RuntimeError(f"{name} failed (exit code {run.exit_code}); see {root / f'{name}.log'}")
     factors = slowdowns_of(speeds)
-    measured = [island_stats(run_dir / f"island-{k}", k, f) for k, f in enumerate(factors)]
+    counted = len(factors) - 1 if kill else len(factors)  # the killed island's own figures end at its death
+    measured = [island_stats(run_dir / f"island-{k}", k, f) for k, f in enumerate(factors[:counted])]
     params = int(read_summary(run_dir / "island-0", required=True)["params"])
-    ft = federation_settings(args, setting)
-    inputs = measured_inputs(run_dir, len(factors), scenario_from_dict(
+    ft = federation_settings(args, setting.removesuffix("-kill"))
+    inputs = measured_inputs(run_dir, counted, scenario_from_dict(
         {"fault_tolerance": ft, "islands": [{}]}).ft, params)
+    if kill:  # the survivors' step times; the dead island was their equal
+        inputs["step_s"] = [*inputs["step_s"], statistics.fmean(inputs["step_s"])]
     window = statistics.fmean(i["window_s"] for i in measured)
-    report = simulated(args, inputs, ft, params)
+    report = simulated(args, inputs, ft, params, death_after_join(run_dir) if kill else None)
     sim_window = report.ended_s - report.joined_s
-    sim_util = [s.compute_s / sim_window for s in report.islands]
+    sim_util = [s.compute_s / sim_window for s in report.islands][:counted]
     return {"speeds": speeds, "setting": setting, "run_dir": str(run_dir), "inputs": inputs, "window_s": window,
             "simulated_window_s": sim_window,
             "measured_utilisation": [i["utilisation"] for i in measured],
             "simulated_utilisation": sim_util,
             "measured_rounds": max(i["rounds"] for i in measured), "simulated_rounds": report.committed - 1,
             "measured_inner_steps": [i["inner_steps"] for i in measured],
-            "simulated_inner_steps": [round(s.compute_s / step) for s, step in zip(report.islands, inputs["step_s"])]}
+            "simulated_inner_steps": [round(s.compute_s / step) for s, step in zip(report.islands, inputs["step_s"])],
+            "measured_retries": sum(int(r.get("retries") or 0) for r in outer_steps(run_dir / "island-0"))}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -126,8 +168,67 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"| {num(r['inputs']['mbit'], '.0f')} |")
 
 
+def wan_check(path: Path) -> list[dict[str, Any]]:
+    """Calibrate on the wan run's synchronous setting (c), predict it and the decoupled one (h)."""
+    from archipelago.config.loading import read_toml
+
+    run = json.loads(path.read_text())
+    runs = {key: run["settings"][key] for key in ("c", "h")}
+    if not all(r.get("ok") for r in runs.values()):
+        raise SystemExit(f"{path}: settings c and h must both have run (bench/wan.py --settings c,h)")
+    islands, params = int(run["islands"]), int(run["params"])
+    ft = dict(read_toml(REPO / "configs/llama3/debug.toml").get("fault_tolerance", {}))
+    ft.update(codec="int8", sync_steps=int(run["sync_steps"]), round_pacing="steps", outer_weighting="tokens")
+    sync_dir = Path(runs["c"]["run_dir"])
+    records = [outer_steps(sync_dir / f"island-{k}")[1:] for k in range(islands)]
+    waited = [min(r["sync_s"] for r in rows) for rows in zip(*records)]  # per round: the exchange itself
+    exchange_s = statistics.median(waited)
+    modelled = exchange_bytes(scenario_from_dict({"fault_tolerance": ft, "islands": [{}]}).ft, params, islands)
+    thin = min(range(islands), key=lambda k: run["rates"][k])
+    mbit = [modelled * 8 / exchange_s / 1e6 if k == thin else float(rate) for k, rate in enumerate(run["rates"])]
+    rows = []
+    for key, mode in (("c", "synchronous"), ("h", "decoupled")):
+        r = runs[key]
+        step_s = r["compute_s_per_step"]  # each run's own, as the other checks; the link is c's
+        outers = [outer_steps(Path(r["run_dir"]) / f"island-{k}") for k in range(islands)]
+        trained = [[o for o in rs[1:] if o.get("inner_steps")] for rs in outers]
+        if mode == "synchronous":  # the whole window, as the other checks
+            window = [float(rs[-1]["time"] - rs[0]["time"]) for rs in outers]
+            measured, measured_rounds = r["utilisation"], max(len(t) for t in trained)
+        else:
+            # The steady rounds (bench/wan.py's utilisation_steady): the simulator does not
+            # model the first exchange, which the platform waits for to measure it, nor the
+            # wait for the last one at the end of the run.
+            window = [float(t[-1]["time"] - t[0]["time"]) for t in trained]
+            measured = [steady_utilisation(rs) for rs in outers]
+            # Round ends in it, by inner steps (the round end that hands off the first overlapped
+            # exchange finishes none, so the next record covers two rounds).
+            measured_rounds = max(round(sum(o["inner_steps"] for o in t[1:]) / ft["sync_steps"]) for t in trained)
+        scenario = scenario_from_dict({
+            "simulation": {"hours": statistics.fmean(window) / 3600, "params": params},
+            "fault_tolerance": {**ft, "round_mode": mode},
+            "islands": [{"step_s": s, "tokens_per_step": run["batch_size"] * run["seq_len"], "bandwidth_mbit": m,
+                         "latency_ms": 0.0} for s, m in zip(step_s, mbit)]})
+        report = simulate(scenario)
+        span = report.ended_s - report.joined_s if mode == "synchronous" else statistics.fmean(window)
+        rows.append({"speeds": "/".join(f"{m:.1f}" for m in mbit) + " Mbit/s", "setting": mode,
+                     "run_dir": r["run_dir"], "inputs": {"step_s": step_s, "mbit": mbit[thin],
+                                                         "exchange_s": exchange_s, "modelled_received": modelled},
+                     "window_s": statistics.fmean(window), "measured_utilisation": measured,
+                     "simulated_utilisation": [s.compute_s / span for s in report.islands],
+                     "measured_rounds": measured_rounds,
+                     "simulated_rounds": report.committed - 1 if mode == "synchronous" else report.committed})
+    return rows
+
+
 def main() -> None:
     args = parse_args()
+    if args.wan is not None:
+        rows = wan_check(args.wan)
+        print_table(rows)
+        if args.out:
+            write_json(args.out, {"settings": {k: str(v) for k, v in vars(args).items()}, "runs": rows})
+        return
     root = work_root(args.root, "archipelago-simcheck-")
     rows = []
     for speeds, setting in CASES:

@@ -79,6 +79,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from federation import where_measured  # noqa: E402
 from harness import (  # noqa: E402
     REPO,
     Proc,
@@ -97,7 +98,6 @@ from harness import (  # noqa: E402
     write_json,
 )
 from netns import (  # noqa: E402
-    ISLANDS,
     LH_NS,
     PREFIX,
     WAN_IF,
@@ -145,6 +145,10 @@ SETTINGS = {s.key: s for s in (
     Setting("g", "streaming DiLoCo auto codec, overlap", args=(
         "--fault_tolerance.codec", "auto", "--fault_tolerance.num_fragments", str(STREAM_FRAGMENTS),
         "--fault_tolerance.fragment_sync_delay", str(STREAM_DELAY))),
+    # Decoupled rounds (docs/rounds.md): the exchange overlaps the next round once a member
+    # measured it above overlap_threshold (5%) of its round; its rows enter one outer step late.
+    Setting("h", "decoupled DiLoCo int8", args=("--fault_tolerance.codec", "int8",
+                                                "--fault_tolerance.round_mode", "decoupled")),
 )}
 
 
@@ -168,7 +172,7 @@ def train_args(args: argparse.Namespace, run_dir: Path, batch: int, steps: int |
 def exchange_timeout_ms(args: argparse.Namespace) -> int:
     """A collective must outlast an fp32 exchange at the link rate (29 MB each way takes 12 s
     at 20 Mbit/s; the default 10 s would fail every round): 4x that, plus slack."""
-    fp32_s = 2 * 4 * args.params * 8 / (args.rate_mbit * 1e6)
+    fp32_s = 2 * 4 * args.params * 8 / (min(args.rates) * 1e6)
     return int(1000 * (4 * fp32_s + 30))
 
 
@@ -176,25 +180,27 @@ def run_federation(setting: Setting, args: argparse.Namespace, wan: Wan, run_dir
                    token: str) -> tuple[list[Proc], list[Proc]]:
     """Start the lighthouse, then both islands; returns (islands, helpers)."""
     env = base_env(token, args.threads)
-    lighthouse = start("lighthouse", in_namespace(LH_NS, wan.lh_addr, [
-        python_bin(), "-m", "archipelago.launch.cli", "lighthouse", "--bind", f"{wan.lh_addr}:{LH_PORT}",
-        "--min-replicas", "1", "--join-timeout-ms", "60000"]), env, run_dir / "lighthouse.log")
-    wait_for_line(lighthouse, "lighthouse listening", 60)
-    url = f"http://{wan.lh_addr}:{LH_PORT}"
-    # Islands on non-loopback addresses need a federation key (what `archipelago secret new` writes).
+    # The lighthouse and the islands on non-loopback addresses need a federation key (what
+    # `archipelago secret new` writes).
     key_file = run_dir / "fed.key"
     run_dir.mkdir(parents=True, exist_ok=True)
     key_file.write_text(secrets.token_hex(32) + "\n")
     key_file.chmod(0o600)
+    lighthouse = start("lighthouse", in_namespace(LH_NS, wan.lh_addr, [
+        python_bin(), "-m", "archipelago.launch.cli", "lighthouse", "--bind", f"{wan.lh_addr}:{LH_PORT}",
+        "--min-replicas", "1", "--join-timeout-ms", "60000", "--key-file", str(key_file)]), env,
+        run_dir / "lighthouse.log")
+    wait_for_line(lighthouse, "lighthouse listening", 60)
+    url = f"http://{wan.lh_addr}:{LH_PORT}"
     islands = []
-    for k in range(ISLANDS):
+    for k in range(wan.islands):
         addr = wan.island_addr(k)
         island_env = {**env, "LOCAL_ADDR": addr, "GLOO_SOCKET_IFNAME": WAN_IF, "TORCHFT_LIGHTHOUSE": url,
                       "ARCHIPELAGO_FEDERATION_KEY_FILE": str(key_file)}
         cmd = [python_bin(), "-m", "archipelago.launch.cli", "train", "--nproc", "1",
                *train_args(args, run_dir / f"island-{k}", args.batch_size),
                "--fault_tolerance.enable", "--fault_tolerance.replica_id", str(k),
-               "--fault_tolerance.group_size", str(ISLANDS), "--fault_tolerance.lighthouse", url,
+               "--fault_tolerance.group_size", str(wan.islands), "--fault_tolerance.lighthouse", url,
                "--fault_tolerance.sync_steps", str(args.sync_steps),
                "--fault_tolerance.process_group_timeout_ms", str(exchange_timeout_ms(args)),
                "--fault_tolerance.connect_timeout_ms", "60000",
@@ -212,13 +218,13 @@ def run_ddp(args: argparse.Namespace, wan: Wan, run_dir: Path, token: str,
     standalone islands instead (the no-network calibration)."""
     env = {**base_env(token, args.threads), "GLOO_SOCKET_IFNAME": WAN_IF}
     procs = []
-    for k in range(ISLANDS):
+    for k in range(wan.islands):
         addr = wan.island_addr(k)
         if steps is None:
-            cmd = [python_bin(), "-m", "torch.distributed.run", "--nnodes", str(ISLANDS), "--node-rank", str(k),
+            cmd = [python_bin(), "-m", "torch.distributed.run", "--nnodes", str(wan.islands), "--node-rank", str(k),
                    "--nproc-per-node", "1", "--master-addr", wan.island_addr(0), "--master-port", str(DDP_PORT),
                    "--local-addr", addr, "-m", "archipelago.launch.cli", "train",
-                   *train_args(args, run_dir, ISLANDS * args.batch_size),
+                   *train_args(args, run_dir, wan.islands * args.batch_size),
                    "--parallelism.data_parallel", "ddp", "--metrics.log_every", "1", *args.extra]
         else:
             folder = run_dir / f"island-{k}"
@@ -278,14 +284,14 @@ def run_setting(setting: Setting, args: argparse.Namespace, wan: Wan, root: Path
                 procs, folders = list(workers), [run_dir]
             else:
                 workers, helpers = run_federation(setting, args, wan, run_dir, token)
-                procs, folders = [*helpers, *workers], [run_dir / f"island-{k}" for k in range(ISLANDS)]
+                procs, folders = [*helpers, *workers], [run_dir / f"island-{k}" for k in range(wan.islands)]
             supervise(setting.key, workers, args.timeout, sampler, folders)
     finally:
         stop_all(procs, token)
     traffic = sampler.totals()
     wall = time.monotonic() - t0
-    result = (ddp_result(run_dir, sampler, step_time_s) if setting.ddp
-              else federation_result(run_dir, sampler, args.equal_steps))
+    result = (ddp_result(run_dir, sampler, step_time_s, wan.islands) if setting.ddp
+              else federation_result(run_dir, sampler, args.equal_steps, wan.islands))
     tokens = result["tokens"]
     result.update(setting=setting.key, name=setting.name, ok=True, wall_s=wall, run_dir=str(run_dir),
                   bytes_per_token=traffic["wan_bytes"] / tokens if tokens else None, **traffic)
@@ -315,11 +321,11 @@ def val_at(folder: Path, step: int) -> float | None:
     return None
 
 
-def federation_result(run_dir: Path, sampler: Sampler, equal_steps: int) -> dict[str, Any]:
+def federation_result(run_dir: Path, sampler: Sampler, equal_steps: int, count: int) -> dict[str, Any]:
     from archipelago.metrics.islands import island_records, outer_records, round_totals
 
     islands = []
-    for k in range(ISLANDS):
+    for k in range(count):
         folder = run_dir / f"island-{k}"
         summary = read_summary(folder, required=True)
         outer = outer_records(island_records(folder))
@@ -342,6 +348,7 @@ def federation_result(run_dir: Path, sampler: Sampler, equal_steps: int) -> dict
         "equal_tokens": sum(equal_steps * int(i["summary"]["tokens"]) // max(int(i["summary"]["steps"]), 1)
                             for i in islands),
         "utilisation": [i["totals"]["utilisation"] for i in islands],
+        "utilisation_steady": [steady_utilisation(i["outer"]) for i in islands],
         "rounds": max(len(i["outer"]) for i in islands) - 1,  # after the join round
         "inner_steps": [int(i["summary"]["steps"]) for i in islands],
         "compute_s_per_step": per_step,
@@ -349,11 +356,28 @@ def federation_result(run_dir: Path, sampler: Sampler, equal_steps: int) -> dict
         "overlap_s": [sum(float(r.get("overlap_s") or 0) for r in i["outer"]) for i in islands],
         "exposed_s": [sum(float(r.get("exposed_s") or 0) for r in i["outer"]) for i in islands],
         "payload_bytes_sent": [sum(int(r.get("bytes_sent") or 0) for r in i["outer"]) for i in islands],
+        # Rounds in which the island's own pseudo-gradient entered the global weights (its row
+        # accepted with a weight and the round committed), out of its rounds after the join.
+        "entered": [sum(1 for r in i["outer"][1:] if r.get("committed") and (r.get("weight") or 0) > 0
+                        and not r.get("rejected")) for i in islands],
         "codec": islands[0]["outer"][-1].get("codec") if islands[0]["outer"] else None,
         "steady_bytes": steady,
         "steady_tokens": window_tokens,
         "steady_bytes_per_token": steady / window_tokens if steady is not None and window_tokens else None,
     }
+
+
+def steady_utilisation(outer: list[dict[str, Any]]) -> float | None:
+    """Compute seconds / wall seconds between the end of the first round after the join
+    and the end of the last round that trained: without the first exchange (a decoupled
+    round waits for it, to measure it) and the run's end (a decoupled island waits there for
+    the exchange still in flight); the rounds a long run is made of."""
+    rounds = [r for r in outer[1:] if r.get("inner_steps")]
+    if len(rounds) < 3:
+        return None
+    wall = float(rounds[-1]["time"] - rounds[0]["time"])
+    compute = sum(float(r["compute_s"]) for r in rounds[1:])
+    return compute / wall if wall > 0 else None
 
 
 def steady_window(sampler: Sampler, outers: list[list[dict[str, Any]]]) -> float | None:
@@ -367,7 +391,7 @@ def steady_window(sampler: Sampler, outers: list[list[dict[str, Any]]]) -> float
     return b - a if a is not None and b is not None else None
 
 
-def ddp_result(run_dir: Path, sampler: Sampler, step_time_s: float | None) -> dict[str, Any]:
+def ddp_result(run_dir: Path, sampler: Sampler, step_time_s: float | None, count: int) -> dict[str, Any]:
     summary = read_summary(run_dir, required=True)
     val, at_final = final_val(run_dir, summary)
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "event" not in r and "time" in r]
@@ -386,13 +410,13 @@ def ddp_result(run_dir: Path, sampler: Sampler, step_time_s: float | None) -> di
         if a is not None and b is not None:
             steady, steady_tokens = b - a, n * tokens_per_step
     return {
-        "tokens": int(summary["tokens"]), "tokens_per_island": [int(summary["tokens"]) // ISLANDS] * ISLANDS,
-        "val_loss": val, "val_loss_per_island": [val] * ISLANDS, "val_loss_at_final_step": at_final,
-        "utilisation": [utilisation] * ISLANDS,
+        "tokens": int(summary["tokens"]), "tokens_per_island": [int(summary["tokens"]) // count] * count,
+        "val_loss": val, "val_loss_per_island": [val] * count, "val_loss_at_final_step": at_final,
+        "utilisation": [utilisation] * count,
         "utilisation_method": "estimate: steps x no-network step time / wall seconds between the first "
                               "and the second-to-last step record",
         "no_network_step_s": step_time_s, "step_wall_s": step_wall,
-        "rounds": int(summary["steps"]), "inner_steps": [int(summary["steps"])] * ISLANDS,
+        "rounds": int(summary["steps"]), "inner_steps": [int(summary["steps"])] * count,
         "steady_bytes": steady, "steady_tokens": steady_tokens,
         "steady_bytes_per_token": steady / steady_tokens if steady is not None and steady_tokens else None,
     }
@@ -408,11 +432,11 @@ def calibrate(args: argparse.Namespace, wan: Wan, root: Path, run_id: str) -> fl
         procs = run_ddp(args, wan, run_dir, token, steps=args.calibration_steps)
         with Sampler(wan, args.sample_s) as sampler:
             supervise("calibration", procs, args.timeout, sampler,
-                      [run_dir / f"island-{k}" for k in range(ISLANDS)])
+                      [run_dir / f"island-{k}" for k in range(wan.islands)])
     finally:
         stop_all(procs, token)
     per_step = []
-    for k in range(ISLANDS):
+    for k in range(wan.islands):
         times = [r["time"] for r in read_jsonl(run_dir / f"island-{k}" / "metrics.jsonl")
                  if "event" not in r and "time" in r][2:]  # the first steps warm up
         per_step += [b - a for a, b in zip(times, times[1:])]
@@ -427,30 +451,34 @@ def calibrate(args: argparse.Namespace, wan: Wan, root: Path, run_id: str) -> fl
 def print_table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> None:
     ddp = results.get("a", {})
     delay = f", +{meta['delay_ms']:g} ms delay" if meta["delay_ms"] else ""
-    print(f"\n{meta['model']}, 2 islands x 1 CPU rank, batch {meta['batch_size']} x {meta['seq_len']} tokens "
-          f"per island (DDP: global batch {ISLANDS * meta['batch_size']}); {meta['budget_s']:g} s budget per "
-          f"setting; links shaped to {meta['rate_mbit']:g} Mbit/s each way (measured "
+    rates = ", ".join(f"{r:g}" for r in meta["rates"])
+    print(f"\n{meta['model']}, {meta['islands']} islands x 1 CPU rank, batch {meta['batch_size']} x {meta['seq_len']} "
+          f"tokens per island (DDP: global batch {meta['islands'] * meta['batch_size']}); {meta['budget_s']:g} s "
+          f"budget per setting; links shaped to {rates} Mbit/s each way (island 0 -> 1 measured "
           f"{num(meta['link_mbit'], '.1f')} Mbit/s){delay}; "
           f"DiLoCo sync every {meta['sync_steps']} inner steps (streaming: {STREAM_FRAGMENTS} fragments, "
           f"delay {STREAM_DELAY})\n")
     fp32 = results.get("b", {}).get("val_loss_equal_tokens") if results.get("b", {}).get("ok") else None
     equal = next((r["equal_tokens"] for r in results.values() if r.get("equal_tokens")), None)
     print("| DDP bytes/token / this bytes/token | setting | WAN bytes/token | steady ratio | steady bytes/token "
-          f"| WAN MB | utilisation i0 / i1 | tokens | val loss (final) | val loss at {num(equal, ',.0f')} tokens "
+          "| WAN MB | utilisation per island | steady | own rows entered per island | tokens | val loss (final) "
+          f"| val loss at {num(equal, ',.0f')} tokens "
           "| vs fp32 | rounds (DDP: steps) | lighthouse KB |")
-    print("|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|")
     for key in sorted(results):
         r = results[key]
         label = f"{key} {r.get('name', SETTINGS[key].name)}"
         if not r.get("ok"):
-            print(f"| - | {label} | failed: {r.get('error', '?').splitlines()[0]} | | | | | | | | | | |")
+            print(f"| - | {label} | failed: {r.get('error', '?').splitlines()[0]} | | | | | | | | | | | | |")
             continue
         val = num(r["val_loss"], ".4f") + ("" if r["val_loss_at_final_step"] else " (not final)")
         print(f"| {num(ratio(ddp.get('bytes_per_token'), r['bytes_per_token']), '.1f')} | {label} "
               f"| {num(r['bytes_per_token'], ',.0f')} "
               f"| {num(ratio(ddp.get('steady_bytes_per_token'), r['steady_bytes_per_token']), '.1f')} "
               f"| {num(r['steady_bytes_per_token'], ',.0f')} | {r['wan_bytes'] / 1e6:,.1f} "
-              f"| {' / '.join(num(u, '.2f') for u in r['utilisation'])} | {r['tokens']:,} | {val} "
+              f"| {' / '.join(num(u, '.2f') for u in r['utilisation'])} "
+              f"| {' / '.join(num(u, '.2f') for u in r.get('utilisation_steady', [])) or '-'} "
+              f"| {' / '.join(str(n) for n in r.get('entered', [])) or '-'} | {r['tokens']:,} | {val} "
               f"| {num(r.get('val_loss_equal_tokens'), '.4f')} | {relative(r.get('val_loss_equal_tokens'), fp32)} "
               f"| {r['rounds']} | {r['lighthouse_bytes'] / 1e3:,.0f} |")
     if "a" in results and results["a"].get("ok"):
@@ -458,7 +486,8 @@ def print_table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Non
               f"(no-network step time) / wall time; one DDP step took {num(results['a']['step_wall_s'], '.2f')} s.")
     print("WAN bytes: counted on the bridge ports, each byte between islands once (at its sender), start-up "
           "included; steady: rounds after the join round only. Utilisation: compute s / (wall s after joining - "
-          "evaluation s). Equal tokens: every island's evaluation at the same step (--equal-steps); vs fp32: "
+          "evaluation s); steady: from the end of the first round to the end of the last that trained. "
+          "Equal tokens: every island's evaluation at the same step (--equal-steps); vs fp32: "
           "that loss relative to DiLoCo fp32's.")
 
 
@@ -482,13 +511,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="inner steps at which every setting evaluates, to compare validation loss at equal "
                         "tokens (DiLoCo settings reach it within the default budget)")
     p.add_argument("--rate-mbit", type=float, default=100.0, help="each island link's rate, both directions")
+    p.add_argument("--island-rates", default=None,
+                   help="one rate per island instead (Mbit/s, comma-separated; their count is the number of "
+                        "islands), e.g. 100,100,5: a thin-link island beside two fast ones")
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="also add this one-way delay per shaped direction with netem (default off; needs netem)")
     p.add_argument("--sync-steps", type=int, default=20, help="DiLoCo inner steps per round")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per island per step")
     p.add_argument("--config", type=Path, default=REPO / "configs/llama3/debug.toml")
     p.add_argument("--subnet", default="10.77.0.0/24", help="private /24 used inside the namespaces only")
-    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // ISLANDS),
+    p.add_argument("--threads", type=int, default=None,
                    help="OMP threads per island process (default: cores / islands)")
     p.add_argument("--sample-s", type=float, default=0.5, help="link counter sampling period")
     p.add_argument("--calibration-steps", type=int, default=12,
@@ -523,6 +555,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if {"e", "g"} & set(args.keys) and (args.sync_steps % STREAM_FRAGMENTS or STREAM_DELAY >= per_fragment):
         p.error(f"--sync-steps {args.sync_steps}: streaming (e, g) needs a multiple of {STREAM_FRAGMENTS} above "
                 f"{STREAM_FRAGMENTS * STREAM_DELAY} (e.g. 20)")
+    try:
+        args.rates = ([float(r) for r in args.island_rates.split(",")] if args.island_rates
+                      else [args.rate_mbit] * 2)
+    except ValueError:
+        p.error(f"--island-rates {args.island_rates}: expected numbers, e.g. 100,100,5")
+    if len(args.rates) < 2 or min(args.rates) <= 0:
+        p.error("--island-rates: at least two positive rates")
+    if args.threads is None:
+        args.threads = max(1, (os.cpu_count() or 2) // len(args.rates))
     if args.timeout is None:
         args.timeout = 2 * args.budget + 300
     return args
@@ -548,7 +589,8 @@ def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]
                     *args.extra], cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=600)
     setup(wan)
     link = link_check(wan, run_id, args.threads)
-    print(f"link check: island 0 -> island 1 at {link:.1f} Mbit/s (shaped to {args.rate_mbit:g})", flush=True)
+    print(f"link check: island 0 -> island 1 at {link:.1f} Mbit/s (shaped to {min(args.rates[:2]):g})",
+          flush=True)
     results: dict[str, dict[str, Any]] = {}
     # DiLoCo first: DDP's utilisation estimate uses their measured no-network step time.
     order = [k for k in args.keys if k != "a"] + (["a"] if "a" in args.keys else [])
@@ -565,6 +607,7 @@ def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]
             print(f"[{key} {SETTINGS[key].name}] FAILED: {exc}", flush=True)
             results[key] = {"setting": key, "name": SETTINGS[key].name, "ok": False, "error": str(exc)}
     meta = {**facts, "batch_size": args.batch_size, "budget_s": args.budget, "rate_mbit": args.rate_mbit,
+            "islands": len(args.rates), "rates": args.rates, "threads": args.threads, **where_measured(),
             "delay_ms": args.delay_ms, "sync_steps": args.sync_steps, "link_mbit": link, "work_dir": str(root),
             "subnet": str(args.subnet), "no_network_step_s": step_time}
     return {**meta, "settings": results}
@@ -585,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     run_id = uuid.uuid4().hex[:8]
-    wan = Wan(args.subnet, args.rate_mbit, args.delay_ms)
+    wan = Wan(args.subnet, args.rate_mbit, args.delay_ms, tuple(args.rates))
     # Per setting: start-up, the join round and the final evaluation besides the budget;
     # measured on 2 cores.
     est = len(args.keys) * (args.budget + 40) + 20

@@ -273,8 +273,8 @@ def _rounds(island_dir: Path) -> list[dict]:
     return [r for r in records(island_dir) if r.get("event") == "outer_step"]
 
 
-def _drill(run_dir: Path, retries: int) -> tuple[Any, list[list[dict]]]:
-    done = run_cli(["local", "--islands", "1,1,1", "--no-table", "--heartbeat-timeout-ms", "500",
+def _drill(run_dir: Path, retries: int, *extra: str) -> tuple[Any, list[list[dict]]]:
+    done = run_cli(["local", "--islands", "1,1,1", "--no-table", "--heartbeat-timeout-ms", "500", *extra,
                     "--inject", f"2:die_in_exchange@{DIES_AT}", *TINY, "--training.val_every", "0",
                     "--checkpoint.no_enable", "--fault_tolerance.sync_steps", "4", "--training.steps", "12",
                     "--metrics.log_every", "4", "--fault_tolerance.exchange_retries", str(retries),
@@ -299,3 +299,50 @@ def test_archipelago_local_survivors_commit_the_round_a_member_died_in(tmp_path,
         assert not any(r["committed"] for r in died), died
         assert died[0]["global_hash"] == died[1]["global_hash"] == before["global_hash"]  # restored
     assert rounds[0][-1]["committed"] and rounds[0][-1]["global_hash"] == rounds[1][-1]["global_hash"]
+
+
+@pytest.mark.timeout(300)
+def test_decoupled_rounds_survive_a_member_that_dies_with_its_row_in_flight(tmp_path):
+    # Every exchange overlaps the next round; island 2 dies right after handing its row off.
+    # The survivors learn it at their next round end, run that exchange again without it, and
+    # commit it with equal global weights; the last exchange enters at the end of the run.
+    done, rounds = _drill(tmp_path / "run", 2, "--fault_tolerance.round_mode", "decoupled",
+                          "--fault_tolerance.overlap_threshold", "0")
+    fed = json.loads((tmp_path / "run" / "federation.json").read_text())
+    assert [i["exit_code"] for i in fed["islands"]] == [0, 0, 128 + signal.SIGKILL], done.output[-4000:]
+    # The join round, its empty hand-off, then the exchanges of rounds 1-3, each finished a round later.
+    assert all(len(r) == 5 for r in rounds), rounds
+    died = [r[DIES_AT - 1] for r in rounds]
+    assert all(r["committed"] and r["participants"] == 2 and r["retries"] == 1 and r["weight"] > 0
+               for r in died), died
+    assert all(r["committed"] for island in rounds for r in island)  # no round lost
+    assert [r["global_hash"] for r in rounds[0]] == [r["global_hash"] for r in rounds[1]]
+    assert sum(r["overlap_s"] > 0 for r in rounds[0]) >= 3  # the exchanges overlapped inner steps
+
+
+def test_decoupled_rounds_decide_overlap_and_staleness_from_the_signed_flags_alike():
+    from archipelago.federation.decoupled import OVERLAP_SCALE, Handoffs
+
+    key = FederationKey(os.urandom(32))
+    framing = Framing(key, quorum=7, step=3, fragment=0, island=0)
+
+    def flag(island: int, measured: float, overlapped: bool, quorum: int = 7) -> torch.Tensor:
+        done = torch.tensor([1], dtype=torch.uint8)
+        return Framing(key, quorum, 3, 0, island).frame(measured, float(overlapped), done, framing.row_bytes(1),
+                                                        ROUND_AGREE)
+
+    cpu, facts = torch.device("cpu"), []
+    others = [flag(1, 0.08 * OVERLAP_SCALE, False), flag(2, 0.2 * OVERLAP_SCALE, True, quorum=6)]  # 2: a replay
+    flags = agree_on_exchange(_Group(others), True, framing, cpu, 0.01 * OVERLAP_SCALE, False, facts)
+    assert flags == [1.0, 1.0, None]
+    assert facts == [(0.01 * OVERLAP_SCALE, 0.0), (0.08 * OVERLAP_SCALE, 0.0), (0.0, 0.0)]  # the replay says nothing
+    assert Handoffs(0.05).decide(facts) == (False, True)    # member 1's exchange took 8% of its round
+    assert Handoffs(0.1).decide(facts) == (False, False)    # below 10%: the next exchange is waited for
+    assert Handoffs(0.0).decide([]) == (False, True)        # threshold 0: always overlap
+    waiting = Handoffs(0.05)
+    assert waiting.decide([]) == (False, False)             # no agreement: the island keeps its decision
+    h = Handoffs(0.05)
+    h.settle(overlapped=True, overlaps_next=True, applied=True)
+    assert h.stale and h.overlaps                           # the next rows are one outer step stale
+    h.settle(overlapped=True, overlaps_next=True, applied=False)
+    assert not h.stale                                      # no outer step applied in between: fresh

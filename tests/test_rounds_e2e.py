@@ -116,3 +116,53 @@ def test_streaming_int8_islands_agree_send_a_quarter_and_hide_the_exchange(tmp_p
         assert r["bytes_received"] == r["bytes_sent"]  # two islands: the other's payload, same size
         assert r["overlap_s"] > 0 and r["exposed_s"] >= 0  # two inner steps ran during the exchange
     assert "exchange hidden behind" in done.output
+
+
+def _decoupled(run_dir: Path, islands: str, *extra: str) -> tuple[dict, list[list[dict]]]:
+    """A decoupled federation whose every exchange overlaps the next round; each island's
+    outer_step records (all of them: the join round first)."""
+    done = run_cli(["local", "--islands", islands, "--no-table", *TINY, "--training.val_every", "0",
+                    "--checkpoint.no_enable", "--job.run_dir", str(run_dir), "--fault_tolerance.sync_steps", "3",
+                    "--training.steps", "15", "--metrics.log_every", "3", "--fault_tolerance.round_mode", "decoupled",
+                    "--fault_tolerance.overlap_threshold", "0", *extra], timeout=300)
+    assert done.returncode == 0, done.output[-4000:]
+    fed = json.loads((run_dir / "federation.json").read_text())
+    count = len(islands.split(","))
+    return fed, [[r for r in records(run_dir / f"island-{k}") if r.get("event") == "outer_step"] for k in range(count)]
+
+
+@pytest.mark.timeout(400)
+def test_decoupled_rounds_refuse_a_lying_island_on_every_island_alike(tmp_path):
+    # Island 1 claims 10^15 tokens in the exchange it hands off at outer step 4; the rows
+    # travel while everyone trains on, and when the exchange is finished every island refuses
+    # that row for the same reason; the liar takes the global weights and sends nothing in its
+    # next exchange (it was trained from the refused row); no round is lost.
+    fed, rounds = _decoupled(tmp_path / "run", "1,1,1", "--inject", "1:forge_tokens@4")
+    assert fed["global_hash_agree"]
+    events = [[r for r in records(tmp_path / "run" / f"island-{k}") if r.get("event") == "rejected"]
+              for k in range(3)]
+    seen = [sorted((e["outer_step"], e["rejected_island"], e["by"]) for e in island) for island in events]
+    assert seen[0] == seen[1] == seen[2] and len(seen[0]) == 1 and seen[0][0][1:] == (1, "receivers"), events
+    assert "declared batch" in events[0][0]["reason"]
+    refused_at = seen[0][0][0]
+    liar = {r["outer_step"]: r for r in rounds[1]}
+    assert liar[refused_at]["rejected"] and liar[refused_at + 1]["weight"] == 0  # its next row is void
+    assert all(r["committed"] for island in rounds for r in island)
+    assert [r["global_hash"] for r in rounds[0]] == [r["global_hash"] for r in rounds[2]]
+
+
+@pytest.mark.timeout(400)
+def test_decoupled_rows_staler_than_max_staleness_are_left_out_alike(tmp_path):
+    # max_staleness 0: a row handed off while the exchange before it travelled and then
+    # moved the global weights is one outer step stale and left out, on every island alike;
+    # the exchange after it is fresh again (nothing moved the weights its rows started from).
+    fed, rounds = _decoupled(tmp_path / "run", "1,1", "--fault_tolerance.max_staleness", "0")
+    assert fed["global_hash_agree"]
+    hashes = [r["global_hash"] for r in rounds[0]]
+    assert hashes == [r["global_hash"] for r in rounds[1]]
+    # The join round, the joiners' empty hand-off (no outer step), then exchanges 1-5: fresh,
+    # stale (left out), fresh, stale, fresh.
+    assert len(hashes) == 7, rounds[0]
+    moved = [a != b for a, b in zip(hashes, hashes[1:])]
+    assert moved == [False, True, False, True, False, True], hashes
+    assert all(r["committed"] for island in rounds for r in island)

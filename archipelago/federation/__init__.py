@@ -11,6 +11,7 @@ from torch import nn
 
 from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.decoupled import check_decoupled
 from archipelago.federation.diloco import FederationError, OuterLoop, OuterReport, report_record
 from archipelago.federation.fragments import NamedParameters, named_parameters, split_fragments
 from archipelago.federation.guard import poisons_from_env
@@ -62,10 +63,7 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module | NamedParameter
                      optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None) -> OuterLoop:
     """Join the federation: check the lighthouse, make the bridge ranks' managers, and
     take the current weights as the first global weights (a collective over the island)."""
-    if ft.round_mode != "synchronous":
-        raise ConfigError(f"fault_tolerance.round_mode = \"{ft.round_mode}\" runs in `archipelago simulate` and "
-                          "the quality simulator only so far; a federation of islands runs synchronous rounds: "
-                          "set fault_tolerance.round_mode = \"synchronous\"")
+    check_decoupled(ft)
     named = named_parameters(model)  # a pipeline stage: the whole model's, others' parameters on meta
     check_exchange_device(ft, next((p.device for _, p in named if not p.is_meta), torch.device("cpu")))
     url = lighthouse_address(ft)

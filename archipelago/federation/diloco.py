@@ -53,6 +53,7 @@ from torch.distributed import ReduceOp
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation import exchange as rows
 from archipelago.federation.codecs import AUTO_FIRST, Codec, build_codec, effective_codec
+from archipelago.federation.decoupled import OVERLAP_SCALE, Handoffs
 from archipelago.federation.exchange import (
     Framing,
     Gathered,
@@ -80,7 +81,7 @@ from archipelago.federation.membership import (
     lighthouse_address,
     mismatch,
 )
-from archipelago.federation.outer_core import OuterCore, contribution_weight
+from archipelago.federation.outer_core import OuterCore, contribution_weight, staleness_discount
 from archipelago.federation.policy import (
     FRAME_MALFORMED,
     FRAME_OK,
@@ -184,6 +185,9 @@ class _Pending:
     codec_state: dict[str, torch.Tensor] | None = None  # the codec's state before it encoded (a retry restores it)
     spent: tuple[int, int] = (0, 0)   # (sent, received) bytes of attempts that failed (bridge rank's own)
     total: torch.Tensor | None = None  # the exchange's sum, apart from `buffer` when a retry may resend it
+    overlapped: bool = False          # decoupled rounds: the island trains on while this exchange travels
+    staleness: int = 0                # decoupled rounds: outer steps its rows' base weights are behind
+    facts: list[tuple[float, float]] = field(default_factory=list)  # the members' agreement facts (decoupled)
 
 
 class OuterLoop:
@@ -245,6 +249,9 @@ class OuterLoop:
         self.tokens_ratio = float(ft.group_size)  # federation tokens per own token, last round
         self._scale_inner_batch()
         self.round_start = self._last_step_end = time.monotonic()
+        # Decoupled rounds (decoupled.py): the base weights and the decisions every island shares.
+        self.handoffs = Handoffs(ft.overlap_threshold) if ft.round_mode == "decoupled" else None
+        self.early_reports: list[OuterReport] = []  # a round end that finished two exchanges: the first
         self.save_global()  # collective: the initial weights are the first global weights
         if not ft.init_sync:  # islands start from their own weights: peers check they are the same
             self.fingerprint = dict(fingerprint, start=f"own weights {self.global_hash()}")  # collective
@@ -269,8 +276,11 @@ class OuterLoop:
 
     @property
     def exchange_pending(self) -> bool:
-        """An exchange is in flight: the island's state cannot be checkpointed now."""
-        return self.pending is not None
+        """An exchange is in flight: the island's state cannot be checkpointed now. (A
+        decoupled round's overlapped exchange can: the global weights are not touched until
+        it is finished, and a resumed island's base is the global weights, so its next row
+        sends the progress of the lost one again.)"""
+        return self.pending is not None and not self.pending.overlapped
 
     def after_inner_step(self, inner_step: int, tokens: int = 0, compute_s: float = 0.0) -> OuterReport | None:
         """Call after every inner optimizer step (on every rank) with the island's tokens
@@ -284,15 +294,61 @@ class OuterLoop:
         if self.ft.round_pacing == "time":
             if not self._time_is_up():
                 return None
-            self.prepare()
-            self.local_step = 0
-            return self.perform(inner_step)
-        if self.local_step == self.per_fragment - self.delay:
-            self.prepare()
-        if self.local_step < self.per_fragment:
-            return None
+        else:
+            if self.handoffs is None and self.local_step == self.per_fragment - self.delay:
+                self.prepare()
+            if self.local_step < self.per_fragment:
+                return None
         self.local_step = 0
+        if self.handoffs is not None:
+            return self._decoupled_round_end(inner_step)
+        if self.pending is None:  # time pacing: the exchange starts at the round's end
+            self.prepare()
         return self.perform(inner_step)
+
+    def _decoupled_round_end(self, inner_step: int) -> OuterReport | None:
+        """Decoupled rounds: finish the exchange that overlapped this round (its outer
+        step), hand off this round's pseudo-gradient, then wait for it or, when the members
+        agreed that exchanges overlap, train on from the global weights minus it."""
+        earlier = self.perform(inner_step) if self.pending is not None else None
+        self.prepare()
+        p = self.pending
+        assert self.handoffs is not None and p is not None
+        if self.handoffs.overlaps and p.exchanged:
+            self._hand_off(p)
+            return earlier
+        if earlier is not None:
+            self.early_reports.append(earlier)
+        return self.perform(inner_step)
+
+    def _hand_off(self, p: _Pending) -> None:
+        """The island trains on while `p`'s exchange travels: from the global weights minus
+        its own pseudo-gradient in it (OuterCore.rebased; the global weights alone when it
+        sends nothing), which become its base."""
+        assert self.handoffs is not None
+        p.overlapped = True
+        own = [p.buffer[:-2]] if p.buffer is not None and p.weight > 0 else []
+        new = self.core.rebased(p.fragment, own) if self.core is not None else None
+        self.layouts[p.fragment].scatter(new)
+        if new is not None:
+            self.handoffs.rebase(p.fragment, new)
+
+    def finish_rounds(self, inner_step: int) -> OuterReport | None:
+        """Decoupled rounds, at the end of the run (every island at the same round end):
+        the exchange still in flight enters, and the island takes the global weights."""
+        if self.pending is None or not self.pending.overlapped:
+            return None
+        fragment = self.pending.fragment
+        report = self.perform(inner_step)
+        self._take_global(fragment)
+        return report
+
+    def _take_global(self, fragment: int) -> None:
+        """Decoupled rounds: the island continues from the global weights, nothing in flight."""
+        new = self.globals[fragment].detach() if self.is_bridge else None
+        self.layouts[fragment].scatter(new)
+        if new is not None and self.handoffs is not None:
+            self.handoffs.rebase(fragment, new)
 
     def add_untimed(self, seconds: float) -> None:
         """Count evaluation or checkpoint seconds of this round (reported as `untimed_s`)."""
@@ -328,6 +384,8 @@ class OuterLoop:
             return
         self.core = OuterCore(self.ft, chunks, pin=torch.cuda.is_available())
         self._digest = None
+        if self.handoffs is not None:
+            self.handoffs.start(self.globals)
         if len(self.codecs) != len(self.globals):  # codec state (error feedback) outlives a reset
             self.codecs = [build_codec(self.ft, g.numel()) for g in self.globals]
 
@@ -364,8 +422,19 @@ class OuterLoop:
                 report = self.perform(self.inner_step)
                 if report.committed:
                     self.local_step = 0
+                    if self.handoffs is not None and self.handoffs.overlaps:
+                        self._join_overlapping()
                     return report
             time.sleep(0.5)
+
+    def _join_overlapping(self) -> None:
+        """Decoupled rounds that overlap: the members start their next exchange at the
+        round end that let this island in, so it starts one too, sending nothing, and
+        finishes it at its first round end as they do (it stays in step with them)."""
+        if self.prepare(joining=True) and self.pending is not None and self.pending.exchanged:
+            self._hand_off(self.pending)
+        elif self.pending is not None:
+            self.perform(self.inner_step)
 
     def prepare(self, joining: bool = False, need: int = 1) -> bool:
         """Join the quorum (healing if behind) and start averaging one fragment.
@@ -398,6 +467,8 @@ class OuterLoop:
             # commits at once (join), so the healed island starts at the peer's own step.
             self.peer_delay = 0 if joining and m.outer_step == 0 else self.delay
         plan = plan_round(m, joining, len(self.layouts))
+        if self.handoffs is not None and self.handoffs.sends_nothing:  # its last row was refused
+            plan, self.handoffs.sends_nothing = replace(plan, contributes=False), False
         fragment = plan.fragment
         local = self.layouts[fragment].gather()
         buffer = self._pseudo_gradient(fragment, local) if local is not None else None  # bridge ranks
@@ -407,7 +478,8 @@ class OuterLoop:
             log.warning("ARCHIPELAGO_FAULT: poisoning this island's update (%s) in outer step %d",
                         corrupt.kind, self.step + 1)
             corrupt.apply(buffer[:-2])
-        pending = _Pending(fragment, reset=plan.reset, tokens=self.round_tokens, step=self.step, joining=joining)
+        pending = _Pending(fragment, reset=plan.reset, tokens=self.round_tokens, step=self.step, joining=joining,
+                           staleness=int(self.handoffs.stale) if self.handoffs is not None else 0)
         pending.exchanged = not skips_exchange(joining, self.step, self.ft.init_sync)
         if pending.exchanged and buffer is not None and self.codec_name == "auto":  # before the guard sees it
             pending.residue = self._choose_codec(fragment, buffer, plan.contributes)
@@ -438,7 +510,7 @@ class OuterLoop:
             if self.ft.exchange_retries > 0:  # encoding moves error feedback; a retry starts from here
                 p.codec_state = {k: v.clone() for k, v in codec.state_dict().items()}
             p.gathered = start_gather(self.manager, codec, p.buffer[:-2], p.tokens, p.weight,
-                                      replace(p.framing, forge=forge))
+                                      replace(p.framing, forge=forge), one_phase=self.handoffs is not None)
         if self.inner_state is not None and p.exchanged:
             device = torch.device("cpu") if self.ft.copy_pseudogradients_to_cpu else None
             p.state = self.inner_state.start(p.fragment, p.weight > 0, self.manager, self._island_max,
@@ -453,7 +525,9 @@ class OuterLoop:
         if self.manager is not None and p.framing is not None and p.exchanged:
             completed = not member_failure(self.manager)
             device = p.buffer.device if p.buffer is not None else torch.device("cpu")
-            flags = agree_on_exchange(self.manager, completed, p.framing, wire_device(self.manager, device))
+            p.facts = []
+            flags = agree_on_exchange(self.manager, completed, p.framing, wire_device(self.manager, device),
+                                      self._exchange_fraction(p), p.overlapped, p.facts)
             failed = not exchange_agreed(flags, max(self.manager.num_participants(), 1))
             if failed:  # members blocked on this island fail now, not at process_group_timeout_ms
                 abandon_group(self.manager)
@@ -474,6 +548,8 @@ class OuterLoop:
                  m.participants, time.perf_counter() - began)
         if not keeps_pending(m, p.step):
             self._give_back(p)
+            if self.handoffs is not None:  # decoupled: it healed; the row after this one is void too
+                self.handoffs.sends_nothing = True
             fresh = self._plan(m, p.joining)
             fresh.prepare_s, fresh.started, fresh.spent = p.prepare_s, p.started, p.spent
             return fresh
@@ -685,6 +761,7 @@ class OuterLoop:
             attempt += 1
             p = self._retry_exchange(p, attempt)
             decode_s, refused = self._finish_exchange(p)
+        own = p.buffer if p.overlapped else None  # decoupled: the island's pseudo-gradient in this exchange
         if p.total is not None:  # the agreed sum replaces the pseudo-gradient (freed)
             p.buffer, p.total = p.total, None
         retry_s = time.perf_counter() - failed_at if attempt else 0.0
@@ -702,11 +779,18 @@ class OuterLoop:
             refused_me = any(r.get("island") == self.ft.replica_id for r in refused)
             self._measure_link(p, carried=committed and p.weight > 0 and not refused_me)
         merge = merges_local(result, p.reset, self.ft.fragment_update_alpha)
-        local = self.layouts[p.fragment].gather() if merge else None
+        local = self.layouts[p.fragment].gather() if merge and not p.overlapped else None
         if p.buffer is not None and applies_outer_step(result):  # bridge ranks
             self._outer_step(p.fragment, p.buffer, total)
-        new = self.core.island_weights(p.fragment, local) if self.core is not None else None  # bridge ranks
-        self.layouts[p.fragment].scatter(new)
+        if self.handoffs is not None and p.exchanged:
+            self._settle_handoffs(p, applies_outer_step(result))
+        if p.overlapped:  # the island trained on: its weights are not the global ones
+            self._after_overlapped(p, own, committed)
+        else:
+            new = self.core.island_weights(p.fragment, local) if self.core is not None else None  # bridge ranks
+            self.layouts[p.fragment].scatter(new)
+            if self.handoffs is not None and new is not None:
+                self.handoffs.rebase(p.fragment, new)
         if p.state is not None and self.inner_state is not None:
             self.inner_state.finish(p.state, apply=result.committed and values[-1] > 0)
         if p.reset:  # a healed island takes every fragment's global weights
@@ -743,6 +827,35 @@ class OuterLoop:
         self.round_start = self._last_step_end = time.monotonic()
         return report
 
+    def _settle_handoffs(self, p: _Pending, applied: bool) -> None:
+        """Decoupled rounds: every island's decisions from the members' agreement facts
+        (the bridge ranks hold them; combined over the island, so all ranks decide alike)."""
+        assert self.handoffs is not None
+        overlapped, overlaps = self.handoffs.decide(p.facts) if self.is_bridge else (False, False)
+        shared = self._island_max([float(overlapped), float(overlaps)])
+        self.handoffs.settle(shared[0] > 0, shared[1] > 0, applied)
+
+    def _after_overlapped(self, p: _Pending, own: torch.Tensor | None, committed: bool) -> None:
+        """Decoupled rounds, an overlapped exchange finished: its outer step is in the
+        global weights, the island's weights moved on. Lost, its row is sent again with the
+        next one; refused by the receivers, the island takes the global weights and its next
+        row is void (it was trained from the refused one)."""
+        assert self.handoffs is not None
+        if not committed and own is not None and p.weight > 0:
+            self.handoffs.lost(p.fragment, own[:-2])
+        if p.reset and p.weight > 0:
+            self._take_global(p.fragment)
+            self.handoffs.sends_nothing = True
+
+    def _exchange_fraction(self, p: _Pending) -> float:
+        """Decoupled rounds: this exchange's seconds (from its start until its rows were in)
+        over this round's compute seconds, in OVERLAP_SCALE units (0: nothing to measure)."""
+        if self.handoffs is None or p.gathered is None or self.round_compute_s <= 0:
+            return 0.0
+        started = p.gathered.started or p.started
+        arrived = max(started, min([p.waited or time.perf_counter(), *p.gathered.done_at]))
+        return (arrived - started) / self.round_compute_s * OVERLAP_SCALE
+
     def _finish_exchange(self, p: _Pending) -> tuple[float, list[dict[str, Any]]]:
         """Wait for the rows, judge them and sum the accepted ones into the buffer: the
         decode seconds and the refused rows."""
@@ -752,15 +865,22 @@ class OuterLoop:
             p.gathered.work.wait()  # the network's share; opening and judging the rows is decode_s
         judging = p.waited = time.perf_counter()
         weights, tokens, refused = self._judge(p)
+        divisor = sum(weights)
+        if p.staleness:  # decoupled rounds: every row of this exchange is as stale (decoupled.py)
+            factor = staleness_discount(p.staleness, self.ft.staleness_exponent, self.ft.max_staleness)
+            weights, divisor = [w * factor for w in weights], divisor if factor > 0 else 0.0
         if p.state is not None and self.inner_state is not None:  # the moments of the islands it accepted
             self.inner_state.judge_moments(p.state, weights, self._island_max)
         decode_s = time.perf_counter() - judging
         if p.gathered is not None and p.buffer is not None:
             # The sum goes beside the pseudo-gradient when a retry may have to send that again
             # (one more copy of the chunk during the exchange; exchange_retries = 0 saves it).
-            p.total = torch.empty_like(p.buffer) if self.ft.exchange_retries > 0 else p.buffer
+            resent = self.ft.exchange_retries > 0 or self.handoffs is not None  # decoupled: a lost row is resent
+            p.total = torch.empty_like(p.buffer) if resent else p.buffer
             decode_s += finish_gather(p.gathered, self.codecs[p.fragment], p.total, weights, tokens,
                                       self.manager, self.ft.outer_aggregation == "trimmed_mean")
+            if p.staleness:  # the sum is divided by the undiscounted weights (OuterCore.weight)
+                p.total[-1] = divisor if self.manager.errored() is None else 0.0
         return decode_s, refused
 
     def _lose_round(self, p: _Pending) -> None:
@@ -793,6 +913,9 @@ class OuterLoop:
         g = self.globals[fragment].detach()
         device = torch.device("cpu") if self.ft.copy_pseudogradients_to_cpu else local.device
         buffer = torch.zeros(g.numel() + 2, dtype=g.dtype, device=device)
+        if self.handoffs is not None:  # decoupled rounds: from the island's own base weights
+            self.handoffs.pseudo_gradient(fragment, local, buffer[:-2])
+            return buffer
         torch.sub(g.to(device, non_blocking=True), local.to(device), out=buffer[:-2])
         return buffer
 
@@ -995,6 +1118,8 @@ class OuterLoop:
                 load_tensor_state(o, g, saved)
                 c.load_state_dict(saved.get("codec", {}))
             self._digest = None
+            if self.handoffs is not None:  # the exchange that was in flight is lost: the next row resends it
+                self.handoffs.start(self.globals)
         if self.manager is not None:
             self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
 

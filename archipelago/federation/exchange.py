@@ -352,18 +352,21 @@ def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants
 
 
 def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, tokens: int,
-                 weight: float, framing: Framing) -> Gathered:
+                 weight: float, framing: Framing, one_phase: bool = False) -> Gathered:
     """Encode this island's chunk and start the exchange (through torchft's process group).
 
     An island with weight 0 sends zeros and leaves its codec state (error feedback) alone:
-    nothing of it enters the average, so nothing of it counts as sent.
+    nothing of it enters the average, so nothing of it counts as sent. `one_phase`: the
+    all-gather even where the reduce-scatter would be chosen (decoupled rounds: its one
+    collective is all that travels while the island trains on; the reduce-scatter's second
+    phase would run at the round's end).
     """
     from torch.distributed.distributed_c10d import AllToAllOptions
 
     began = time.perf_counter()
     participants = max(manager.num_participants(), 1)
     wire = wire_device(manager, pseudo_gradient.device)
-    if two_phase(codec, participants):
+    if not one_phase and two_phase(codec, participants):
         segments = codec.segments(participants)
         pieces = [codec.for_length(end - start) for start, end in segments]
         size = framing.row_bytes(max(piece.payload_bytes() for piece in pieces))
@@ -708,12 +711,18 @@ def member_failure(manager: Any) -> bool:
     return not isinstance(getattr(error, "original_exception", error), REFUSALS)
 
 
-def agree_on_exchange(manager: Any, completed: bool, framing: Framing,
-                      device: torch.device) -> list[float | None] | None:
+def agree_on_exchange(manager: Any, completed: bool, framing: Framing, device: torch.device,
+                      measured: float = 0.0, overlapped: bool = False,
+                      facts: list[tuple[float, float]] | None = None) -> list[float | None] | None:
     """Every member's flag, by replica rank: EXCHANGE_COMPLETED where its exchange went
     through, 0 where it failed, None where the flag is not signed with the federation's key
     for this round (another key's island, a replay); None instead of a list when this
     collective failed (a member died, here or in the exchange: the group is broken).
+
+    Decoupled rounds (federation/decoupled.py) add two facts to each flag, at no extra
+    byte: `measured` (a non-negative number in the frame's tokens field) and `overlapped`
+    (its weight field); with `facts` given, each signed member's pair is appended to it, by
+    replica rank ((0, 0) for a flag that is not signed for this round).
 
     Runs on torchft's process group even after the manager saw an error, unlike the
     exchange's own collectives: an island whose exchange failed must still say so, or the
@@ -724,7 +733,8 @@ def agree_on_exchange(manager: Any, completed: bool, framing: Framing,
     participants = max(manager.num_participants(), 1)
     flag = torch.tensor([int(completed)], dtype=torch.uint8)
     size = framing.row_bytes(1)
-    row = replace(framing, forge=None).frame(0.0, float(completed), flag, size, ROUND_AGREE).to(device)
+    claim = float(min(max(round(measured), 0), 2 ** 53))  # an integer either header carries exactly
+    row = replace(framing, forge=None).frame(claim, float(overlapped), flag, size, ROUND_AGREE).to(device)
     outputs = [torch.zeros_like(row) for _ in range(participants)]
     try:
         manager._pg.allgather([outputs], [row], AllgatherOptions()).wait()
@@ -732,7 +742,10 @@ def agree_on_exchange(manager: Any, completed: bool, framing: Framing,
         if manager.errored() is None:
             manager.report_error(exc)
         return None
-    return [_flag(framing, out) for out in outputs]
+    opened = [_flag(framing, out) for out in outputs]
+    if facts is not None:
+        facts.extend(fact for _, fact in opened)
+    return [value for value, _ in opened]
 
 
 def abandon_group(manager: Any) -> None:
@@ -748,8 +761,9 @@ def abandon_group(manager: Any) -> None:
         pass
 
 
-def _flag(framing: Framing, row: torch.Tensor) -> float | None:
-    _, _, _, payload, frame = framing.open(row, 1, ROUND_AGREE)
+def _flag(framing: Framing, row: torch.Tensor) -> tuple[float | None, tuple[float, float]]:
+    tokens, weight, _, payload, frame = framing.open(row, 1, ROUND_AGREE)
     if frame != FRAME_OK or payload is None or payload.numel() != 1:
-        return None
-    return EXCHANGE_COMPLETED if int(payload[0]) == 1 else 0.0
+        return None, (0.0, 0.0)
+    facts = (tokens if math.isfinite(tokens) and tokens > 0 else 0.0, float(weight == 1.0))
+    return (EXCHANGE_COMPLETED if int(payload[0]) == 1 else 0.0), facts

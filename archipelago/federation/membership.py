@@ -312,10 +312,14 @@ def _codec(ft: FaultToleranceConfig) -> str:
 
 
 def _pacing(ft: FaultToleranceConfig, tokens_per_step: int) -> str:
+    # Decoupled rounds: every island must decide overlap and staleness alike (decoupled.py).
+    mode = ("" if ft.round_mode == "synchronous" else
+            f", decoupled(overlap above {ft.overlap_threshold:g}, staleness^-{ft.staleness_exponent:g} "
+            f"up to {ft.max_staleness})")
     if ft.round_pacing == "steps":
-        return f"steps({ft.sync_steps}) {ft.outer_weighting}"
+        return f"steps({ft.sync_steps}) {ft.outer_weighting}{mode}"
     return (f"time({ft.round_seconds:g}s, {ft.min_inner_steps}-{ft.max_inner_steps} steps, "
-            f"{tokens_per_step} tokens/step) {ft.outer_weighting}")
+            f"{tokens_per_step} tokens/step) {ft.outer_weighting}{mode}")
 
 
 def describe(fp: dict[str, Any]) -> str:

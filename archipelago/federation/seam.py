@@ -77,6 +77,10 @@ class Alone:
         """What the federation adds to the island's checkpoint."""
         return {}
 
+    def finish_rounds(self) -> None:
+        """The last inner step is done: an exchange still in flight (decoupled rounds)
+        enters now, before the final evaluation and checkpoint."""
+
     def leave(self) -> None:
         """The run is over: say goodbye (a metrics event with the final global hash)."""
 
@@ -113,9 +117,16 @@ class Member(Alone):
 
     def after_step(self, step: int, tokens: int, compute_s: float) -> None:
         report = self.outer.after_inner_step(step, tokens, compute_s)
+        while self.outer.early_reports:  # a decoupled round end that finished two exchanges
+            self._report(self.outer.early_reports.pop(0))
         if report is not None:
             self._report(report)
         self._follow_schedule()
+
+    def finish_rounds(self) -> None:
+        report = self.outer.finish_rounds(self.hooks.step)
+        if report is not None:
+            self._report(report)
 
     def done(self, step: int) -> bool:
         if self.time_paced:
