@@ -44,6 +44,7 @@ class Handoffs:
         self.overlaps = threshold <= 0       # the next exchange overlaps the next round
         self.stale = False                   # the next exchange's rows are one outer step stale
         self.sends_nothing = False           # the receivers refused this island's last row: the next is void
+        self.overlapped = False              # some member trained on while the last exchange travelled
 
     def start(self, weights: Sequence[torch.Tensor]) -> None:
         """The island takes `weights` (the global weights, nothing in flight) as its base."""
@@ -81,7 +82,7 @@ class Handoffs:
         """What every island of the round decided (`decide`, combined over its ranks), and
         whether the exchange applied an outer step."""
         self.stale = overlapped and applied
-        self.overlaps = overlaps_next
+        self.overlapped, self.overlaps = overlapped, overlaps_next
 
 def check_decoupled(ft: FaultToleranceConfig) -> None:
     """The settings decoupled rounds run with on the platform (a ConfigError names the fix)."""

@@ -373,8 +373,11 @@ class OuterLoop:
         return self._island_max([float(up)])[0] > 0
 
     def aligned_inner_step(self) -> int:
-        """After healing: the inner step of the peer this island healed from."""
-        return aligned_inner_step(self.peer_inner_step, self.peer_delay)
+        """After healing: the inner step of the peer this island healed from. (Decoupled
+        rounds that overlap: the members trained a whole round on while the join exchange
+        travelled, and this island's join round ended with theirs.)"""
+        overlapped = self.handoffs is not None and self.handoffs.overlapped
+        return aligned_inner_step(self.peer_inner_step, self.peer_delay + (self.per_fragment if overlapped else 0))
 
     def save_global(self) -> None:
         """Take the island's current weights as the global weights (a collective)."""
@@ -1056,10 +1059,13 @@ class OuterLoop:
     def _heal_state(self) -> dict[str, Any]:
         # Not the codec state: error feedback is this island's own unsent progress, which it
         # still sends itself; a peer that took a copy would send it a second time.
-        return {"fingerprint": self.fingerprint, "inner_step": self.inner_step,
-                "federation_tokens": self.federation_tokens, "guard": self.guard.state_tensor(),
-                "fragments": [{"global": g.detach().clone(), "outer": tensor_state(o, g)}
-                              for g, o in zip(self.globals, self.outer)]}
+        state = {"fingerprint": self.fingerprint, "inner_step": self.inner_step,
+                 "federation_tokens": self.federation_tokens, "guard": self.guard.state_tensor(),
+                 "fragments": [{"global": g.detach().clone(), "outer": tensor_state(o, g)}
+                               for g, o in zip(self.globals, self.outer)]}
+        if self.handoffs is not None:  # decoupled: whether the next exchange's rows are stale (decoupled.py)
+            state["stale"] = int(self.handoffs.stale)
+        return state
 
     def _load_heal(self, state: dict[str, Any]) -> None:
         """torchft's callback with a peer's state, during the quorum: checked for shape and
@@ -1083,14 +1089,19 @@ class OuterLoop:
         self._digest = None
         self.peer_inner_step = self._heal_taken.inner_step
         self.federation_tokens = self._heal_taken.federation_tokens
+        if self.handoffs is not None:  # decoupled: the members' view of the next exchange's rows
+            self.handoffs.stale = bool(state.get("stale", 0))
         log.info("healed: received the global weights from a peer island (federation step %d)",
                  self.manager.current_step())
 
     def _heal_shape(self) -> dict[str, Any]:
         """This island's own healing state, uncopied: what a peer's must look like."""
-        return {"fingerprint": self.fingerprint, "inner_step": 0, "federation_tokens": 0,
-                "guard": self.guard.state_tensor(),
-                "fragments": [{"global": g, "outer": tensor_state(o, g)} for g, o in zip(self.globals, self.outer)]}
+        shape = {"fingerprint": self.fingerprint, "inner_step": 0, "federation_tokens": 0,
+                 "guard": self.guard.state_tensor(),
+                 "fragments": [{"global": g, "outer": tensor_state(o, g)} for g, o in zip(self.globals, self.outer)]}
+        if self.handoffs is not None:
+            shape["stale"] = 0
+        return shape
 
     def _heal_problem(self, state: Any) -> str | None:
         """What is wrong with a peer's state, checked against this island's own before any of
