@@ -20,6 +20,14 @@ runs for the same wall-clock budget (--budget, `training.time_budget_s`) in each
   g  streaming DiLoCo with codec = "auto", 4 fragments, fragment_sync_delay 2 (each
      fragment's exchange may take half its 2 overlapped steps' seconds)
      (f and g are not in the default set: --settings a,b,c,d,e,f,g, or --codec auto for f,g)
+  h  decoupled rounds, int8 (docs/rounds.md): once a member measured an exchange above 5% of
+     its round, each exchange overlaps the next round (not in the default set)
+
+`--island-rates 100,100,5` shapes each island's link to its own rate; their count is the
+number of islands (three here: a thin-link island beside two fast ones). The table then
+also gives each island's rows that entered the global weights (committed rounds in which
+its own row was accepted with a weight) and its steady utilisation (without the first
+round and the end of the run).
 
 Reported per setting (markdown table on stdout, ratio column first; JSON with --out):
 - bytes across the WAN per token trained: measured on the links, not taken from logs. The
