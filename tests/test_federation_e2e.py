@@ -81,6 +81,29 @@ def test_islands_of_two_and_one_ranks_match_one_and_one(tmp_path):
         torch.testing.assert_close(ma[name], mc[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.timeout(600)
+def test_decoupled_rounds_on_a_two_rank_island_train_the_simulators_weights(tmp_path):
+    from archipelago.config import load_config
+    from archipelago.simulation import simulate
+
+    # Decoupled rounds whose every exchange overlaps the next round, with an FSDP island of
+    # two ranks beside a one-rank island: the rebase and the decisions cross the 2-rank
+    # island's shards; the run ends with the last exchange let in, on the global weights.
+    decoupled = ["--fault_tolerance.round_mode", "decoupled", "--fault_tolerance.overlap_threshold", "0"]
+    mixed = _federation(tmp_path, "mixed", "2,1", *decoupled, "--training.steps", "12")
+    assert mixed["global_hash_agree"], mixed["islands"]
+    assert [i["ranks"] for i in mixed["islands"]] == [2, 1]
+    a, c = _final_weights(tmp_path / "mixed" / "island-0"), _final_weights(tmp_path / "mixed" / "island-1")
+    cfg = load_config([*TINY, *ROUND, "--training.steps", "12", *decoupled, "--fault_tolerance.enable"])
+    sim = simulate(cfg, islands=2, eval_windows=8, handoff_delays=[1, 1])
+    assert sim.staleness == [0, 0, 1, 1, 1, 1]
+    even = sim.models[0].state_dict()
+    assert len(a) > 10 and a.keys() == c.keys() and {n.split("model.", 1)[1] for n in a} == even.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], c[name], rtol=0, atol=0, msg=name)  # one global model
+        torch.testing.assert_close(a[name], even[name.split("model.", 1)[1]], rtol=1e-4, atol=2e-4, msg=name)
+
+
 @pytest.mark.slow  # the arithmetic of each width is checked in-process: test_rounds, test_federation
 @pytest.mark.timeout(900)
 def test_sync_width_one_and_two_give_the_same_global_weights(tmp_path):

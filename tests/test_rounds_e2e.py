@@ -166,3 +166,19 @@ def test_decoupled_rows_staler_than_max_staleness_are_left_out_alike(tmp_path):
     moved = [a != b for a, b in zip(hashes, hashes[1:])]
     assert moved == [False, True, False, True, False, True], hashes
     assert all(r["committed"] for island in rounds for r in island)
+
+
+@pytest.mark.timeout(400)
+def test_time_paced_decoupled_rounds_keep_their_length_after_the_first_hand_off(tmp_path):
+    # Time pacing measures a round's seconds from its start; the round end that hands off the
+    # first overlapped exchange writes no report but starts a round all the same (it once did
+    # not, and the next round ended after one step).
+    # A threshold above 0 (any exchange counts as long): the first exchange is waited for, the
+    # second is the first handed off.
+    fed, rounds = _decoupled(tmp_path / "run", "1,1", "--fault_tolerance.round_pacing", "time",
+                             "--fault_tolerance.round_seconds", "2", "--fault_tolerance.overlap_threshold", "1e-6")
+    assert fed["global_hash_agree"]
+    # Each exchange's tokens (its weight): a whole round's, never one step's (8 x 64 tokens).
+    sent = [r["weight"] / (8 * 64) for r in rounds[0][1:]]  # without the join round
+    assert len(sent) >= 4 and min(sent) >= 3, sent
+    assert rounds[0][-1]["inner_steps"] == 0 and rounds[0][-1]["committed"]  # the last exchange entered

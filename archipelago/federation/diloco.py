@@ -316,6 +316,8 @@ class OuterLoop:
         assert self.handoffs is not None and p is not None
         if self.handoffs.overlaps and p.exchanged:
             self._hand_off(p)
+            if earlier is None:  # the first overlapped hand-off: no report, but a new round all the same
+                self._start_round_clock()
             return earlier
         if earlier is not None:
             self.early_reports.append(earlier)
@@ -827,8 +829,12 @@ class OuterLoop:
         self.round_elapsed = []
         if self.numel <= HASH_EVERY_ROUND_MAX_NUMEL:
             report.global_hash = self.global_hash()
-        self.round_start = self._last_step_end = time.monotonic()
+        self._start_round_clock()
         return report
+
+    def _start_round_clock(self) -> None:
+        """A round starts now (time pacing measures its seconds from here)."""
+        self.round_start = self._last_step_end = time.monotonic()
 
     def _settle_handoffs(self, p: _Pending, applied: bool) -> None:
         """Decoupled rounds: every island's decisions from the members' agreement facts
