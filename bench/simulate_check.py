@@ -181,6 +181,8 @@ def wan_check(path: Path) -> list[dict[str, Any]]:
     runs = {key: run["settings"][key] for key in ("c", "h")}
     if not all(r.get("ok") for r in runs.values()):
         raise SystemExit(f"{path}: settings c and h must both have run (bench/wan.py --settings c,h)")
+    if "time" in " ".join(run.get("extra", [])):
+        raise SystemExit(f"{path}: a time-paced run; the check models bench/wan.py's step-paced rounds only")
     islands, params = int(run["islands"]), int(run["params"])
     ft = dict(read_toml(REPO / "configs/llama3/debug.toml").get("fault_tolerance", {}))
     ft.update(codec="int8", sync_steps=int(run["sync_steps"]), round_pacing="steps", outer_weighting="tokens")

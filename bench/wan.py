@@ -615,7 +615,8 @@ def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]
             print(f"[{key} {SETTINGS[key].name}] FAILED: {exc}", flush=True)
             results[key] = {"setting": key, "name": SETTINGS[key].name, "ok": False, "error": str(exc)}
     meta = {**facts, "batch_size": args.batch_size, "budget_s": args.budget, "rate_mbit": args.rate_mbit,
-            "islands": len(args.rates), "rates": args.rates, "threads": args.threads, **where_measured(),
+            "islands": len(args.rates), "rates": args.rates, "threads": args.threads, "extra": args.extra,
+            **where_measured(),
             "delay_ms": args.delay_ms, "sync_steps": args.sync_steps, "link_mbit": link, "work_dir": str(root),
             "subnet": str(args.subnet), "no_network_step_s": step_time}
     return {**meta, "settings": results}
