@@ -486,8 +486,8 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
     point(0)
     if slow_period > 1 or wall_ticks or any(links):
         assert outer is not None, "a clock of ticks needs a federation"
-        _train_ticks(crew, outer, t.steps, max(slow_period, 1), tokens_per_step, every, point, pause, wall_ticks,
-                     last_point)
+        _train_ticks(crew, outer, t.steps, max(slow_period, 1), tokens_per_step, every, point, last_point, pause,
+                     wall_ticks)
     else:
         for step in range(1, t.steps + 1):
             for island in crew:
@@ -520,8 +520,8 @@ def decoupled_delays(link_ticks: Sequence[int], round_ticks: int, threshold: flo
 
 
 def _train_ticks(crew: list[_Island], outer: _Outer | _Decoupled, steps: int, period: int, tokens_per_step: int,
-                 every: int, point: Callable[[int], None], pause: int = 0, wall_ticks: int = 0,
-                 last_point: Callable[[int], None] | None = None) -> None:
+                 every: int, point: Callable[[int], None], last_point: Callable[[int], None], pause: int = 0,
+                 wall_ticks: int = 0) -> None:
     """`simulate`'s clock: ticks until the federation's token budget (or tick `wall_ticks`),
     the last island stepping every `period`-th tick, every island idle for `pause` ticks
     after each round (a synchronous exchange); schedules follow the federation's progress
@@ -548,7 +548,7 @@ def _train_ticks(crew: list[_Island], outer: _Outer | _Decoupled, steps: int, pe
         ended = outer.local_step == 0 and not idle
         done = tick >= wall_ticks if wall_ticks else ended and sum(island.steps for island in crew) >= budget
         if done:
-            (last_point or point)(tick)
+            last_point(tick)
             return
         if every and tick % every == 0:
             point(tick)

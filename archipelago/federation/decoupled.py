@@ -84,6 +84,7 @@ class Handoffs:
         self.stale = overlapped and applied
         self.overlapped, self.overlaps = overlapped, overlaps_next
 
+
 def check_decoupled(ft: FaultToleranceConfig) -> None:
     """The settings decoupled rounds run with on the platform (a ConfigError names the fix)."""
     if ft.round_mode != "decoupled":

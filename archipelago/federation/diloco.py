@@ -629,9 +629,7 @@ class OuterLoop:
         if self.manager is None or self.manager.errored() is not None or p.gathered is None:
             return
         started = p.gathered.started or p.started
-        # When the rows were in: the transport's thread stamped it where it can, else the wait's return.
-        arrived = max(started, min([p.waited, *p.gathered.done_at]))
-        elapsed = time.perf_counter() - started - (p.waited - arrived)
+        elapsed = time.perf_counter() - started - (p.waited - started - self._exchange_seconds(p))
         if p.gathered.received > 0 and elapsed > 0:
             self.link_bits_s = p.gathered.received * 8 / elapsed
         self.last_round_s = self.round_compute_s
@@ -861,9 +859,15 @@ class OuterLoop:
         over this round's compute seconds, in OVERLAP_SCALE units (0: nothing to measure)."""
         if self.handoffs is None or p.gathered is None or self.round_compute_s <= 0:
             return 0.0
+        return self._exchange_seconds(p) / self.round_compute_s * OVERLAP_SCALE
+
+    @staticmethod
+    def _exchange_seconds(p: _Pending) -> float:
+        """From the exchange's start until its rows were in: the transport's thread stamped
+        that where it can, else the wait for them returned (`_finish_exchange`)."""
+        assert p.gathered is not None
         started = p.gathered.started or p.started
-        arrived = max(started, min([p.waited or time.perf_counter(), *p.gathered.done_at]))
-        return (arrived - started) / self.round_compute_s * OVERLAP_SCALE
+        return max(started, min([p.waited, *p.gathered.done_at])) - started
 
     def _finish_exchange(self, p: _Pending) -> tuple[float, list[dict[str, Any]]]:
         """Wait for the rows, judge them and sum the accepted ones into the buffer: the
