@@ -103,3 +103,20 @@ def test_decoupled_rounds_without_delay_are_the_synchronous_round_bit_for_bit(sh
     assert delayed.staleness == [0, 1, 1, 2, 1, 2]
     assert not torch.equal(delayed.models[0].state_dict()["norm.weight"],
                            synchronous.models[0].state_dict()["norm.weight"])
+
+
+def test_the_platform_names_every_setting_decoupled_rounds_cannot_run_with():
+    from archipelago.config import ConfigError
+    from archipelago.federation.decoupled import check_decoupled
+
+    decoupled = FaultToleranceConfig(round_mode="decoupled")
+    check_decoupled(decoupled)  # the defaults run
+    check_decoupled(replace(decoupled, round_mode="synchronous", num_fragments=4))  # not decoupled: nothing to say
+    wrong = replace(decoupled, num_fragments=2, fragment_sync_delay=1, codec="auto", average_optimizer_state=True)
+    with pytest.raises(ConfigError) as refused:
+        check_decoupled(wrong)
+    message = str(refused.value)
+    for fix in ("num_fragments = 1", "fragment_sync_delay = 0", "average_optimizer_state = false",
+                "a codec other than \"auto\""):
+        assert fix in message, message
+    assert "fragment_update_alpha" not in message and "adam_federation_batch" not in message  # only what is wrong
