@@ -33,7 +33,7 @@ from torch import nn
 
 from archipelago.config import Config
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
-from archipelago.federation.exchange import Framing
+from archipelago.federation.exchange import Framing, summed_as_received
 from archipelago.federation.fragments import split_fragments
 from archipelago.federation.inner_state import WIRE_DTYPES, state_keys
 from archipelago.federation.outer_core import OuterCore
@@ -213,6 +213,15 @@ def _wire(island: _Island, fragment: int, pseudo: torch.Tensor, codec_name: str)
     return pseudo, Framing().row_bytes(payload)
 
 
+def _as_received(codec_name: str, island: _Island, fragment: int, total: torch.Tensor,
+                 participants: int) -> torch.Tensor:
+    """An exchange's weighted sum as every island receives it (`exchange.summed_as_received`:
+    the reduce-scatter rounds each summed segment again)."""
+    if codec_name == "fp32":
+        return total
+    return summed_as_received(island.codecs[fragment], total, participants)
+
+
 class _Outer:
     """The outer loop between the simulated islands (OuterLoop's semantics, in lockstep)."""
 
@@ -279,7 +288,8 @@ class _Outer:
                                         [a + b for a, b in zip(self.pending_moments, moments)])
                 size = torch.finfo(wire).bits // 8 * sum(m.numel() for m in moments)
                 self.bytes_sent += Framing().row_bytes(size)  # their row
-        self.pending = (fragment, self.core.merge(values, weights), sum(weights))
+        total = _as_received(self.codec, self.islands[0], fragment, self.core.merge(values, weights), len(self.islands))
+        self.pending = (fragment, total, sum(weights))
 
     @torch.no_grad()
     def perform(self) -> None:
@@ -403,7 +413,11 @@ class _Decoupled:
             values.append(h.values)
             weights.append(weight)
             divisor += undiscounted
-        if values and self.core.apply(0, self.core.merge(values, weights), divisor):
+        if not values:
+            return
+        members = sum(d <= 1 for d in self.delays)  # a thin island's row is carried by a member
+        total = _as_received(self.codec, self.islands[0], 0, self.core.merge(values, weights), members)
+        if self.core.apply(0, total, divisor):
             self.step += 1
 
 

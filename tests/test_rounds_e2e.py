@@ -136,9 +136,14 @@ def test_decoupled_rounds_refuse_a_lying_island_on_every_island_alike(tmp_path):
     # Island 1 claims 10^15 tokens in the exchange it hands off at outer step 4; the rows
     # travel while everyone trains on, and when the exchange is finished every island refuses
     # that row for the same reason; the liar takes the global weights and sends nothing in its
-    # next exchange (it was trained from the refused row); no round is lost.
-    fed, rounds = _decoupled(tmp_path / "run", "1,1,1", "--inject", "1:forge_tokens@4")
+    # next exchange (it was trained from the refused row); no round is lost. With int8 three
+    # islands take the reduce-scatter: the rows are judged halfway through the round after
+    # the hand-off, where the second phase starts, and the summers leave the liar's segments out.
+    fed, rounds = _decoupled(tmp_path / "run", "1,1,1", "--inject", "1:forge_tokens@4",
+                             "--fault_tolerance.codec", "int8")
     assert fed["global_hash_agree"]
+    for k in range(3):
+        assert "rows judged halfway through the round" in (tmp_path / "run" / f"island-{k}" / "console.log").read_text()
     events = [[r for r in records(tmp_path / "run" / f"island-{k}") if r.get("event") == "rejected"]
               for k in range(3)]
     seen = [sorted((e["outer_step"], e["rejected_island"], e["by"]) for e in island) for island in events]

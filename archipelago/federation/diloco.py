@@ -67,6 +67,7 @@ from archipelago.federation.exchange import (
     inspect_gather,
     member_failure,
     start_gather,
+    start_sums,
     wire_device,
 )
 from archipelago.federation.fragments import load_tensor_state, tensor_state
@@ -188,6 +189,20 @@ class _Pending:
     overlapped: bool = False          # decoupled rounds: the island trains on while this exchange travels
     staleness: int = 0                # decoupled rounds: outer steps its rows' base weights are behind
     facts: list[tuple[float, float]] = field(default_factory=list)  # the members' agreement facts (decoupled)
+    midway: bool = False              # decoupled: judged and its second phase started halfway through the round
+    judged: Judged | None = None      # the receivers' verdicts on its rows, once judged
+    midway_s: float = 0.0             # seconds the island blocked for that, halfway through the round
+
+
+@dataclass
+class Judged:
+    """The receivers' verdicts on an exchange's rows (OuterLoop._judge_exchange)."""
+
+    weights: list[float]       # to sum each row with (0: refused or idle; discounted when stale)
+    tokens: float              # of the accepted rows
+    refused: list[dict[str, Any]]
+    divisor: float             # what the sum is divided by (the undiscounted weights)
+    decode_s: float            # seconds spent opening and judging the rows
 
 
 class OuterLoop:
@@ -291,6 +306,8 @@ class OuterLoop:
         self.fragment_tokens = [t + tokens for t in self.fragment_tokens]
         self.round_steps += 1
         self.round_compute_s += compute_s
+        if self._midway_due():
+            self._judge_midway()
         if self.ft.round_pacing == "time":
             if not self._time_is_up():
                 return None
@@ -329,6 +346,8 @@ class OuterLoop:
         sends nothing), which become its base."""
         assert self.handoffs is not None
         p.overlapped = True
+        two_phase = p.gathered is not None and p.gathered.segments is not None  # bridge ranks know it
+        p.midway = self._island_max([float(two_phase)])[0] > 0
         own = [p.buffer[:-2]] if p.buffer is not None and p.weight > 0 else []
         new = self.core.rebased(p.fragment, own) if self.core is not None else None
         self.layouts[p.fragment].scatter(new)
@@ -515,7 +534,7 @@ class OuterLoop:
             if self.ft.exchange_retries > 0:  # encoding moves error feedback; a retry starts from here
                 p.codec_state = {k: v.clone() for k, v in codec.state_dict().items()}
             p.gathered = start_gather(self.manager, codec, p.buffer[:-2], p.tokens, p.weight,
-                                      replace(p.framing, forge=forge), one_phase=self.handoffs is not None)
+                                      replace(p.framing, forge=forge))
         if self.inner_state is not None and p.exchanged:
             device = torch.device("cpu") if self.ft.copy_pseudogradients_to_cpu else None
             p.state = self.inner_state.start(p.fragment, p.weight > 0, self.manager, self._island_max,
@@ -569,7 +588,7 @@ class OuterLoop:
         p.spent = (p.spent[0] + sent, p.spent[1] + received)
         if p.codec_state is not None:
             self.codecs[p.fragment].load_state_dict(p.codec_state)
-        p.gathered, p.state, p.total = None, None, None
+        p.gathered, p.state, p.total, p.judged = None, None, None, None
 
     def _give_back(self, p: _Pending) -> None:
         """A round abandoned for a new plan: top-k's residue it took goes back to the codec."""
@@ -768,7 +787,7 @@ class OuterLoop:
         if p.total is not None:  # the agreed sum replaces the pseudo-gradient (freed)
             p.buffer, p.total = p.total, None
         retry_s = time.perf_counter() - failed_at if attempt else 0.0
-        exposed_s = time.perf_counter() - blocked_since
+        exposed_s = time.perf_counter() - blocked_since + p.midway_s
         mine = RoundResult()
         if self.manager is not None and p.buffer is not None:
             mine = RoundResult(self._should_commit(), self.manager.num_participants(),
@@ -813,7 +832,7 @@ class OuterLoop:
         report = OuterReport(step=inner_step, outer_step=self.step, committed=committed,
                              participants=participants, contributors=total, fragment=p.fragment,
                              healed=self.healed, bytes_sent=sent,
-                             sync_s=p.prepare_s + time.perf_counter() - blocked_since,
+                             sync_s=p.prepare_s + p.midway_s + time.perf_counter() - blocked_since,
                              inner_steps=self.round_steps, tokens=p.tokens, compute_s=self.round_compute_s,
                              weight=p.weight, federation_tokens=self.federation_tokens, norm=p.norm,
                              rejected=p.rejected, refused=refused, codec=self._codec_label(p.fragment),
@@ -859,7 +878,8 @@ class OuterLoop:
         over this round's compute seconds, in OVERLAP_SCALE units (0: nothing to measure)."""
         if self.handoffs is None or p.gathered is None or self.round_compute_s <= 0:
             return 0.0
-        return self._exchange_seconds(p) / self.round_compute_s * OVERLAP_SCALE
+        second = p.gathered.second.seconds() if p.gathered.second is not None else 0.0
+        return (self._exchange_seconds(p) + second) / self.round_compute_s * OVERLAP_SCALE
 
     @staticmethod
     def _exchange_seconds(p: _Pending) -> float:
@@ -869,32 +889,69 @@ class OuterLoop:
         started = p.gathered.started or p.started
         return max(started, min([p.waited, *p.gathered.done_at])) - started
 
-    def _finish_exchange(self, p: _Pending) -> tuple[float, list[dict[str, Any]]]:
-        """Wait for the rows, judge them and sum the accepted ones into the buffer: the
-        decode seconds and the refused rows."""
-        if not p.exchanged:
-            return 0.0, []
+    def _midway_due(self) -> bool:
+        """Decoupled rounds whose exchange is the reduce-scatter: judge its rows and start its
+        second phase now? Halfway through the round (in inner steps; under time pacing in
+        seconds, agreed over the island's ranks), so that each phase has half a round to
+        travel while the island trains (they move about the same bytes)."""
+        p = self.pending
+        if p is None or not p.midway or p.judged is not None:
+            return False
+        if self.ft.round_pacing != "time":
+            return self.local_step == max(1, self.per_fragment // 2)
+        half = time.monotonic() - self.round_start >= self.ft.round_seconds / 2
+        return self._island_max([float(half)])[0] > 0
+
+    def _judge_midway(self) -> None:
+        """Judge the rows of the exchange in flight (waiting for the first phase if it is not
+        in yet) and start its second phase; the round's end then waits only for that."""
+        p = self.pending
+        assert p is not None
+        began = time.perf_counter()
+        self._judge_exchange(p)
+        assert p.judged is not None
+        if p.gathered is not None and p.buffer is not None:
+            start_sums(p.gathered, self.codecs[p.fragment], p.judged.weights, self.manager, p.buffer.device,
+                       self.ft.outer_aggregation == "trimmed_mean")
+        p.midway_s = time.perf_counter() - began
+        log.info("outer step %d: rows judged halfway through the round (%.2f s blocked); the second phase "
+                 "travels while the island trains", p.step + 1, p.midway_s)
+
+    def _judge_exchange(self, p: _Pending) -> None:
+        """Wait for the rows and judge them (`p.judged`); in decoupled rounds every row of a
+        stale exchange is discounted alike (decoupled.py)."""
         if p.gathered is not None:
             p.gathered.work.wait()  # the network's share; opening and judging the rows is decode_s
         judging = p.waited = time.perf_counter()
         weights, tokens, refused = self._judge(p)
         divisor = sum(weights)
-        if p.staleness:  # decoupled rounds: every row of this exchange is as stale (decoupled.py)
+        if p.staleness:
             factor = staleness_discount(p.staleness, self.ft.staleness_exponent, self.ft.max_staleness)
             weights, divisor = [w * factor for w in weights], divisor if factor > 0 else 0.0
         if p.state is not None and self.inner_state is not None:  # the moments of the islands it accepted
             self.inner_state.judge_moments(p.state, weights, self._island_max)
-        decode_s = time.perf_counter() - judging
+        p.judged = Judged(weights, tokens, refused, divisor, time.perf_counter() - judging)
+
+    def _finish_exchange(self, p: _Pending) -> tuple[float, list[dict[str, Any]]]:
+        """Judge the rows (unless that was done halfway through the round) and sum the
+        accepted ones into the buffer: the decode seconds and the refused rows."""
+        if not p.exchanged:
+            return 0.0, []
+        if p.judged is None:
+            self._judge_exchange(p)
+        judged = p.judged
+        assert judged is not None
+        decode_s = judged.decode_s
         if p.gathered is not None and p.buffer is not None:
             # The sum goes beside the pseudo-gradient when a retry may have to send that again
             # (one more copy of the chunk during the exchange; exchange_retries = 0 saves it).
             resent = self.ft.exchange_retries > 0 or self.handoffs is not None  # decoupled: a lost row is resent
             p.total = torch.empty_like(p.buffer) if resent else p.buffer
-            decode_s += finish_gather(p.gathered, self.codecs[p.fragment], p.total, weights, tokens,
+            decode_s += finish_gather(p.gathered, self.codecs[p.fragment], p.total, judged.weights, judged.tokens,
                                       self.manager, self.ft.outer_aggregation == "trimmed_mean")
             if p.staleness:  # the sum is divided by the undiscounted weights (OuterCore.weight)
-                p.total[-1] = divisor if self.manager.errored() is None else 0.0
-        return decode_s, refused
+                p.total[-1] = judged.divisor if self.manager.errored() is None else 0.0
+        return decode_s, judged.refused
 
     def _lose_round(self, p: _Pending) -> None:
         """The exchange failed somewhere and no retry is left: no island of the federation

@@ -174,6 +174,29 @@ class Gathered:
     own_sumsq: torch.Tensor | None = None
     started: float = 0.0   # perf_counter() when it was handed to the transport
     done_at: list[float] = field(default_factory=list)  # perf_counter() when the first phase's rows were in
+    second: SecondPhase | None = None  # reduce-scatter: the summed segments' all-gather, once started
+
+
+@dataclass
+class SecondPhase:
+    """The reduce-scatter's second phase in flight: this island's summed segment sent, the
+    others' arriving (`start_sums`; `finish_gather` reads them)."""
+
+    weights: list[float]   # the receivers' verdicts the sums were made with
+    work: Any = None
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    pieces: list[Codec] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    failed: bool = True    # nothing to read: the manager saw an error before or while starting it
+    started: float = 0.0   # perf_counter() when it was handed to the transport
+    done_at: list[float] = field(default_factory=list)  # ... when its rows were in (gloo stamps it)
+    waited: float = 0.0    # ... when finish_gather's wait for them returned
+
+    def seconds(self) -> float:
+        """From its start until its rows were in (0 when it did not run)."""
+        if self.failed:
+            return 0.0
+        return max(self.started, min([self.waited or math.inf, *self.done_at])) - self.started
 
 
 class _Done:
@@ -189,6 +212,20 @@ def two_phase(codec: Codec, participants: int) -> bool:
     if codec.sparse:
         return sparse_two_phase(codec, participants)
     return codec.align > 0 and participants >= 3
+
+
+def summed_as_received(codec: Codec, total: torch.Tensor, participants: int) -> torch.Tensor:
+    """What every island receives of `total`, the weighted sum of an exchange's decoded rows:
+    after the reduce-scatter each summer's segment of it is encoded again with the codec
+    (dense codecs: a second rounding); top-k's sums cross exactly, and the all-gather's sum is
+    made by each receiver. The quality simulator's model of the exchange."""
+    if codec.sparse or not two_phase(codec, participants):
+        return total
+    received = total.clone()
+    for start, end in codec.segments(participants):
+        piece = codec.for_length(end - start)
+        received[start:end] = piece.decode(piece.encode(total[start:end]))
+    return received
 
 
 def sparse_two_phase(codec: Any, participants: int) -> bool:
@@ -352,21 +389,18 @@ def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants
 
 
 def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, tokens: int,
-                 weight: float, framing: Framing, one_phase: bool = False) -> Gathered:
+                 weight: float, framing: Framing) -> Gathered:
     """Encode this island's chunk and start the exchange (through torchft's process group).
 
     An island with weight 0 sends zeros and leaves its codec state (error feedback) alone:
-    nothing of it enters the average, so nothing of it counts as sent. `one_phase`: the
-    all-gather even where the reduce-scatter would be chosen (decoupled rounds: its one
-    collective is all that travels while the island trains on; the reduce-scatter's second
-    phase would run at the round's end).
+    nothing of it enters the average, so nothing of it counts as sent.
     """
     from torch.distributed.distributed_c10d import AllToAllOptions
 
     began = time.perf_counter()
     participants = max(manager.num_participants(), 1)
     wire = wire_device(manager, pseudo_gradient.device)
-    if not one_phase and two_phase(codec, participants):
+    if two_phase(codec, participants):
         segments = codec.segments(participants)
         pieces = [codec.for_length(end - start) for start, end in segments]
         size = framing.row_bytes(max(piece.payload_bytes() for piece in pieces))
@@ -484,7 +518,9 @@ def finish_gather(gathered: Gathered, codec: Codec, into: torch.Tensor, weights:
     if gathered.segments is None:
         into[:-2] = _weighted_sum(gathered.payloads, codec, weights, into.numel() - 2, into.device, trimmed)
     else:
-        _finish_two_phase(gathered, codec, into, weights, manager, trimmed)
+        if gathered.second is None:
+            start_sums(gathered, codec, weights, manager, into.device, trimmed)
+        _read_second_phase(gathered, codec, into, manager, trimmed)
     into[-2], into[-1] = tokens, sum(weights)
     return time.perf_counter() - began
 
@@ -500,26 +536,30 @@ def _weighted_sum(payloads: list[torch.Tensor | None], codec: Codec, weights: li
     return aggregate([v for _, v in rows], [w for w, _ in rows], trimmed).to(device)
 
 
-def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, weights: list[float],
-                      manager: Any, trimmed: bool) -> None:
-    """Sum this island's segment, encode the sum (dense codecs: again with the codec;
-    top-k: exactly, `pack_sum`) and all-gather the summed segments, each checked
-    (`_read_sums`) before it is used. The sum's frame carries, in its tokens field (unused
-    otherwise), this island's complaint: 1 + the segment whose summer misreported what
-    this island sent (`_misreported_segment`), else 0; so every island refuses the round
-    alike, at no extra byte."""
+def start_sums(gathered: Gathered, codec: Codec, weights: list[float], manager: Any, device: torch.device,
+               trimmed: bool = False) -> None:
+    """The reduce-scatter's second phase, started: sum this island's segment of the accepted
+    rows (the receivers' `weights`), encode the sum (dense codecs: again with the codec;
+    top-k: exactly, `pack_sum`) and start all-gathering the summed segments; `finish_gather`
+    waits for them and checks each (`_read_sums`) before it is used. Decoupled rounds start
+    it between inner steps, so that it travels while the island trains. The sum's frame
+    carries, in its tokens field (unused otherwise), this island's complaint: 1 + the
+    segment whose summer misreported what this island sent (`_misreported_segment`), else
+    0; so every island refuses the round alike, at no extra byte."""
     segments = gathered.segments
     assert segments is not None, "a two-phase exchange always has segments"
+    second = gathered.second = SecondPhase(list(weights))
+    if manager.errored() is not None:
+        return
     pieces = [codec.for_length(end - start) for start, end in segments]
     mine = pieces[gathered.rank]
-    total = _weighted_sum(gathered.payloads, mine, weights, mine.numel, into.device, trimmed)
-    wire = wire_device(manager, into.device)
+    total = _weighted_sum(gathered.payloads, mine, weights, mine.numel, device, trimmed)
+    wire = wire_device(manager, device)
     if codec.sparse:
         payload = pack_sum(total)
         bounds = [sum_bytes_bound(piece.numel, piece.sum_nonzeros(len(pieces))) for piece in pieces]  # type: ignore[attr-defined]
         sizes = _sum_sizes(gathered, manager, payload.numel(), [piece.numel for piece in pieces], bounds, wire)
         if sizes is None:
-            into.zero_()
             return
     else:
         payload = mine.encode(total)
@@ -529,14 +569,26 @@ def _finish_two_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, weig
     misreported = _misreported_segment(gathered)
     complaint = 0.0 if misreported is None else float(misreported + 1)
     row = replace(framing, forge=None).frame(complaint, sum(weights), payload, size, ROUND_SUM, gathered.rank)
-    work, outputs = allgather(manager, row.to(wire), len(segments))
-    work.wait()
+    stamps, second.started = _completion_stamps(wire), time.perf_counter()
+    second.work, second.outputs = allgather(manager, row.to(wire), len(segments), stamps)
+    second.pieces, second.sizes, second.failed, second.done_at = pieces, sizes, False, stamps or []
     gathered.sent += size
     gathered.received += size * (len(segments) - 1)
-    if manager.errored() is not None:  # the second phase failed: the round will not commit
+
+
+def _read_second_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, manager: Any, trimmed: bool) -> None:
+    """Wait for the summed segments and write them, checked, into `into` (zeros when the
+    second phase failed: the round will not commit)."""
+    second = gathered.second
+    assert second is not None, "the second phase was started"
+    if not second.failed:
+        second.work.wait()
+        second.waited = time.perf_counter()
+    if second.failed or manager.errored() is not None:
         into.zero_()
         return
-    problem = _read_sums(gathered, codec, pieces, sizes, outputs, into, weights, trimmed)
+    problem = _read_sums(gathered, codec, second.pieces, second.sizes, second.outputs, into, second.weights,
+                         trimmed)
     if problem is not None:  # the same bytes and table on every island: every island refuses
         manager.report_error(problem)
         into.zero_()
