@@ -10,7 +10,10 @@ script, on the same machine:
 1. islands of 1 rank: alone, then `archipelago local --islands 1,1` with each codec given
    (fp32, int8, topk by default);
 2. islands of 2 ranks: alone (`--nproc 2`), then `--islands 2,2` with sync_width 1 and 2
-   (fp32): with sync_width 2 each bridge rank holds half of the model's chunk.
+   (fp32): with sync_width 2 each bridge rank holds half of the model's chunk;
+3. with `--decoupled`, each codec of 1. again in decoupled rounds whose every exchange
+   overlaps the next round (`fault_tolerance.round_mode`: the base weights and an
+   exchange's sum apart from the pseudo-gradient are held beside the rest).
 
 Reported (table, ratio first, and JSON): extra bytes / (model bytes / sync_width), the
 extra MB, the model's fp32 MB. Peak RSS is the kernel's high-water mark of the whole
@@ -63,13 +66,17 @@ def alone(args: argparse.Namespace, root: Path, ranks: int) -> int:
     return peak(run_dir)
 
 
-def federation(args: argparse.Namespace, root: Path, ranks: int, codec: str, width: int) -> tuple[int, int]:
+DECOUPLED = ["--fault_tolerance.round_mode", "decoupled", "--fault_tolerance.overlap_threshold", "0"]
+
+
+def federation(args: argparse.Namespace, root: Path, ranks: int, codec: str, width: int,
+               decoupled: bool = False) -> tuple[int, int]:
     """(peak bytes of island 0's rank 0, the model's parameter count)."""
-    run_dir = root / f"fed-{ranks}x2-{codec}-width{width}"
+    run_dir = root / f"fed-{ranks}x2-{codec}-width{width}{'-decoupled' if decoupled else ''}"
     run([*CLI, "local", "--islands", f"{ranks},{ranks}", "--no-table", *common(args),
          "--fault_tolerance.sync_steps", str(args.sync_steps), "--fault_tolerance.codec", codec,
-         "--fault_tolerance.sync_width", str(width), "--job.run_dir", str(run_dir)], root, run_dir.name,
-        args.timeout)
+         "--fault_tolerance.sync_width", str(width), *(DECOUPLED if decoupled else []),
+         "--job.run_dir", str(run_dir)], root, run_dir.name, args.timeout)
     summary = read_summary(run_dir / "island-0", required=True)
     return peak(run_dir / "island-0"), int(summary["params"])
 
@@ -88,6 +95,9 @@ def measure(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
     for codec in args.codecs:
         fed, params = federation(args, root, 1, codec, 1)
         rows.append(row("islands of 1 rank", 1, codec, 1, fed, base1, params))
+        if args.decoupled:
+            fed, params = federation(args, root, 1, codec, 1, decoupled=True)
+            rows.append(row("islands of 1 rank, decoupled", 1, codec, 1, fed, base1, params))
     if not args.no_two_ranks:
         base2 = alone(args, root, 2)
         for width in (1, 2):
@@ -118,6 +128,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--codecs", type=lambda s: s.split(","), default=["fp32", "int8", "topk"],
                    help="codecs of the 1-rank federations, comma-separated")
     p.add_argument("--no-two-ranks", action="store_true", help="skip the 2-rank islands (sync_width 1 and 2)")
+    p.add_argument("--decoupled", action="store_true",
+                   help="also each codec's federation of 1-rank islands in decoupled rounds, every exchange "
+                        "overlapping the next round (they hold one more model chunk: the base weights)")
     p.add_argument("--timeout", type=float, default=900, help="hard limit per run, seconds")
     p.add_argument("--work-dir", type=Path, default=None, help="run directories (default: a new /tmp folder)")
     p.add_argument("--out", type=Path, default=REPO / "runs/bench/exchange-memory.json", help="JSON results")
