@@ -164,7 +164,7 @@ def _federate(codecs: list[Codec], chunks: list[torch.Tensor], key: FederationKe
             weights = [float(r[WEIGHT]) if r[FRAME] == FRAME_OK and not r[NONFINITE] else 0.0 for r in table]
             into = torch.full((NUMEL + 2,), 7.0)
             finish_gather(gathered, codecs[rank], into, weights, sum(weights), manager, trimmed)
-            results[rank].update(into=into, errors=manager.errors, weights=weights)
+            results[rank].update(into=into, errors=manager.errors, weights=weights, gathered=gathered)
         except Exception as exc:  # noqa: BLE001 - reported by the test's thread
             results[rank]["raised"] = exc
 
@@ -176,6 +176,36 @@ def _federate(codecs: list[Codec], chunks: list[torch.Tensor], key: FederationKe
     for result in results:
         assert "raised" not in result, result["raised"]
     return results
+
+
+class _LaterWork(FinishedWork):
+    """A collective that completes when waited for (gloo's completes on its own thread,
+    after start_gather has returned)."""
+
+    def __init__(self) -> None:
+        self.future = torch.futures.Future()
+
+    def get_future(self):
+        return self.future
+
+    def wait(self, timeout=None) -> bool:
+        if not self.future.done():
+            self.future.set_result(None)
+        return True
+
+
+def test_the_transports_completion_times_reach_the_exchange(monkeypatch):
+    # gloo's work completes on the transport's thread, which stamps the time into the list
+    # the exchange reads (the measure of its seconds: codec auto's link, decoupled rounds'
+    # overlap). An empty list was once swapped for a new one the thread never saw, and the
+    # exchange took the wait's return instead: halfway through a round, not the link's time.
+    monkeypatch.setitem(globals(), "FinishedWork", _LaterWork)  # what the fake process group returns
+    for result in _federate([_codec("int8") for _ in range(3)], _chunks(3)):
+        gathered = result["gathered"]
+        assert len(gathered.done_at) == 1 and gathered.started <= gathered.done_at[0]  # the first phase
+        second = gathered.second
+        assert second is not None and len(second.done_at) == 1  # the summed segments' all-gather
+        assert 0 <= second.seconds() < 60 and second.waited >= second.done_at[0]
 
 
 def _on_liar() -> bool:

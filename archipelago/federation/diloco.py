@@ -910,10 +910,12 @@ class OuterLoop:
         began = time.perf_counter()
         self._judge_exchange(p)
         assert p.judged is not None
-        if p.gathered is not None and p.buffer is not None:
+        if p.gathered is not None and p.gathered.segments is not None and p.buffer is not None:
+            # (another bridge rank's chunk may have taken the reduce-scatter and this one not)
             start_sums(p.gathered, self.codecs[p.fragment], p.judged.weights, self.manager, p.buffer.device,
                        self.ft.outer_aggregation == "trimmed_mean")
         p.midway_s = time.perf_counter() - began
+        self._last_step_end = time.monotonic()  # time pacing: the block is not an inner step's length
         log.info("outer step %d: rows judged halfway through the round (%.2f s blocked); the second phase "
                  "travels while the island trains", p.step + 1, p.midway_s)
 

@@ -194,9 +194,10 @@ class SecondPhase:
 
     def seconds(self) -> float:
         """From its start until its rows were in (0 when it did not run)."""
-        if self.failed:
+        ends = [t for t in (self.waited, *self.done_at) if t]
+        if self.failed or not ends:  # not run, or not waited for (the round failed first)
             return 0.0
-        return max(self.started, min([self.waited or math.inf, *self.done_at])) - self.started
+        return max(self.started, min(ends)) - self.started
 
 
 class _Done:
@@ -302,6 +303,13 @@ def _completion_stamps(wire: torch.device) -> list[float] | None:
     `Work.get_future`), which says nothing about the link, so a GPU wire stamps nothing and
     the wait's return counts instead."""
     return [] if wire.type == "cpu" else None
+
+
+def _stamps_list(done_at: list[float] | None) -> list[float]:
+    """The list the transport's thread appends to (itself, even while empty: `done_at or []`
+    would hand the exchange a new list the thread never sees), or a new one where nothing
+    stamps."""
+    return done_at if done_at is not None else []
 
 
 def allgather(manager: Any, payload: torch.Tensor, count: int,
@@ -419,14 +427,14 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
                         received, done_at)
         return Gathered(work, framing, [received], encode_s, sent=(participants - 1) * size,
                         received=(participants - 1) * size, segments=segments, rank=rank, started=started,
-                        done_at=done_at or [], own_sumsq=own_sumsq)
+                        done_at=_stamps_list(done_at), own_sumsq=own_sumsq)
     size = framing.row_bytes(codec.payload_bytes())
     row = framing.frame(tokens, weight, _encoded(codec, pseudo_gradient, weight), size).to(wire)
     encode_s = time.perf_counter() - began
     done_at, started = _completion_stamps(wire), time.perf_counter()
     work, outputs = allgather(manager, row, participants, done_at)
     return Gathered(work, framing, outputs, encode_s, sent=row.numel(), received=row.numel() * (participants - 1),
-                    started=started, done_at=done_at or [])
+                    started=started, done_at=_stamps_list(done_at))
 
 
 def _own_sumsq(pieces: list[Codec], payloads: list[torch.Tensor]) -> torch.Tensor:
@@ -571,7 +579,7 @@ def start_sums(gathered: Gathered, codec: Codec, weights: list[float], manager: 
     row = replace(framing, forge=None).frame(complaint, sum(weights), payload, size, ROUND_SUM, gathered.rank)
     stamps, second.started = _completion_stamps(wire), time.perf_counter()
     second.work, second.outputs = allgather(manager, row.to(wire), len(segments), stamps)
-    second.pieces, second.sizes, second.failed, second.done_at = pieces, sizes, False, stamps or []
+    second.pieces, second.sizes, second.failed, second.done_at = pieces, sizes, False, _stamps_list(stamps)
     gathered.sent += size
     gathered.received += size * (len(segments) - 1)
 
