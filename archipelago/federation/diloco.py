@@ -66,6 +66,7 @@ from archipelago.federation.exchange import (
     finish_gather,
     inspect_gather,
     member_failure,
+    seconds_until_in,
     start_gather,
     start_sums,
     wire_device,
@@ -647,8 +648,8 @@ class OuterLoop:
             self.codecs[p.fragment].give_back(p.residue)  # type: ignore[attr-defined]
         if self.manager is None or self.manager.errored() is not None or p.gathered is None:
             return
-        started = p.gathered.started or p.started
-        elapsed = time.perf_counter() - started - (p.waited - started - self._exchange_seconds(p))
+        # Until the rows were in, then what followed the wait for them (decoding, a second phase).
+        elapsed = self._exchange_seconds(p) + time.perf_counter() - p.waited
         if p.gathered.received > 0 and elapsed > 0:
             self.link_bits_s = p.gathered.received * 8 / elapsed
         self.last_round_s = self.round_compute_s
@@ -886,8 +887,7 @@ class OuterLoop:
         """From the exchange's start until its rows were in: the transport's thread stamped
         that where it can, else the wait for them returned (`_finish_exchange`)."""
         assert p.gathered is not None
-        started = p.gathered.started or p.started
-        return max(started, min([p.waited, *p.gathered.done_at])) - started
+        return seconds_until_in(p.gathered.started or p.started, p.waited, p.gathered.done_at)
 
     def _midway_due(self) -> bool:
         """Decoupled rounds whose exchange is the reduce-scatter: judge its rows and start its

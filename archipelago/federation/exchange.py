@@ -194,10 +194,15 @@ class SecondPhase:
 
     def seconds(self) -> float:
         """From its start until its rows were in (0 when it did not run)."""
-        ends = [t for t in (self.waited, *self.done_at) if t]
-        if self.failed or not ends:  # not run, or not waited for (the round failed first)
-            return 0.0
-        return max(self.started, min(ends)) - self.started
+        return 0.0 if self.failed else seconds_until_in(self.started, self.waited, self.done_at)
+
+
+def seconds_until_in(started: float, waited: float, done_at: list[float]) -> float:
+    """A collective's seconds from `started` until its rows were in: the transport's thread
+    stamped that where it can (`done_at`), else the wait for them returned (`waited`, 0 when
+    nobody waited: the round failed first). 0 when neither is known."""
+    ends = [t for t in (waited, *done_at) if t]
+    return max(started, min(ends)) - started if ends else 0.0
 
 
 class _Done:
