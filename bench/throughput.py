@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from archipelago.config import Config, validate  # noqa: E402
 from archipelago.data import TokenSequenceLoader, prepare_from_config  # noqa: E402
+from archipelago.island.parallelize import wrap_blocks  # noqa: E402
 from archipelago.models import build_model, get_model_args  # noqa: E402
 from archipelago.trainer import StepResult, Trainer  # noqa: E402
 
@@ -53,6 +54,7 @@ def bench_config(args: argparse.Namespace, run_dir: Path) -> Config:
     cfg.metrics.log_every = args.steps  # one log line in the timed window, as a real run would
     cfg.job.run_dir = str(run_dir)
     cfg.training.device = args.device
+    cfg.training.compile = args.compile
     return validate(cfg)
 
 
@@ -92,6 +94,7 @@ def run_minimal(cfg: Config, dataset_train: Path, vocab: int, dtype: str, warmup
     torch.manual_seed(cfg.training.seed)
     device = torch.device(cfg.training.device)
     model = build_model(args, device="cpu").to(device)
+    wrap_blocks(model, activation_checkpointing=False, compile_blocks=cfg.training.compile)  # as the island compiles
     bf16 = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, betas=(0.9, 0.95),
                             weight_decay=0.1, foreach=True)
@@ -154,6 +157,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 compute on cuda)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block, in both loops")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -176,7 +180,8 @@ def main() -> None:
         "model": args.model, "ratio": ratio, "trainer_tokens_per_s": trainer_med, "minimal_tokens_per_s": minimal_med,
         "trainer_runs": trainer_tps, "minimal_runs": minimal_tps, "flavor": args.flavor,
         "seq_len": args.seq_len, "batch_size": args.batch_size, "steps": args.steps,
-        "repeats": args.repeats, "device": args.device, "threads": args.threads, "torch": torch.__version__,
+        "repeats": args.repeats, "compile": args.compile, "device": args.device, "threads": args.threads,
+        "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
     }
     print(f"\n{args.model}/{args.flavor} on {args.device}, batch {args.batch_size} x seq {args.seq_len}, "
