@@ -220,8 +220,8 @@ def test_checkpoints_carry_the_error_feedback_and_healing_keeps_the_islands_own(
     # sends that itself, and a copy would enter the average twice.
     restarted.codecs[0].encode(_signal(restarted.codecs[0].numel, 8))
     own = restarted.codecs[0].error.clone()
-    restarted._load_heal(peer._heal_state())  # what torchft's transport carries: held until vouched for
-    restarted._apply_heal(restarted._heal_offer)  # what the members' claims then allow
+    restarted.healing.load(peer.healing.state())  # what torchft's transport carries: held until vouched for
+    restarted.healing.apply(restarted.healing.offer)  # what the members' claims then allow
     assert torch.equal(restarted.codecs[0].error, own)
     assert torch.equal(restarted.globals[0].detach(), peer.globals[0].detach())
     assert "codec" not in _outer_loop("int8").state_dict()["bridge0"]["fragment0"]  # stateless
@@ -360,12 +360,12 @@ def test_auto_measures_the_link_without_the_inner_steps_that_ran_after_the_rows_
     pending = _Pending(0, gathered=Gathered(None, Framing(), received=1_000_000, done_at=[started + 0.1]),
                        started=started, waited=waited)
     loop._measure_link(pending, carried=True)
-    assert 70e6 < loop.link_bits_s <= 80e6
+    assert 70e6 < loop.auto.link_bits_s <= 80e6
     pending.gathered.done_at = []  # a transport without completion times: the time the wait returned
     pending.waited = time.perf_counter()
     pending.started = pending.waited - 2.0
     loop._measure_link(pending, carried=True)
-    assert 3.9e6 < loop.link_bits_s <= 4e6
+    assert 3.9e6 < loop.auto.link_bits_s <= 4e6
     # The exchange's own start counts (handed to the transport 1 s before the island's later
     # bookkeeping), and a stamp can never put the rows in before it.
     # Here the rows count as in when the exchange started, so only the 0.5 s after the wait
@@ -374,7 +374,7 @@ def test_auto_measures_the_link_without_the_inner_steps_that_ran_after_the_rows_
     pending.gathered.started, pending.started = pending.waited - 1.0, pending.waited - 0.5
     pending.gathered.done_at = [pending.waited - 3.0]
     loop._measure_link(pending, carried=True)
-    assert 14e6 < loop.link_bits_s <= 16e6
+    assert 14e6 < loop.auto.link_bits_s <= 16e6
 
 
 def test_only_a_cpu_wire_stamps_completion_times():

@@ -20,8 +20,9 @@ from conftest import FinishedWork
 from torch import nn
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.diloco import OuterLoop, _digest
+from archipelago.federation.diloco import OuterLoop
 from archipelago.federation.fragments import tensor_state
+from archipelago.federation.healing import digest as _digest
 from archipelago.federation.membership import claim_row, fingerprint, fingerprint_row
 from archipelago.federation.policy import StateClaim
 from archipelago.federation.trust import FederationKey

@@ -145,7 +145,7 @@ def test_the_transport_binds_local_addr(monkeypatch, address):
 
 
 def test_a_healing_island_refuses_a_state_not_shaped_like_its_own():
-    from archipelago.federation.diloco import _shape_problem
+    from archipelago.federation.healing import shape_problem as _shape_problem
 
     ours = _state()["user"]["archipelago_outer"]
     assert _shape_problem(ours, _state()["user"]["archipelago_outer"], "state") is None  # NaN padding of the guard

@@ -52,16 +52,14 @@ from torch.distributed import ReduceOp
 
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation import exchange as rows
-from archipelago.federation.codecs import AUTO_FIRST, Codec, build_codec, effective_codec
+from archipelago.federation.auto_codec import AutoCodec
+from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.decoupled import OVERLAP_SCALE, Handoffs
 from archipelago.federation.exchange import (
     Framing,
     Gathered,
     abandon_group,
     agree_on_exchange,
-    agree_on_link,
-    auto_target_s,
-    choose_codec,
     empty_table,
     finish_gather,
     inspect_gather,
@@ -73,11 +71,11 @@ from archipelago.federation.exchange import (
 )
 from archipelago.federation.fragments import load_tensor_state, tensor_state
 from archipelago.federation.guard import DIE_IN_EXCHANGE, FORGE_KINDS, Poison, UpdateGuard
+from archipelago.federation.healing import Healing, digest
 from archipelago.federation.inner_state import InnerStateAverager, StateExchange
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.membership import (
     FederationMismatch,
-    exchange_claims,
     exchange_fingerprints,
     fingerprint_groups,
     lighthouse_address,
@@ -92,13 +90,11 @@ from archipelago.federation.policy import (
     Contribution,
     Membership,
     RoundResult,
-    StateClaim,
     Verdict,
     aligned_inner_step,
     applies_outer_step,
     bounded_batches,
     exchange_agreed,
-    heal_verdict,
     judge_contributions,
     keeps_pending,
     merges_local,
@@ -196,6 +192,17 @@ class _Pending:
 
 
 @dataclass
+class _Tried:
+    """How the exchange of a round went, for its report (OuterLoop._exchange_until_agreed)."""
+
+    decode_s: float = 0.0
+    refused: list[dict[str, Any]] = field(default_factory=list)
+    retries: int = 0       # exchanges run again with a new quorum
+    retry_s: float = 0.0   # from the first failed exchange to the end of the last
+    exposed_s: float = 0.0  # seconds the island waited for the exchange
+
+
+@dataclass
 class Judged:
     """The receivers' verdicts on an exchange's rows (OuterLoop._judge_exchange)."""
 
@@ -244,17 +251,11 @@ class OuterLoop:
         self.core: OuterCore | None = None  # the global weights and outer optimizers (bridge ranks)
         self.codec_name = effective_codec(ft)
         self.codecs: list[Codec] = []  # one per fragment chunk, on bridge ranks
-        # codec = "auto": this bridge rank's last measured link (bits/s) and round (compute s).
-        self.link_bits_s, self.last_round_s = 0.0, 0.0
-        # Healing: torchft hands the peer's state to _load_heal during the quorum; it is held
-        # here until the members' signed state claims vouch for it (_judge_offer).
-        self._heal_offer: dict[str, Any] | None = None
-        self._heal_refusal: str | None = None   # why the offer was refused before the claims
-        self._heal_taken = StateClaim()         # the counters the supporters vouched for
-        self._before_quorum: tuple[int, int] = (0, 0)  # the manager's step and batches before it
+        self.auto = AutoCodec(ft, manager, key, self.per_fragment)  # codec = "auto": the measured link
+        self.healing = Healing(self)  # a peer's state, held until the members vouch for it
         self.established = False     # this process committed a round (policy.reference_fingerprint)
         self.last_committed = False  # its last round committed ("current" in its state claim)
-        self._digest: str | None = None  # _chunk_digest()'s, until the global weights change
+        self._digest: str | None = None  # chunk_digest()'s, until the global weights change
         self.odd_ranks: set[int] = set()  # rank 0: replica ranks whose fingerprint the federation refuses
         self.guard = UpdateGuard(ft.outer_norm_limit, len(fragments))
         self.round_tokens = 0             # this island's tokens since the last exchange
@@ -272,10 +273,10 @@ class OuterLoop:
         if not ft.init_sync:  # islands start from their own weights: peers check they are the same
             self.fingerprint = dict(fingerprint, start=f"own weights {self.global_hash()}")  # collective
         if manager is not None:
-            manager.register_state_dict_fn("archipelago_outer", self._load_heal, self._heal_state)
+            manager.register_state_dict_fn("archipelago_outer", self.healing.load, self.healing.state)
             expect = getattr(getattr(manager, "_checkpoint_transport", None), "expect_state_like", None)
             if expect is not None:  # a peer's state may be at most about this island's own size
-                expect({"user": {"archipelago_outer": self._heal_shape()},
+                expect({"user": {"archipelago_outer": self.healing.shape()},
                         "torchft": {"step": 0, "batches_committed": 0}})
 
     # ---- public --------------------------------------------------------------------
@@ -408,7 +409,7 @@ class OuterLoop:
         if not self.is_bridge:
             return
         self.core = OuterCore(self.ft, chunks, pin=torch.cuda.is_available())
-        self._digest = None
+        self.forget_digest()
         if self.handoffs is not None:
             self.handoffs.start(self.globals)
         if len(self.codecs) != len(self.globals):  # codec state (error feedback) outlives a reset
@@ -416,15 +417,19 @@ class OuterLoop:
 
     def global_hash(self) -> str:
         """SHA-256 over the global weights in canonical order (a collective)."""
-        digests = self._island_gather_objects(self._chunk_digest() if self.is_bridge else None)
+        digests = self._island_gather_objects(self.chunk_digest() if self.is_bridge else None)
         return hashlib.sha256("".join(d for d in digests if d).encode()).hexdigest()[:16]
 
-    def _chunk_digest(self) -> str:
-        """SHA-256 of this bridge rank's global chunks (_digest), computed once per change of
-        them: the round's global hash and the next round's state claim hash the same bytes."""
+    def chunk_digest(self) -> str:
+        """SHA-256 of this bridge rank's global chunks, computed once per change of them:
+        the round's global hash and the next round's state claim hash the same bytes."""
         if self._digest is None:
-            self._digest = _digest(self.globals)
+            self._digest = digest(self.globals)
         return self._digest
+
+    def forget_digest(self) -> None:
+        """The global chunks changed: hash them again when asked."""
+        self._digest = None
 
     def shutdown(self) -> None:
         if self.manager is not None:
@@ -478,7 +483,7 @@ class OuterLoop:
 
     def _enter_quorum(self, again: bool = False) -> Membership:
         """Join a quorum (a new one with `again`: a retry), healing if behind; the island's view."""
-        m = self._settle_heal(self._island_membership(self._membership(again)))
+        m = self.healing.settle(self._island_membership(self._membership(again)))
         self.step, self.leads = m.outer_step, m.leads
         return m
 
@@ -507,7 +512,7 @@ class OuterLoop:
                            staleness=int(self.handoffs.stale) if self.handoffs is not None else 0)
         pending.exchanged = not skips_exchange(joining, self.step, self.ft.init_sync)
         if pending.exchanged and buffer is not None and self.codec_name == "auto":  # before the guard sees it
-            pending.residue = self._choose_codec(fragment, buffer, plan.contributes)
+            pending.residue = self.auto.choose(self.codecs[fragment], buffer, plan.contributes)
         verdict = self._guard(fragment, buffer, pending) if plan.contributes else Verdict(True)
         pending.weight = contribution_weight(self.ft.outer_weighting, self.fragment_tokens[fragment],
                                              plan.contributes, verdict.accepted)
@@ -579,7 +584,7 @@ class OuterLoop:
             fresh.prepare_s, fresh.started, fresh.spent = p.prepare_s, p.started, p.spent
             return fresh
         if self.codec_name == "auto" and p.buffer is not None:  # the members' collectives of a round, in order
-            self._rechoose_codec(p)
+            self.auto.rechoose(self.codecs[p.fragment], p.buffer.device)
         self._start_exchange(p, m)
         return p
 
@@ -597,62 +602,17 @@ class OuterLoop:
             self.codecs[p.fragment].give_back(p.residue)  # type: ignore[attr-defined]
             p.residue = None
 
-    def _rechoose_codec(self, p: _Pending) -> None:
-        """codec = "auto" on a retry: agree on the link again with the new quorum (a joining
-        member's round runs this all-gather too) and choose alike; the residue this round
-        took stays in its pseudo-gradient, whatever codec now carries it."""
-        assert p.buffer is not None
-        participants = self.manager.num_participants()
-        agreed = agree_on_link(self.manager, self.link_bits_s, self.last_round_s, participants,
-                               wire_device(self.manager, p.buffer.device))
-        name = AUTO_FIRST
-        if agreed is not None:
-            target = auto_target_s(self.ft, agreed[1], self.per_fragment)
-            name = choose_codec(self.codecs[p.fragment], participants, agreed[0], target, Framing(self.key))
-        self.codecs[p.fragment].choose(name)  # type: ignore[attr-defined]
-
     def _failure(self) -> str:
         error = self.manager.errored() if self.manager is not None else None
         cause = getattr(error, "original_exception", error)
         return f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}" if cause is not None else \
             "it failed on another bridge rank or island"
 
-    def _choose_codec(self, fragment: int, buffer: torch.Tensor, contributes: bool) -> torch.Tensor | None:
-        """codec = "auto": agree on the slowest link and the median round the islands
-        measured, choose this round's codec from them (the same on every island; int8 until
-        some island has measured), and let a dense round carry what top-k held back (added
-        to the pseudo-gradient here, before the guard; returned, to be given back if the
-        round does not carry it)."""
-        codec = self.codecs[fragment]
-        participants = self.manager.num_participants() if self.manager is not None else 1
-        agreed = agree_on_link(self.manager, self.link_bits_s, self.last_round_s, participants,
-                               wire_device(self.manager, buffer.device))
-        name = AUTO_FIRST
-        if agreed is not None:
-            link, round_s = agreed
-            target = auto_target_s(self.ft, round_s, self.per_fragment)
-            name = choose_codec(codec, participants, link, target, Framing(self.key))
-        codec.choose(name)  # type: ignore[attr-defined]
-        residue = codec.take_residue() if contributes else None  # type: ignore[attr-defined]
-        if residue is not None:
-            buffer[:-2] += residue.to(buffer.device)
-        return residue
-
     def _measure_link(self, p: _Pending, carried: bool) -> None:
-        """codec = "auto": after an exchange that went through, the rate at which its rows
-        came in, from its start to its end (decoding and a second phase included, so a rate
-        too low rather than too high; the inner steps that ran after the rows were in, with
-        streaming's overlap, left out), and the round's compute seconds. Top-k's residue
-        goes back to it unless this round carried it."""
-        if p.residue is not None and not carried:
-            self.codecs[p.fragment].give_back(p.residue)  # type: ignore[attr-defined]
-        if self.manager is None or self.manager.errored() is not None or p.gathered is None:
-            return
-        # Until the rows were in, then what followed the wait for them (decoding, a second phase).
-        elapsed = self._exchange_seconds(p) + time.perf_counter() - p.waited
-        if p.gathered.received > 0 and elapsed > 0:
-            self.link_bits_s = p.gathered.received * 8 / elapsed
-        self.last_round_s = self.round_compute_s
+        """codec = "auto": the link this exchange measured (AutoCodec.measure)."""
+        until_in = self._exchange_seconds(p) if p.gathered is not None else 0.0
+        self.auto.measure(self.codecs[p.fragment], p.gathered, p.residue, carried, until_in, p.waited,
+                          self.round_compute_s)
 
     def _membership(self, again: bool = False) -> Membership:
         """This rank's view of the quorum: a bridge rank joins it (blocking; a healing island
@@ -660,19 +620,18 @@ class OuterLoop:
         the lighthouse is made to hand out a new quorum id even for the same members."""
         if self.manager is None:
             return Membership()
-        self._heal_offer, self._heal_refusal = None, None
-        self._before_quorum = (self.manager.current_step(), self.manager.batches_committed())
-        self._start_quorum(again)  # a healing island's _load_heal holds the peer's state
+        self.healing.begin()
+        self._start_quorum(again)  # a healing island's Healing.load holds the peer's state
         self._refuse_outsiders()
-        refusal = self._heal_refusal = self._judge_offer()
+        refusal = self.healing.judge_offer()
         self._check_members()
-        offer = self._heal_offer
+        offer = self.healing.offer
         healed = offer is not None and refusal is None
         same = healed and all(torch.equal(g.detach(), f["global"].to(g.device))
                               for g, f in zip(self.globals, offer["fragments"]))  # type: ignore[index]
         return Membership(outer_step=self.manager.current_step(), healed=healed,
                           progress_void=healed and not same,
-                          peer_inner_step=self._heal_taken.inner_step if healed else 0,
+                          peer_inner_step=self.healing.taken.inner_step if healed else 0,
                           participants=self.manager.num_participants(),
                           replica_rank=_rank_or_none(self.manager), heal_refused=refusal is not None)
 
@@ -692,47 +651,6 @@ class OuterLoop:
             self.manager.start_quorum()  # use_async_quorum=False: the request is done on return
         finally:
             self.manager._commit_failures = failures
-
-    def _judge_offer(self) -> str | None:
-        """Every round every bridge rank all-gathers the members' signed state claims
-        (policy.StateClaim: ~300 bytes per island, and a SHA-256 over this rank's global
-        chunks); a state torchft handed this rank in this quorum is checked against them
-        (policy.heal_verdict). Why it is refused, or None (also when there is none)."""
-        assert self.manager is not None
-        claims = exchange_claims(self.manager, self._own_claim(), self.ft.replica_id, self.key)
-        offer = self._heal_offer
-        if offer is None:
-            return self._heal_refusal
-        me = self.manager.participating_rank()
-        if claims is None or me is None or len(claims) <= me:
-            return "the members' state claims could not be exchanged (the round failed)"
-        claim = StateClaim(self.manager.current_step(), _digest(f["global"] for f in offer["fragments"]))
-        verdict, self._heal_taken = heal_verdict(claim, claims, me)
-        return verdict.reason
-
-    def _own_claim(self) -> StateClaim:
-        """This bridge rank's claim about its state before this quorum (what it committed)."""
-        return StateClaim(self._before_quorum[0], self._chunk_digest(), self.last_committed,
-                          self.inner_step, self.federation_tokens)
-
-    def _settle_heal(self, m: Membership) -> Membership:
-        """Take the state a peer sent on every bridge rank, or, if any bridge rank refused
-        it, on none: they restore the manager's step (torchft set it to the source's) and
-        the island goes on from its own state, at its own step."""
-        if m.heal_refused:
-            if self._heal_offer is not None or self._heal_refusal is not None:
-                reason = self._heal_refusal or "another bridge rank of this island refused its part"
-                log.error("refused the global state a peer island sent for federation step %d: %s; this island "
-                          "keeps its own state (step %d)", m.outer_step, reason, self._before_quorum[0])
-            if self.manager is not None and self.manager.current_step() != self._before_quorum[0]:
-                step, batches = self._before_quorum
-                self.manager.load_state_dict({"step": step, "batches_committed": batches})
-            self._heal_offer, self._heal_refusal = None, None
-            return replace(m, outer_step=self.step, healed=False, progress_void=False, peer_inner_step=0)
-        if self._heal_offer is not None:
-            self._apply_heal(self._heal_offer)
-            self._heal_offer = None
-        return m
 
     def _refuse_outsiders(self) -> None:
         """A quorum with a member that holds no member token (a lighthouse without the gate
@@ -772,82 +690,109 @@ class OuterLoop:
         assert p is not None, "perform() without prepare()"
         self.pending = None
         blocked_since = time.perf_counter()
-        attempt, failed_at = 0, 0.0
-        decode_s, refused = self._finish_exchange(p)
-        while p.exchanged:  # every member must agree that the exchange went through, or all run it again
-            agreed = not self._exchange_failed(p)
-            failed_at = failed_at or (0.0 if agreed else time.perf_counter())
-            if not retries_exchange(agreed, attempt, self.ft.exchange_retries):
-                if not agreed:
-                    self._lose_round(p)
-                break
-            attempt += 1
-            p = self._retry_exchange(p, attempt)
-            decode_s, refused = self._finish_exchange(p)
+        p, tried = self._exchange_until_agreed(p)
         own = p.buffer if p.overlapped else None  # decoupled: the island's pseudo-gradient in this exchange
         if p.total is not None:  # the agreed sum replaces the pseudo-gradient (freed)
             p.buffer, p.total = p.total, None
-        retry_s = time.perf_counter() - failed_at if attempt else 0.0
-        exposed_s = time.perf_counter() - blocked_since + p.midway_s
+        tried.exposed_s = time.perf_counter() - blocked_since + p.midway_s
+        result, state_accepted = self._vote(p)
+        if self.codec_name == "auto" and p.buffer is not None and p.exchanged:
+            refused_me = any(r.get("island") == self.ft.replica_id for r in tried.refused)
+            self._measure_link(p, carried=result.committed and p.weight > 0 and not refused_me)
+        self._apply_round(p, own, result)
+        if p.state is not None and self.inner_state is not None:
+            self.inner_state.finish(p.state, apply=result.committed and state_accepted)
+        if p.reset:  # a healed island takes every fragment's global weights
+            for i, layout in enumerate(self.layouts):
+                if i != p.fragment:
+                    layout.scatter(self.globals[i].detach() if self.is_bridge else None)
+            self.fragment_tokens = [0] * len(self.fragment_tokens)
+        self._count_round(p, result)
+        report = self._report(p, inner_step, result, tried, blocked_since)
+        self._start_round_clock()
+        return report
+
+    def _exchange_until_agreed(self, p: _Pending) -> tuple[_Pending, _Tried]:
+        """Finish the exchange; every member must agree that it went through, or all run it
+        again with a new quorum (up to exchange_retries times), else the round is lost."""
+        tried = _Tried()
+        tried.decode_s, tried.refused = self._finish_exchange(p)
+        failed_at = 0.0
+        while p.exchanged:
+            agreed = not self._exchange_failed(p)
+            failed_at = failed_at or (0.0 if agreed else time.perf_counter())
+            if not retries_exchange(agreed, tried.retries, self.ft.exchange_retries):
+                if not agreed:
+                    self._lose_round(p)
+                break
+            tried.retries += 1
+            p = self._retry_exchange(p, tried.retries)
+            tried.decode_s, tried.refused = self._finish_exchange(p)
+        tried.retry_s = time.perf_counter() - failed_at if tried.retries else 0.0
+        return p, tried
+
+    def _vote(self, p: _Pending) -> tuple[RoundResult, bool]:
+        """torchft's vote on this bridge rank, combined over the island's ranks: the round's
+        result, and whether the averaged moments had any island's weight."""
         mine = RoundResult()
         if self.manager is not None and p.buffer is not None:
             mine = RoundResult(self._should_commit(), self.manager.num_participants(),
                                float(p.buffer[-1]), int(float(p.buffer[-2])))
         state_weight = sum(p.state.weights) if p.state is not None else 0.0
         values = self._island_max([*mine.to_values(), state_weight])
-        result = RoundResult.from_values(values[:-1])
-        committed, participants = result.committed, result.participants
-        total, tokens = result.total_weight, result.federation_tokens
-        if self.codec_name == "auto" and p.buffer is not None and p.exchanged:
-            refused_me = any(r.get("island") == self.ft.replica_id for r in refused)
-            self._measure_link(p, carried=committed and p.weight > 0 and not refused_me)
+        return RoundResult.from_values(values[:-1]), values[-1] > 0
+
+    def _apply_round(self, p: _Pending, own: torch.Tensor | None, result: RoundResult) -> None:
+        """The outer step on the global weights (when the round applies one), and the
+        island's weights that follow: the global ones (merged with its own, with
+        fragment_update_alpha), or under decoupled rounds its own, moved on."""
         merge = merges_local(result, p.reset, self.ft.fragment_update_alpha)
         local = self.layouts[p.fragment].gather() if merge and not p.overlapped else None
         if p.buffer is not None and applies_outer_step(result):  # bridge ranks
-            self._outer_step(p.fragment, p.buffer, total)
+            self._outer_step(p.fragment, p.buffer, result.total_weight)
         if self.handoffs is not None and p.exchanged:
             self._settle_handoffs(p, applies_outer_step(result))
         if p.overlapped:  # the island trained on: its weights are not the global ones
-            self._after_overlapped(p, own, committed)
-        else:
-            new = self.core.island_weights(p.fragment, local) if self.core is not None else None  # bridge ranks
-            self.layouts[p.fragment].scatter(new)
-            if self.handoffs is not None and new is not None:
-                self.handoffs.rebase(p.fragment, new)
-        if p.state is not None and self.inner_state is not None:
-            self.inner_state.finish(p.state, apply=result.committed and values[-1] > 0)
-        if p.reset:  # a healed island takes every fragment's global weights
-            for i, layout in enumerate(self.layouts):
-                if i != p.fragment:
-                    layout.scatter(self.globals[i].detach() if self.is_bridge else None)
-            self.fragment_tokens = [0] * len(self.fragment_tokens)
-        self.last_committed = committed
-        if committed:
-            self.step += 1
-            self.established = True
-            self.federation_tokens += tokens
-            if p.tokens:
-                self.tokens_ratio = tokens / p.tokens
-                self._scale_inner_batch()
+            self._after_overlapped(p, own, result.committed)
+            return
+        new = self.core.island_weights(p.fragment, local) if self.core is not None else None  # bridge ranks
+        self.layouts[p.fragment].scatter(new)
+        if self.handoffs is not None and new is not None:
+            self.handoffs.rebase(p.fragment, new)
+
+    def _count_round(self, p: _Pending, result: RoundResult) -> None:
+        """The federation's step and token counts after the round."""
+        self.last_committed = result.committed
+        if not result.committed:
+            return
+        self.step += 1
+        self.established = True
+        self.federation_tokens += result.federation_tokens
+        if p.tokens:
+            self.tokens_ratio = result.federation_tokens / p.tokens
+            self._scale_inner_batch()
+
+    def _report(self, p: _Pending, inner_step: int, result: RoundResult, tried: _Tried,
+                blocked_since: float) -> OuterReport:
+        """The round's record; the round's counters start again."""
         sent, received = self._exchange_bytes(p)
-        report = OuterReport(step=inner_step, outer_step=self.step, committed=committed,
-                             participants=participants, contributors=total, fragment=p.fragment,
-                             healed=self.healed, bytes_sent=sent,
+        report = OuterReport(step=inner_step, outer_step=self.step, committed=result.committed,
+                             participants=result.participants, contributors=result.total_weight,
+                             fragment=p.fragment, healed=self.healed, bytes_sent=sent,
                              sync_s=p.prepare_s + p.midway_s + time.perf_counter() - blocked_since,
                              inner_steps=self.round_steps, tokens=p.tokens, compute_s=self.round_compute_s,
                              weight=p.weight, federation_tokens=self.federation_tokens, norm=p.norm,
-                             rejected=p.rejected, refused=refused, codec=self._codec_label(p.fragment),
+                             rejected=p.rejected, refused=tried.refused, codec=self._codec_label(p.fragment),
                              bytes_received=received,
-                             encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=decode_s,
-                             overlap_s=blocked_since - p.started, exposed_s=exposed_s,
+                             encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=tried.decode_s,
+                             overlap_s=blocked_since - p.started, exposed_s=tried.exposed_s,
                              untimed_s=self.round_untimed_s,
-                             retries=attempt, retry_s=retry_s,
+                             retries=tried.retries, retry_s=tried.retry_s,
                              pacing_elapsed_s=self.round_elapsed if self.ft.round_pacing == "time" else None)
         self.round_steps, self.round_compute_s, self.round_untimed_s = 0, 0.0, 0.0
         self.round_elapsed = []
         if self.numel <= HASH_EVERY_ROUND_MAX_NUMEL:
             report.global_hash = self.global_hash()
-        self._start_round_clock()
         return report
 
     def _start_round_clock(self) -> None:
@@ -1054,7 +999,7 @@ class OuterLoop:
         """The core's outer step on the agreed sum (from a GPU buffer: a device-to-host copy)."""
         assert self.core is not None, "only bridge ranks hold the global weights"
         self.core.apply(fragment, buffer[:-2], total)
-        self._digest = None
+        self.forget_digest()
 
     def _should_commit(self) -> bool:
         try:
@@ -1123,60 +1068,6 @@ class OuterLoop:
             sent, received = sent + p.state.sent, received + p.state.received
         return sent, received
 
-    # ---- healing (torchft's checkpoint transport) ----------------------------------
-
-    def _heal_state(self) -> dict[str, Any]:
-        # Not the codec state: error feedback is this island's own unsent progress, which it
-        # still sends itself; a peer that took a copy would send it a second time.
-        state = {"fingerprint": self.fingerprint, "inner_step": self.inner_step,
-                 "federation_tokens": self.federation_tokens, "guard": self.guard.state_tensor(),
-                 "fragments": [{"global": g.detach().clone(), "outer": tensor_state(o, g)}
-                               for g, o in zip(self.globals, self.outer)]}
-        if self.handoffs is not None:  # decoupled: whether the next exchange's rows are stale (decoupled.py)
-            state["stale"] = int(self.handoffs.stale)
-        return state
-
-    def _load_heal(self, state: dict[str, Any]) -> None:
-        """torchft's callback with a peer's state, during the quorum: checked for shape and
-        finiteness, then held (never applied here) until the members' claims vouch for it.
-        A bad state is refused, never raised: the source may be the dishonest one."""
-        problem = None  # a different model or config first: its message names both islands
-        if isinstance(state, dict) and isinstance(state.get("fingerprint"), dict):
-            problem = mismatch(self.fingerprint, state["fingerprint"])
-        problem = problem or self._heal_problem(state)
-        if problem is not None:
-            self._heal_offer, self._heal_refusal = None, f"a peer island's state does not fit: {problem}"
-            return
-        self._heal_offer = state
-
-    def _apply_heal(self, state: dict[str, Any]) -> None:
-        """Take the global weights and outer optimizer state a peer sent, with the counters
-        its supporters vouched for. The guard's history stays this island's own (a peer's
-        could make it refuse or wave through this island's next updates)."""
-        for g, o, f in zip(self.globals, self.outer, state["fragments"]):
-            load_tensor_state(o, g, f)  # the codecs keep this island's own error feedback
-        self._digest = None
-        self.peer_inner_step = self._heal_taken.inner_step
-        self.federation_tokens = self._heal_taken.federation_tokens
-        if self.handoffs is not None:  # decoupled: the members' view of the next exchange's rows
-            self.handoffs.stale = bool(state.get("stale", 0))
-        log.info("healed: received the global weights from a peer island (federation step %d)",
-                 self.manager.current_step())
-
-    def _heal_shape(self) -> dict[str, Any]:
-        """This island's own healing state, uncopied: what a peer's must look like."""
-        shape = {"fingerprint": self.fingerprint, "inner_step": 0, "federation_tokens": 0,
-                 "guard": self.guard.state_tensor(),
-                 "fragments": [{"global": g, "outer": tensor_state(o, g)} for g, o in zip(self.globals, self.outer)]}
-        if self.handoffs is not None:
-            shape["stale"] = 0
-        return shape
-
-    def _heal_problem(self, state: Any) -> str | None:
-        """What is wrong with a peer's state, checked against this island's own before any of
-        it is applied: the same keys, tensors of the same shapes and dtypes, all finite."""
-        return _shape_problem(self._heal_shape(), state, "state")
-
     # ---- checkpoint (DCP Stateful) -------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -1197,7 +1088,7 @@ class OuterLoop:
                 saved = state[f"bridge{self.rank}"][f"fragment{i}"]
                 load_tensor_state(o, g, saved)
                 c.load_state_dict(saved.get("codec", {}))
-            self._digest = None
+            self.forget_digest()
             if self.handoffs is not None:  # the exchange that was in flight is lost: the next row resends it
                 self.handoffs.start(self.globals)
         if self.manager is not None:
@@ -1236,14 +1127,6 @@ def _declared(fp: dict[str, Any]) -> list[float]:
     return [number(fp.get("tokens_per_step")), number(fp.get("inner_lr")), number(island) + 1 if known else 0.0]
 
 
-def _digest(tensors: Any) -> str:
-    """SHA-256 over tensors' bytes in order: a bridge rank's global chunks, or a peer's."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().to("cpu").contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def _rank_or_none(manager: Any) -> int:
     rank = manager.participating_rank()
     return -1 if rank is None else int(rank)
@@ -1260,29 +1143,3 @@ def report_record(report: OuterReport) -> dict[str, Any]:
     if record["pacing_elapsed_s"] is None:  # steps-paced rounds: nothing to replay
         del record["pacing_elapsed_s"]
     return record
-
-
-def _shape_problem(ours: Any, theirs: Any, where: str) -> str | None:
-    """The first place where `theirs` is not shaped like `ours` (a peer's healing state)."""
-    if isinstance(ours, torch.Tensor):
-        if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape or theirs.dtype != ours.dtype:
-            return f"{where}: expected a {ours.dtype} tensor of shape {tuple(ours.shape)}"
-        ok = torch.isfinite(theirs)
-        if where == "state.guard":  # update norms, NaN-padded: >= 0 or padding
-            ok = (ok & (theirs >= 0)) | torch.isnan(theirs)
-        return None if bool(ok.all()) else f"{where}: not finite"
-    if isinstance(ours, dict):
-        if not isinstance(theirs, dict) or theirs.keys() != ours.keys():
-            return f"{where}: expected the keys {sorted(ours)}"
-        if where == "state.fingerprint":
-            return None  # compared field by field by mismatch(), which names the difference
-        problems = (_shape_problem(ours[k], theirs[k], f"{where}.{k}") for k in ours)
-        return next((p for p in problems if p is not None), None)
-    if isinstance(ours, list):
-        if not isinstance(theirs, list) or len(theirs) != len(ours):
-            return f"{where}: expected a list of {len(ours)}"
-        problems = (_shape_problem(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(zip(ours, theirs)))
-        return next((p for p in problems if p is not None), None)
-    if isinstance(ours, int) and not (isinstance(theirs, int) and not isinstance(theirs, bool) and theirs >= 0):
-        return f"{where}: expected a whole number >= 0"
-    return None

@@ -5,7 +5,7 @@ torchft's own HTTP transport sends the state with `torch.save` and loads it with
 run code on the island that heals from it. This transport sends the same state in a
 format that cannot execute anything (federation/state_format.py: a JSON skeleton and a
 safetensors body, every structural assumption checked). The receiver
-(`OuterLoop._load_heal`) then checks names, shapes, dtypes and finiteness against its
+(`Healing.load`, federation/healing.py) then checks names, shapes, dtypes and finiteness against its
 own state before applying anything.
 
 With a federation key (federation/trust.py) both ways are signed frames: the request
