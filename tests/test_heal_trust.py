@@ -190,7 +190,7 @@ def test_an_odd_member_claiming_any_step_is_refused_and_the_honest_islands_go_on
     manager.gathers = [[_claim(1, claim), _claim(2, claim)],
                        [_fingerprint_row(1, 4), _fingerprint_row(2, step, outer_lr=0.1)]]
     assert loop.prepare() is True  # cb92e48: FederationMismatch (or a TypeError) on every honest island
-    assert loop.odd_ranks == {2}
+    assert loop.quorum.odd_ranks == {2}
     assert "refusing the updates of a peer island" in caplog.text
 
 
@@ -211,8 +211,8 @@ def test_an_odd_members_rows_are_refused_by_every_receiver():
 
     manager = _Quorum(step=4, max_step=4, offer=None, gathers=[])
     loop = _loop(manager, step=4)
-    loop.peers = [loop.fingerprint, loop.fingerprint, loop.fingerprint]
-    loop.odd_ranks = {2}
+    loop.quorum.peers = [loop.fingerprint, loop.fingerprint, loop.fingerprint]
+    loop.quorum.odd_ranks = {2}
     table = torch.zeros(3, len(rows.COLUMNS), dtype=torch.float64)
     table[:, rows.TOKENS] = table[:, rows.WEIGHT] = 64.0
     table[:, rows.SUMSQ] = 1e-8
@@ -231,7 +231,7 @@ def test_a_huge_declared_batch_buys_no_dominating_weight(caplog):
     loop = _loop(manager, step=4)
     honest = dict(loop.fingerprint, island=1)
     greedy = dict(loop.fingerprint, island=2, tokens_per_step=10**15, inner_lr=1e9)
-    loop.peers = [loop.fingerprint, honest, greedy]
+    loop.quorum.peers = [loop.fingerprint, honest, greedy]
     claimed = 64.0 * loop.ft.sync_steps
     table = torch.zeros(3, len(rows.COLUMNS), dtype=torch.float64)
     table[:, rows.TOKENS] = table[:, rows.WEIGHT] = claimed

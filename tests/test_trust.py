@@ -270,13 +270,14 @@ def test_an_island_among_impostors_trains_on_and_one_among_members_is_reported(c
     alone = OuterLoop(ft, [list(model.parameters())], 0, 1, _Quorum([row(1, theirs), row(2, theirs)]), fp, key=ours)
     # Alone with members that replay tokens but sign nothing: it neither exits nor blames its own
     # key (cb92e48 raised FederationMismatch here); it refuses their rows and goes on.
-    assert alone._check_members() is False
+    assert alone.quorum.check_members(alone.fingerprint, alone.established) is False
     assert "none of the 2 other island(s) of quorum 5" in caplog.text and "impostors" in caplog.text
-    assert [p.get("unauthenticated", False) for p in alone.peers] == [False, True, True]
+    assert [p.get("unauthenticated", False) for p in alone.quorum.peers] == [False, True, True]
     member = OuterLoop(ft, [list(model.parameters())], 0, 1, _Quorum([row(1, theirs), row(2, ours)]), fp, key=ours)
-    assert member._check_members() is False  # the outsider is no mismatch: its rows are refused
+    # the outsider is no mismatch: its rows are refused
+    assert member.quorum.check_members(member.fingerprint, member.established) is False
     assert "unauthenticated member at replica rank 1 of quorum 5" in caplog.text
-    assert [p.get("unauthenticated", False) for p in member.peers] == [False, True, False]
+    assert [p.get("unauthenticated", False) for p in member.quorum.peers] == [False, True, False]
 
 
 def test_member_ids_carry_a_token_only_the_key_makes():
@@ -337,8 +338,8 @@ def test_a_round_in_a_quorum_with_an_outsider_reports_an_error_and_names_it_once
     model = nn.Linear(3, 2)
     manager = WithOutsider([])
     loop = OuterLoop(ft, [list(model.parameters())], 0, 1, manager, {}, key=FederationKey(SECRET))
-    loop._refuse_outsiders()
-    loop._refuse_outsiders()  # the next round of the same quorum: refused again, not logged again
+    loop.quorum.refuse_outsiders()
+    loop.quorum.refuse_outsiders()  # the next round of the same quorum: refused again, not logged again
     assert len(manager.errors) == 2 and "'island_2:rogue'" in str(manager.errors[0])
     assert caplog.text.count("unauthenticated member(s) 'island_2:rogue' in quorum 5") == 1
     assert "archipelago lighthouse --key-file" in caplog.text

@@ -74,13 +74,6 @@ from archipelago.federation.guard import DIE_IN_EXCHANGE, FORGE_KINDS, Poison, U
 from archipelago.federation.healing import Healing, digest
 from archipelago.federation.inner_state import InnerStateAverager, StateExchange
 from archipelago.federation.layout import FlatLayout
-from archipelago.federation.membership import (
-    FederationMismatch,
-    exchange_fingerprints,
-    fingerprint_groups,
-    lighthouse_address,
-    mismatch,
-)
 from archipelago.federation.outer_core import OuterCore, contribution_weight, staleness_discount
 from archipelago.federation.policy import (
     FRAME_MALFORMED,
@@ -101,12 +94,12 @@ from archipelago.federation.policy import (
     must_wait,
     norm_allowance,
     plan_round,
-    reference_fingerprint,
     retries_exchange,
     round_is_up,
     skips_exchange,
     steps_between_exchanges,
 )
+from archipelago.federation.quorum import Quorum
 from archipelago.federation.trust import FederationKey
 
 log = logging.getLogger("archipelago.federation")
@@ -222,7 +215,6 @@ class OuterLoop:
                  optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None) -> None:
         self.ft, self.rank, self.world_size, self.group = ft, rank, world_size, group
         self.key = key  # signs this island's rows and checks the others' (None: plain rows)
-        self.peers: list[dict[str, Any]] = []  # rank 0: every participant's fingerprint, by replica rank
         self.poisons = {p.round: p for p in poisons or []}  # test-only: outer step -> poison
         self.manager, self.fingerprint = manager, fingerprint  # torchft Manager on bridge ranks, else None
         self.per_fragment = ft.sync_steps // len(fragments)
@@ -246,8 +238,7 @@ class OuterLoop:
         self.leads = True         # this island is the lowest live one (checkpoint.scope = "leader")
         self.peer_inner_step = 0  # the step count of the peer this island last healed from
         self.peer_delay = self.delay  # inner steps that peer trains between its state and its commit
-        self.quorum_id: int | None = None
-        self._outsider_quorum: int | None = None  # the last quorum whose outsiders were logged
+        self.quorum = Quorum(ft, manager, key, rank)  # entering each quorum; the members' fingerprints
         self.core: OuterCore | None = None  # the global weights and outer optimizers (bridge ranks)
         self.codec_name = effective_codec(ft)
         self.codecs: list[Codec] = []  # one per fragment chunk, on bridge ranks
@@ -256,7 +247,6 @@ class OuterLoop:
         self.established = False     # this process committed a round (policy.reference_fingerprint)
         self.last_committed = False  # its last round committed ("current" in its state claim)
         self._digest: str | None = None  # chunk_digest()'s, until the global weights change
-        self.odd_ranks: set[int] = set()  # rank 0: replica ranks whose fingerprint the federation refuses
         self.guard = UpdateGuard(ft.outer_norm_limit, len(fragments))
         self.round_tokens = 0             # this island's tokens since the last exchange
         self.fragment_tokens = [0] * len(fragments)  # ... since each fragment's last exchange
@@ -621,10 +611,10 @@ class OuterLoop:
         if self.manager is None:
             return Membership()
         self.healing.begin()
-        self._start_quorum(again)  # a healing island's Healing.load holds the peer's state
-        self._refuse_outsiders()
+        self.quorum.start(again)  # a healing island's Healing.load holds the peer's state
+        self.quorum.refuse_outsiders()
         refusal = self.healing.judge_offer()
-        self._check_members()
+        self.quorum.check_members(self.fingerprint, self.established)
         offer = self.healing.offer
         healed = offer is not None and refusal is None
         same = healed and all(torch.equal(g.detach(), f["global"].to(g.device))
@@ -634,39 +624,6 @@ class OuterLoop:
                           peer_inner_step=self.healing.taken.inner_step if healed else 0,
                           participants=self.manager.num_participants(),
                           replica_rank=_rank_or_none(self.manager), heal_refused=refusal is not None)
-
-    def _start_quorum(self, again: bool) -> None:
-        """torchft's start_quorum. On a retry the lighthouse must issue a new quorum id, even
-        for the same members (a link broke, nobody died): only a new id makes torchft build a
-        new process group (the failed one may be broken) and signs the retry's frames apart
-        from the failed attempt's. torchft's lighthouse bumps the id when a member reports
-        commit failures, so this island reports one more for this request only (max_retries
-        keeps counting lost rounds, not retries)."""
-        failures = getattr(self.manager, "_commit_failures", None)
-        if not again or failures is None:
-            self.manager.start_quorum()
-            return
-        self.manager._commit_failures = failures + 1
-        try:
-            self.manager.start_quorum()  # use_async_quorum=False: the request is done on return
-        finally:
-            self.manager._commit_failures = failures
-
-    def _refuse_outsiders(self) -> None:
-        """A quorum with a member that holds no member token (a lighthouse without the gate
-        let it in) commits nothing: this island reports an error, torchft's way out of a round."""
-        outsiders = getattr(self.manager, "_archipelago_outsiders", [])
-        if not outsiders or self.manager.errored() is not None:
-            return
-        ids = ", ".join(repr(o[:40]) for o in outsiders)
-        message = (f"unauthenticated member(s) {ids} in quorum {self.manager._quorum_id}: the lighthouse at "
-                   f"{lighthouse_address(self.ft)} admits callers without this federation's key; this island "
-                   "neither heals from nor averages with such a quorum. Run the lighthouse with the key "
-                   "(`archipelago lighthouse --key-file FILE`), which keeps outsiders out")
-        if self.manager._quorum_id != self._outsider_quorum:
-            log.error("%s", message)
-            self._outsider_quorum = self.manager._quorum_id
-        self.manager.report_error(FederationMismatch(message))
 
     def _island_membership(self, mine: Membership) -> Membership:
         """The island's view: the element-wise max of its ranks' views."""
@@ -984,9 +941,9 @@ class OuterLoop:
         facts = torch.zeros(n, width, dtype=torch.float64)
         if self.rank == 0:
             facts[:, 0:3] = table[:, [rows.TOKENS, rows.WEIGHT, rows.ISLAND]]
-            facts[:, 7:10] = torch.tensor([_declared(self.peers[k] if k < len(self.peers) else {})
-                                           for k in range(n)], dtype=torch.float64).view(n, 3)
-            facts[:, 10] = torch.tensor([float(k in self.odd_ranks) for k in range(n)], dtype=torch.float64)
+            facts[:, 7:10] = torch.tensor([self.quorum.declared(k) for k in range(n)],
+                                          dtype=torch.float64).view(n, 3)
+            facts[:, 10] = torch.tensor([float(k in self.quorum.odd_ranks) for k in range(n)], dtype=torch.float64)
         facts[:, 3] = (table[:, rows.FRAME] == FRAME_UNSIGNED).double()
         facts[:, 4] = (table[:, rows.FRAME] == FRAME_MALFORMED).double()
         facts[:, 5] = table[:, rows.NONFINITE]
@@ -1007,43 +964,6 @@ class OuterLoop:
         except RuntimeError as exc:  # torchft raises after max_retries failures in a row
             raise FederationError(f"{exc}; the federation is not making progress: check that the other "
                                   "islands are alive and reachable (fault_tolerance.max_retries)") from exc
-
-    def _check_members(self) -> bool:
-        """After a membership change, compare fingerprints; True if a peer must be refused.
-
-        The island whose fingerprint differs from the federation's reference (the island
-        furthest ahead, then the lowest id) refuses to go on with FederationMismatch.
-        """
-        quorum_id = self.manager._quorum_id
-        if quorum_id == self.quorum_id or self.rank != 0:
-            return False
-        mine = dict(self.fingerprint, step=self.manager.current_step(), established=self.established)
-        table = exchange_fingerprints(self.manager, mine, self.key)
-        if table is None:
-            return False  # the collective failed; retried at the next membership change
-        self.quorum_id, self.peers = quorum_id, table
-        me = self.manager.participating_rank() or 0
-        members = [k for k, fp in enumerate(table) if not fp.get("unauthenticated") or k == me]
-        if len(members) == 1 and len(table) > 1:
-            log.error("none of the %d other island(s) of quorum %d signs its join frame with this island's "
-                      "federation key (%s): they hold another key file, or are impostors replaying member "
-                      "tokens. This island refuses their updates and trains on; if its own key file is the odd "
-                      "one, give every island the same key file (ARCHIPELAGO_FEDERATION_KEY_FILE or "
-                      "[federation_security] key_file)", len(table) - 1, quorum_id, self.fingerprint.get("federation"))
-        for k, fp in enumerate(table):
-            if fp.get("unauthenticated") and k != me:  # declared nothing: every island refuses its rows
-                log.error("unauthenticated member at replica rank %d of quorum %d: no valid join frame (another "
-                          "federation key, or none); every island refuses its updates", k, quorum_id)
-        table[me] = mine  # its own row as it sent it
-        groups = fingerprint_groups([table[k] for k in members])
-        reference = reference_fingerprint([table[k] for k in members], groups, members.index(me))
-        problem = mismatch(mine, reference)
-        if problem is not None:
-            raise FederationMismatch(f"refusing to join the federation: {problem}")
-        self.odd_ranks = {k for k in members if mismatch(table[k], reference) is not None}
-        for k in sorted(self.odd_ranks):
-            log.error("refusing the updates of a peer island: %s", mismatch(table[k], mine))
-        return bool(self.odd_ranks)
 
     def _codec_label(self, fragment: int) -> str:
         """The codec's name for the record; with `auto`, the round's choice (`auto:int8`)."""
@@ -1114,17 +1034,6 @@ class OuterLoop:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
-
-
-def _declared(fp: dict[str, Any]) -> list[float]:
-    """What a peer declared in its fingerprint: tokens per inner step, inner learning rate,
-    island id + 1 (0 for what it did not declare: its rows are then refused)."""
-    def number(value: Any) -> float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-        return float(value) if ok else 0.0
-    island = fp.get("island")
-    known = isinstance(island, int) and not isinstance(island, bool) and island >= 0
-    return [number(fp.get("tokens_per_step")), number(fp.get("inner_lr")), number(island) + 1 if known else 0.0]
 
 
 def _rank_or_none(manager: Any) -> int:
