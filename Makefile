@@ -38,6 +38,8 @@ data: $(STAMP)
 	$(BIN)/archipelago data prepare
 	$(BIN)/archipelago data prepare --data.dataset fashion_mnist || \
 		echo "warning: Fashion-MNIST was not fetched (see above); only the resnet configs need it"
+	$(BIN)/archipelago data prepare --config configs/llama3/compute-optimal.toml || \
+		echo "warning: the mixed corpus was not fetched (see above); only configs/llama3/compute-optimal.toml needs it"
 
 # The main job: a federation of two islands (2 CPU ranks + 1 CPU rank) with a lighthouse,
 # island 1 killed after 45 s and restarted 10 s later; then island 0 alone on the same

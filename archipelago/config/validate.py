@@ -42,6 +42,9 @@ def _check_data(cfg: Config, p: list[str]) -> None:
     _require(d.seq_len >= 2, f"data.seq_len = {d.seq_len}: must be at least 2", p)
     _require(0.0 < d.val_fraction < 1.0,
              f"data.val_fraction = {d.val_fraction}: must be between 0 and 1 (e.g. 0.1)", p)
+    _require(d.path is None or d.corpus == "shakespeare",
+             f"data.corpus = {d.corpus!r} with data.path = {d.path!r}: the built-in corpus is used only when "
+             "data.path is unset; drop one of them", p)
     if d.tokenizer is None:
         # A byte-level BPE needs the 256 byte symbols plus the end-of-text token.
         _require(d.vocab_size >= 257,

