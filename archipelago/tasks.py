@@ -183,7 +183,7 @@ class LanguageModelling(Task):
     def validation_batches(self, rank: int, world_size: int) -> Batches:
         t, d = self.cfg.training, self.dataset
         return validation_batches(d.val_path, self.cfg.data.seq_len, validation_batch_size(t.batch_size, world_size),
-                                  rank, world_size, t.val_batches, d.dtype, d.vocab_size)
+                                  rank, world_size, t.val_batches, d.dtype, d.vocab_size, t.val_offset)
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(outputs.flatten(0, 1).float(), targets.flatten())
@@ -258,7 +258,7 @@ class ImageClassification(Task):
     def validation_batches(self, rank: int, world_size: int) -> Batches:
         t = self.cfg.training
         return validation_image_batches(self.folder, validation_batch_size(t.batch_size, world_size), rank,
-                                        world_size, t.val_batches)
+                                        world_size, t.val_batches, t.val_offset)
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(outputs.float(), targets)

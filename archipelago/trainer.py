@@ -274,7 +274,7 @@ class Trainer:
                                           log.info, None if self.batches.even else list(self.batches.samples))
         except ValueError as exc:  # too little data for seq_len x batch_size
             raise ConfigError(f"data: {exc} (settings: --data.seq_len, --training.batch_size, "
-                              "--training.val_batches)") from exc
+                              "--training.val_batches, --training.val_offset)") from exc
 
     def validation_batches(self):  # noqa: ANN201 - an iterator of (inputs, targets)
         return self.task.validation_batches(self.data_rank, self.data_ranks)

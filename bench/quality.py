@@ -23,8 +23,8 @@ it ran in the federation (`single-fast`, measured per seed).
 
 Ratios are paired: each seed's value over the baseline's at the same seed, then the
 mean over seeds (the seed moves every run the same way: init and data order). Every run
-evaluates the same held-out windows (--eval-windows, 256 unless told; val_batches x
-batch_size), at the end and every quarter. Bytes are what the runs hand to the
+evaluates the same held-out windows (--eval-windows, 256 unless told, from window
+--eval-offset on, 0 unless told; val_batches x batch_size), at the end and every quarter. Bytes are what the runs hand to the
 cross-island (cross-rank) collectives, as the outer-step meter counts them
 (`bytes_sent`); for DDP, 4 bytes per parameter per rank per step (its fp32 gradient
 all-reduce). Prints a table (ratio first), `--out` writes JSON (one object per
@@ -140,6 +140,7 @@ def base_args(args: argparse.Namespace, seed: int, steps: int, batch: int, every
     return ["--config", str(args.config), "--model.flavor", args.flavor, "--training.device", args.device,
             "--training.seed", str(seed), "--training.steps", str(steps), "--training.batch_size", str(batch),
             "--training.val_every", str(every), "--training.val_batches", str(max(1, args.eval_windows // batch)),
+            "--training.val_offset", str(args.eval_offset),
             "--checkpoint.no_enable", "--metrics.no_tensorboard", "--metrics.progress", "plain",
             "--metrics.log_every", str(every)]
 
@@ -309,6 +310,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per island per step")
     p.add_argument("--eval-windows", type=int, default=EVAL_WINDOWS,
                    help="held-out sequences (images) every run evaluates (val_batches = this / batch size)")
+    p.add_argument("--eval-offset", type=int, default=0,
+                   help="held-out windows skipped before those evaluated: tune on one slice (0), report on another")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
@@ -372,7 +375,8 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"flavor": args.flavor, "steps": args.steps, "batch_size": args.batch_size, "seeds": args.seeds,
-                "device": args.device, "config": str(args.config), "eval_windows": args.eval_windows}
+                "device": args.device, "config": str(args.config), "eval_windows": args.eval_windows,
+                "eval_offset": args.eval_offset}
         args.out.write_text(json.dumps({"meta": meta, "settings": table}, indent=2))
         print(f"wrote {args.out}")
     if args.plot:

@@ -92,9 +92,11 @@ def test_invalid_combinations_name_the_fix():
     cfg.training.steps = 10
     cfg.lr_scheduler.warmup_steps = 10
     cfg.training.micro_batch_size = 99
+    cfg.training.val_offset = -1
     message = _refusal(cfg)
     assert "lr_scheduler.warmup_steps = 10: must be below training.steps (10)" in message
     assert "training.micro_batch_size = 99" in message  # every problem is listed at once
+    assert "training.val_offset = -1: must be >= 0" in message
 
 
 def test_adam_federation_batch_with_another_inner_optimizer_names_the_fix():

@@ -379,6 +379,21 @@ def test_validation_batches(token_file: Path) -> None:
         validation_batches(short, SEQ, 8, 0, 8, 1, "uint16")
 
 
+def test_validation_batches_from_an_offset_are_the_later_windows(token_file: Path) -> None:
+    def run(offset: int, rank: int = 0, world: int = 1, max_batches: int = 100) -> list[list[int]]:
+        return [_windows(b) for b in validation_batches(token_file, SEQ, 8, rank, world, max_batches, "uint16",
+                                                          offset=offset)]
+
+    whole = run(0)  # 12 batches of 8 windows
+    assert run(16) == whole[2:] and run(16, max_batches=3) == whole[2:5]
+    windows = (len(np.fromfile(token_file, dtype=np.uint16)) - 1) // SEQ  # the file's windows, counted here
+    assert run(20) == [[w + 20 for w in range(k * 8, k * 8 + 8)] for k in range((windows - 20) // 8)]
+    assert run(16, 0, 2)[0] + run(16, 1, 2)[0] == whole[2]  # each rank its block, as without an offset
+    with pytest.raises(ValueError, match=f"training.val_offset = {windows - 7}: .* {windows} windows, so at most "
+                                         f"{windows - 8} can be skipped"):
+        validation_batches(token_file, SEQ, 8, 0, 1, 1, "uint16", offset=windows - 7)
+
+
 def test_token_ids_outside_the_vocabulary_are_refused_with_the_fix(token_file: Path) -> None:
     from archipelago.data import TokenRangeError
     from archipelago.launch.cli import _failure

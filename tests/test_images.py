@@ -109,5 +109,9 @@ def test_validation_images_are_the_test_split_in_order_shared_out_over_ranks(fas
         assert torch.equal(y, torch.from_numpy(labels[8 * j:8 * j + 8].astype(np.int64)))
         torch.testing.assert_close(x[:, 0] * STD + MEAN, torch.from_numpy(images[8 * j:8 * j + 8] / 255.0).float())
         assert torch.equal(torch.cat([halves[0][j][0], halves[1][j][0]]), x)
+    later = list(validation_image_batches(fashion_mnist, 8, rank=0, world_size=1, max_batches=2, offset=12))
+    assert torch.equal(later[1][1], torch.from_numpy(labels[20:28].astype(np.int64)))  # from image 12 on
+    with pytest.raises(ValueError, match=f"at most {len(labels) - 8} can be skipped"):
+        validation_image_batches(fashion_mnist, 8, rank=0, world_size=1, max_batches=1, offset=len(labels) - 7)
     with pytest.raises(ValueError, match="multiple of 2"):
         validation_image_batches(fashion_mnist, 7, rank=0, world_size=2, max_batches=1)  # refused on the call

@@ -66,6 +66,8 @@ class TrainingConfig:
     """Evaluate on the held-out split every this many steps (and at the end); 0 disables."""
     val_batches: int = 8
     """Batches of `batch_size` sequences per validation pass."""
+    val_offset: int = 0
+    """Held-out windows (or test images) skipped before the first validation batch, so that a study can choose its settings on one slice of the held-out split and report on another (`bench/quality.py --eval-offset`)."""
     device: Literal["auto", "cpu", "cuda", "xpu", "mps"] = "auto"
     """Device type; `auto` picks cuda, xpu or mps when present, else cpu."""
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"

@@ -27,6 +27,7 @@ def _check_training(cfg: Config, p: list[str]) -> None:
     _require(t.max_norm >= 0, f"training.max_norm = {t.max_norm}: use 0 to disable clipping", p)
     _require(t.val_every >= 0, f"training.val_every = {t.val_every}: use 0 to disable validation", p)
     _require(t.val_batches > 0, f"training.val_batches = {t.val_batches}: must be positive", p)
+    _require(t.val_offset >= 0, f"training.val_offset = {t.val_offset}: must be >= 0 (held-out windows to skip)", p)
     lora = cfg.lora
     _require(lora.rank >= 0, f"lora.rank = {lora.rank}: use 0 for no adapters", p)
     _require(0 <= lora.dropout < 1, f"lora.dropout = {lora.dropout}: expected a probability in [0, 1)", p)

@@ -175,14 +175,18 @@ class ImageBatchLoader:
 
 
 def validation_image_batches(folder: Path, batch_size: int, rank: int, world_size: int,
-                             max_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The first `max_batches` x `batch_size` test images in file order (no shuffle, no
-    augmentation), each batch split across ranks in contiguous blocks, as the text
-    validation batches are. Every rank yields the same number of batches."""
+                             max_batches: int, offset: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """`max_batches` x `batch_size` test images in file order from image `offset` on (no
+    shuffle, no augmentation), each batch split across ranks in contiguous blocks, as the
+    text validation batches are. Every rank yields the same number of batches."""
     if batch_size % world_size:
         raise ValueError(f"validation batch_size {batch_size} is not divisible by world_size {world_size}; "
                          f"set it to a multiple of {world_size}")
     images, labels = load_split(Path(folder), "test")  # checked now, not at the first evaluation
+    if offset < 0 or len(labels) - offset < batch_size:
+        raise ValueError(f"training.val_offset = {offset}: the test split holds {len(labels)} images, so at most "
+                         f"{len(labels) - batch_size} can be skipped before a batch of {batch_size}")
+    images, labels = images[offset:], labels[offset:]
     batches = min(max_batches, len(labels) // batch_size)
     return _iter_validation(images, labels, batch_size, rank, world_size, batches)
 

@@ -250,10 +250,11 @@ def validation_batches(
     max_batches: int,
     dtype: str = "uint16",
     vocab_size: int | None = None,
+    offset: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Deterministic validation batches in file order (no shuffle), split across ranks.
 
-    Batch j covers windows [j*batch_size, (j+1)*batch_size); rank r gets the r-th
+    Batch j covers windows offset + [j*batch_size, (j+1)*batch_size); rank r gets the r-th
     contiguous block of batch_size // world_size. Yields min(max_batches, windows //
     batch_size) batches; a file with fewer than batch_size windows (but at least
     world_size) yields one smaller batch. Every rank yields the same number of batches,
@@ -266,7 +267,11 @@ def validation_batches(
         raise ValueError(f"validation batch_size {batch_size} is not divisible by world_size {world_size}; "
                          f"set it to a multiple of {world_size}")
     tokens = _open_tokens(Path(token_path), dtype)
-    n_windows = _count_windows(len(tokens), seq_len)
+    n_windows = _count_windows(len(tokens), seq_len) - offset
+    if offset < 0 or offset and n_windows < batch_size:
+        raise ValueError(f"training.val_offset = {offset}: the held-out split {token_path} holds "
+                         f"{n_windows + offset} windows, so at most {n_windows + offset - batch_size} can be skipped "
+                         f"before a batch of {batch_size}")
     if n_windows < world_size:
         raise ValueError(
             f"validation split is too small: {token_path} holds {n_windows} windows of seq_len+1={seq_len + 1} "
@@ -276,12 +281,14 @@ def validation_batches(
         n_batches = min(max_batches, n_windows // batch_size)
     else:
         n_batches, batch_size = 1, (n_windows // world_size) * world_size
-    return _iter_validation(tokens, seq_len, batch_size, rank, world_size, n_batches, vocab_size, Path(token_path))
+    return _iter_validation(tokens, seq_len, batch_size, rank, world_size, n_batches, vocab_size, Path(token_path),
+                            offset)
 
 
 def _iter_validation(tokens: np.ndarray, seq_len: int, batch_size: int, rank: int, world_size: int,
-                     n_batches: int, vocab_size: int | None, path: Path) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                     n_batches: int, vocab_size: int | None, path: Path,
+                     offset: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     local = batch_size // world_size
     for j in range(n_batches):
-        lo = j * batch_size + rank * local
+        lo = offset + j * batch_size + rank * local
         yield _gather(tokens, np.arange(lo, lo + local), seq_len, vocab_size, path)
