@@ -179,8 +179,9 @@ def _initial_model(cfg: Config, vocab_size: int, device: torch.device) -> nn.Mod
 
 
 def evaluation_task(cfg: Config, windows: int) -> Task:
-    """The task evaluating the first `windows` held-out windows (images) in batches of 32,
-    whatever the run's batch size, so every run of a comparison sees the same ones."""
+    """The task evaluating `windows` held-out windows (images), from `training.val_offset`
+    on, in batches of 32, whatever the run's batch size, so every run of a comparison sees
+    the same ones."""
     batch = min(windows, 32)
     t = replace(cfg.training, batch_size=batch, val_batches=max(1, windows // batch))
     return build_task(replace(cfg, training=t))

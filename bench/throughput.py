@@ -3,7 +3,7 @@
 Both run the same model, batch, sequence length, optimizer and thread count in this
 one process; each is timed over the same number of steady-state steps after a warm-up,
 and the two alternate for several repeats so drift in machine speed hits both. Prints
-a table (ratio first) and writes JSON with --out.
+a table (ratio first; model FLOPs utilisation beside tokens/s) and writes JSON with --out.
 
     python bench/throughput.py [--model llama3] [--flavor debug] [--steps 30] [--repeats 3] [--out FILE]
     python bench/throughput.py --device cuda --flavor small --batch-size 16   # on a GPU
@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from archipelago.config import Config, validate  # noqa: E402
 from archipelago.data import TokenSequenceLoader, prepare_from_config  # noqa: E402
 from archipelago.island.parallelize import wrap_blocks  # noqa: E402
+from archipelago.metrics.throughput import peak_flops_per_s  # noqa: E402
 from archipelago.models import build_model, get_model_args  # noqa: E402
 from archipelago.trainer import StepResult, Trainer  # noqa: E402
 
@@ -86,6 +87,16 @@ def run_trainer(cfg: Config, warmup: int) -> float:
     finally:
         trainer.close()
     return trainer.t1 - trainer.t0
+
+
+def model_flops(args: argparse.Namespace, vocab: int) -> tuple[float, float, str]:
+    """Training FLOPs per token of the model (the trainer's MFU formula) and the device's
+    peak FLOP/s for its compute dtype (bf16 on a GPU: the datasheet's dense figure; on a
+    CPU a measured matmul peak), with where the peak came from."""
+    flops = get_model_args(args.model, args.flavor, vocab_size=vocab).flops_per_token(args.seq_len)
+    device = torch.device(args.device)
+    peak, source = peak_flops_per_s(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return float(flops), peak, source
 
 
 def run_minimal(cfg: Config, dataset_train: Path, vocab: int, dtype: str, warmup: int, steps: int) -> float:
@@ -176,6 +187,7 @@ def main() -> None:
                                                 args.warmup, args.steps))
     trainer_med, minimal_med = statistics.median(trainer_tps), statistics.median(minimal_tps)
     ratio = trainer_med / minimal_med
+    flops_per_token, peak, peak_source = model_flops(args, ds.vocab_size)
     result = {
         "model": args.model, "ratio": ratio, "trainer_tokens_per_s": trainer_med, "minimal_tokens_per_s": minimal_med,
         "trainer_runs": trainer_tps, "minimal_runs": minimal_tps, "flavor": args.flavor,
@@ -183,12 +195,17 @@ def main() -> None:
         "repeats": args.repeats, "compile": args.compile, "device": args.device, "threads": args.threads,
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
+        "flops_per_token": flops_per_token, "peak_flops_per_s": peak, "peak_source": peak_source,
+        "trainer_mfu": trainer_med * flops_per_token / peak, "minimal_mfu": minimal_med * flops_per_token / peak,
     }
     print(f"\n{args.model}/{args.flavor} on {args.device}, batch {args.batch_size} x seq {args.seq_len}, "
           f"{args.threads} threads, {args.steps} timed steps x {args.repeats} repeats (median)\n")
-    print("| ratio (trainer / minimal) | trainer tokens/s | minimal loop tokens/s |")
-    print("|---:|---:|---:|")
-    print(f"| {ratio:.3f} | {trainer_med:,.0f} | {minimal_med:,.0f} |")
+    print("| ratio (trainer / minimal) | trainer tokens/s | minimal loop tokens/s | trainer MFU | minimal MFU |")
+    print("|---:|---:|---:|---:|---:|")
+    print(f"| {ratio:.3f} | {trainer_med:,.0f} | {minimal_med:,.0f} | {100 * result['trainer_mfu']:.1f}% "
+          f"| {100 * result['minimal_mfu']:.1f}% |")
+    print(f"\nMFU: {flops_per_token:.3g} training FLOPs per token (6 x the matmul parameters + attention) over "
+          f"a peak of {peak / 1e12:.1f} TFLOP/s ({peak_source})")
     if args.model == "gpt_oss":
         kernels = result["experts_kernel"] = bench_experts(args, ds.vocab_size)
         print(f"\nexperts of one layer, {kernels['tokens']} tokens, {kernels['experts']} experts, "
