@@ -819,7 +819,7 @@ def abandon_group(manager: Any) -> None:
     (gloo's all-gather passes rows around a ring, so a member two places from a dead one
     waits on a live neighbour that gave up; torchft aborts the group only once the new
     quorum forms, and the lighthouse waits for that member to ask for it.) The next quorum
-    builds a new group; a retry's quorum always has a new id (OuterLoop._start_quorum)."""
+    builds a new group; a retry's quorum always has a new id (quorum.Quorum.start)."""
     try:
         manager._pg.abort()
     except Exception:  # noqa: BLE001 - already aborted, or a transport without abort: torchft's configure does it
