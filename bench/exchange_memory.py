@@ -32,8 +32,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from federation import where_measured  # noqa: E402
-from harness import num, ratio, read_summary, run_job, run_main, work_root, write_json  # noqa: E402
+from harness import (  # noqa: E402
+    num,
+    ratio,
+    read_summary,
+    run_job,
+    run_main,
+    where_measured,
+    work_root,
+    write_json,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "archipelago.launch.cli"]

@@ -66,6 +66,7 @@ from harness import (  # noqa: E402
     run_main,
     seq_len_of,
     tokens_trained,
+    where_measured,
     write_json,
 )
 from meter import TrafficMonitor, make_monitor  # noqa: E402
@@ -335,22 +336,6 @@ def print_tables(result: dict[str, Any]) -> None:
                   f"| {num(r['signed_bytes_per_token'], ',.1f')} | {num(r['plain_bytes_per_token'], ',.1f')} "
                   f"| {num(r['signed_round_s'], '.2f')} | {num(r['plain_round_s'], '.2f')} "
                   f"| {num(r['signed_codec_s'], '.3f')} | {num(r['plain_codec_s'], '.3f')} |")
-
-
-def where_measured() -> dict[str, Any]:
-    """Machine, device, threads, torch and the commit the figures come from."""
-    import os
-    import platform
-    import subprocess
-
-    import torch
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                           capture_output=True, text=True).stdout.strip()
-    return {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(), "device": "cpu",
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"), "torch": torch.__version__,
-            "commit": commit.stdout.strip() + (" (with uncommitted changes)" if dirty else "")}
 
 
 def parse_args() -> argparse.Namespace:

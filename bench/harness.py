@@ -44,6 +44,23 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # ------------------------------------------------------------------ processes
 
 
+def where_measured(**extra: Any) -> dict[str, Any]:
+    """Machine, cores, threads, torch and the commit a result comes from, with `extra`
+    facts of the run (threads per run, workers, ...)."""
+    import platform
+
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True).stdout.strip()
+    return {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(), "device": "cpu",
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"), "torch": torch.__version__,
+            "python": platform.python_version(),
+            "commit": commit.stdout.strip() + (" (with uncommitted changes)" if dirty else ""),
+            "load_average_at_start": list(os.getloadavg()), **extra}
+
+
 def python_bin() -> str:
     venv = REPO / ".venv/bin/python"
     return str(venv) if venv.is_file() else sys.executable

@@ -24,11 +24,12 @@ it ran in the federation (`single-fast`, measured per seed).
 Ratios are paired: each seed's value over the baseline's at the same seed, then the
 mean over seeds (the seed moves every run the same way: init and data order). Every run
 evaluates the same held-out windows (--eval-windows, 256 unless told, from window
---eval-offset on, 0 unless told; val_batches x batch_size), at the end and every quarter. Bytes are what the runs hand to the
-cross-island (cross-rank) collectives, as the outer-step meter counts them
-(`bytes_sent`); for DDP, 4 bytes per parameter per rank per step (its fp32 gradient
-all-reduce). Prints a table (ratio first), `--out` writes JSON (one object per
-setting), `--plot` a PNG of validation loss against tokens.
+--eval-offset on, 0 unless told; val_batches x batch_size), at the end and every quarter.
+Bytes are what the runs hand to the cross-island (cross-rank) collectives, as the
+outer-step meter counts them (`bytes_sent`); for DDP, 4 bytes per parameter per rank per
+step (its fp32 gradient all-reduce). Prints a table (ratio first), `--out` writes JSON
+(one object per setting, and where it was measured), `--plot` a PNG of validation loss
+against tokens.
 
     python bench/quality.py [--steps 200] [--seeds 0 1 2] [--settings single ddp diloco ...]
     python bench/quality.py --flavor small --device cuda     # on a GPU machine
@@ -52,7 +53,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import REPO, num, outer_steps, read_jsonl, read_summary, run_job, run_main, work_root  # noqa: E402
+from harness import (  # noqa: E402
+    REPO,
+    num,
+    outer_steps,
+    read_jsonl,
+    read_summary,
+    run_job,
+    run_main,
+    where_measured,
+    work_root,
+)
 
 from archipelago.metrics.report import final_validation  # noqa: E402
 
@@ -374,9 +385,9 @@ def main() -> None:
     print(f"\n{len(runs)} runs in {time.monotonic() - began:.0f} s")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"flavor": args.flavor, "steps": args.steps, "batch_size": args.batch_size, "seeds": args.seeds,
-                "device": args.device, "config": str(args.config), "eval_windows": args.eval_windows,
-                "eval_offset": args.eval_offset}
+        meta = where_measured(flavor=args.flavor, steps=args.steps, batch_size=args.batch_size, seeds=args.seeds,
+                              device=args.device, config=str(args.config), eval_windows=args.eval_windows,
+                              eval_offset=args.eval_offset)
         args.out.write_text(json.dumps({"meta": meta, "settings": table}, indent=2))
         print(f"wrote {args.out}")
     if args.plot:

@@ -66,7 +66,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import REPO, num, write_json  # noqa: E402
+from harness import REPO, num, where_measured, write_json  # noqa: E402
 
 FT = "--fault_tolerance."
 COMMON = (f"{FT}enable", f"{FT}no_average_optimizer_state", f"{FT}no_adam_federation_batch")
@@ -315,24 +315,6 @@ def print_comparisons(table: list[dict[str, Any]]) -> None:
               f"| {t['comparison']}: {t['method']} vs {t['baseline']} |")
 
 
-def where_measured(args: argparse.Namespace) -> dict[str, Any]:
-    """Machine, device, threads, torch and the commit the figures come from (as bench/federation.py)."""
-    import platform
-    import subprocess
-
-    import torch
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                           capture_output=True, text=True).stdout.strip()
-    return {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(), "device": "cpu",
-            "threads_per_run": args.threads, "workers": args.workers,
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"), "torch": torch.__version__,
-            "python": platform.python_version(),
-            "commit": commit.stdout.strip() + (" (with uncommitted changes)" if dirty else ""),
-            "load_average_at_start": list(os.getloadavg())}
-
-
 # ------------------------------------------------------------------ main
 
 
@@ -369,7 +351,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the spawned workers inherit it
-    meta = where_measured(args)
+    meta = where_measured(threads_per_run=args.threads, workers=args.workers)
     began = time.monotonic()
     runner = Runner(args)
     want_a, want_b, want_c = ("A" in args.only or "B" in args.only), "B" in args.only, "C" in args.only

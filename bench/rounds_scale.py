@@ -31,8 +31,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from federation import where_measured  # noqa: E402
-from harness import REPO, write_json  # noqa: E402
+from harness import (  # noqa: E402
+    REPO,
+    where_measured,
+    write_json,
+)
 
 from archipelago.federation.simulate import Scenario, load_scenario, scaled  # noqa: E402
 from archipelago.federation.simulate_cli import simulate  # noqa: E402

@@ -87,7 +87,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from federation import where_measured  # noqa: E402
 from harness import (  # noqa: E402
     REPO,
     Proc,
@@ -103,6 +102,7 @@ from harness import (  # noqa: E402
     start,
     stop_all,
     wait_for_line,
+    where_measured,
     write_json,
 )
 from netns import (  # noqa: E402
