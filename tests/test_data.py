@@ -389,6 +389,7 @@ def test_validation_batches_from_an_offset_are_the_later_windows(token_file: Pat
     windows = (len(np.fromfile(token_file, dtype=np.uint16)) - 1) // SEQ  # the file's windows, counted here
     assert run(20) == [[w + 20 for w in range(k * 8, k * 8 + 8)] for k in range((windows - 20) // 8)]
     assert run(16, 0, 2)[0] + run(16, 1, 2)[0] == whole[2]  # each rank its block, as without an offset
+    assert run(windows - 8) == [list(range(windows - 8, windows))]  # the last whole batch: the most allowed
     with pytest.raises(ValueError, match=f"training.val_offset = {windows - 7}: .* {windows} windows, so at most "
                                          f"{windows - 8} can be skipped"):
         validation_batches(token_file, SEQ, 8, 0, 1, 1, "uint16", offset=windows - 7)

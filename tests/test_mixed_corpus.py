@@ -33,10 +33,10 @@ DUMP = b"""<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">
 == Kinds ==
 The {{convert|30|m}} blue whale is the largest.[[Category:Cetaceans]] %s</text></revision></page>
 <page><title>Whale</title><ns>0</ns><redirect title="Whales" />
-<revision><text>#REDIRECT [[Whales]]</text></revision></page>
+<revision><text>#REDIRECT [[Whales]] %s</text></revision></page>
 <page><title>Talk:Whales</title><ns>1</ns><revision><text>A discussion, long enough: %s</text></revision></page>
 <page><title>Stub</title><ns>0</ns><revision><text>Too short.</text></revision></page>
-</mediawiki>""" % (b"Sea. " * 120, b"Talk. " * 120)
+</mediawiki>""" % (b"Sea. " * 120, b"Redirected. " * 60, b"Talk. " * 120)  # all but the stub long enough
 
 
 def test_a_wikipedia_dump_gives_the_prose_of_its_articles_only():
@@ -105,8 +105,11 @@ def test_an_archive_whose_bytes_differ_from_the_pin_is_refused_with_the_fix(tmp_
     assert list((tmp_path / "cache").iterdir()) == []  # nothing half-written stays behind
     pinned = _pinned(source)
     got = fetch_archive(pinned, tmp_path / "cache")
+    assert got.stat().st_mode & 0o777 == 0o644  # readable by a shared cache's other users
     got.write_bytes(b"truncated")  # a damaged cached copy is fetched again
+    (tmp_path / "cache" / ".a.tgz.killed-download").write_bytes(b"half")  # and a dead download's leftover removed
     assert fetch_archive(pinned, tmp_path / "cache").read_bytes() == source.read_bytes()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["a.tgz"]
 
 
 def test_an_unreachable_archive_names_the_url_and_where_to_put_it(tmp_path):
@@ -114,6 +117,7 @@ def test_an_unreachable_archive_names_the_url_and_where_to_put_it(tmp_path):
     with pytest.raises(CorpusUnavailable, match="npm @example/gone@1.0.0") as err:
         fetch_archive(missing, tmp_path / "cache")
     assert str(tmp_path / "cache" / "gone.tgz") in str(err.value)
+    assert list((tmp_path / "cache").iterdir()) == []  # no temporary file left behind
 
 
 def test_the_mixed_corpus_is_its_own_dataset_and_shakespeares_key_is_unchanged(tmp_path, monkeypatch):

@@ -183,7 +183,7 @@ def validation_image_batches(folder: Path, batch_size: int, rank: int, world_siz
         raise ValueError(f"validation batch_size {batch_size} is not divisible by world_size {world_size}; "
                          f"set it to a multiple of {world_size}")
     images, labels = load_split(Path(folder), "test")  # checked now, not at the first evaluation
-    if offset < 0 or len(labels) - offset < batch_size:
+    if offset < 0 or offset and len(labels) - offset < batch_size:
         raise ValueError(f"training.val_offset = {offset}: the test split holds {len(labels)} images, so at most "
                          f"{len(labels) - batch_size} can be skipped before a batch of {batch_size}")
     images, labels = images[offset:], labels[offset:]

@@ -269,9 +269,11 @@ def validation_batches(
     tokens = _open_tokens(Path(token_path), dtype)
     n_windows = _count_windows(len(tokens), seq_len) - offset
     if offset < 0 or offset and n_windows < batch_size:
+        most = n_windows + offset - batch_size
+        room = (f"so at most {most} can be skipped before a batch of {batch_size}" if most >= 0
+                else f"fewer than a batch of {batch_size}: val_offset must be 0")
         raise ValueError(f"training.val_offset = {offset}: the held-out split {token_path} holds "
-                         f"{n_windows + offset} windows, so at most {n_windows + offset - batch_size} can be skipped "
-                         f"before a batch of {batch_size}")
+                         f"{n_windows + offset} windows, {room}")
     if n_windows < world_size:
         raise ValueError(
             f"validation split is too small: {token_path} holds {n_windows} windows of seq_len+1={seq_len + 1} "

@@ -20,6 +20,7 @@ Wikipedia's markup is removed with mwparserfromhell. Documents are named
 from __future__ import annotations
 
 import bz2
+import http.client
 import io
 import os
 import re
@@ -80,13 +81,20 @@ def fetch_archive(archive: Archive, cache_dir: Path, timeout_s: float = 600.0) -
     """``cache_dir/archive.name``, downloaded if absent and checked against its SHA-256.
 
     Written to a temporary file and moved into place, so a crash never leaves half an
-    archive; one whose bytes differ is refused (deleted), with the manual fix named."""
+    archive where the archive goes (the leftovers of one are removed on the next call); a
+    cached file whose bytes differ is fetched again, and if that fails the error says so
+    beside the manual fix. Call it under the cache's lock (prepare_dataset holds it)."""
     target = Path(cache_dir) / archive.name
+    earlier = ""
     if target.is_file():
-        if file_sha256(target) == archive.sha256:
+        got = file_sha256(target)
+        if got == archive.sha256:
             return target
-        target.unlink()  # a truncated or replaced file: fetch it again
+        earlier = f"; the file that was at {target} had SHA-256 {got}, not the pinned one, and was removed"
+        target.unlink()  # a replaced or damaged file: fetch it again
     target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{archive.name}.*"):  # a download killed half-way
+        stale.unlink(missing_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{archive.name}.", dir=target.parent)
     tmp = Path(tmp_name)
     try:
@@ -95,9 +103,10 @@ def fetch_archive(archive: Archive, cache_dir: Path, timeout_s: float = 600.0) -
         got = file_sha256(tmp)
         if got != archive.sha256:
             raise CorpusUnavailable(_unavailable(archive, target, f"its SHA-256 is {got}, not {archive.sha256}"))
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep a shared cache's other users out
         os.replace(tmp, target)
-    except OSError as exc:  # URLError and timeouts are OSErrors
-        raise CorpusUnavailable(_unavailable(archive, target, repr(exc))) from exc
+    except (OSError, http.client.HTTPException) as exc:  # URLError, timeouts, a connection cut short
+        raise CorpusUnavailable(_unavailable(archive, target, repr(exc) + earlier)) from exc
     finally:
         tmp.unlink(missing_ok=True)
     return target
@@ -118,11 +127,14 @@ def read_mixed(cache_dir: Path) -> list[Document]:
     docs += _read_members(fetch_archive(SOTU, cache_dir), _SOTU_MEMBER, "sotu")
     docs += _read_members(fetch_archive(MOBY_DICK, cache_dir), _MOBY_MEMBER, "moby-dick")
     gensim = fetch_archive(GENSIM, cache_dir)
-    docs += [Document(f"wikipedia/{title}", text) for title, text in wikipedia_articles(_member_bytes(
+    wiki = [Document(f"wikipedia/{title}", text) for title, text in wikipedia_articles(_member_bytes(
         gensim, _WIKI_MEMBER, decompress=True))]
     lee = _member_bytes(gensim, _LEE_MEMBER).decode("utf-8", errors="replace")
-    docs += [Document(f"lee/{k:03d}", line.strip()) for k, line in enumerate(lee.splitlines(), 1) if line.strip()]
-    return docs
+    news = [Document(f"lee/{k:03d}", line.strip()) for k, line in enumerate(lee.splitlines(), 1) if line.strip()]
+    for name, found in (("Wikipedia articles", wiki), ("Lee news stories", news)):
+        if not found:
+            raise ValueError(f"{gensim} holds no {name}; delete it so it is fetched again")
+    return docs + wiki + news
 
 
 def _read_members(tar_path: Path, pattern: re.Pattern[str], source: str) -> list[Document]:
