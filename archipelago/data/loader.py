@@ -267,13 +267,9 @@ def validation_batches(
         raise ValueError(f"validation batch_size {batch_size} is not divisible by world_size {world_size}; "
                          f"set it to a multiple of {world_size}")
     tokens = _open_tokens(Path(token_path), dtype)
-    n_windows = _count_windows(len(tokens), seq_len) - offset
-    if offset < 0 or offset and n_windows < batch_size:
-        most = n_windows + offset - batch_size
-        room = (f"so at most {most} can be skipped before a batch of {batch_size}" if most >= 0
-                else f"fewer than a batch of {batch_size}: val_offset must be 0")
-        raise ValueError(f"training.val_offset = {offset}: the held-out split {token_path} holds "
-                         f"{n_windows + offset} windows, {room}")
+    total = _count_windows(len(tokens), seq_len)
+    check_val_offset(offset, total, batch_size, f"the held-out split {token_path}", "windows")
+    n_windows = total - offset
     if n_windows < world_size:
         raise ValueError(
             f"validation split is too small: {token_path} holds {n_windows} windows of seq_len+1={seq_len + 1} "
@@ -285,6 +281,17 @@ def validation_batches(
         n_batches, batch_size = 1, (n_windows // world_size) * world_size
     return _iter_validation(tokens, seq_len, batch_size, rank, world_size, n_batches, vocab_size, Path(token_path),
                             offset)
+
+
+def check_val_offset(offset: int, total: int, batch_size: int, split: str, unit: str) -> None:
+    """Refuse a `training.val_offset` below 0 or one that leaves less than a batch of `total`
+    held-out windows (images). Offset 0 is always taken: a split smaller than a batch then
+    goes by the loader's own rule."""
+    if offset < 0 or offset and total - offset < batch_size:
+        most = total - batch_size
+        room = (f"so at most {most} can be skipped before a batch of {batch_size}" if most >= 0
+                else f"fewer than a batch of {batch_size}: val_offset must be 0")
+        raise ValueError(f"training.val_offset = {offset}: {split} holds {total} {unit}, {room}")
 
 
 def _iter_validation(tokens: np.ndarray, seq_len: int, batch_size: int, rank: int, world_size: int,

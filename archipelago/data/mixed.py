@@ -25,7 +25,6 @@ import io
 import os
 import re
 import shutil
-import tarfile
 import tempfile
 import urllib.request
 import xml.etree.ElementTree as ET
@@ -36,10 +35,11 @@ from pathlib import Path, PurePosixPath
 from .corpus import (
     CorpusUnavailable,
     Document,
-    _normalise_newlines,
+    decoded,
     fetch_shakespeare,
     file_sha256,
     read_shakespeare,
+    tar_members,
 )
 
 MIXED_SOURCE = "mixed-1"  # bump when a source or the way it is read changes: a new cache key
@@ -127,10 +127,17 @@ def read_mixed(cache_dir: Path) -> list[Document]:
     docs += _read_members(fetch_archive(SOTU, cache_dir), _SOTU_MEMBER, "sotu")
     docs += _read_members(fetch_archive(MOBY_DICK, cache_dir), _MOBY_MEMBER, "moby-dick")
     gensim = fetch_archive(GENSIM, cache_dir)
-    wiki = [Document(f"wikipedia/{title}", text) for title, text in wikipedia_articles(_member_bytes(
-        gensim, _WIKI_MEMBER, decompress=True))]
-    lee = _member_bytes(gensim, _LEE_MEMBER).decode("utf-8", errors="replace")
-    news = [Document(f"lee/{k:03d}", line.strip()) for k, line in enumerate(lee.splitlines(), 1) if line.strip()]
+    test_data = tar_members(gensim, lambda name: name.endswith((_WIKI_MEMBER, _LEE_MEMBER)))  # one pass
+
+    def member(suffix: str) -> bytes:
+        data = next((data for name, data in test_data if name.endswith(suffix)), None)
+        if data is None:
+            raise ValueError(f"{gensim} holds no {suffix}; delete it so it is fetched again")
+        return data
+    wiki = [Document(f"wikipedia/{title}", text)
+            for title, text in wikipedia_articles(bz2.decompress(member(_WIKI_MEMBER)))]
+    news = [Document(f"lee/{k:03d}", line.strip())
+            for k, line in enumerate(decoded(member(_LEE_MEMBER)).splitlines(), 1) if line.strip()]
     for name, found in (("Wikipedia articles", wiki), ("Lee news stories", news)):
         if not found:
             raise ValueError(f"{gensim} holds no {name}; delete it so it is fetched again")
@@ -139,29 +146,11 @@ def read_mixed(cache_dir: Path) -> list[Document]:
 
 def _read_members(tar_path: Path, pattern: re.Pattern[str], source: str) -> list[Document]:
     """The text files of an archive whose member names match `pattern`, sorted by name."""
-    docs = []
-    with tarfile.open(tar_path, mode="r:gz") as tar:
-        for member in tar:
-            if member.isfile() and pattern.fullmatch(member.name):
-                fh = tar.extractfile(member)
-                assert fh is not None  # isfile() members always have a payload
-                text = _normalise_newlines(fh.read().decode("utf-8", errors="replace")).strip()
-                docs.append(Document(f"{source}/{PurePosixPath(member.name).name}", text))
+    docs = [Document(f"{source}/{PurePosixPath(name).name}", decoded(data).strip())
+            for name, data in tar_members(tar_path, lambda name: pattern.fullmatch(name) is not None)]
     if not docs:
         raise ValueError(f"{tar_path} holds no files like {pattern.pattern}; delete it so it is fetched again")
     return sorted(docs, key=lambda d: d.name)
-
-
-def _member_bytes(tar_path: Path, suffix: str, decompress: bool = False) -> bytes:
-    """The one member of a source archive whose name ends with `suffix` (bz2-decompressed)."""
-    with tarfile.open(tar_path, mode="r:gz") as tar:
-        for member in tar:
-            if member.isfile() and member.name.endswith(suffix):
-                fh = tar.extractfile(member)
-                assert fh is not None
-                data = fh.read()
-                return bz2.decompress(data) if decompress else data
-    raise ValueError(f"{tar_path} holds no {suffix}; delete it so it is fetched again")
 
 
 def wikipedia_articles(dump: bytes) -> Iterator[tuple[str, str]]:
