@@ -101,6 +101,33 @@ def test_the_agreement_flags_are_signed_for_the_quorum_and_a_broken_group_agrees
     assert broken.errors, "the failed agreement is the manager's error: the round does not commit"
 
 
+def test_a_failed_exchange_lets_go_of_its_collectives_before_the_group_is_closed():
+    # gloo keeps a process group's connections open while a work of it is referenced, so a
+    # member blocked on this island in a ring would wait for the group's timeout
+    # (bench/gloo_abort.py: 5 s, the peers' lifetime, against 0.01 s).
+    import gc
+    import weakref
+
+    from archipelago.federation.exchange import Gathered, SecondPhase, release_works
+
+    class _Work:
+        def wait(self) -> bool:
+            return True
+
+    first, second = _Work(), _Work()
+    refs = [weakref.ref(first), weakref.ref(second)]
+    rows = torch.ones(4)
+    gathered = Gathered(first, Framing(), [rows])
+    gathered.second = SecondPhase([1.0], work=second)
+    del first, second
+    release_works(gathered)
+    release_works(None)
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]
+    assert gathered.work.wait() and gathered.second.work.wait()  # waiting on them returns at once
+    assert gathered.outputs[0] is rows  # the rows stay
+
+
 # ---- islands against torchft, one dies in the exchange -------------------------------------
 
 DIES_AT = 3  # outer step: the join round is 1, so the second round of training

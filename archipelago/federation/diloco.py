@@ -64,6 +64,7 @@ from archipelago.federation.exchange import (
     finish_gather,
     inspect_gather,
     member_failure,
+    release_works,
     seconds_until_in,
     start_gather,
     start_sums,
@@ -550,6 +551,8 @@ class OuterLoop:
                                       self._exchange_fraction(p), p.overlapped, p.facts)
             failed = not exchange_agreed(flags, max(self.manager.num_participants(), 1))
             if failed:  # members blocked on this island fail now, not at process_group_timeout_ms
+                release_works(p.gathered)
+                release_works(p.state.gathered if p.state is not None else None)
                 abandon_group(self.manager)
         return self._island_max([float(failed)])[0] > 0
 

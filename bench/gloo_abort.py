@@ -1,0 +1,107 @@
+"""How long a member blocked behind a failed gloo collective waits, with and without the
+failed work released before the process group is aborted (exchange.release_works).
+
+Four ranks of torchft's ProcessGroupGloo (as the federation's bridge ranks use it) run a
+ring all-gather; rank 2 is SIGKILLed just before it. Ranks 1 and 3 (the dead rank's
+neighbours) fail at once; rank 0 waits on rank 3, which forwards nothing more. Ranks 1
+and 3 then abort their process group (what OuterLoop does when an exchange failed),
+either still holding the failed collective's work (`kept`, as before) or having dropped
+it first (`released`), and stay alive for `--hold` seconds. Printed: the seconds until
+rank 0's wait failed, per setting (median over `--repeats`), ratio first.
+
+    python bench/gloo_abort.py [--repeats 5] [--hold 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import time
+from datetime import timedelta
+from typing import Any
+
+
+def _rank(rank: int, port: int, keep: bool, hold_s: float, results: Any) -> None:
+    import torch
+    from torch.distributed.distributed_c10d import AllgatherOptions
+    from torchft.process_group import ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=60))
+    pg.configure(f"127.0.0.1:{port}/ring", f"rank{rank}", rank, 4)
+    row, rows = torch.ones(1000), [torch.zeros(1000) for _ in range(4)]
+    pg.allgather([rows], [row], AllgatherOptions()).wait()  # every pair connected
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.3)  # rank 2 is gone
+    began = time.perf_counter()
+    work = pg.allgather([rows], [row], AllgatherOptions())
+    try:
+        work.wait()
+        results.put((rank, None))
+    except Exception:  # noqa: BLE001 - the failure is what is measured
+        results.put((rank, time.perf_counter() - began))
+        if not keep:
+            del work
+        pg.abort()
+    time.sleep(hold_s)
+
+
+def run_once(keep: bool, hold_s: float) -> float | None:
+    """Seconds until rank 0's wait failed (None: it did not fail within the run)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    procs = [context.Process(target=_rank, args=(r, store.port, keep, hold_s, results)) for r in range(4)]
+    for proc in procs:
+        proc.start()
+    found: dict[int, float | None] = {}
+    try:
+        while len(found) < 3:
+            rank, seconds = results.get(timeout=hold_s + 60)
+            found[rank] = seconds
+    finally:
+        for proc in procs:
+            proc.join(timeout=hold_s + 10)
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(timeout=10)
+    return found.get(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hold", type=float, default=5.0, help="seconds ranks 1 and 3 stay alive after aborting")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    settings = {"kept": True, "released": False}
+    seconds = {name: [run_once(keep, args.hold) for _ in range(args.repeats)] for name, keep in settings.items()}
+    median = {name: statistics.median(s for s in values if s is not None) for name, values in seconds.items()}
+    print("| kept / released | rank 0 fails after (median) | setting | runs (s) |")
+    print("|---:|---:|---|---|")
+    for name in settings:
+        ratio = median["kept"] / median[name] if median[name] else float("inf")
+        runs = ", ".join("-" if s is None else f"{s:.3f}" for s in seconds[name])
+        print(f"| {ratio:.0f} | {median[name]:.3f} s | {name} | {runs} |")
+    if args.out:
+        import torch
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        meta = {"machine": platform.machine(), "cores": os.cpu_count(), "threads": 1, "torch": torch.__version__,
+                "commit": commit, "hold_s": args.hold, "command": "python bench/gloo_abort.py " +
+                f"--repeats {args.repeats} --hold {args.hold}"}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "seconds": seconds, "median": median}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
