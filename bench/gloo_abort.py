@@ -15,16 +15,19 @@ rank 0's wait failed, per setting (median over `--repeats`), ratio first.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import platform
 import signal
 import statistics
-import subprocess
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import where_measured, write_json  # noqa: E402
 
 
 def _rank(rank: int, port: int, keep: bool, hold_s: float, results: Any) -> None:
@@ -93,14 +96,9 @@ def main() -> None:
         runs = ", ".join("-" if s is None else f"{s:.3f}" for s in seconds[name])
         print(f"| {ratio:.0f} | {median[name]:.3f} s | {name} | {runs} |")
     if args.out:
-        import torch
-
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        meta = {"machine": platform.machine(), "cores": os.cpu_count(), "threads": 1, "torch": torch.__version__,
-                "commit": commit, "hold_s": args.hold, "command": "python bench/gloo_abort.py " +
-                f"--repeats {args.repeats} --hold {args.hold}"}
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "seconds": seconds, "median": median}, f, indent=1)
+        meta = where_measured(threads_per_rank=1, hold_s=args.hold,
+                              command=f"python bench/gloo_abort.py --repeats {args.repeats} --hold {args.hold}")
+        write_json(Path(args.out), {"meta": meta, "seconds": seconds, "median": median})
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def test_a_failed_exchange_lets_go_of_its_collectives_before_the_group_is_closed
     import gc
     import weakref
 
-    from archipelago.federation.exchange import Gathered, SecondPhase, release_works
+    from archipelago.federation.exchange import Gathered, SecondPhase, abandon_group
 
     class _Work:
         def wait(self) -> bool:
@@ -120,10 +120,16 @@ def test_a_failed_exchange_lets_go_of_its_collectives_before_the_group_is_closed
     gathered = Gathered(first, Framing(), [rows])
     gathered.second = SecondPhase([1.0], work=second)
     del first, second
-    release_works(gathered)
-    release_works(None)
-    gc.collect()
-    assert [ref() for ref in refs] == [None, None]
+    alive_at_abort: list = []
+
+    class _Group:
+        def abort(self) -> None:
+            gc.collect()
+            alive_at_abort.extend(ref() for ref in refs)
+
+    manager = type("Manager", (), {"_pg": _Group()})()
+    abandon_group(manager, gathered, None)
+    assert alive_at_abort == [None, None]  # released before the group was closed
     assert gathered.work.wait() and gathered.second.work.wait()  # waiting on them returns at once
     assert gathered.outputs[0] is rows  # the rows stay
 

@@ -64,7 +64,6 @@ from archipelago.federation.exchange import (
     finish_gather,
     inspect_gather,
     member_failure,
-    release_works,
     seconds_until_in,
     start_gather,
     start_sums,
@@ -551,9 +550,7 @@ class OuterLoop:
                                       self._exchange_fraction(p), p.overlapped, p.facts)
             failed = not exchange_agreed(flags, max(self.manager.num_participants(), 1))
             if failed:  # members blocked on this island fail now, not at process_group_timeout_ms
-                release_works(p.gathered)
-                release_works(p.state.gathered if p.state is not None else None)
-                abandon_group(self.manager)
+                abandon_group(self.manager, p.gathered, p.state.gathered if p.state is not None else None)
         return self._island_max([float(failed)])[0] > 0
 
     def _retry_exchange(self, p: _Pending, attempt: int) -> _Pending:

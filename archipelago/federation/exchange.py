@@ -825,13 +825,17 @@ def release_works(gathered: Gathered | None) -> None:
         gathered.second.work = _Done()
 
 
-def abandon_group(manager: Any) -> None:
+def abandon_group(manager: Any, *exchanges: Gathered | None) -> None:
     """Close torchft's process group of a failed exchange now, not when the next quorum
     forms: a member still blocked in a collective with this island then fails at once.
     (gloo's all-gather passes rows around a ring, so a member two places from a dead one
     waits on a live neighbour that gave up; torchft aborts the group only once the new
     quorum forms, and the lighthouse waits for that member to ask for it.) The next quorum
-    builds a new group; a retry's quorum always has a new id (quorum.Quorum.start)."""
+    builds a new group; a retry's quorum always has a new id (quorum.Quorum.start). The
+    `exchanges` on that group let go of their collectives first (`release_works`), or the
+    abort would leave the group's connections open."""
+    for gathered in exchanges:
+        release_works(gathered)
     try:
         manager._pg.abort()
     except Exception:  # noqa: BLE001 - already aborted, or a transport without abort: torchft's configure does it
