@@ -58,13 +58,11 @@ from archipelago.federation.decoupled import OVERLAP_SCALE, Handoffs
 from archipelago.federation.exchange import (
     Framing,
     Gathered,
-    abandon_group,
-    agree_on_exchange,
     empty_table,
     finish_gather,
     inspect_gather,
-    member_failure,
     seconds_until_in,
+    settle_exchange,
     start_gather,
     start_sums,
     wire_device,
@@ -87,7 +85,6 @@ from archipelago.federation.policy import (
     aligned_inner_step,
     applies_outer_step,
     bounded_batches,
-    exchange_agreed,
     judge_contributions,
     keeps_pending,
     merges_local,
@@ -537,20 +534,16 @@ class OuterLoop:
                                              p.framing, device)
 
     def _exchange_failed(self, p: _Pending) -> bool:
-        """Agree with every member whether the exchange went through everywhere (exchange.
-        agree_on_exchange on each bridge rank's group), then over the island's ranks: True
+        """Settle with every member whether the exchange went through everywhere (exchange.
+        settle_exchange on each bridge rank's group), then over the island's ranks: True
         when it failed somewhere. Only a failure of a member or link counts; refused rows
         are a verdict every island reached alike."""
-        failed = False
+        failed, p.facts = False, []
         if self.manager is not None and p.framing is not None and p.exchanged:
-            completed = not member_failure(self.manager)
             device = p.buffer.device if p.buffer is not None else torch.device("cpu")
-            p.facts = []
-            flags = agree_on_exchange(self.manager, completed, p.framing, wire_device(self.manager, device),
-                                      self._exchange_fraction(p), p.overlapped, p.facts)
-            failed = not exchange_agreed(flags, max(self.manager.num_participants(), 1))
-            if failed:  # members blocked on this island fail now, not at process_group_timeout_ms
-                abandon_group(self.manager, p.gathered, p.state.gathered if p.state is not None else None)
+            failed = settle_exchange(self.manager, p.framing, wire_device(self.manager, device),
+                                     [p.gathered, p.state.gathered if p.state is not None else None],
+                                     self._exchange_fraction(p), p.overlapped, p.facts)
         return self._island_max([float(failed)])[0] > 0
 
     def _retry_exchange(self, p: _Pending, attempt: int) -> _Pending:

@@ -52,7 +52,13 @@ import torch
 from archipelago.config.errors import ConfigError
 from archipelago.federation.codecs import Codec, PayloadError, pack_sum, sum_bytes_bound, unpack_sum
 from archipelago.federation.outer_core import aggregate
-from archipelago.federation.policy import EXCHANGE_COMPLETED, FRAME_MALFORMED, FRAME_OK, FRAME_UNSIGNED
+from archipelago.federation.policy import (
+    EXCHANGE_COMPLETED,
+    FRAME_MALFORMED,
+    FRAME_OK,
+    FRAME_UNSIGNED,
+    exchange_agreed,
+)
 from archipelago.federation.trust import (
     HEADER_BYTES as SIGNED_HEADER_BYTES,
 )
@@ -776,13 +782,37 @@ def member_failure(manager: Any) -> bool:
     return not isinstance(getattr(error, "original_exception", error), REFUSALS)
 
 
-def agree_on_exchange(manager: Any, completed: bool, framing: Framing, device: torch.device,
-                      measured: float = 0.0, overlapped: bool = False,
+def settle_exchange(manager: Any, framing: Framing, device: torch.device, exchanges: list[Gathered | None],
+                    measured: float = 0.0, overlapped: bool = False,
+                    facts: list[tuple[float, float]] | None = None) -> bool:
+    """True when the exchange failed on some member: this one saw a member or link fail
+    (`member_failure`), or the members' agreement (`agree_on_exchange`) says so or fails.
+    A failed exchange's group is closed at once (`abandon_group`, releasing `exchanges`).
+
+    A member that saw its exchange fail says so by closing the group, not by a flag. It
+    skipped the exchange's later collectives, and gloo numbers a group's collectives in
+    the order each member starts them, so its flag's all-gather would meet a collective
+    its peers started before it (the first phase's tables, the sums): gloo aborts the
+    process whose receive is smaller than what arrives (`op.preamble.length <= op.nbytes`).
+    Closed, the group fails every peer's next collective, the agreement among them
+    included, so no member commits a round it lost."""
+    failed = member_failure(manager)
+    if not failed:
+        flags = agree_on_exchange(manager, framing, device, measured, overlapped, facts)
+        failed = not exchange_agreed(flags, max(manager.num_participants(), 1))
+    if failed:  # members blocked on this island fail now, not at process_group_timeout_ms
+        abandon_group(manager, *exchanges)
+    return failed
+
+
+def agree_on_exchange(manager: Any, framing: Framing, device: torch.device, measured: float = 0.0,
+                      overlapped: bool = False,
                       facts: list[tuple[float, float]] | None = None) -> list[float | None] | None:
     """Every member's flag, by replica rank: EXCHANGE_COMPLETED where its exchange went
-    through, 0 where it failed, None where the flag is not signed with the federation's key
-    for this round (another key's island, a replay); None instead of a list when this
-    collective failed (a member died, here or in the exchange: the group is broken).
+    through, 0 where it says it failed, None where the flag is not signed with the
+    federation's key for this round (another key's island, a replay); None instead of a
+    list when this collective failed (a member died, or closed the group because its own
+    exchange failed: OuterLoop._exchange_failed).
 
     Decoupled rounds (federation/decoupled.py) add two facts to each flag, at no extra
     byte: `measured` (a non-negative number in the frame's tokens field) and `overlapped`
@@ -790,13 +820,13 @@ def agree_on_exchange(manager: Any, completed: bool, framing: Framing, device: t
     replica rank ((0, 0) for a flag that is not signed for this round).
 
     Runs on torchft's process group even after the manager saw an error, unlike the
-    exchange's own collectives: an island whose exchange failed must still say so, or the
-    members that completed theirs would commit a round it loses. The collective's error is
+    exchange's own collectives: a refusal of rows is a verdict every member reached alike,
+    so all of them skipped the same collectives and meet here. The collective's error is
     reported to the manager, so that the round does not commit unless it is run again."""
     from torch.distributed.distributed_c10d import AllgatherOptions
 
     participants = max(manager.num_participants(), 1)
-    flag = torch.tensor([int(completed)], dtype=torch.uint8)
+    flag = torch.tensor([1], dtype=torch.uint8)
     size = framing.row_bytes(1)
     claim = float(min(max(round(measured), 0), 2 ** 53))  # an integer either header carries exactly
     row = replace(framing, forge=None).frame(claim, float(overlapped), flag, size, ROUND_AGREE).to(device)
