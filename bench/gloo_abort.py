@@ -1,5 +1,5 @@
 """How long a member blocked behind a failed gloo collective waits, with and without the
-failed work released before the process group is aborted (exchange.release_works).
+failed work released before the process group is aborted (agreement.release_works).
 
 Four ranks of torchft's ProcessGroupGloo (as the federation's bridge ranks use it) run a
 ring all-gather; rank 2 is SIGKILLed just before it. Ranks 1 and 3 (the dead rank's

@@ -52,7 +52,7 @@ def _worst_for_norm(codec, numel: int) -> list[torch.Tensor]:
                          ids=["bf16", "int8-block64", "int8-block256", "int8-one-large-block"])
 def test_norm_bound_holds_for_the_round_trips_worst_chunks(codec):
     # The exchange checks a summed segment, encoded a second time, against norm_bound of
-    # what the segments' norms allow (exchange._check_sum): it must hold for any chunk, and
+    # what the segments' norms allow (sums._check_sum): it must hold for any chunk, and
     # for the usual blocks the worst chunks grow the norm by at least 98% of what it allows (tight).
     numel = codec.numel
     growths = []
@@ -380,10 +380,10 @@ def test_auto_measures_the_link_without_the_inner_steps_that_ran_after_the_rows_
 def test_only_a_cpu_wire_stamps_completion_times():
     # NCCL's future completes when the collective is enqueued (torch's Work.get_future), not
     # when the rows are in: a GPU wire takes the wait's return instead.
-    from archipelago.federation.exchange import _completion_stamps
+    from archipelago.federation.exchange import completion_stamps
 
-    assert _completion_stamps(torch.device("cpu")) == []
-    assert _completion_stamps(torch.device("cuda", 0)) is None
+    assert completion_stamps(torch.device("cpu")) == []
+    assert completion_stamps(torch.device("cuda", 0)) is None
 
 
 def test_gloo_work_reports_its_completion_time():

@@ -11,7 +11,7 @@ import torch
 from conftest import FinishedWork
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation import exchange
+from archipelago.federation import exchange, sums
 from archipelago.federation.codecs import Bf16Codec, Codec, Int8Codec, TopKCodec, build_codec
 from archipelago.federation.exchange import (
     FRAME,
@@ -20,12 +20,12 @@ from archipelago.federation.exchange import (
     SUMSQ,
     WEIGHT,
     Framing,
-    finish_gather,
     inspect_gather,
     start_gather,
 )
 from archipelago.federation.outer_core import aggregate
 from archipelago.federation.policy import FRAME_OK
+from archipelago.federation.sums import finish_gather
 from archipelago.federation.trust import FederationKey, new_secret
 
 
@@ -249,7 +249,7 @@ def _lie(monkeypatch, lie: str) -> None:
     first block's scale becomes NaN), `times2`/`times4` scales it, `misreport` reports
     ten times the norms of the other islands' segments in its first-phase table (and sends
     4x its sum, inside the bound those widen), `misreport_one` only island 0's, by 10^4."""
-    honest_sum, honest_rows = exchange._weighted_sum, exchange._inspect_rows
+    honest_sum, honest_rows = sums._weighted_sum, exchange._inspect_rows
 
     def summed(*args, **kwargs):
         total = honest_sum(*args, **kwargs)
@@ -268,7 +268,7 @@ def _lie(monkeypatch, lie: str) -> None:
             table[victims, SUMSQ] *= 1e8 if lie == "misreport_one" else 100
         return table
 
-    monkeypatch.setattr(exchange, "_weighted_sum", summed)
+    monkeypatch.setattr(sums, "_weighted_sum", summed)
     monkeypatch.setattr(exchange, "_inspect_rows", inspected)
 
 
@@ -301,7 +301,7 @@ def test_every_island_refuses_a_dishonest_summers_segment(monkeypatch, name, lie
 def test_the_trimmed_bound_leaves_out_the_largest_norm():
     # A summer that inflates its own segment's norm (no other island sees that segment)
     # widens the weighted sum's bound by its weight times the lie, the trimmed mean's not.
-    summed_norm_bound = exchange.summed_norm_bound
+    summed_norm_bound = sums.summed_norm_bound
     norms, weights = [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]
     assert summed_norm_bound(norms, weights, False) == 3.0
     assert summed_norm_bound(norms, weights, True) == pytest.approx(3.0 * 1.5 ** 0.5)
@@ -319,6 +319,6 @@ def test_the_sum_of_squares_adds_in_one_fixed_order():
     while len(squares) > 1:
         half = len(squares) // 2
         squares = [a + b for a, b in zip(squares[:half], squares[-half:])] + squares[half:len(squares) - half]
-    assert exchange._sum_of_squares(values) == squares[0]
+    assert sums._sum_of_squares(values) == squares[0]
     assert squares[0] == pytest.approx(math.fsum(v * v for v in values.double().tolist()), rel=1e-15)
-    assert exchange._sum_of_squares(torch.zeros(0)) == 0.0
+    assert sums._sum_of_squares(torch.zeros(0)) == 0.0

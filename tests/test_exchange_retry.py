@@ -26,7 +26,8 @@ from conftest import _RANK_PRELOAD, TINY, records, run_cli
 from test_rounds import ROUND, TOKENS, _delta, _flat, _manager, _model, _train_round
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.exchange import ROUND_AGREE, Framing, agree_on_exchange, member_failure
+from archipelago.federation.agreement import agree_on_exchange, member_failure
+from archipelago.federation.exchange import ROUND_AGREE, Framing
 from archipelago.federation.trust import FederationKey, new_secret
 
 # ---- which errors count, and the agreement's flags ---------------------------------------
@@ -44,8 +45,8 @@ class _Errored:
 
 def test_only_a_member_or_link_failure_counts_not_a_refusal_of_rows():
     from archipelago.federation.codecs import PayloadError
-    from archipelago.federation.exchange import SumRefused
     from archipelago.federation.membership import FederationMismatch
+    from archipelago.federation.sums import SumRefused
     from archipelago.federation.trust import FrameRefused
 
     assert not member_failure(_Errored(None))
@@ -108,7 +109,8 @@ def test_a_failed_exchange_lets_go_of_its_collectives_before_the_group_is_closed
     import gc
     import weakref
 
-    from archipelago.federation.exchange import Gathered, SecondPhase, abandon_group
+    from archipelago.federation.agreement import abandon_group
+    from archipelago.federation.exchange import Gathered, SecondPhase
 
     class _Work:
         def wait(self) -> bool:
@@ -147,7 +149,8 @@ def _settling_member(rank: int, store_port: int, secret: str, out: Any) -> None:
     from torchft.manager import ExceptionWithTraceback, Manager
     from torchft.process_group import ProcessGroupGloo
 
-    from archipelago.federation.exchange import allgather, settle_exchange
+    from archipelago.federation.agreement import settle_exchange
+    from archipelago.federation.exchange import allgather
 
     class _Member:  # torchft's Manager as the exchange uses it: its group, its error, wrap_future
         wrap_future = Manager.wrap_future

@@ -10,7 +10,7 @@ off. A round is waited for instead (the synchronous round, bit for bit) while th
 exchanges are cheap against a round's compute (`overlap_threshold`).
 
 Everything every island must see alike comes from the members' signed agreement flags
-(exchange.agree_on_exchange), never from one island's clock:
+(agreement.agree_on_exchange), never from one island's clock:
 
 * whether the next exchange overlaps: some member measured its last exchange above
   `overlap_threshold` of its round's compute seconds (0: always overlap);

@@ -52,6 +52,7 @@ from torch.distributed import ReduceOp
 
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation import exchange as rows
+from archipelago.federation.agreement import settle_exchange
 from archipelago.federation.auto_codec import AutoCodec
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.decoupled import OVERLAP_SCALE, Handoffs
@@ -59,12 +60,9 @@ from archipelago.federation.exchange import (
     Framing,
     Gathered,
     empty_table,
-    finish_gather,
     inspect_gather,
     seconds_until_in,
-    settle_exchange,
     start_gather,
-    start_sums,
     wire_device,
 )
 from archipelago.federation.fragments import load_tensor_state, tensor_state
@@ -97,6 +95,7 @@ from archipelago.federation.policy import (
     steps_between_exchanges,
 )
 from archipelago.federation.quorum import Quorum
+from archipelago.federation.sums import finish_gather, start_sums
 from archipelago.federation.trust import FederationKey
 
 log = logging.getLogger("archipelago.federation")
