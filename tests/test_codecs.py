@@ -309,8 +309,9 @@ def test_auto_takes_the_topk_reduce_scatter_from_the_island_count_where_its_boun
 
 
 def test_auto_chooses_the_densest_codec_whose_exchange_fits_the_target():
+    from archipelago.federation.auto_codec import choose_codec
     from archipelago.federation.codecs import AutoCodec
-    from archipelago.federation.exchange import Framing, choose_codec
+    from archipelago.federation.exchange import Framing
 
     numel = 10_000
     auto = AutoCodec(numel, FaultToleranceConfig(codec="auto", codec_block_size=256))
@@ -338,7 +339,7 @@ def test_auto_chooses_the_densest_codec_whose_exchange_fits_the_target():
 ], ids=["plain", "streaming-overlap", "ten-fragments", "streaming-no-overlap", "short-overlap", "explicit",
         "time-paced"])
 def test_auto_target_counts_the_inner_steps_an_overlapped_exchange_hides_behind(settings, want):
-    from archipelago.federation.exchange import auto_target_s
+    from archipelago.federation.auto_codec import auto_target_s
 
     ft = FaultToleranceConfig(codec="auto", sync_steps=20, **settings)
     assert auto_target_s(ft, 12.0) == pytest.approx(want)

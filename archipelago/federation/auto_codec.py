@@ -1,8 +1,8 @@
 """codec = "auto": the link a bridge rank measured, and the codec each round takes from it.
 
 Every round the members all-gather the slowest link and the median round they measured
-(`exchange.agree_on_link`) and choose alike the densest codec whose exchange fits the
-round's share of time (`exchange.choose_codec`; int8 until some island has measured).
+(`agree_on_link`) and choose alike the densest codec whose exchange fits the
+round's share of time (`choose_codec`; int8 until some island has measured).
 After an exchange that went through, the rate at which its rows came in becomes this
 rank's link for the next choice. The outer loop holds one `AutoCodec` per bridge rank and
 calls it at three points of a round: choosing, choosing again on a retry, measuring.
@@ -10,6 +10,8 @@ calls it at three points of a round: choosing, choosing again on a retry, measur
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from typing import Any
 
@@ -17,8 +19,63 @@ import torch
 
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.codecs import AUTO_FIRST, Codec
-from archipelago.federation.exchange import Framing, Gathered, agree_on_link, auto_target_s, choose_codec, wire_device
+from archipelago.federation.exchange import Framing, Gathered, allgather, round_received, wire_device
 from archipelago.federation.trust import FederationKey
+
+# codec = "auto": an exchange may take this share of the islands' median round unless
+# target_exchange_s says otherwise (95% of the round left for inner steps) ...
+AUTO_EXCHANGE_SHARE = 0.05
+# ... and with streaming's overlap, this share of the inner steps it overlaps: the rest is
+# room for a peer that starts late and for the steps the transfer slows (over 100 Mbit/s
+# a fragment exchange sized to fill its whole overlap left 0.1-0.5 s exposed; bench/wan.py).
+AUTO_OVERLAP_SHARE = 0.5
+
+
+def auto_target_s(ft: Any, round_s: float, per_fragment: int | None = None) -> float:
+    """codec = "auto": the seconds an exchange may take, `target_exchange_s` or else
+    AUTO_EXCHANGE_SHARE of a round of `round_s` compute seconds; with streaming fragments
+    and `fragment_sync_delay` steps of overlap, AUTO_OVERLAP_SHARE of those steps' seconds
+    if that is more (the exchange hides behind them). `per_fragment`: inner steps per
+    fragment round, as the outer loop counts them (default: from the config)."""
+    if ft.target_exchange_s:
+        return float(ft.target_exchange_s)
+    if per_fragment is None:
+        per_fragment = ft.sync_steps // max(ft.num_fragments, 1)
+    overlap = ft.fragment_sync_delay / max(per_fragment, 1) if ft.round_pacing == "steps" else 0.0
+    return max(AUTO_EXCHANGE_SHARE, AUTO_OVERLAP_SHARE * overlap) * round_s
+
+
+def choose_codec(codec: Any, participants: int, link_bits_s: float, target_s: float, framing: Framing) -> str:
+    """codec = "auto": the densest of its options whose exchange among `participants`
+    islands, over a link of `link_bits_s`, takes at most `target_s` seconds (the bytes as
+    `round_received` counts them); when none does, the one that receives the fewest bytes
+    (top-k's all-gather can receive more than int8's reduce-scatter from about seven
+    islands on). The same on every island given the same agreed values."""
+    received = {name: round_received(option, participants, framing) for name, option in codec.options.items()}
+    for name, size in received.items():
+        if size * 8 / link_bits_s <= target_s:
+            return name
+    return min(received, key=lambda name: received[name])
+
+
+def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants: int,
+                  device: torch.device) -> tuple[float, float] | None:
+    """codec = "auto": all-gather each island's last measured link rate and round seconds
+    (16 bytes each); the slowest link and the median round, the same on every island.
+    None before any island has measured (or when the all-gather fails: the round is lost).
+    A lying island can lower the agreed link (a sparser codec for all) but not raise it,
+    and moves the median round by one place at most."""
+    values = torch.tensor([link_bits_s, round_s], dtype=torch.float64, device=device)
+    work, outputs = allgather(manager, values, participants)
+    work.wait()
+    if manager.errored() is not None:
+        return None
+    rows = [out.cpu().tolist() for out in outputs]
+    links = [link for link, _ in rows if math.isfinite(link) and link > 0]
+    rounds = [r for _, r in rows if math.isfinite(r) and r > 0]
+    if not links:
+        return None
+    return min(links), statistics.median(rounds) if rounds else 0.0
 
 
 class AutoCodec:

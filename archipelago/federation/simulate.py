@@ -41,8 +41,9 @@ from archipelago.config.errors import ConfigError
 from archipelago.config.loading import read_toml, section_from_table
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.config.validate import fault_tolerance_problems
+from archipelago.federation.auto_codec import auto_target_s, choose_codec
 from archipelago.federation.codecs import build_codec
-from archipelago.federation.exchange import Framing, auto_target_s, choose_codec, round_received
+from archipelago.federation.exchange import Framing, round_received
 from archipelago.federation.outer_core import contribution_weight
 from archipelago.federation.policy import Membership, must_wait, plan_round, round_is_up
 
@@ -383,8 +384,8 @@ class Simulation:
 
     def round_ft(self, participants: int) -> FaultToleranceConfig:
         """The config with this round's codec: with codec = "auto", what the islands would
-        choose (exchange.choose_codec) from the slowest link and the median round, as the
-        islands agree on them (exchange.agree_on_link)."""
+        choose (auto_codec.choose_codec) from the slowest link and the median round, as the
+        islands agree on them (auto_codec.agree_on_link)."""
         if self.ft.codec != "auto":
             return self.ft
         if participants not in self._auto:
