@@ -216,7 +216,7 @@ def test_an_odd_members_rows_are_refused_by_every_receiver():
     table = torch.zeros(3, len(rows.COLUMNS), dtype=torch.float64)
     table[:, rows.TOKENS] = table[:, rows.WEIGHT] = 64.0
     table[:, rows.SUMSQ] = 1e-8
-    facts, _ = loop._island_facts(0, table)
+    facts, _ = loop.judge._island_facts(table, 0.0)
     assert [row[10] for row in facts] == [0.0, 0.0, 1.0]
 
 

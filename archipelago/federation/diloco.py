@@ -51,7 +51,6 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation import exchange as rows
 from archipelago.federation.agreement import settle_exchange
 from archipelago.federation.auto_codec import AutoCodec
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
@@ -69,30 +68,22 @@ from archipelago.federation.fragments import load_tensor_state, tensor_state
 from archipelago.federation.guard import DIE_IN_EXCHANGE, FORGE_KINDS, Poison, UpdateGuard
 from archipelago.federation.healing import Healing, digest
 from archipelago.federation.inner_state import InnerStateAverager, StateExchange
+from archipelago.federation.judging import RowJudge
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.outer_core import OuterCore, contribution_weight, staleness_discount
 from archipelago.federation.policy import (
-    FRAME_MALFORMED,
-    FRAME_OK,
-    FRAME_UNSIGNED,
-    Allowance,
-    Contribution,
     Membership,
     RoundResult,
     Verdict,
     aligned_inner_step,
     applies_outer_step,
-    bounded_batches,
-    judge_contributions,
     keeps_pending,
     merges_local,
     must_wait,
-    norm_allowance,
     plan_round,
     retries_exchange,
     round_is_up,
     skips_exchange,
-    steps_between_exchanges,
 )
 from archipelago.federation.quorum import Quorum
 from archipelago.federation.sums import finish_gather, start_sums
@@ -235,6 +226,7 @@ class OuterLoop:
         self.peer_inner_step = 0  # the step count of the peer this island last healed from
         self.peer_delay = self.delay  # inner steps that peer trains between its state and its commit
         self.quorum = Quorum(ft, manager, key, rank)  # entering each quorum; the members' fingerprints
+        self.judge = RowJudge(ft, self.quorum, rank, len(fragments), self._island_sums)
         self.core: OuterCore | None = None  # the global weights and outer optimizers (bridge ranks)
         self.codec_name = effective_codec(ft)
         self.codecs: list[Codec] = []  # one per fragment chunk, on bridge ranks
@@ -886,63 +878,19 @@ class OuterLoop:
         return buffer
 
     def _judge(self, p: _Pending) -> tuple[list[float], float, list[dict[str, Any]]]:
-        """Every receiver's verdict on every island's row (the same on every island, as
-        they judge the same bytes): the weights to sum with, the tokens of the accepted
-        rows, and the refused ones (island, reason). A collective over the island."""
+        """Every receiver's verdict on every island's row (judging.RowJudge; the same on
+        every island): the weights to sum with, the tokens of the accepted rows, and the
+        refused ones (island, reason). A collective over the island."""
         n = p.participants
         table = (inspect_gather(p.gathered, self.codecs[p.fragment], self.manager, n)  # waits for the rows
                  if p.gathered is not None else empty_table(n))
         if table.shape[0] != n:  # a lost round's rows: nothing to judge (it will not commit)
             table = empty_table(n)
-        facts, global_sumsq = self._island_facts(p.fragment, table)
-        steps = steps_between_exchanges(self.ft.round_pacing, self.ft.sync_steps, self.ft.max_inner_steps,
-                                        len(self.layouts))
-        numel, global_norm = self.layouts[p.fragment].numel, math.sqrt(global_sumsq)
-        contributions, allowances, islands = [], [], []
-        # What islands declared at the join, each held to declared_limit x the others' median.
-        per_steps = bounded_batches([row[7] for row in facts], self.ft.declared_limit)
-        lrs = bounded_batches([row[8] for row in facts], self.ft.declared_limit)
-        for row, per_step, lr in zip(facts, per_steps, lrs):
-            tokens, weight, island, unsigned, malformed, nonfinite, sumsq, _, _, declared, odd = row
-            frame = FRAME_UNSIGNED if unsigned else FRAME_MALFORMED if malformed else FRAME_OK
-            contributions.append(Contribution(tokens, weight, frame, not nonfinite, math.sqrt(sumsq), not odd))
-            allowances.append(Allowance(per_step * steps, norm_allowance(self.ft.outer_norm_limit, steps, lr,
-                                                                          numel, global_norm)))
-            # Its id from its join (by replica rank), else what its frame claims (unproven).
-            islands.append(int(declared) - 1 if declared > 0 else int(island))
-        verdicts = judge_contributions(contributions, allowances, self.ft.outer_weighting,
-                                       self.ft.outer_norm_limit)
-        weights = [c.weight if v.accepted else 0.0 for c, v in zip(contributions, verdicts)]
-        tokens = sum(c.tokens for c, v in zip(contributions, verdicts) if v.accepted)
-        refused = [{"island": islands[k], "reason": v.reason} for k, v in enumerate(verdicts) if not v.accepted]
-        for k, v in enumerate(verdicts):
-            if v.accepted:
-                continue
-            log.warning("refused the update of island %s at outer step %d: %s", islands[k], self.step + 1, v.reason)
-            if k == p.replica_rank:  # this island's own row: it takes the federation's weights
-                p.reset, p.rejected = True, p.rejected or v.reason
-        return weights, tokens, refused
-
-    def _island_facts(self, fragment: int, table: torch.Tensor) -> tuple[list[list[float]], float]:
-        """What the island's ranks know of each row, combined (one sum over the island):
-        per row the claims (tokens, weight, island: bridge rank 0's view), the frame and
-        finiteness flags and the sum of squares (every bridge chunk's), what the island
-        declared at the join (tokens per step, inner lr, island id + 1: rank 0's fingerprint
-        table), whether its fingerprint is refused; then the global fragment's sum of squares."""
-        n, width = table.shape[0], 11
-        facts = torch.zeros(n, width, dtype=torch.float64)
-        if self.rank == 0:
-            facts[:, 0:3] = table[:, [rows.TOKENS, rows.WEIGHT, rows.ISLAND]]
-            facts[:, 7:10] = torch.tensor([self.quorum.declared(k) for k in range(n)],
-                                          dtype=torch.float64).view(n, 3)
-            facts[:, 10] = torch.tensor([float(k in self.quorum.odd_ranks) for k in range(n)], dtype=torch.float64)
-        facts[:, 3] = (table[:, rows.FRAME] == FRAME_UNSIGNED).double()
-        facts[:, 4] = (table[:, rows.FRAME] == FRAME_MALFORMED).double()
-        facts[:, 5] = table[:, rows.NONFINITE]
-        facts[:, 6] = table[:, rows.SUMSQ]
-        global_sumsq = float(self.globals[fragment].detach().double().square().sum()) if self.is_bridge else 0.0
-        combined = self._island_sums([*facts.flatten().tolist(), global_sumsq])
-        return [combined[k * width:(k + 1) * width] for k in range(n)], combined[-1]
+        global_sumsq = float(self.globals[p.fragment].detach().double().square().sum()) if self.is_bridge else 0.0
+        judged = self.judge.judge(table, self.layouts[p.fragment].numel, global_sumsq, self.step, p.replica_rank)
+        if judged.own_refused:  # this island's own row: it takes the federation's weights
+            p.reset, p.rejected = True, p.rejected or judged.own_refused
+        return judged.weights, judged.tokens, judged.refused
 
     def _outer_step(self, fragment: int, buffer: torch.Tensor, total: float) -> None:
         """The core's outer step on the agreed sum (from a GPU buffer: a device-to-host copy)."""
