@@ -351,21 +351,21 @@ def test_auto_measures_the_link_without_the_inner_steps_that_ran_after_the_rows_
     # Mbit/s), not over 2 s (4 Mbit/s), else codec = "auto" would pick ever sparser codecs.
     import time
 
-    from archipelago.federation.diloco import _Pending
+    from archipelago.federation.attempts import Pending
     from archipelago.federation.exchange import Framing, Gathered
 
     loop = _outer_loop("auto")
     loop.manager.errored = lambda: None  # type: ignore[attr-defined]
     waited = time.perf_counter()
     started = waited - 2.0
-    pending = _Pending(0, gathered=Gathered(None, Framing(), received=1_000_000, done_at=[started + 0.1]),
+    pending = Pending(0, gathered=Gathered(None, Framing(), received=1_000_000, done_at=[started + 0.1]),
                        started=started, waited=waited)
-    loop._measure_link(pending, carried=True)
+    loop.attempts.measure_link(pending, carried=True)
     assert 70e6 < loop.auto.link_bits_s <= 80e6
     pending.gathered.done_at = []  # a transport without completion times: the time the wait returned
     pending.waited = time.perf_counter()
     pending.started = pending.waited - 2.0
-    loop._measure_link(pending, carried=True)
+    loop.attempts.measure_link(pending, carried=True)
     assert 3.9e6 < loop.auto.link_bits_s <= 4e6
     # The exchange's own start counts (handed to the transport 1 s before the island's later
     # bookkeeping), and a stamp can never put the rows in before it.
@@ -374,7 +374,7 @@ def test_auto_measures_the_link_without_the_inner_steps_that_ran_after_the_rows_
     pending.waited = time.perf_counter() - 0.5
     pending.gathered.started, pending.started = pending.waited - 1.0, pending.waited - 0.5
     pending.gathered.done_at = [pending.waited - 3.0]
-    loop._measure_link(pending, carried=True)
+    loop.attempts.measure_link(pending, carried=True)
     assert 14e6 < loop.auto.link_bits_s <= 16e6
 
 

@@ -225,7 +225,7 @@ def test_a_huge_declared_batch_buys_no_dominating_weight(caplog):
     declared_limit x the others' median (cb92e48 accepted 10^15 tokens: time-paced islands
     were declared done, and its weight dominated every average)."""
     from archipelago.federation import exchange as rows
-    from archipelago.federation.diloco import _Pending
+    from archipelago.federation.attempts import Pending
 
     manager = _Quorum(step=4, max_step=4, offer=None, gathers=[])
     loop = _loop(manager, step=4)
@@ -238,17 +238,17 @@ def test_a_huge_declared_batch_buys_no_dominating_weight(caplog):
     table[2, rows.TOKENS] = table[2, rows.WEIGHT] = 1e15
     table[:, rows.SUMSQ] = 1e-8
     table[:, rows.ISLAND] = torch.tensor([0.0, 1.0, 2.0])
-    pending = _Pending(0, reset=False, tokens=int(claimed))
+    pending = Pending(0, reset=False, tokens=int(claimed))
     pending.participants = 3
 
-    import archipelago.federation.diloco as diloco
+    import archipelago.federation.attempts as attempts
 
-    original = diloco.empty_table
-    diloco.empty_table = lambda n: table
+    original = attempts.empty_table
+    attempts.empty_table = lambda n: table
     try:
-        weights, tokens, refused = loop._judge(pending)
+        weights, tokens, refused = loop.attempts._judge(pending)
     finally:
-        diloco.empty_table = original
+        attempts.empty_table = original
     assert weights[:2] == [claimed, claimed] and weights[2] == 0.0
     assert tokens == 2 * claimed and math.isfinite(tokens)
     assert refused and refused[0]["island"] == 2 and "more than its declared batch" in refused[0]["reason"]

@@ -67,7 +67,7 @@ def agree_on_exchange(manager: Any, framing: Framing, device: torch.device, meas
     through, 0 where it says it failed, None where the flag is not signed with the
     federation's key for this round (another key's island, a replay); None instead of a
     list when this collective failed (a member died, or closed the group because its own
-    exchange failed: OuterLoop._exchange_failed).
+    exchange failed: attempts.ExchangeAttempts._failed).
 
     Decoupled rounds (federation/decoupled.py) add two facts to each flag, at no extra
     byte: `measured` (a non-negative number in the frame's tokens field) and `overlapped`

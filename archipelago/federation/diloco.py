@@ -51,42 +51,31 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.agreement import settle_exchange
+from archipelago.federation.attempts import ExchangeAttempts, Pending, Tried
 from archipelago.federation.auto_codec import AutoCodec
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
-from archipelago.federation.decoupled import OVERLAP_SCALE, Handoffs
-from archipelago.federation.exchange import (
-    Framing,
-    Gathered,
-    empty_table,
-    inspect_gather,
-    seconds_until_in,
-    start_gather,
-    wire_device,
-)
+from archipelago.federation.decoupled import Handoffs
 from archipelago.federation.fragments import load_tensor_state, tensor_state
 from archipelago.federation.guard import DIE_IN_EXCHANGE, FORGE_KINDS, Poison, UpdateGuard
 from archipelago.federation.healing import Healing, digest
-from archipelago.federation.inner_state import InnerStateAverager, StateExchange
+from archipelago.federation.inner_state import InnerStateAverager
 from archipelago.federation.judging import RowJudge
 from archipelago.federation.layout import FlatLayout
-from archipelago.federation.outer_core import OuterCore, contribution_weight, staleness_discount
+from archipelago.federation.outer_core import OuterCore, contribution_weight
 from archipelago.federation.policy import (
     Membership,
     RoundResult,
     Verdict,
     aligned_inner_step,
     applies_outer_step,
-    keeps_pending,
     merges_local,
     must_wait,
     plan_round,
-    retries_exchange,
     round_is_up,
     skips_exchange,
 )
 from archipelago.federation.quorum import Quorum
-from archipelago.federation.sums import finish_gather, start_sums
+from archipelago.federation.sums import start_sums
 from archipelago.federation.trust import FederationKey
 
 log = logging.getLogger("archipelago.federation")
@@ -137,62 +126,6 @@ class OuterReport:
     pacing_elapsed_s: list[float] | None = None
 
 
-@dataclass
-class _Pending:
-    """An exchange started by `prepare` and finished by `perform`."""
-
-    fragment: int
-    buffer: torch.Tensor | None = None
-    reset: bool = False      # this island healed (or was rejected): discard its local progress
-    prepare_s: float = 0.0   # seconds prepare() blocked (quorum, healing, gather)
-    tokens: int = 0          # this island's tokens since the previous exchange
-    weight: float = 0.0
-    norm: float | None = None
-    rejected: str | None = None
-    gathered: Gathered | None = None  # the exchange's rows (bridge ranks)
-    exchanged: bool = False           # the island takes part in an exchange this round (all ranks)
-    participants: int = 0             # islands in the quorum (rows of the exchange)
-    replica_rank: int = -1            # this island's row
-    state: StateExchange | None = None  # the inner optimizer's moments (average_optimizer_state)
-    started: float = 0.0              # perf_counter when the exchange was handed to the network
-    waited: float = 0.0               # perf_counter when perform's wait for the rows returned
-    residue: torch.Tensor | None = None  # codec = "auto": top-k's residue this dense round carries
-    step: int = 0                     # the federation's outer step the round started from
-    joining: bool = False             # the island's join round (it sends nothing)
-    framing: Framing | None = None    # how this attempt's rows are framed (its quorum's id)
-    codec_state: dict[str, torch.Tensor] | None = None  # the codec's state before it encoded (a retry restores it)
-    spent: tuple[int, int] = (0, 0)   # (sent, received) bytes of attempts that failed (bridge rank's own)
-    total: torch.Tensor | None = None  # the exchange's sum, apart from `buffer` when a retry may resend it
-    overlapped: bool = False          # decoupled rounds: the island trains on while this exchange travels
-    staleness: int = 0                # decoupled rounds: outer steps its rows' base weights are behind
-    facts: list[tuple[float, float]] = field(default_factory=list)  # the members' agreement facts (decoupled)
-    midway: bool = False              # decoupled: judged and its second phase started halfway through the round
-    judged: Judged | None = None      # the receivers' verdicts on its rows, once judged
-    midway_s: float = 0.0             # seconds the island blocked for that, halfway through the round
-
-
-@dataclass
-class _Tried:
-    """How the exchange of a round went, for its report (OuterLoop._exchange_until_agreed)."""
-
-    decode_s: float = 0.0
-    refused: list[dict[str, Any]] = field(default_factory=list)
-    retries: int = 0       # exchanges run again with a new quorum
-    retry_s: float = 0.0   # from the first failed exchange to the end of the last
-    exposed_s: float = 0.0  # seconds the island waited for the exchange
-
-
-@dataclass
-class Judged:
-    """The receivers' verdicts on an exchange's rows (OuterLoop._judge_exchange)."""
-
-    weights: list[float]       # to sum each row with (0: refused or idle; discounted when stale)
-    tokens: float              # of the accepted rows
-    refused: list[dict[str, Any]]
-    divisor: float             # what the sum is divided by (the undiscounted weights)
-    decode_s: float            # seconds spent opening and judging the rows
-
-
 class OuterLoop:
     """Runs the outer synchronisation after each inner optimizer step (see module doc)."""
 
@@ -219,14 +152,15 @@ class OuterLoop:
         self.numel = sum(layout.numel for layout in self.layouts)
         self.local_step = 0       # inner steps since the last round ended
         self.step = 0             # the federation's step count (torchft's manager step)
-        self.pending: _Pending | None = None
+        self.pending: Pending | None = None
         self.inner_step = 0       # the trainer's step count, sent to healing peers
         self.healed = False       # the last quorum sent this island the global state
         self.leads = True         # this island is the lowest live one (checkpoint.scope = "leader")
         self.peer_inner_step = 0  # the step count of the peer this island last healed from
         self.peer_delay = self.delay  # inner steps that peer trains between its state and its commit
         self.quorum = Quorum(ft, manager, key, rank)  # entering each quorum; the members' fingerprints
-        self.judge = RowJudge(ft, self.quorum, rank, len(fragments), self._island_sums)
+        self.judge = RowJudge(ft, self.quorum, rank, len(fragments), self.island_sums)
+        self.attempts = ExchangeAttempts(self)  # the round's exchange, attempt by attempt
         self.core: OuterCore | None = None  # the global weights and outer optimizers (bridge ranks)
         self.codec_name = effective_codec(ft)
         self.codecs: list[Codec] = []  # one per fragment chunk, on bridge ranks
@@ -320,14 +254,14 @@ class OuterLoop:
             self.early_reports.append(earlier)
         return self.perform(inner_step)
 
-    def _hand_off(self, p: _Pending) -> None:
+    def _hand_off(self, p: Pending) -> None:
         """The island trains on while `p`'s exchange travels: from the global weights minus
         its own pseudo-gradient in it (OuterCore.rebased; the global weights alone when it
         sends nothing), which become its base."""
         assert self.handoffs is not None
         p.overlapped = True
         two_phase = p.gathered is not None and p.gathered.segments is not None  # bridge ranks know it
-        p.midway = self._island_max([float(two_phase)])[0] > 0
+        p.midway = self.island_max([float(two_phase)])[0] > 0
         own = [p.buffer[:-2]] if p.buffer is not None and p.weight > 0 else []
         new = self.core.rebased(p.fragment, own) if self.core is not None else None
         self.layouts[p.fragment].scatter(new)
@@ -371,7 +305,7 @@ class OuterLoop:
         if self.local_step >= ft.max_inner_steps or self.local_step < ft.min_inner_steps:
             return up  # decided by step counts alone: the same on every rank
         # Clocks differ between ranks: a tiny all-reduce per inner step (multi-rank islands only).
-        return self._island_max([float(up)])[0] > 0
+        return self.island_max([float(up)])[0] > 0
 
     def aligned_inner_step(self) -> int:
         """After healing: the inner step of the peer this island healed from. (Decoupled
@@ -452,20 +386,20 @@ class OuterLoop:
         same count and waits, so none is left alone in an all-reduce.
         """
         began = time.perf_counter()
-        m = self._enter_quorum()
+        m = self.enter_quorum()
         if must_wait(m, need):
             return False
-        self.pending = self._plan(m, joining)
+        self.pending = self.plan(m, joining)
         self.pending.prepare_s = time.perf_counter() - began
         return True
 
-    def _enter_quorum(self, again: bool = False) -> Membership:
+    def enter_quorum(self, again: bool = False) -> Membership:
         """Join a quorum (a new one with `again`: a retry), healing if behind; the island's view."""
         m = self.healing.settle(self._island_membership(self._membership(again)))
         self.step, self.leads = m.outer_step, m.leads
         return m
 
-    def _plan(self, m: Membership, joining: bool) -> _Pending:
+    def plan(self, m: Membership, joining: bool) -> Pending:
         """This round's pseudo-gradient, checked and weighted, with its exchange started."""
         self.healed = m.healed
         if self.healed:
@@ -486,7 +420,7 @@ class OuterLoop:
             log.warning("ARCHIPELAGO_FAULT: poisoning this island's update (%s) in outer step %d",
                         corrupt.kind, self.step + 1)
             corrupt.apply(buffer[:-2])
-        pending = _Pending(fragment, reset=plan.reset, tokens=self.round_tokens, step=self.step, joining=joining,
+        pending = Pending(fragment, reset=plan.reset, tokens=self.round_tokens, step=self.step, joining=joining,
                            staleness=int(self.handoffs.stale) if self.handoffs is not None else 0)
         pending.exchanged = not skips_exchange(joining, self.step, self.ft.init_sync)
         if pending.exchanged and buffer is not None and self.codec_name == "auto":  # before the guard sees it
@@ -501,92 +435,11 @@ class OuterLoop:
             buffer[-2], buffer[-1] = float(pending.tokens), pending.weight
         pending.buffer = buffer
         forge = corrupt.kind if corrupt is not None and corrupt.kind in FORGE_KINDS else None
-        self._start_exchange(pending, m, forge)
+        self.attempts.start(pending, m, forge)
         pending.started = time.perf_counter()
         if poison is not None and poison.kind == DIE_IN_EXCHANGE and pending.exchanged:
             poison.die()  # test-only: this island's row is in flight
         return pending
-
-    def _start_exchange(self, p: _Pending, m: Membership, forge: str | None = None) -> None:
-        """Hand the pending pseudo-gradient (and moments) to the exchange of quorum `m`, in
-        frames signed for that quorum; the codec's state is kept first, for a retry."""
-        p.participants, p.replica_rank = m.participants, m.replica_rank
-        p.framing = Framing(self.key, int(self.manager._quorum_id or 0) if self.manager is not None else 0,
-                            self.step, p.fragment, self.ft.replica_id)
-        if p.exchanged and p.buffer is not None:
-            codec = self.codecs[p.fragment]
-            if self.ft.exchange_retries > 0:  # encoding moves error feedback; a retry starts from here
-                p.codec_state = {k: v.clone() for k, v in codec.state_dict().items()}
-            p.gathered = start_gather(self.manager, codec, p.buffer[:-2], p.tokens, p.weight,
-                                      replace(p.framing, forge=forge))
-        if self.inner_state is not None and p.exchanged:
-            device = torch.device("cpu") if self.ft.copy_pseudogradients_to_cpu else None
-            p.state = self.inner_state.start(p.fragment, p.weight > 0, self.manager, self._island_max,
-                                             p.framing, device)
-
-    def _exchange_failed(self, p: _Pending) -> bool:
-        """Settle with every member whether the exchange went through everywhere (exchange.
-        settle_exchange on each bridge rank's group), then over the island's ranks: True
-        when it failed somewhere. Only a failure of a member or link counts; refused rows
-        are a verdict every island reached alike."""
-        failed, p.facts = False, []
-        if self.manager is not None and p.framing is not None and p.exchanged:
-            device = p.buffer.device if p.buffer is not None else torch.device("cpu")
-            failed = settle_exchange(self.manager, p.framing, wire_device(self.manager, device),
-                                     [p.gathered, p.state.gathered if p.state is not None else None],
-                                     self._exchange_fraction(p), p.overlapped, p.facts)
-        return self._island_max([float(failed)])[0] > 0
-
-    def _retry_exchange(self, p: _Pending, attempt: int) -> _Pending:
-        """Run a failed exchange again with the members left: a new quorum through the usual
-        path (healing, state claims, fingerprints), the same pseudo-gradient, tokens and
-        weight, in frames signed for the new quorum. If the federation went on without this
-        island meanwhile (it healed), the round is planned again from the new quorum."""
-        log.warning("the exchange of outer step %d failed (%s); running it again with a new quorum "
-                    "(retry %d of %d, fault_tolerance.exchange_retries)", p.step + 1, self._failure(), attempt,
-                    self.ft.exchange_retries)
-        self._forget_attempt(p)
-        began = time.perf_counter()
-        m = self._enter_quorum(again=True)
-        log.info("outer step %d: a new quorum of %d island(s) after %.2f s; exchanging again", p.step + 1,
-                 m.participants, time.perf_counter() - began)
-        if not keeps_pending(m, p.step):
-            self._give_back(p)
-            if self.handoffs is not None:  # decoupled: it healed; the row after this one is void too
-                self.handoffs.sends_nothing = True
-            fresh = self._plan(m, p.joining)
-            fresh.prepare_s, fresh.started, fresh.spent = p.prepare_s, p.started, p.spent
-            return fresh
-        if self.codec_name == "auto" and p.buffer is not None:  # the members' collectives of a round, in order
-            self.auto.rechoose(self.codecs[p.fragment], p.buffer.device)
-        self._start_exchange(p, m)
-        return p
-
-    def _forget_attempt(self, p: _Pending) -> None:
-        """What a failed attempt leaves: its bytes counted, the codec's state as it was before."""
-        sent, received = self._attempt_bytes(p)
-        p.spent = (p.spent[0] + sent, p.spent[1] + received)
-        if p.codec_state is not None:
-            self.codecs[p.fragment].load_state_dict(p.codec_state)
-        p.gathered, p.state, p.total, p.judged = None, None, None, None
-
-    def _give_back(self, p: _Pending) -> None:
-        """A round abandoned for a new plan: top-k's residue it took goes back to the codec."""
-        if p.residue is not None:
-            self.codecs[p.fragment].give_back(p.residue)  # type: ignore[attr-defined]
-            p.residue = None
-
-    def _failure(self) -> str:
-        error = self.manager.errored() if self.manager is not None else None
-        cause = getattr(error, "original_exception", error)
-        return f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}" if cause is not None else \
-            "it failed on another bridge rank or island"
-
-    def _measure_link(self, p: _Pending, carried: bool) -> None:
-        """codec = "auto": the link this exchange measured (AutoCodec.measure)."""
-        until_in = self._exchange_seconds(p) if p.gathered is not None else 0.0
-        self.auto.measure(self.codecs[p.fragment], p.gathered, p.residue, carried, until_in, p.waited,
-                          self.round_compute_s)
 
     def _membership(self, again: bool = False) -> Membership:
         """This rank's view of the quorum: a bridge rank joins it (blocking; a healing island
@@ -611,13 +464,13 @@ class OuterLoop:
 
     def _island_membership(self, mine: Membership) -> Membership:
         """The island's view: the element-wise max of its ranks' views."""
-        return Membership.from_values(self._island_max(mine.to_values()))
+        return Membership.from_values(self.island_max(mine.to_values()))
 
-    def _guard(self, fragment: int, buffer: torch.Tensor | None, pending: _Pending) -> Verdict:
+    def _guard(self, fragment: int, buffer: torch.Tensor | None, pending: Pending) -> Verdict:
         """One bad island must not poison the others: check the update before it is sent."""
         # The island's norm over its bridge chunks; a NaN/inf anywhere makes it non-finite.
         sumsq = 0.0 if buffer is None else float(torch.linalg.vector_norm(buffer[:-2])) ** 2  # a device sync
-        pending.norm = math.sqrt(self._island_sums([sumsq])[0])
+        pending.norm = math.sqrt(self.island_sums([sumsq])[0])
         pending.rejected = self.guard.check(fragment, pending.norm)
         if pending.rejected:
             pending.reset = True  # it takes the global weights, like a healed island
@@ -631,7 +484,7 @@ class OuterLoop:
         assert p is not None, "perform() without prepare()"
         self.pending = None
         blocked_since = time.perf_counter()
-        p, tried = self._exchange_until_agreed(p)
+        p, tried = self.attempts.until_agreed(p)
         own = p.buffer if p.overlapped else None  # decoupled: the island's pseudo-gradient in this exchange
         if p.total is not None:  # the agreed sum replaces the pseudo-gradient (freed)
             p.buffer, p.total = p.total, None
@@ -639,7 +492,7 @@ class OuterLoop:
         result, state_accepted = self._vote(p)
         if self.codec_name == "auto" and p.buffer is not None and p.exchanged:
             refused_me = any(r.get("island") == self.ft.replica_id for r in tried.refused)
-            self._measure_link(p, carried=result.committed and p.weight > 0 and not refused_me)
+            self.attempts.measure_link(p, carried=result.committed and p.weight > 0 and not refused_me)
         self._apply_round(p, own, result)
         if p.state is not None and self.inner_state is not None:
             self.inner_state.finish(p.state, apply=result.committed and state_accepted)
@@ -653,26 +506,7 @@ class OuterLoop:
         self._start_round_clock()
         return report
 
-    def _exchange_until_agreed(self, p: _Pending) -> tuple[_Pending, _Tried]:
-        """Finish the exchange; every member must agree that it went through, or all run it
-        again with a new quorum (up to exchange_retries times), else the round is lost."""
-        tried = _Tried()
-        tried.decode_s, tried.refused = self._finish_exchange(p)
-        failed_at = 0.0
-        while p.exchanged:
-            agreed = not self._exchange_failed(p)
-            failed_at = failed_at or (0.0 if agreed else time.perf_counter())
-            if not retries_exchange(agreed, tried.retries, self.ft.exchange_retries):
-                if not agreed:
-                    self._lose_round(p)
-                break
-            tried.retries += 1
-            p = self._retry_exchange(p, tried.retries)
-            tried.decode_s, tried.refused = self._finish_exchange(p)
-        tried.retry_s = time.perf_counter() - failed_at if tried.retries else 0.0
-        return p, tried
-
-    def _vote(self, p: _Pending) -> tuple[RoundResult, bool]:
+    def _vote(self, p: Pending) -> tuple[RoundResult, bool]:
         """torchft's vote on this bridge rank, combined over the island's ranks: the round's
         result, and whether the averaged moments had any island's weight."""
         mine = RoundResult()
@@ -680,10 +514,10 @@ class OuterLoop:
             mine = RoundResult(self._should_commit(), self.manager.num_participants(),
                                float(p.buffer[-1]), int(float(p.buffer[-2])))
         state_weight = sum(p.state.weights) if p.state is not None else 0.0
-        values = self._island_max([*mine.to_values(), state_weight])
+        values = self.island_max([*mine.to_values(), state_weight])
         return RoundResult.from_values(values[:-1]), values[-1] > 0
 
-    def _apply_round(self, p: _Pending, own: torch.Tensor | None, result: RoundResult) -> None:
+    def _apply_round(self, p: Pending, own: torch.Tensor | None, result: RoundResult) -> None:
         """The outer step on the global weights (when the round applies one), and the
         island's weights that follow: the global ones (merged with its own, with
         fragment_update_alpha), or under decoupled rounds its own, moved on."""
@@ -701,7 +535,7 @@ class OuterLoop:
         if self.handoffs is not None and new is not None:
             self.handoffs.rebase(p.fragment, new)
 
-    def _count_round(self, p: _Pending, result: RoundResult) -> None:
+    def _count_round(self, p: Pending, result: RoundResult) -> None:
         """The federation's step and token counts after the round."""
         self.last_committed = result.committed
         if not result.committed:
@@ -713,10 +547,10 @@ class OuterLoop:
             self.tokens_ratio = result.federation_tokens / p.tokens
             self._scale_inner_batch()
 
-    def _report(self, p: _Pending, inner_step: int, result: RoundResult, tried: _Tried,
+    def _report(self, p: Pending, inner_step: int, result: RoundResult, tried: Tried,
                 blocked_since: float) -> OuterReport:
         """The round's record; the round's counters start again."""
-        sent, received = self._exchange_bytes(p)
+        sent, received = self.attempts.exchange_bytes(p)
         report = OuterReport(step=inner_step, outer_step=self.step, committed=result.committed,
                              participants=result.participants, contributors=result.total_weight,
                              fragment=p.fragment, healed=self.healed, bytes_sent=sent,
@@ -740,15 +574,15 @@ class OuterLoop:
         """A round starts now (time pacing measures its seconds from here)."""
         self.round_start = self._last_step_end = time.monotonic()
 
-    def _settle_handoffs(self, p: _Pending, applied: bool) -> None:
+    def _settle_handoffs(self, p: Pending, applied: bool) -> None:
         """Decoupled rounds: every island's decisions from the members' agreement facts
         (the bridge ranks hold them; combined over the island, so all ranks decide alike)."""
         assert self.handoffs is not None
         overlapped, overlaps = self.handoffs.decide(p.facts) if self.is_bridge else (False, False)
-        shared = self._island_max([float(overlapped), float(overlaps)])
+        shared = self.island_max([float(overlapped), float(overlaps)])
         self.handoffs.settle(shared[0] > 0, shared[1] > 0, applied)
 
-    def _after_overlapped(self, p: _Pending, own: torch.Tensor | None, committed: bool) -> None:
+    def _after_overlapped(self, p: Pending, own: torch.Tensor | None, committed: bool) -> None:
         """Decoupled rounds, an overlapped exchange finished: its outer step is in the
         global weights, the island's weights moved on. Lost, its row is sent again with the
         next one; refused by the receivers, the island takes the global weights and its next
@@ -759,21 +593,6 @@ class OuterLoop:
         if p.reset and p.weight > 0:
             self._take_global(p.fragment)
             self.handoffs.sends_nothing = True
-
-    def _exchange_fraction(self, p: _Pending) -> float:
-        """Decoupled rounds: this exchange's seconds (from its start until its rows were in)
-        over this round's compute seconds, in OVERLAP_SCALE units (0: nothing to measure)."""
-        if self.handoffs is None or p.gathered is None or self.round_compute_s <= 0:
-            return 0.0
-        second = p.gathered.second.seconds() if p.gathered.second is not None else 0.0
-        return (self._exchange_seconds(p) + second) / self.round_compute_s * OVERLAP_SCALE
-
-    @staticmethod
-    def _exchange_seconds(p: _Pending) -> float:
-        """From the exchange's start until its rows were in: the transport's thread stamped
-        that where it can, else the wait for them returned (`_finish_exchange`)."""
-        assert p.gathered is not None
-        return seconds_until_in(p.gathered.started or p.started, p.waited, p.gathered.done_at)
 
     def _midway_due(self) -> bool:
         """Decoupled rounds whose exchange is the reduce-scatter: judge its rows and start its
@@ -786,7 +605,7 @@ class OuterLoop:
         if self.ft.round_pacing != "time":
             return self.local_step == max(1, self.per_fragment // 2)
         half = time.monotonic() - self.round_start >= self.ft.round_seconds / 2
-        return self._island_max([float(half)])[0] > 0
+        return self.island_max([float(half)])[0] > 0
 
     def _judge_midway(self) -> None:
         """Judge the rows of the exchange in flight (waiting for the first phase if it is not
@@ -794,7 +613,7 @@ class OuterLoop:
         p = self.pending
         assert p is not None
         began = time.perf_counter()
-        self._judge_exchange(p)
+        self.attempts.judge_rows(p)
         assert p.judged is not None
         if p.gathered is not None and p.gathered.segments is not None and p.buffer is not None:
             # (another bridge rank's chunk may have taken the reduce-scatter and this one not)
@@ -804,51 +623,6 @@ class OuterLoop:
         self._last_step_end = time.monotonic()  # time pacing: the block is not an inner step's length
         log.info("outer step %d: rows judged halfway through the round (%.2f s blocked); the second phase "
                  "travels while the island trains", p.step + 1, p.midway_s)
-
-    def _judge_exchange(self, p: _Pending) -> None:
-        """Wait for the rows and judge them (`p.judged`); in decoupled rounds every row of a
-        stale exchange is discounted alike (decoupled.py)."""
-        if p.gathered is not None:
-            p.gathered.work.wait()  # the network's share; opening and judging the rows is decode_s
-        judging = p.waited = time.perf_counter()
-        weights, tokens, refused = self._judge(p)
-        divisor = sum(weights)
-        if p.staleness:
-            factor = staleness_discount(p.staleness, self.ft.staleness_exponent, self.ft.max_staleness)
-            weights, divisor = [w * factor for w in weights], divisor if factor > 0 else 0.0
-        if p.state is not None and self.inner_state is not None:  # the moments of the islands it accepted
-            self.inner_state.judge_moments(p.state, weights, self._island_max)
-        p.judged = Judged(weights, tokens, refused, divisor, time.perf_counter() - judging)
-
-    def _finish_exchange(self, p: _Pending) -> tuple[float, list[dict[str, Any]]]:
-        """Judge the rows (unless that was done halfway through the round) and sum the
-        accepted ones into the buffer: the decode seconds and the refused rows."""
-        if not p.exchanged:
-            return 0.0, []
-        if p.judged is None:
-            self._judge_exchange(p)
-        judged = p.judged
-        assert judged is not None
-        decode_s = judged.decode_s
-        if p.gathered is not None and p.buffer is not None:
-            # The sum goes beside the pseudo-gradient when a retry may have to send that again
-            # (one more copy of the chunk during the exchange; exchange_retries = 0 saves it).
-            resent = self.ft.exchange_retries > 0 or self.handoffs is not None  # decoupled: a lost row is resent
-            p.total = torch.empty_like(p.buffer) if resent else p.buffer
-            decode_s += finish_gather(p.gathered, self.codecs[p.fragment], p.total, judged.weights, judged.tokens,
-                                      self.manager, self.ft.outer_aggregation == "trimmed_mean")
-            if p.staleness:  # the sum is divided by the undiscounted weights (OuterCore.weight)
-                p.total[-1] = judged.divisor if self.manager.errored() is None else 0.0
-        return decode_s, judged.refused
-
-    def _lose_round(self, p: _Pending) -> None:
-        """The exchange failed somewhere and no retry is left: no island of the federation
-        commits this round (the manager's error makes this island's vote say no)."""
-        log.warning("the exchange of outer step %d failed (%s) and no retry is left "
-                    "(fault_tolerance.exchange_retries = %d): the round is lost", p.step + 1, self._failure(),
-                    self.ft.exchange_retries)
-        if self.manager is not None and self.manager.errored() is None:
-            self.manager.report_error(RuntimeError("another member's exchange failed (agree_on_exchange)"))
 
     # ---- pieces --------------------------------------------------------------------
 
@@ -877,21 +651,6 @@ class OuterLoop:
         torch.sub(g.to(device, non_blocking=True), local.to(device), out=buffer[:-2])
         return buffer
 
-    def _judge(self, p: _Pending) -> tuple[list[float], float, list[dict[str, Any]]]:
-        """Every receiver's verdict on every island's row (judging.RowJudge; the same on
-        every island): the weights to sum with, the tokens of the accepted rows, and the
-        refused ones (island, reason). A collective over the island."""
-        n = p.participants
-        table = (inspect_gather(p.gathered, self.codecs[p.fragment], self.manager, n)  # waits for the rows
-                 if p.gathered is not None else empty_table(n))
-        if table.shape[0] != n:  # a lost round's rows: nothing to judge (it will not commit)
-            table = empty_table(n)
-        global_sumsq = float(self.globals[p.fragment].detach().double().square().sum()) if self.is_bridge else 0.0
-        judged = self.judge.judge(table, self.layouts[p.fragment].numel, global_sumsq, self.step, p.replica_rank)
-        if judged.own_refused:  # this island's own row: it takes the federation's weights
-            p.reset, p.rejected = True, p.rejected or judged.own_refused
-        return judged.weights, judged.tokens, judged.refused
-
     def _outer_step(self, fragment: int, buffer: torch.Tensor, total: float) -> None:
         """The core's outer step on the agreed sum (from a GPU buffer: a device-to-host copy)."""
         assert self.core is not None, "only bridge ranks hold the global weights"
@@ -910,23 +669,6 @@ class OuterLoop:
         if self.codec_name == "auto" and self.codecs:
             return f"auto:{self.codecs[fragment].current}"  # type: ignore[attr-defined]
         return self.codec_name
-
-    def _exchange_bytes(self, p: _Pending) -> tuple[int, int]:
-        """(sent, received) bytes of the island's bridge ranks in this exchange: what they
-        handed to the cross-island collective, and what came back from the other islands
-        (their rows; with averaged moments also the moments' all-reduce)."""
-        sent, received = self._attempt_bytes(p)
-        totals = self._island_sums([float(sent + p.spent[0]), float(received + p.spent[1])])
-        return int(totals[0]), int(totals[1])
-
-    def _attempt_bytes(self, p: _Pending) -> tuple[int, int]:
-        """(sent, received) bytes of this bridge rank in the pending attempt of the exchange."""
-        sent = received = 0
-        if p.gathered is not None:
-            sent, received = p.gathered.sent, p.gathered.received
-        if p.state is not None:  # the rows of moments
-            sent, received = sent + p.state.sent, received + p.state.received
-        return sent, received
 
     # ---- checkpoint (DCP Stateful) -------------------------------------------------
 
@@ -956,13 +698,13 @@ class OuterLoop:
 
     # ---- island collectives --------------------------------------------------------
 
-    def _island_max(self, values: list[float]) -> list[float]:
+    def island_max(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(t, op=ReduceOp.MAX, group=self.group)
         return t.tolist()
 
-    def _island_sums(self, values: list[float]) -> list[float]:
+    def island_sums(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(t, group=self.group)

@@ -1,0 +1,339 @@
+"""A round's exchange, attempt by attempt: start it, judge its rows and sum the accepted
+ones, settle with every member whether it went through, and when a member died or a link
+broke in it, run it again with the members left in a new quorum (up to
+`exchange_retries` times), else lose the round on every island (docs/rounds.md, "When a
+member dies in the exchange").
+
+The outer loop (diloco.OuterLoop, the `AttemptsHost` here) plans the round and applies
+its outcome; this part moves the pending pseudo-gradient through the exchange
+(exchange.py, sums.py, agreement.py) and says how it went (`Tried`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.agreement import settle_exchange
+from archipelago.federation.auto_codec import AutoCodec
+from archipelago.federation.codecs import Codec
+from archipelago.federation.decoupled import OVERLAP_SCALE, Handoffs
+from archipelago.federation.exchange import (
+    Framing,
+    Gathered,
+    empty_table,
+    inspect_gather,
+    seconds_until_in,
+    start_gather,
+    wire_device,
+)
+from archipelago.federation.inner_state import InnerStateAverager, StateExchange
+from archipelago.federation.judging import RowJudge
+from archipelago.federation.layout import FlatLayout
+from archipelago.federation.outer_core import staleness_discount
+from archipelago.federation.policy import Membership, keeps_pending, retries_exchange
+from archipelago.federation.sums import finish_gather
+from archipelago.federation.trust import FederationKey
+
+log = logging.getLogger("archipelago.federation")
+
+
+@dataclass
+class Pending:
+    """An exchange started by `prepare` and finished by `perform`."""
+
+    fragment: int
+    buffer: torch.Tensor | None = None
+    reset: bool = False      # this island healed (or was rejected): discard its local progress
+    prepare_s: float = 0.0   # seconds prepare() blocked (quorum, healing, gather)
+    tokens: int = 0          # this island's tokens since the previous exchange
+    weight: float = 0.0
+    norm: float | None = None
+    rejected: str | None = None
+    gathered: Gathered | None = None  # the exchange's rows (bridge ranks)
+    exchanged: bool = False           # the island takes part in an exchange this round (all ranks)
+    participants: int = 0             # islands in the quorum (rows of the exchange)
+    replica_rank: int = -1            # this island's row
+    state: StateExchange | None = None  # the inner optimizer's moments (average_optimizer_state)
+    started: float = 0.0              # perf_counter when the exchange was handed to the network
+    waited: float = 0.0               # perf_counter when perform's wait for the rows returned
+    residue: torch.Tensor | None = None  # codec = "auto": top-k's residue this dense round carries
+    step: int = 0                     # the federation's outer step the round started from
+    joining: bool = False             # the island's join round (it sends nothing)
+    framing: Framing | None = None    # how this attempt's rows are framed (its quorum's id)
+    codec_state: dict[str, torch.Tensor] | None = None  # the codec's state before it encoded (a retry restores it)
+    spent: tuple[int, int] = (0, 0)   # (sent, received) bytes of attempts that failed (bridge rank's own)
+    total: torch.Tensor | None = None  # the exchange's sum, apart from `buffer` when a retry may resend it
+    overlapped: bool = False          # decoupled rounds: the island trains on while this exchange travels
+    staleness: int = 0                # decoupled rounds: outer steps its rows' base weights are behind
+    facts: list[tuple[float, float]] = field(default_factory=list)  # the members' agreement facts (decoupled)
+    midway: bool = False              # decoupled: judged and its second phase started halfway through the round
+    judged: Judged | None = None      # the receivers' verdicts on its rows, once judged
+    midway_s: float = 0.0             # seconds the island blocked for that, halfway through the round
+
+
+@dataclass
+class Tried:
+    """How the exchange of a round went, for its report (ExchangeAttempts.until_agreed)."""
+
+    decode_s: float = 0.0
+    refused: list[dict[str, Any]] = field(default_factory=list)
+    retries: int = 0       # exchanges run again with a new quorum
+    retry_s: float = 0.0   # from the first failed exchange to the end of the last
+    exposed_s: float = 0.0  # seconds the island waited for the exchange
+
+
+@dataclass
+class Judged:
+    """The receivers' verdicts on an exchange's rows (ExchangeAttempts.judge_rows)."""
+
+    weights: list[float]       # to sum each row with (0: refused or idle; discounted when stale)
+    tokens: float              # of the accepted rows
+    refused: list[dict[str, Any]]
+    divisor: float             # what the sum is divided by (the undiscounted weights)
+    decode_s: float            # seconds spent opening and judging the rows
+
+
+class AttemptsHost(Protocol):
+    """What the exchange's attempts read of the outer loop they belong to, and ask of it."""
+
+    ft: FaultToleranceConfig
+    manager: Any
+    key: FederationKey | None
+    step: int
+    codecs: list[Codec]
+    codec_name: str
+    auto: AutoCodec
+    inner_state: InnerStateAverager | None
+    handoffs: Handoffs | None
+    layouts: list[FlatLayout]
+    judge: RowJudge
+    is_bridge: bool
+    round_compute_s: float
+
+    @property
+    def globals(self) -> list[nn.Parameter]: ...
+
+    def island_max(self, values: list[float]) -> list[float]: ...
+
+    def island_sums(self, values: list[float]) -> list[float]: ...
+
+    def enter_quorum(self, again: bool = False) -> Membership: ...
+
+    def plan(self, m: Membership, joining: bool) -> Pending: ...
+
+
+class ExchangeAttempts:
+    """The exchange of the round in flight (`Pending`), attempt by attempt (see module doc)."""
+
+    def __init__(self, host: AttemptsHost) -> None:
+        self.host = host
+
+    def start(self, p: Pending, m: Membership, forge: str | None = None) -> None:
+        """Hand the pending pseudo-gradient (and moments) to the exchange of quorum `m`, in
+        frames signed for that quorum; the codec's state is kept first, for a retry."""
+        h = self.host
+        p.participants, p.replica_rank = m.participants, m.replica_rank
+        p.framing = Framing(h.key, int(h.manager._quorum_id or 0) if h.manager is not None else 0,
+                            h.step, p.fragment, h.ft.replica_id)
+        if p.exchanged and p.buffer is not None:
+            codec = h.codecs[p.fragment]
+            if h.ft.exchange_retries > 0:  # encoding moves error feedback; a retry starts from here
+                p.codec_state = {k: v.clone() for k, v in codec.state_dict().items()}
+            p.gathered = start_gather(h.manager, codec, p.buffer[:-2], p.tokens, p.weight,
+                                      replace(p.framing, forge=forge))
+        if h.inner_state is not None and p.exchanged:
+            device = torch.device("cpu") if h.ft.copy_pseudogradients_to_cpu else None
+            p.state = h.inner_state.start(p.fragment, p.weight > 0, h.manager, h.island_max, p.framing, device)
+
+    def until_agreed(self, p: Pending) -> tuple[Pending, Tried]:
+        """Finish the exchange; every member must agree that it went through, or all run it
+        again with a new quorum (up to exchange_retries times), else the round is lost."""
+        tried = Tried()
+        tried.decode_s, tried.refused = self._finish(p)
+        failed_at = 0.0
+        while p.exchanged:
+            agreed = not self._failed(p)
+            failed_at = failed_at or (0.0 if agreed else time.perf_counter())
+            if not retries_exchange(agreed, tried.retries, self.host.ft.exchange_retries):
+                if not agreed:
+                    self._lose_round(p)
+                break
+            tried.retries += 1
+            p = self._retry(p, tried.retries)
+            tried.decode_s, tried.refused = self._finish(p)
+        tried.retry_s = time.perf_counter() - failed_at if tried.retries else 0.0
+        return p, tried
+
+    def judge_rows(self, p: Pending) -> None:
+        """Wait for the rows and judge them (`p.judged`); in decoupled rounds every row of a
+        stale exchange is discounted alike (decoupled.py)."""
+        h = self.host
+        if p.gathered is not None:
+            p.gathered.work.wait()  # the network's share; opening and judging the rows is decode_s
+        judging = p.waited = time.perf_counter()
+        weights, tokens, refused = self._judge(p)
+        divisor = sum(weights)
+        if p.staleness:
+            factor = staleness_discount(p.staleness, h.ft.staleness_exponent, h.ft.max_staleness)
+            weights, divisor = [w * factor for w in weights], divisor if factor > 0 else 0.0
+        if p.state is not None and h.inner_state is not None:  # the moments of the islands it accepted
+            h.inner_state.judge_moments(p.state, weights, h.island_max)
+        p.judged = Judged(weights, tokens, refused, divisor, time.perf_counter() - judging)
+
+    def measure_link(self, p: Pending, carried: bool) -> None:
+        """codec = "auto": the link this exchange measured (AutoCodec.measure)."""
+        h = self.host
+        until_in = self._seconds_until_in(p) if p.gathered is not None else 0.0
+        h.auto.measure(h.codecs[p.fragment], p.gathered, p.residue, carried, until_in, p.waited, h.round_compute_s)
+
+    def exchange_bytes(self, p: Pending) -> tuple[int, int]:
+        """(sent, received) bytes of the island's bridge ranks in this exchange: what they
+        handed to the cross-island collective, and what came back from the other islands
+        (their rows; with averaged moments also the moments' all-reduce)."""
+        sent, received = self._attempt_bytes(p)
+        totals = self.host.island_sums([float(sent + p.spent[0]), float(received + p.spent[1])])
+        return int(totals[0]), int(totals[1])
+
+    # ---- one attempt ---------------------------------------------------------------
+
+    def _judge(self, p: Pending) -> tuple[list[float], float, list[dict[str, Any]]]:
+        """Every receiver's verdict on every island's row (judging.RowJudge; the same on
+        every island): the weights to sum with, the tokens of the accepted rows, and the
+        refused ones (island, reason). A collective over the island."""
+        h, n = self.host, p.participants
+        table = (inspect_gather(p.gathered, h.codecs[p.fragment], h.manager, n)  # waits for the rows
+                 if p.gathered is not None else empty_table(n))
+        if table.shape[0] != n:  # a lost round's rows: nothing to judge (it will not commit)
+            table = empty_table(n)
+        global_sumsq = float(h.globals[p.fragment].detach().double().square().sum()) if h.is_bridge else 0.0
+        judged = h.judge.judge(table, h.layouts[p.fragment].numel, global_sumsq, h.step, p.replica_rank)
+        if judged.own_refused:  # this island's own row: it takes the federation's weights
+            p.reset, p.rejected = True, p.rejected or judged.own_refused
+        return judged.weights, judged.tokens, judged.refused
+
+    def _finish(self, p: Pending) -> tuple[float, list[dict[str, Any]]]:
+        """Judge the rows (unless that was done halfway through the round) and sum the
+        accepted ones into the buffer: the decode seconds and the refused rows."""
+        h = self.host
+        if not p.exchanged:
+            return 0.0, []
+        if p.judged is None:
+            self.judge_rows(p)
+        judged = p.judged
+        assert judged is not None
+        decode_s = judged.decode_s
+        if p.gathered is not None and p.buffer is not None:
+            # The sum goes beside the pseudo-gradient when a retry may have to send that again
+            # (one more copy of the chunk during the exchange; exchange_retries = 0 saves it).
+            resent = h.ft.exchange_retries > 0 or h.handoffs is not None  # decoupled: a lost row is resent
+            p.total = torch.empty_like(p.buffer) if resent else p.buffer
+            decode_s += finish_gather(p.gathered, h.codecs[p.fragment], p.total, judged.weights, judged.tokens,
+                                      h.manager, h.ft.outer_aggregation == "trimmed_mean")
+            if p.staleness:  # the sum is divided by the undiscounted weights (OuterCore.weight)
+                p.total[-1] = judged.divisor if h.manager.errored() is None else 0.0
+        return decode_s, judged.refused
+
+    def _failed(self, p: Pending) -> bool:
+        """Settle with every member whether the exchange went through everywhere
+        (agreement.settle_exchange on each bridge rank's group), then over the island's
+        ranks: True when it failed somewhere. Only a failure of a member or link counts;
+        refused rows are a verdict every island reached alike."""
+        h = self.host
+        failed, p.facts = False, []
+        if h.manager is not None and p.framing is not None and p.exchanged:
+            device = p.buffer.device if p.buffer is not None else torch.device("cpu")
+            failed = settle_exchange(h.manager, p.framing, wire_device(h.manager, device),
+                                     [p.gathered, p.state.gathered if p.state is not None else None],
+                                     self._exchange_fraction(p), p.overlapped, p.facts)
+        return h.island_max([float(failed)])[0] > 0
+
+    def _exchange_fraction(self, p: Pending) -> float:
+        """Decoupled rounds: this exchange's seconds (from its start until its rows were in)
+        over this round's compute seconds, in OVERLAP_SCALE units (0: nothing to measure)."""
+        h = self.host
+        if h.handoffs is None or p.gathered is None or h.round_compute_s <= 0:
+            return 0.0
+        second = p.gathered.second.seconds() if p.gathered.second is not None else 0.0
+        return (self._seconds_until_in(p) + second) / h.round_compute_s * OVERLAP_SCALE
+
+    @staticmethod
+    def _seconds_until_in(p: Pending) -> float:
+        """From the exchange's start until its rows were in: the transport's thread stamped
+        that where it can, else the wait for them returned (`judge_rows`)."""
+        assert p.gathered is not None
+        return seconds_until_in(p.gathered.started or p.started, p.waited, p.gathered.done_at)
+
+    def _attempt_bytes(self, p: Pending) -> tuple[int, int]:
+        """(sent, received) bytes of this bridge rank in the pending attempt of the exchange."""
+        sent = received = 0
+        if p.gathered is not None:
+            sent, received = p.gathered.sent, p.gathered.received
+        if p.state is not None:  # the rows of moments
+            sent, received = sent + p.state.sent, received + p.state.received
+        return sent, received
+
+    # ---- after a failed attempt ------------------------------------------------------
+
+    def _retry(self, p: Pending, attempt: int) -> Pending:
+        """Run a failed exchange again with the members left: a new quorum through the usual
+        path (healing, state claims, fingerprints), the same pseudo-gradient, tokens and
+        weight, in frames signed for the new quorum. If the federation went on without this
+        island meanwhile (it healed), the round is planned again from the new quorum."""
+        h = self.host
+        log.warning("the exchange of outer step %d failed (%s); running it again with a new quorum "
+                    "(retry %d of %d, fault_tolerance.exchange_retries)", p.step + 1, self._failure(), attempt,
+                    h.ft.exchange_retries)
+        self._forget(p)
+        began = time.perf_counter()
+        m = h.enter_quorum(again=True)
+        log.info("outer step %d: a new quorum of %d island(s) after %.2f s; exchanging again", p.step + 1,
+                 m.participants, time.perf_counter() - began)
+        if not keeps_pending(m, p.step):
+            self._give_back(p)
+            if h.handoffs is not None:  # decoupled: it healed; the row after this one is void too
+                h.handoffs.sends_nothing = True
+            fresh = h.plan(m, p.joining)
+            fresh.prepare_s, fresh.started, fresh.spent = p.prepare_s, p.started, p.spent
+            return fresh
+        if h.codec_name == "auto" and p.buffer is not None:  # the members' collectives of a round, in order
+            h.auto.rechoose(h.codecs[p.fragment], p.buffer.device)
+        self.start(p, m)
+        return p
+
+    def _forget(self, p: Pending) -> None:
+        """What a failed attempt leaves: its bytes counted, the codec's state as it was before."""
+        sent, received = self._attempt_bytes(p)
+        p.spent = (p.spent[0] + sent, p.spent[1] + received)
+        if p.codec_state is not None:
+            self.host.codecs[p.fragment].load_state_dict(p.codec_state)
+        p.gathered, p.state, p.total, p.judged = None, None, None, None
+
+    def _give_back(self, p: Pending) -> None:
+        """A round abandoned for a new plan: top-k's residue it took goes back to the codec."""
+        if p.residue is not None:
+            self.host.codecs[p.fragment].give_back(p.residue)  # type: ignore[attr-defined]
+            p.residue = None
+
+    def _lose_round(self, p: Pending) -> None:
+        """The exchange failed somewhere and no retry is left: no island of the federation
+        commits this round (the manager's error makes this island's vote say no)."""
+        manager = self.host.manager
+        log.warning("the exchange of outer step %d failed (%s) and no retry is left "
+                    "(fault_tolerance.exchange_retries = %d): the round is lost", p.step + 1, self._failure(),
+                    self.host.ft.exchange_retries)
+        if manager is not None and manager.errored() is None:
+            manager.report_error(RuntimeError("another member's exchange failed (agree_on_exchange)"))
+
+    def _failure(self) -> str:
+        manager = self.host.manager
+        error = manager.errored() if manager is not None else None
+        cause = getattr(error, "original_exception", error)
+        return f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}" if cause is not None else \
+            "it failed on another bridge rank or island"
