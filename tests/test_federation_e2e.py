@@ -50,6 +50,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow (CI runs it)
 @pytest.mark.timeout(600)
 def test_islands_of_two_and_one_ranks_match_one_and_one(tmp_path):
     from archipelago.config import load_config
@@ -81,6 +82,7 @@ def test_islands_of_two_and_one_ranks_match_one_and_one(tmp_path):
         torch.testing.assert_close(ma[name], mc[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow (CI runs it)
 @pytest.mark.timeout(600)
 def test_decoupled_rounds_on_a_two_rank_island_train_the_simulators_weights(tmp_path):
     from archipelago.config import load_config
@@ -180,7 +182,7 @@ def _records(island_dir: Path, event: str) -> list[dict]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["synchronous", "decoupled"])
+@pytest.mark.parametrize("mode", ["synchronous", pytest.param("decoupled", marks=pytest.mark.slow)])  # make test-slow
 def test_killed_island_heals_from_a_live_peer_and_all_end_equal(islands, tmp_path, monkeypatch, mode):
     # With a federation key: the restarted island signs its request, the peer its answer.
     # Decoupled: every exchange overlaps the next round; the restarted island resumes from a

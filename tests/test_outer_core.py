@@ -83,6 +83,7 @@ def _tiny(mode: str, steps: int = 12):  # noqa: ANN202 - a Config
                         "--fault_tolerance.round_mode", mode])
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow (CI runs it)
 @pytest.mark.timeout(300)
 def test_decoupled_rounds_without_delay_are_the_synchronous_round_bit_for_bit(shakespeare):
     from archipelago.simulation import simulate

@@ -239,6 +239,7 @@ def test_wan_bench_codec_auto_runs_auto_without_and_with_streaming(monkeypatch):
         wan.parse_args(["--codec", "auto", "--sync-steps", "6"])
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow (CI runs it)
 @pytest.mark.timeout(300)
 def test_decoupled_rounds_on_the_platform_train_the_simulators_weights(tmp_path):
     from archipelago.config import load_config
@@ -275,6 +276,7 @@ def test_decoupled_rounds_on_the_platform_train_the_simulators_weights(tmp_path)
     assert sum(e["overlap_s"] > 0 for e in steps) >= 3  # the exchanges overlapped inner steps
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: make test-slow (CI runs it)
 @pytest.mark.timeout(300)
 def test_decoupled_reduce_scatter_runs_its_second_phase_midway_and_trains_the_simulators_weights(tmp_path):
     from archipelago.config import load_config
