@@ -15,7 +15,6 @@ size, ratio first (arrived, against the smallest size's).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -26,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import where_measured, write_json  # noqa: E402
+from harness import gloo_ranks, where_measured, write_json  # noqa: E402
 
 RANKS, DEAD = 4, 2
 
@@ -63,26 +62,7 @@ def _rank(rank: int, port: int, size: int, kill_s: float, keep_s: float, results
 
 def run_once(size: int, kill_s: float, keep_s: float) -> int:
     """Survivor-to-survivor rows that arrived whole (of 6)."""
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    procs = [context.Process(target=_rank, args=(r, store.port, size, kill_s, keep_s, results))
-             for r in range(RANKS)]
-    for proc in procs:
-        proc.start()
-    found: dict[int, int] = {}
-    try:
-        while len(found) < RANKS - 1:
-            rank, count = results.get(timeout=keep_s + 90)
-            found[rank] = count
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive() and proc.pid is not None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.join(timeout=10)
+    found = gloo_ranks(_rank, RANKS, (size, kill_s, keep_s), expected=RANKS - 1, result_timeout_s=keep_s + 90)
     return sum(found.values())
 
 

@@ -15,7 +15,6 @@ rank 0's wait failed, per setting (median over `--repeats`), ratio first.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import signal
 import statistics
@@ -27,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import where_measured, write_json  # noqa: E402
+from harness import gloo_ranks, where_measured, write_json  # noqa: E402
 
 
 def _rank(rank: int, port: int, keep: bool, hold_s: float, results: Any) -> None:
@@ -58,25 +57,8 @@ def _rank(rank: int, port: int, keep: bool, hold_s: float, results: Any) -> None
 
 def run_once(keep: bool, hold_s: float) -> float | None:
     """Seconds until rank 0's wait failed (None: it did not fail within the run)."""
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    procs = [context.Process(target=_rank, args=(r, store.port, keep, hold_s, results)) for r in range(4)]
-    for proc in procs:
-        proc.start()
-    found: dict[int, float | None] = {}
-    try:
-        while len(found) < 3:
-            rank, seconds = results.get(timeout=hold_s + 60)
-            found[rank] = seconds
-    finally:
-        for proc in procs:
-            proc.join(timeout=hold_s + 10)
-            if proc.is_alive() and proc.pid is not None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.join(timeout=10)
+    found = gloo_ranks(_rank, 4, (keep, hold_s), expected=3, result_timeout_s=hold_s + 60,
+                       join_timeout_s=hold_s + 10)
     return found.get(0)
 
 

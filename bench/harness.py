@@ -132,6 +132,36 @@ def stop_all(procs: Sequence[Proc], token: str) -> None:
     kill_token(token)
 
 
+def gloo_ranks(target: Callable[..., None], ranks: int, args: tuple[Any, ...], expected: int,
+               result_timeout_s: float, join_timeout_s: float = 10.0) -> dict[int, Any]:
+    """Run `target(rank, store_port, *args, results)` in `ranks` spawned processes that meet
+    on one TCPStore (torchft's gloo groups rendezvous on it), and collect `expected`
+    `(rank, value)` pairs from the `results` queue, waiting at most `result_timeout_s` for
+    each. Every process is joined, or killed by PID, before this returns or raises."""
+    import multiprocessing as mp
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    procs = [context.Process(target=target, args=(rank, store.port, *args, results)) for rank in range(ranks)]
+    for proc in procs:
+        proc.start()
+    found: dict[int, Any] = {}
+    try:
+        while len(found) < expected:
+            rank, value = results.get(timeout=result_timeout_s)
+            found[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=join_timeout_s)
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(timeout=10)
+    return found
+
+
 def log_tail(path: Path, lines: int = 15) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
