@@ -38,6 +38,7 @@ from archipelago.federation.judging import RowJudge
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.outer_core import staleness_discount
 from archipelago.federation.policy import Membership, keeps_pending, retries_exchange
+from archipelago.federation.round_book import RoundBook
 from archipelago.federation.sums import finish_gather
 from archipelago.federation.trust import FederationKey
 
@@ -115,7 +116,7 @@ class AttemptsHost(Protocol):
     layouts: list[FlatLayout]
     judge: RowJudge
     is_bridge: bool
-    round_compute_s: float
+    book: RoundBook
 
     @property
     def globals(self) -> list[nn.Parameter]: ...
@@ -191,7 +192,7 @@ class ExchangeAttempts:
         """codec = "auto": the link this exchange measured (AutoCodec.measure)."""
         h = self.host
         until_in = self._seconds_until_in(p) if p.gathered is not None else 0.0
-        h.auto.measure(h.codecs[p.fragment], p.gathered, p.residue, carried, until_in, p.waited, h.round_compute_s)
+        h.auto.measure(h.codecs[p.fragment], p.gathered, p.residue, carried, until_in, p.waited, h.book.compute_s)
 
     def exchange_bytes(self, p: Pending) -> tuple[int, int]:
         """(sent, received) bytes of the island's bridge ranks in this exchange: what they
@@ -258,10 +259,10 @@ class ExchangeAttempts:
         """Decoupled rounds: this exchange's seconds (from its start until its rows were in)
         over this round's compute seconds, in OVERLAP_SCALE units (0: nothing to measure)."""
         h = self.host
-        if h.handoffs is None or p.gathered is None or h.round_compute_s <= 0:
+        if h.handoffs is None or p.gathered is None or h.book.compute_s <= 0:
             return 0.0
         second = p.gathered.second.seconds() if p.gathered.second is not None else 0.0
-        return (self._seconds_until_in(p) + second) / h.round_compute_s * OVERLAP_SCALE
+        return (self._seconds_until_in(p) + second) / h.book.compute_s * OVERLAP_SCALE
 
     @staticmethod
     def _seconds_until_in(p: Pending) -> float:

@@ -42,7 +42,7 @@ import hashlib
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -54,7 +54,7 @@ from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.attempts import ExchangeAttempts, Pending, Tried
 from archipelago.federation.auto_codec import AutoCodec
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
-from archipelago.federation.decoupled import Handoffs
+from archipelago.federation.decoupled_rounds import DecoupledRounds
 from archipelago.federation.fragments import load_tensor_state, tensor_state
 from archipelago.federation.guard import DIE_IN_EXCHANGE, FORGE_KINDS, Poison, UpdateGuard
 from archipelago.federation.healing import Healing, digest
@@ -71,11 +71,10 @@ from archipelago.federation.policy import (
     merges_local,
     must_wait,
     plan_round,
-    round_is_up,
     skips_exchange,
 )
 from archipelago.federation.quorum import Quorum
-from archipelago.federation.sums import start_sums
+from archipelago.federation.round_book import OuterReport, RoundBook
 from archipelago.federation.trust import FederationKey
 
 log = logging.getLogger("archipelago.federation")
@@ -87,43 +86,6 @@ HASH_EVERY_ROUND_MAX_NUMEL = 1 << 26
 
 class FederationError(RuntimeError):
     """The federation cannot go on (e.g. too many rounds in a row failed to commit)."""
-
-
-@dataclass
-class OuterReport:
-    """What one synchronisation did; logged as an `outer_step` event."""
-
-    step: int = 0                 # inner step at which the round ended
-    outer_step: int = 0           # the federation's step count after this round
-    committed: bool = False
-    participants: int = 0         # islands in the quorum
-    contributors: float = 0.0     # sum of contribution weights (islands that sent progress)
-    fragment: int = 0
-    healed: bool = False          # this island received the global state from a peer
-    bytes_sent: int = 0           # rows this island handed to the cross-island exchange
-    sync_s: float = 0.0           # seconds spent blocked in the synchronisation (waiting at the outer step)
-    inner_steps: int = 0          # inner steps this island ran in the round
-    tokens: int = 0               # tokens this island trained in the round
-    compute_s: float = 0.0        # seconds of those inner steps (emulated slowdown included)
-    weight: float = 0.0           # this island's weight in the average (0: sent no update)
-    federation_tokens: int = 0    # tokens trained by the whole federation, after this round
-    norm: float | None = None     # norm of this island's pseudo-gradient (None: not checked)
-    rejected: str | None = None   # why this island's update was kept out (its own guard or the receivers)
-    refused: list[dict[str, Any]] = field(default_factory=list)  # rows every receiver refused: island, reason
-    codec: str = "fp32"
-    bytes_received: int = 0       # what this island got back from the other islands' exchange
-    encode_s: float = 0.0         # seconds encoding (and signing) this island's row
-    decode_s: float = 0.0         # seconds opening, judging and summing the rows
-    overlap_s: float = 0.0        # inner-step seconds that ran while the exchange was in flight
-    exposed_s: float = 0.0        # seconds the island then still waited for the exchange
-    untimed_s: float = 0.0        # seconds of evaluation and checkpointing in the round (busy, not training)
-    global_hash: str | None = None
-    retries: int = 0              # exchanges of this round run again, with a new quorum, after a member failed
-    retry_s: float = 0.0          # seconds from the first failed exchange to the end of the last (mostly: the
-                                  # lighthouse dropping the dead member after its heartbeat timeout)
-    # Time pacing: the seconds from the round's start at each inner step's end, what
-    # round_is_up decided on (this rank's clock), so that a recorded run can be replayed.
-    pacing_elapsed_s: list[float] | None = None
 
 
 class OuterLoop:
@@ -170,17 +132,13 @@ class OuterLoop:
         self.last_committed = False  # its last round committed ("current" in its state claim)
         self._digest: str | None = None  # chunk_digest()'s, until the global weights change
         self.guard = UpdateGuard(ft.outer_norm_limit, len(fragments))
-        self.round_tokens = 0             # this island's tokens since the last exchange
-        self.fragment_tokens = [0] * len(fragments)  # ... since each fragment's last exchange
-        self.round_steps, self.round_compute_s, self.round_untimed_s = 0, 0.0, 0.0
-        self.round_elapsed: list[float] = []
+        self.book = RoundBook(ft, len(fragments), self.island_max)  # the round in progress, its record
         self.federation_tokens = 0        # tokens the whole federation trained (at the last outer step)
         self.tokens_ratio = float(ft.group_size)  # federation tokens per own token, last round
         self._scale_inner_batch()
-        self.round_start = self._last_step_end = time.monotonic()
         # Decoupled rounds (decoupled.py): the base weights and the decisions every island shares.
-        self.handoffs = Handoffs(ft.overlap_threshold) if ft.round_mode == "decoupled" else None
-        self.early_reports: list[OuterReport] = []  # a round end that finished two exchanges: the first
+        self.decoupled = DecoupledRounds(self) if ft.round_mode == "decoupled" else None
+        self.handoffs = self.decoupled.handoffs if self.decoupled is not None else None
         self.save_global()  # collective: the initial weights are the first global weights
         if not ft.init_sync:  # islands start from their own weights: peers check they are the same
             self.fingerprint = dict(fingerprint, start=f"own weights {self.global_hash()}")  # collective
@@ -216,96 +174,42 @@ class OuterLoop:
         of that step and its compute seconds; returns a report when a round ends."""
         self.local_step += 1
         self.inner_step = inner_step
-        self.round_tokens += tokens
-        self.fragment_tokens = [t + tokens for t in self.fragment_tokens]
-        self.round_steps += 1
-        self.round_compute_s += compute_s
-        if self._midway_due():
-            self._judge_midway()
+        self.book.count_step(tokens, compute_s)
+        if self.decoupled is not None and self.decoupled.midway_due():
+            self.decoupled.judge_midway()
         if self.ft.round_pacing == "time":
-            if not self._time_is_up():
+            if not self.book.time_is_up(self.local_step):
                 return None
         else:
-            if self.handoffs is None and self.local_step == self.per_fragment - self.delay:
+            if self.decoupled is None and self.local_step == self.per_fragment - self.delay:
                 self.prepare()
             if self.local_step < self.per_fragment:
                 return None
         self.local_step = 0
-        if self.handoffs is not None:
-            return self._decoupled_round_end(inner_step)
+        if self.decoupled is not None:
+            return self.decoupled.round_end(inner_step)
         if self.pending is None:  # time pacing: the exchange starts at the round's end
             self.prepare()
         return self.perform(inner_step)
 
-    def _decoupled_round_end(self, inner_step: int) -> OuterReport | None:
-        """Decoupled rounds: finish the exchange that overlapped this round (its outer
-        step), hand off this round's pseudo-gradient, then wait for it or, when the members
-        agreed that exchanges overlap, train on from the global weights minus it."""
-        earlier = self.perform(inner_step) if self.pending is not None else None
-        self.prepare()
-        p = self.pending
-        assert self.handoffs is not None and p is not None
-        if self.handoffs.overlaps and p.exchanged:
-            self._hand_off(p)
-            if earlier is None:  # the first overlapped hand-off: no report, but a new round all the same
-                self._start_round_clock()
-            return earlier
-        if earlier is not None:
-            self.early_reports.append(earlier)
-        return self.perform(inner_step)
-
-    def _hand_off(self, p: Pending) -> None:
-        """The island trains on while `p`'s exchange travels: from the global weights minus
-        its own pseudo-gradient in it (OuterCore.rebased; the global weights alone when it
-        sends nothing), which become its base."""
-        assert self.handoffs is not None
-        p.overlapped = True
-        two_phase = p.gathered is not None and p.gathered.segments is not None  # bridge ranks know it
-        p.midway = self.island_max([float(two_phase)])[0] > 0
-        own = [p.buffer[:-2]] if p.buffer is not None and p.weight > 0 else []
-        new = self.core.rebased(p.fragment, own) if self.core is not None else None
-        self.layouts[p.fragment].scatter(new)
-        if new is not None:
-            self.handoffs.rebase(p.fragment, new)
-
     def finish_rounds(self, inner_step: int) -> OuterReport | None:
-        """Decoupled rounds, at the end of the run (every island at the same round end):
-        the exchange still in flight enters, and the island takes the global weights."""
-        if self.pending is None or not self.pending.overlapped:
-            return None
-        fragment = self.pending.fragment
-        report = self.perform(inner_step)
-        self._take_global(fragment)
-        return report
+        """Decoupled rounds, at the end of the run: the exchange still in flight enters, and
+        the island takes the global weights (DecoupledRounds.finish)."""
+        return self.decoupled.finish(inner_step) if self.decoupled is not None else None
 
-    def _take_global(self, fragment: int) -> None:
-        """Decoupled rounds: the island continues from the global weights, nothing in flight."""
-        new = self.globals[fragment].detach() if self.is_bridge else None
-        self.layouts[fragment].scatter(new)
-        if new is not None and self.handoffs is not None:
-            self.handoffs.rebase(fragment, new)
+    @property
+    def early_reports(self) -> list[OuterReport]:
+        """Decoupled rounds: the first report of a round end that finished two exchanges."""
+        return self.decoupled.early_reports if self.decoupled is not None else []
 
     def add_untimed(self, seconds: float) -> None:
         """Count evaluation or checkpoint seconds of this round (reported as `untimed_s`)."""
-        self.round_untimed_s += seconds
+        self.book.add_untimed(seconds)
 
     def federation_tokens_estimate(self) -> float:
         """Tokens the whole federation has trained by now: the count at the last outer
         step plus this island's tokens since, scaled by last round's federation/own ratio."""
-        return self.federation_tokens + self.round_tokens * self.tokens_ratio
-
-    def _time_is_up(self) -> bool:
-        """Time pacing: end the round now? (policy.round_is_up; all ranks must agree)"""
-        now = time.monotonic()
-        step_s, self._last_step_end = now - self._last_step_end, now
-        self.round_elapsed.append(now - self.round_start)
-        ft = self.ft
-        up = round_is_up(self.local_step, ft.min_inner_steps, ft.max_inner_steps, now - self.round_start,
-                         step_s, ft.round_seconds)
-        if self.local_step >= ft.max_inner_steps or self.local_step < ft.min_inner_steps:
-            return up  # decided by step counts alone: the same on every rank
-        # Clocks differ between ranks: a tiny all-reduce per inner step (multi-rank islands only).
-        return self.island_max([float(up)])[0] > 0
+        return self.federation_tokens + self.book.tokens * self.tokens_ratio
 
     def aligned_inner_step(self) -> int:
         """After healing: the inner step of the peer this island healed from. (Decoupled
@@ -364,19 +268,10 @@ class OuterLoop:
                 report = self.perform(self.inner_step)
                 if report.committed:
                     self.local_step = 0
-                    if self.handoffs is not None and self.handoffs.overlaps:
-                        self._join_overlapping()
+                    if self.decoupled is not None:
+                        self.decoupled.join_overlapping()
                     return report
             time.sleep(0.5)
-
-    def _join_overlapping(self) -> None:
-        """Decoupled rounds that overlap: the members start their next exchange at the
-        round end that let this island in, so it starts one too, sending nothing, and
-        finishes it at its first round end as they do (it stays in step with them)."""
-        if self.prepare(joining=True) and self.pending is not None and self.pending.exchanged:
-            self._hand_off(self.pending)
-        elif self.pending is not None:
-            self.perform(self.inner_step)
 
     def prepare(self, joining: bool = False, need: int = 1) -> bool:
         """Join the quorum (healing if behind) and start averaging one fragment.
@@ -420,15 +315,15 @@ class OuterLoop:
             log.warning("ARCHIPELAGO_FAULT: poisoning this island's update (%s) in outer step %d",
                         corrupt.kind, self.step + 1)
             corrupt.apply(buffer[:-2])
-        pending = Pending(fragment, reset=plan.reset, tokens=self.round_tokens, step=self.step, joining=joining,
+        tokens, fragment_tokens = self.book.take_tokens(fragment)
+        pending = Pending(fragment, reset=plan.reset, tokens=tokens, step=self.step, joining=joining,
                            staleness=int(self.handoffs.stale) if self.handoffs is not None else 0)
         pending.exchanged = not skips_exchange(joining, self.step, self.ft.init_sync)
         if pending.exchanged and buffer is not None and self.codec_name == "auto":  # before the guard sees it
             pending.residue = self.auto.choose(self.codecs[fragment], buffer, plan.contributes)
         verdict = self._guard(fragment, buffer, pending) if plan.contributes else Verdict(True)
-        pending.weight = contribution_weight(self.ft.outer_weighting, self.fragment_tokens[fragment],
+        pending.weight = contribution_weight(self.ft.outer_weighting, fragment_tokens,
                                              plan.contributes, verdict.accepted)
-        self.round_tokens, self.fragment_tokens[fragment] = 0, 0
         if buffer is not None:
             if not pending.weight:  # nothing of this island enters the average
                 buffer[:-2].zero_()
@@ -500,10 +395,10 @@ class OuterLoop:
             for i, layout in enumerate(self.layouts):
                 if i != p.fragment:
                     layout.scatter(self.globals[i].detach() if self.is_bridge else None)
-            self.fragment_tokens = [0] * len(self.fragment_tokens)
+            self.book.forget_fragments()
         self._count_round(p, result)
         report = self._report(p, inner_step, result, tried, blocked_since)
-        self._start_round_clock()
+        self.book.start_clock()
         return report
 
     def _vote(self, p: Pending) -> tuple[RoundResult, bool]:
@@ -525,10 +420,10 @@ class OuterLoop:
         local = self.layouts[p.fragment].gather() if merge and not p.overlapped else None
         if p.buffer is not None and applies_outer_step(result):  # bridge ranks
             self._outer_step(p.fragment, p.buffer, result.total_weight)
-        if self.handoffs is not None and p.exchanged:
-            self._settle_handoffs(p, applies_outer_step(result))
-        if p.overlapped:  # the island trained on: its weights are not the global ones
-            self._after_overlapped(p, own, result.committed)
+        if self.decoupled is not None and p.exchanged:
+            self.decoupled.settle(p, applies_outer_step(result))
+        if self.decoupled is not None and p.overlapped:  # the island trained on: its weights are not the global ones
+            self.decoupled.after_overlapped(p, own, result.committed)
             return
         new = self.core.island_weights(p.fragment, local) if self.core is not None else None  # bridge ranks
         self.layouts[p.fragment].scatter(new)
@@ -551,78 +446,19 @@ class OuterLoop:
                 blocked_since: float) -> OuterReport:
         """The round's record; the round's counters start again."""
         sent, received = self.attempts.exchange_bytes(p)
-        report = OuterReport(step=inner_step, outer_step=self.step, committed=result.committed,
-                             participants=result.participants, contributors=result.total_weight,
-                             fragment=p.fragment, healed=self.healed, bytes_sent=sent,
-                             sync_s=p.prepare_s + p.midway_s + time.perf_counter() - blocked_since,
-                             inner_steps=self.round_steps, tokens=p.tokens, compute_s=self.round_compute_s,
-                             weight=p.weight, federation_tokens=self.federation_tokens, norm=p.norm,
-                             rejected=p.rejected, refused=tried.refused, codec=self._codec_label(p.fragment),
-                             bytes_received=received,
-                             encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=tried.decode_s,
-                             overlap_s=blocked_since - p.started, exposed_s=tried.exposed_s,
-                             untimed_s=self.round_untimed_s,
-                             retries=tried.retries, retry_s=tried.retry_s,
-                             pacing_elapsed_s=self.round_elapsed if self.ft.round_pacing == "time" else None)
-        self.round_steps, self.round_compute_s, self.round_untimed_s = 0, 0.0, 0.0
-        self.round_elapsed = []
+        report = self.book.close(step=inner_step, outer_step=self.step, committed=result.committed,
+                                 participants=result.participants, contributors=result.total_weight,
+                                 fragment=p.fragment, healed=self.healed, bytes_sent=sent,
+                                 sync_s=p.prepare_s + p.midway_s + time.perf_counter() - blocked_since,
+                                 tokens=p.tokens, weight=p.weight, federation_tokens=self.federation_tokens,
+                                 norm=p.norm, rejected=p.rejected, refused=tried.refused,
+                                 codec=self._codec_label(p.fragment), bytes_received=received,
+                                 encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=tried.decode_s,
+                                 overlap_s=blocked_since - p.started, exposed_s=tried.exposed_s,
+                                 retries=tried.retries, retry_s=tried.retry_s)
         if self.numel <= HASH_EVERY_ROUND_MAX_NUMEL:
             report.global_hash = self.global_hash()
         return report
-
-    def _start_round_clock(self) -> None:
-        """A round starts now (time pacing measures its seconds from here)."""
-        self.round_start = self._last_step_end = time.monotonic()
-
-    def _settle_handoffs(self, p: Pending, applied: bool) -> None:
-        """Decoupled rounds: every island's decisions from the members' agreement facts
-        (the bridge ranks hold them; combined over the island, so all ranks decide alike)."""
-        assert self.handoffs is not None
-        overlapped, overlaps = self.handoffs.decide(p.facts) if self.is_bridge else (False, False)
-        shared = self.island_max([float(overlapped), float(overlaps)])
-        self.handoffs.settle(shared[0] > 0, shared[1] > 0, applied)
-
-    def _after_overlapped(self, p: Pending, own: torch.Tensor | None, committed: bool) -> None:
-        """Decoupled rounds, an overlapped exchange finished: its outer step is in the
-        global weights, the island's weights moved on. Lost, its row is sent again with the
-        next one; refused by the receivers, the island takes the global weights and its next
-        row is void (it was trained from the refused one)."""
-        assert self.handoffs is not None
-        if not committed and own is not None and p.weight > 0:
-            self.handoffs.lost(p.fragment, own[:-2])
-        if p.reset and p.weight > 0:
-            self._take_global(p.fragment)
-            self.handoffs.sends_nothing = True
-
-    def _midway_due(self) -> bool:
-        """Decoupled rounds whose exchange is the reduce-scatter: judge its rows and start its
-        second phase now? Halfway through the round (in inner steps; under time pacing in
-        seconds, agreed over the island's ranks), so that each phase has half a round to
-        travel while the island trains (they move about the same bytes)."""
-        p = self.pending
-        if p is None or not p.midway or p.judged is not None:
-            return False
-        if self.ft.round_pacing != "time":
-            return self.local_step == max(1, self.per_fragment // 2)
-        half = time.monotonic() - self.round_start >= self.ft.round_seconds / 2
-        return self.island_max([float(half)])[0] > 0
-
-    def _judge_midway(self) -> None:
-        """Judge the rows of the exchange in flight (waiting for the first phase if it is not
-        in yet) and start its second phase; the round's end then waits only for that."""
-        p = self.pending
-        assert p is not None
-        began = time.perf_counter()
-        self.attempts.judge_rows(p)
-        assert p.judged is not None
-        if p.gathered is not None and p.gathered.segments is not None and p.buffer is not None:
-            # (another bridge rank's chunk may have taken the reduce-scatter and this one not)
-            start_sums(p.gathered, self.codecs[p.fragment], p.judged.weights, self.manager, p.buffer.device,
-                       self.ft.outer_aggregation == "trimmed_mean")
-        p.midway_s = time.perf_counter() - began
-        self._last_step_end = time.monotonic()  # time pacing: the block is not an inner step's length
-        log.info("outer step %d: rows judged halfway through the round (%.2f s blocked); the second phase "
-                 "travels while the island trains", p.step + 1, p.midway_s)
 
     # ---- pieces --------------------------------------------------------------------
 
@@ -727,10 +563,3 @@ def _codec_state(codec: Codec) -> dict[str, Any]:
     """The codec's state for a checkpoint, under "codec" (nothing for stateless codecs)."""
     state = codec.state_dict()
     return {"codec": state} if state else {}
-
-
-def report_record(report: OuterReport) -> dict[str, Any]:
-    record = asdict(report)
-    if record["pacing_elapsed_s"] is None:  # steps-paced rounds: nothing to replay
-        del record["pacing_elapsed_s"]
-    return record

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.diloco import OuterLoop, OuterReport, report_record
+from archipelago.federation.diloco import OuterLoop
+from archipelago.federation.round_book import OuterReport, report_record
 
 
 class IslandHooks(Protocol):

@@ -1,0 +1,177 @@
+"""The outer loop's decoupled rounds (`fault_tolerance.round_mode = "decoupled"`,
+docs/rounds.md): at a round's end, finish the exchange that overlapped the round just
+trained, hand off the new pseudo-gradient and train on; halfway through a round, judge the
+rows of a two-phase exchange and start its second phase.
+
+`Handoffs` (decoupled.py) holds the island's base weights and the decisions every island
+shares; this part drives them from the outer loop (diloco.OuterLoop, the `DecoupledHost`
+here), which runs the exchanges themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.attempts import ExchangeAttempts, Pending
+from archipelago.federation.codecs import Codec
+from archipelago.federation.decoupled import Handoffs
+from archipelago.federation.layout import FlatLayout
+from archipelago.federation.outer_core import OuterCore
+from archipelago.federation.round_book import OuterReport, RoundBook
+from archipelago.federation.sums import start_sums
+
+log = logging.getLogger("archipelago.federation")
+
+
+class DecoupledHost(Protocol):
+    """What decoupled rounds read of the outer loop, and ask of it."""
+
+    ft: FaultToleranceConfig
+    manager: Any
+    pending: Pending | None
+    core: OuterCore | None
+    codecs: list[Codec]
+    layouts: list[FlatLayout]
+    attempts: ExchangeAttempts
+    book: RoundBook
+    is_bridge: bool
+    per_fragment: int
+    local_step: int
+    inner_step: int
+
+    @property
+    def globals(self) -> list[nn.Parameter]: ...
+
+    def island_max(self, values: list[float]) -> list[float]: ...
+
+    def prepare(self, joining: bool = False, need: int = 1) -> bool: ...
+
+    def perform(self, inner_step: int) -> OuterReport: ...
+
+
+class DecoupledRounds:
+    """One island's decoupled rounds, driven by its outer loop (see module doc)."""
+
+    def __init__(self, host: DecoupledHost) -> None:
+        self.host = host
+        self.handoffs = Handoffs(host.ft.overlap_threshold)
+        self.early_reports: list[OuterReport] = []  # a round end that finished two exchanges: the first
+
+    def round_end(self, inner_step: int) -> OuterReport | None:
+        """Finish the exchange that overlapped this round (its outer step), hand off this
+        round's pseudo-gradient, then wait for it or, when the members agreed that
+        exchanges overlap, train on from the global weights minus it."""
+        h = self.host
+        earlier = h.perform(inner_step) if h.pending is not None else None
+        h.prepare()
+        p = h.pending
+        assert p is not None
+        if self.handoffs.overlaps and p.exchanged:
+            self.hand_off(p)
+            if earlier is None:  # the first overlapped hand-off: no report, but a new round all the same
+                h.book.start_clock()
+            return earlier
+        if earlier is not None:
+            self.early_reports.append(earlier)
+        return h.perform(inner_step)
+
+    def hand_off(self, p: Pending) -> None:
+        """The island trains on while `p`'s exchange travels: from the global weights minus
+        its own pseudo-gradient in it (OuterCore.rebased; the global weights alone when it
+        sends nothing), which become its base."""
+        h = self.host
+        p.overlapped = True
+        two_phase = p.gathered is not None and p.gathered.segments is not None  # bridge ranks know it
+        p.midway = h.island_max([float(two_phase)])[0] > 0
+        own = [p.buffer[:-2]] if p.buffer is not None and p.weight > 0 else []
+        new = h.core.rebased(p.fragment, own) if h.core is not None else None
+        h.layouts[p.fragment].scatter(new)
+        if new is not None:
+            self.handoffs.rebase(p.fragment, new)
+
+    def finish(self, inner_step: int) -> OuterReport | None:
+        """At the end of the run (every island at the same round end): the exchange still in
+        flight enters, and the island takes the global weights."""
+        h = self.host
+        if h.pending is None or not h.pending.overlapped:
+            return None
+        fragment = h.pending.fragment
+        report = h.perform(inner_step)
+        self.take_global(fragment)
+        return report
+
+    def take_global(self, fragment: int) -> None:
+        """The island continues from the global weights, nothing in flight."""
+        h = self.host
+        new = h.globals[fragment].detach() if h.is_bridge else None
+        h.layouts[fragment].scatter(new)
+        if new is not None:
+            self.handoffs.rebase(fragment, new)
+
+    def join_overlapping(self) -> None:
+        """When exchanges overlap, the members start their next exchange at the round end
+        that let this island in, so it starts one too, sending nothing, and finishes it at
+        its first round end as they do (it stays in step with them)."""
+        h = self.host
+        if not self.handoffs.overlaps:
+            return
+        if h.prepare(joining=True) and h.pending is not None and h.pending.exchanged:
+            self.hand_off(h.pending)
+        elif h.pending is not None:
+            h.perform(h.inner_step)
+
+    def settle(self, p: Pending, applied: bool) -> None:
+        """Every island's decisions from the members' agreement facts (the bridge ranks hold
+        them; combined over the island, so all ranks decide alike)."""
+        h = self.host
+        overlapped, overlaps = self.handoffs.decide(p.facts) if h.is_bridge else (False, False)
+        shared = h.island_max([float(overlapped), float(overlaps)])
+        self.handoffs.settle(shared[0] > 0, shared[1] > 0, applied)
+
+    def after_overlapped(self, p: Pending, own: torch.Tensor | None, committed: bool) -> None:
+        """An overlapped exchange finished: its outer step is in the global weights, the
+        island's weights moved on. Lost, its row is sent again with the next one; refused by
+        the receivers, the island takes the global weights and its next row is void (it was
+        trained from the refused one)."""
+        if not committed and own is not None and p.weight > 0:
+            self.handoffs.lost(p.fragment, own[:-2])
+        if p.reset and p.weight > 0:
+            self.take_global(p.fragment)
+            self.handoffs.sends_nothing = True
+
+    def midway_due(self) -> bool:
+        """A two-phase exchange (the reduce-scatter) in flight: judge its rows and start its
+        second phase now? Halfway through the round (in inner steps; under time pacing in
+        seconds, agreed over the island's ranks), so that each phase has half a round to
+        travel while the island trains (they move about the same bytes)."""
+        h = self.host
+        p = h.pending
+        if p is None or not p.midway or p.judged is not None:
+            return False
+        if h.ft.round_pacing != "time":
+            return h.local_step == max(1, h.per_fragment // 2)
+        return h.book.half_elapsed()
+
+    def judge_midway(self) -> None:
+        """Judge the rows of the exchange in flight (waiting for the first phase if it is not
+        in yet) and start its second phase; the round's end then waits only for that."""
+        h = self.host
+        p = h.pending
+        assert p is not None
+        began = time.perf_counter()
+        h.attempts.judge_rows(p)
+        assert p.judged is not None
+        if p.gathered is not None and p.gathered.segments is not None and p.buffer is not None:
+            # (another bridge rank's chunk may have taken the reduce-scatter and this one not)
+            start_sums(p.gathered, h.codecs[p.fragment], p.judged.weights, h.manager, p.buffer.device,
+                       h.ft.outer_aggregation == "trimmed_mean")
+        p.midway_s = time.perf_counter() - began
+        h.book.blocked()  # time pacing: the block is not an inner step's length
+        log.info("outer step %d: rows judged halfway through the round (%.2f s blocked); the second phase "
+                 "travels while the island trains", p.step + 1, p.midway_s)
