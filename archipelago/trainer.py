@@ -456,7 +456,11 @@ class Trainer:
                 log.warning("%s", message)
 
     def finish_after_catch_up(self) -> None:
-        """Evaluate and save the global weights an island received at the very end."""
+        """Evaluate and save the global weights an island received at the very end. In
+        decoupled rounds that overlap, a joiner has also started the members' last exchange
+        with them (sending nothing): it finishes it first, as they do, so that it ends on
+        the same global weights."""
+        self.federation.finish_rounds()
         if self.cfg.training.val_every:
             validation = self.evaluate()
             self.progress.record_validation(validation)

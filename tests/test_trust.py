@@ -426,3 +426,19 @@ def test_secret_new_out_writes_a_private_file_and_never_overwrites_without_force
     assert not (tmp_path / "elsewhere.key").exists()
     capsys.readouterr()
     assert main(["secret", "new"]) == 0 and len(capsys.readouterr().out.strip()) == 64  # printed, as before
+
+
+def test_every_kind_of_signed_frame_has_its_own_number():
+    # The kind is part of what a frame's signature binds: two kinds with one number would
+    # let a frame of one be opened as the other where the rest of its header matches (a
+    # moments row of outer step 0 as a state claim, when both were 7). A new kind goes here.
+    from archipelago.federation import exchange, inner_state, membership, trust
+
+    kinds = {"HEAL_REQUEST": trust.HEAL_REQUEST, "HEAL_STATE": trust.HEAL_STATE,
+             "ROUND_ROW": exchange.ROUND_ROW, "ROUND_SEGMENT": exchange.ROUND_SEGMENT,
+             "ROUND_SUM": exchange.ROUND_SUM, "ROUND_AGREE": exchange.ROUND_AGREE,
+             "JOIN": membership.JOIN, "CLAIM": membership.CLAIM, "MOMENTS": inner_state.MOMENTS}
+    numbers: dict[int, list[str]] = {}
+    for name, number in kinds.items():
+        numbers.setdefault(number, []).append(name)
+    assert {n: names for n, names in numbers.items() if len(names) > 1} == {}

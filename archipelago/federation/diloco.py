@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -54,24 +52,23 @@ from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.attempts import ExchangeAttempts, Pending, Tried
 from archipelago.federation.auto_codec import AutoCodec
 from archipelago.federation.codecs import Codec, build_codec, effective_codec
+from archipelago.federation.contribution import Contributions
 from archipelago.federation.decoupled_rounds import DecoupledRounds
 from archipelago.federation.fragments import load_tensor_state, tensor_state
-from archipelago.federation.guard import DIE_IN_EXCHANGE, FORGE_KINDS, Poison, UpdateGuard
+from archipelago.federation.guard import Poison
 from archipelago.federation.healing import Healing, digest
 from archipelago.federation.inner_state import InnerStateAverager
 from archipelago.federation.judging import RowJudge
 from archipelago.federation.layout import FlatLayout
-from archipelago.federation.outer_core import OuterCore, contribution_weight
+from archipelago.federation.outer_core import OuterCore
 from archipelago.federation.policy import (
     Membership,
     RoundResult,
-    Verdict,
     aligned_inner_step,
     applies_outer_step,
     merges_local,
     must_wait,
     plan_round,
-    skips_exchange,
 )
 from archipelago.federation.quorum import Quorum
 from archipelago.federation.round_book import OuterReport, RoundBook
@@ -97,7 +94,6 @@ class OuterLoop:
                  optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None) -> None:
         self.ft, self.rank, self.world_size, self.group = ft, rank, world_size, group
         self.key = key  # signs this island's rows and checks the others' (None: plain rows)
-        self.poisons = {p.round: p for p in poisons or []}  # test-only: outer step -> poison
         self.manager, self.fingerprint = manager, fingerprint  # torchft Manager on bridge ranks, else None
         self.per_fragment = ft.sync_steps // len(fragments)
         self.delay = ft.fragment_sync_delay
@@ -131,7 +127,8 @@ class OuterLoop:
         self.established = False     # this process committed a round (policy.reference_fingerprint)
         self.last_committed = False  # its last round committed ("current" in its state claim)
         self._digest: str | None = None  # chunk_digest()'s, until the global weights change
-        self.guard = UpdateGuard(ft.outer_norm_limit, len(fragments))
+        self.contributions = Contributions(self, poisons)  # the round's pseudo-gradient, checked and weighted
+        self.guard = self.contributions.guard
         self.book = RoundBook(ft, len(fragments), self.island_max)  # the round in progress, its record
         self.federation_tokens = 0        # tokens the whole federation trained (at the last outer step)
         self.tokens_ratio = float(ft.group_size)  # federation tokens per own token, last round
@@ -303,37 +300,10 @@ class OuterLoop:
             # out their state and committing; in a new federation's join round every island
             # commits at once (join), so the healed island starts at the peer's own step.
             self.peer_delay = 0 if joining and m.outer_step == 0 else self.delay
-        plan = plan_round(m, joining, len(self.layouts))
-        if self.handoffs is not None and self.handoffs.sends_nothing:  # its last row was refused
-            plan, self.handoffs.sends_nothing = replace(plan, contributes=False), False
-        fragment = plan.fragment
-        local = self.layouts[fragment].gather()
-        buffer = self._pseudo_gradient(fragment, local) if local is not None else None  # bridge ranks
-        poison = self.poisons.get(self.step + 1)
-        corrupt = poison if poison is not None and plan.contributes and poison.kind != DIE_IN_EXCHANGE else None
-        if buffer is not None and corrupt is not None:
-            log.warning("ARCHIPELAGO_FAULT: poisoning this island's update (%s) in outer step %d",
-                        corrupt.kind, self.step + 1)
-            corrupt.apply(buffer[:-2])
-        tokens, fragment_tokens = self.book.take_tokens(fragment)
-        pending = Pending(fragment, reset=plan.reset, tokens=tokens, step=self.step, joining=joining,
-                           staleness=int(self.handoffs.stale) if self.handoffs is not None else 0)
-        pending.exchanged = not skips_exchange(joining, self.step, self.ft.init_sync)
-        if pending.exchanged and buffer is not None and self.codec_name == "auto":  # before the guard sees it
-            pending.residue = self.auto.choose(self.codecs[fragment], buffer, plan.contributes)
-        verdict = self._guard(fragment, buffer, pending) if plan.contributes else Verdict(True)
-        pending.weight = contribution_weight(self.ft.outer_weighting, fragment_tokens,
-                                             plan.contributes, verdict.accepted)
-        if buffer is not None:
-            if not pending.weight:  # nothing of this island enters the average
-                buffer[:-2].zero_()
-            buffer[-2], buffer[-1] = float(pending.tokens), pending.weight
-        pending.buffer = buffer
-        forge = corrupt.kind if corrupt is not None and corrupt.kind in FORGE_KINDS else None
+        pending, forge = self.contributions.build(plan_round(m, joining, len(self.layouts)), joining)
         self.attempts.start(pending, m, forge)
         pending.started = time.perf_counter()
-        if poison is not None and poison.kind == DIE_IN_EXCHANGE and pending.exchanged:
-            poison.die()  # test-only: this island's row is in flight
+        self.contributions.drill_death(pending)  # test-only: this island's row is in flight
         return pending
 
     def _membership(self, again: bool = False) -> Membership:
@@ -360,18 +330,6 @@ class OuterLoop:
     def _island_membership(self, mine: Membership) -> Membership:
         """The island's view: the element-wise max of its ranks' views."""
         return Membership.from_values(self.island_max(mine.to_values()))
-
-    def _guard(self, fragment: int, buffer: torch.Tensor | None, pending: Pending) -> Verdict:
-        """One bad island must not poison the others: check the update before it is sent."""
-        # The island's norm over its bridge chunks; a NaN/inf anywhere makes it non-finite.
-        sumsq = 0.0 if buffer is None else float(torch.linalg.vector_norm(buffer[:-2])) ** 2  # a device sync
-        pending.norm = math.sqrt(self.island_sums([sumsq])[0])
-        pending.rejected = self.guard.check(fragment, pending.norm)
-        if pending.rejected:
-            pending.reset = True  # it takes the global weights, like a healed island
-            log.warning("rejected this island's update at outer step %d: %s; it sends weight 0 and "
-                        "takes the federation's weights", self.step + 1, pending.rejected)
-        return Verdict(pending.rejected is None, pending.rejected)
 
     def perform(self, inner_step: int) -> OuterReport:
         """Finish the exchange, vote, and step (or restore) the fragment's global weights."""
@@ -467,25 +425,6 @@ class OuterLoop:
         own token (the same on every rank of the island; 1 when it trains alone)."""
         if self.scaled_optimizer is not None:
             self.scaled_optimizer.batch_ratio = max(1.0, self.tokens_ratio)  # type: ignore[attr-defined]
-
-    def _pseudo_gradient(self, fragment: int, local: torch.Tensor) -> torch.Tensor:
-        """[global - local ..., tokens, weight], the last two still 0 (prepare fills them).
-
-        Weighted and summed across islands, the last element is the total weight the
-        average divides by, the one before it the tokens the federation trained.
-
-        Built on the island's device, so NCCL can carry it, or on CPU with
-        `copy_pseudogradients_to_cpu` (the fragment then crosses PCIe before the exchange
-        instead of after it; the global weights live on CPU either way).
-        """
-        g = self.globals[fragment].detach()
-        device = torch.device("cpu") if self.ft.copy_pseudogradients_to_cpu else local.device
-        buffer = torch.zeros(g.numel() + 2, dtype=g.dtype, device=device)
-        if self.handoffs is not None:  # decoupled rounds: from the island's own base weights
-            self.handoffs.pseudo_gradient(fragment, local, buffer[:-2])
-            return buffer
-        torch.sub(g.to(device, non_blocking=True), local.to(device), out=buffer[:-2])
-        return buffer
 
     def _outer_step(self, fragment: int, buffer: torch.Tensor, total: float) -> None:
         """The core's outer step on the agreed sum (from a GPU buffer: a device-to-host copy)."""

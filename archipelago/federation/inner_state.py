@@ -57,7 +57,7 @@ def state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     return STATE_KEYS[name]
 
 
-MOMENTS = 7  # frame kind of a row of moments (exchange.py numbers the round's other kinds)
+MOMENTS = 9  # frame kind of a row of moments (every kind is listed in tests/test_trust.py, each used once)
 _SLACK = 1e-3      # relative slack of the Cauchy-Schwarz bound: the moments' own rounding
 # In bf16 each value is rounded by at most 2^-9 of itself: exp_avg^2 by about 2^-8, exp_avg_sq
 # by 2^-9, so the bound may be off by about 0.6% more. 1% keeps a margin.
