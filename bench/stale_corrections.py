@@ -1,0 +1,257 @@
+"""Stale rows in decoupled rounds: corrections tried against the discount alone.
+
+The quality simulator (archipelago/simulation.py) trains llama3 `debug` islands in one
+process with configs/llama3/federation.toml (sync_steps 10, plain averaging, token
+weighting) and no averaged moments. Two cases, on one seed (the tuning seed: a variant
+that does not beat the discount there is not carried to report seeds):
+
+A  two equal islands whose every exchange overlaps the next round (staleness 1), equal
+   tokens; baseline in the same run: the synchronous round.
+T  a thin island: three islands, two members that wait for their cheap exchange (their
+   rows are fresh) and one whose row enters two rounds after its hand-off, every other
+   round (staleness 2; `handoff_delays` [0, 0, 2]), equal wall-clock (--steps ticks);
+   baselines: the two members alone, and all three synchronous (as if its link were fast).
+
+Variants, each applied to a row with staleness >= 1 as it enters an outer step (the
+platform's rule, `staleness_exponent`, applies to all of them):
+
+* `heloco`: per parameter tensor, the cosine c between the row and a reference direction:
+  kept when c >= 0.2, its anti-aligned part shrunk when c < 0, turned partly towards the
+  reference in between, each scaled by a confidence |row| / (|row| + |ref|) (HeLoCo, arXiv
+  2606.00271). Its reference is the outer momentum; the configs run without one (it cost
+  4-13%, docs/quality.md), so the reference is the last outer update (`ref_beta` 0) or an
+  average of them (0.9).
+* `project`: per tensor, the part of the row along the global weights' displacement since
+  the row's base is removed (the progress the federation already made that way).
+* `lookahead`: the island continues from its rebased weights minus gamma times the last
+  outer update (a guess at the other islands' rows still travelling).
+* `outer_lr`: a larger outer step for the late rows.
+* `rate`: a row weighs its island's tokens per round, not the tokens of every round it
+  covers (a thin row otherwise takes half of its round's step).
+* `cancel`: the sum is divided by the discounted weights (the discount then only shifts
+  the shares between rows).
+
+    python bench/stale_corrections.py --workers 2          # about 40 minutes on the 2-core machine
+
+Prints one table, ratio to the case's decoupled baseline first; `--out` gets the runs with
+machine, threads and commit, and `--log` each run as it finishes (reused with --resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import REPO, where_measured, write_json  # noqa: E402
+from rounds_quality import COMMON, FT, drain  # noqa: E402
+
+THIN = {"link_ticks": [1, 1, 16], "handoff_delays": [0, 0, 2]}
+RUNS: list[tuple[str, str, dict[str, Any]]] = [  # (case, name, settings)
+    ("A", "synchronous", {"mode": "synchronous"}),
+    ("A", "discount a=0", {"exponent": 0}),
+    ("A", "heloco (last update)", {"exponent": 0, "heloco": 0.0}),
+    ("A", "project", {"exponent": 0, "project": 1.0}),
+    ("A", "lookahead 0.5", {"exponent": 0, "lookahead": 0.5}),
+    ("A", "outer_lr 1.3", {"exponent": 0, "outer_lr": 1.3}),
+    ("T", "members alone (synchronous)", {"mode": "synchronous", "islands": 2, "thin": False}),
+    ("T", "all three synchronous", {"mode": "synchronous", "islands": 3, "thin": False}),
+    ("T", "discount a=0.5", {"exponent": 0.5}),
+    ("T", "discount a=1", {"exponent": 1}),
+    ("T", "heloco (last update) a=0.5", {"exponent": 0.5, "heloco": 0.0}),
+    ("T", "heloco (average 0.9) a=0.5", {"exponent": 0.5, "heloco": 0.9}),
+    ("T", "project a=0.5", {"exponent": 0.5, "project": 1.0}),
+    ("T", "rate a=0.5", {"exponent": 0.5, "rate": True}),
+    ("T", "rate a=0", {"exponent": 0, "rate": True}),
+    ("T", "cancel a=1", {"exponent": 1, "cancel": True}),
+]
+BASELINE = {"A": "discount a=0", "T": "discount a=0.5"}
+
+
+def heloco(row: Any, ref: Any, sizes: list[int], c_ok: float = 0.2) -> Any:
+    """The row corrected tensor by tensor against `ref` (see the module doc; k_s, beta_max,
+    kappa 1, k_d 0.5)."""
+    out, at = row.clone(), 0
+    for n in sizes:
+        d, m = row[at:at + n], ref[at:at + n]
+        dn, mn = d.norm(), m.norm()
+        if dn > 0 and mn > 0:
+            u, v = d / dn, m / mn
+            c, conf = float(u @ v), float(dn / (dn + mn))
+            if c < 0:
+                out[at:at + n] = d - min(-c * conf, 1.0) * c * dn * v
+            elif c < c_ok:
+                w = (1 - min(0.5 * (c_ok - c) * conf, 1.0)) * u + min(0.5 * (c_ok - c) * conf, 1.0) * v
+                out[at:at + n] = dn * w / w.norm().clamp_min(1e-12)
+        at += n
+    return out
+
+
+def project(row: Any, displacement: Any, sizes: list[int]) -> Any:
+    """The row without its positive part along `displacement`, tensor by tensor."""
+    out, at = row.clone(), 0
+    for n in sizes:
+        d, m = row[at:at + n], displacement[at:at + n]
+        along = float(d @ m) / max(float(m @ m), 1e-30)
+        if along > 0:
+            out[at:at + n] = d - along * m
+        at += n
+    return out
+
+
+def corrected_rounds(simulation: Any, s: dict[str, Any]) -> type:
+    """simulation._Decoupled with the variant `s`: the same rounds, late rows changed as
+    they enter."""
+
+    class Corrected(simulation._Decoupled):  # type: ignore[name-defined,misc]
+        made: list[Any] = []
+
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            self.history = {0: self.core.globals[0].detach().clone()}  # global weights per outer step
+            self.reference: Any = None
+            self.sizes = [p.numel() for p in self.islands[0].fragments[0]]
+            Corrected.made.append(self)
+
+        def round_boundary(self) -> None:
+            super().round_boundary()
+            gamma = s.get("lookahead", 0.0)
+            if gamma and self.reference is not None:  # the islands that just handed off move on
+                for k, d in enumerate(self.delays):
+                    if self.boundary % max(d, 1) == 0:
+                        weights = self.bases[k] - gamma * self.reference
+                        self.islands[k].write(0, weights)
+                        self.bases[k] = weights.clone()
+
+        def enter_due(self, everything: bool = False) -> None:
+            now = self.core.globals[0].detach()
+            due = [h for h in self.in_flight if everything or h.entry == self.boundary]
+            for h in due:
+                if self.step - h.base_step < 1:
+                    continue
+                if "heloco" in s and self.reference is not None:
+                    h.values = heloco(h.values.float(), self.reference, self.sizes).to(h.values.dtype)
+                if "project" in s:
+                    h.values = project(h.values.float(), self.history[h.base_step] - now, self.sizes)
+                if s.get("rate"):
+                    h.tokens = h.tokens / max(self.delays[h.island], 1)
+            before, step = now.clone(), self.step
+            self._enter(everything)
+            if self.step > step:
+                self.history[self.step] = self.core.globals[0].detach().clone()
+                update = before - self.core.globals[0].detach()
+                beta = s.get("heloco") or 0.0
+                self.reference = update if self.reference is None else beta * self.reference + (1 - beta) * update
+
+        def _enter(self, everything: bool) -> None:
+            if not s.get("cancel"):
+                super().enter_due(everything)
+                return
+            due = sorted((h for h in self.in_flight if everything or h.entry == self.boundary), key=lambda h: h.island)
+            self.in_flight = [h for h in self.in_flight if all(h is not d for d in due)]
+            values, weights = [], []
+            for h in due:
+                weight, _ = self.core.weight(h.tokens, True, staleness=self.step - h.base_step)
+                if weight:
+                    self.staleness.append(self.step - h.base_step)
+                    values.append(h.values)
+                    weights.append(weight)
+            members = sum(d <= 1 for d in self.delays)
+            if values and self.core.apply(0, simulation._as_received(self.codec, self.islands[0], 0,
+                                                                    self.core.merge(values, weights), members),
+                                          sum(weights)):
+                self.step += 1
+
+    return Corrected
+
+
+def run_one(case: str, name: str, s: dict[str, Any], steps: int, seed: int, threads: int) -> dict[str, Any]:
+    import torch
+
+    import archipelago.simulation as simulation
+    from archipelago.config import load_config
+
+    torch.set_num_threads(threads)
+    mode = s.get("mode", "decoupled")
+    over = [f"{FT}round_mode={mode}"]
+    if mode == "decoupled":
+        over += [f"{FT}staleness_exponent={s['exponent']}", f"{FT}overlap_threshold=0",
+                 f"{FT}outer_lr={s.get('outer_lr', 1.0)}"]
+    cfg = load_config(["--config", str(REPO / "configs/llama3/federation.toml"), *COMMON, *over,
+                       "--training.steps", str(steps), "--training.seed", str(seed)])
+    sim: dict[str, Any] = {}
+    if case == "T":
+        sim = {"wall_ticks": steps, **(THIN if s.get("thin", True) else {})}
+    islands = s.get("islands", 3 if case == "T" else 2)
+    Corrected = corrected_rounds(simulation, s)
+    began, original = time.perf_counter(), simulation._Decoupled
+    simulation._Decoupled = Corrected
+    try:
+        result = simulation.simulate(cfg, islands, eval_windows=256, eval_every=0, drain=False, **sim)
+    finally:
+        simulation._Decoupled = original
+    row = {"case": case, "name": name, "settings": s, "seed": seed, "steps": steps, "islands": islands,
+           "val_loss": result.final.val_loss, "tokens": result.final.tokens,
+           "staleness": sorted(set(result.staleness))}
+    if Corrected.made:
+        row.update(drain(cfg, Corrected.made[0], 256))
+    row["seconds"] = time.perf_counter() - began
+    return row
+
+
+def _worker(job: tuple[Any, ...]) -> dict[str, Any]:
+    return run_one(*job)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=120, help="inner steps (A), ticks (T) (default 120)")
+    p.add_argument("--seed", type=int, default=100, help="the tuning seed (default 100)")
+    p.add_argument("--workers", type=int, default=1, help="runs at a time (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    p.add_argument("--only", default="A,T", help="cases, comma-separated (default A,T)")
+    p.add_argument("--out", type=Path, default=REPO / "bench/results/stale-corrections-cpu.json")
+    p.add_argument("--log", type=Path, default=None, help="one JSON line per run (default: --out with .runs.jsonl)")
+    p.add_argument("--resume", action="store_true", help="reuse the runs --log holds")
+    a = p.parse_args()
+    a.log = a.log or a.out.with_suffix(".runs.jsonl")
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)
+    meta = where_measured(threads_per_run=a.threads, workers=a.workers)
+    done: dict[tuple[Any, ...], dict[str, Any]] = {}
+    if a.resume and a.log.is_file():
+        for r in map(json.loads, a.log.read_text().splitlines()):
+            done[(r["case"], r["name"], r["seed"], r["steps"])] = r
+    cases = {c.strip().upper() for c in a.only.split(",")}
+    jobs = [(c, n, s, a.steps, a.seed, a.threads) for c, n, s in RUNS
+            if c in cases and (c, n, a.seed, a.steps) not in done]
+    rows = [r for (c, *_), r in done.items() if c in cases]
+    began = time.monotonic()
+    with mp.get_context("spawn").Pool(a.workers) as pool:
+        for row in pool.imap_unordered(_worker, jobs):
+            with a.log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"[{time.monotonic() - began:5.0f}s] {row['case']} {row['name']}: {row['val_loss']:.4f}", flush=True)
+            rows.append(row)
+    print(f"\nllama3 debug, seed {a.seed}, {a.steps} steps; val loss of island 0 at the end (drained: the global "
+          "weights once the rows in flight entered)\n")
+    print("| val loss / case's discount baseline | val loss | drained | staleness | case | variant |")
+    print("|---:|---:|---:|---|---|---|")
+    order = {(c, n): i for i, (c, n, _) in enumerate(RUNS)}
+    for r in sorted(rows, key=lambda r: order.get((r["case"], r["name"]), 99)):
+        base = next((b["val_loss"] for b in rows if b["case"] == r["case"] and b["name"] == BASELINE[r["case"]]), None)
+        drained = f"{r['val_loss_drained']:.4f}" if "val_loss_drained" in r else "-"
+        print(f"| {r['val_loss'] / base if base else float('nan'):.4f} | {r['val_loss']:.4f} | {drained} "
+              f"| {r['staleness'] or '-'} | {r['case']} | {r['name']} |")
+    write_json(a.out, {"meta": {**meta, "wall_s": time.monotonic() - began, "steps": a.steps, "seed": a.seed},
+                       "runs": rows})
+
+
+if __name__ == "__main__":
+    main()
