@@ -32,6 +32,8 @@ platform's rule, `staleness_exponent`, applies to all of them):
   the shares between rows).
 
     python bench/stale_corrections.py --workers 2          # about 40 minutes on the 2-core machine
+    python bench/stale_corrections.py --workers 2 --only A --steps 240 --names synchronous,discount,heloco \
+        --out bench/results/stale-corrections-240-cpu.json   # does a longer run shrink the cost? 15 minutes
 
 Prints one table, ratio to the case's decoupled baseline first; `--out` gets the runs with
 machine, threads and commit, and `--log` each run as it finishes (reused with --resume).
@@ -75,9 +77,9 @@ RUNS: list[tuple[str, str, dict[str, Any]]] = [  # (case, name, settings)
 BASELINE = {"A": "discount a=0", "T": "discount a=0.5"}
 
 
-def heloco(row: Any, ref: Any, sizes: list[int], c_ok: float = 0.2) -> Any:
+def heloco(row: Any, ref: Any, sizes: list[int], counts: dict[str, int], c_ok: float = 0.2) -> Any:
     """The row corrected tensor by tensor against `ref` (see the module doc; k_s, beta_max,
-    kappa 1, k_d 0.5)."""
+    kappa 1, k_d 0.5); `counts` gets how many blocks were kept, shrunk and turned."""
     out, at = row.clone(), 0
     for n in sizes:
         d, m = row[at:at + n], ref[at:at + n]
@@ -85,6 +87,8 @@ def heloco(row: Any, ref: Any, sizes: list[int], c_ok: float = 0.2) -> Any:
         if dn > 0 and mn > 0:
             u, v = d / dn, m / mn
             c, conf = float(u @ v), float(dn / (dn + mn))
+            kind = "kept" if c >= c_ok else "shrunk" if c < 0 else "turned"
+            counts[kind] = counts.get(kind, 0) + 1
             if c < 0:
                 out[at:at + n] = d - min(-c * conf, 1.0) * c * dn * v
             elif c < c_ok:
@@ -118,6 +122,8 @@ def corrected_rounds(simulation: Any, s: dict[str, Any]) -> type:
             self.history = {0: self.core.globals[0].detach().clone()}  # global weights per outer step
             self.reference: Any = None
             self.sizes = [p.numel() for p in self.islands[0].fragments[0]]
+            self.counts: dict[str, int] = {}   # heloco: blocks kept, shrunk, turned
+            self.cosines: list[float] = []     # each late row against the last outer update
             Corrected.made.append(self)
 
         def round_boundary(self) -> None:
@@ -136,8 +142,11 @@ def corrected_rounds(simulation: Any, s: dict[str, Any]) -> type:
             for h in due:
                 if self.step - h.base_step < 1:
                     continue
+                if self.reference is not None and s.get("heloco", 0.0) == 0.0:
+                    self.cosines.append(float(h.values.float() @ self.reference
+                                              / (h.values.float().norm() * self.reference.norm()).clamp_min(1e-30)))
                 if "heloco" in s and self.reference is not None:
-                    h.values = heloco(h.values.float(), self.reference, self.sizes).to(h.values.dtype)
+                    h.values = heloco(h.values.float(), self.reference, self.sizes, self.counts).to(h.values.dtype)
                 if "project" in s:
                     h.values = project(h.values.float(), self.history[h.base_step] - now, self.sizes)
                 if s.get("rate"):
@@ -201,9 +210,17 @@ def run_one(case: str, name: str, s: dict[str, Any], steps: int, seed: int, thre
            "val_loss": result.final.val_loss, "tokens": result.final.tokens,
            "staleness": sorted(set(result.staleness))}
     if Corrected.made:
-        row.update(drain(cfg, Corrected.made[0], 256))
+        made = Corrected.made[0]
+        cos = sorted(made.cosines)
+        row.update(heloco_blocks=made.counts, cosine_with_last_update=[cos[0], cos[len(cos) // 2], cos[-1]] if cos
+                   else None)
+        row.update(drain(cfg, made, 256))
     row["seconds"] = time.perf_counter() - began
     return row
+
+
+def wanted(name: str, names: str) -> bool:
+    return not names or any(part.strip() and part.strip() in name for part in names.split(","))
 
 
 def _worker(job: tuple[Any, ...]) -> dict[str, Any]:
@@ -217,6 +234,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=1, help="runs at a time (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     p.add_argument("--only", default="A,T", help="cases, comma-separated (default A,T)")
+    p.add_argument("--names", default="", help="only the variants whose name contains one of these, "
+                   "comma-separated (default: all)")
     p.add_argument("--out", type=Path, default=REPO / "bench/results/stale-corrections-cpu.json")
     p.add_argument("--log", type=Path, default=None, help="one JSON line per run (default: --out with .runs.jsonl)")
     p.add_argument("--resume", action="store_true", help="reuse the runs --log holds")
@@ -230,8 +249,8 @@ def main() -> None:
             done[(r["case"], r["name"], r["seed"], r["steps"])] = r
     cases = {c.strip().upper() for c in a.only.split(",")}
     jobs = [(c, n, s, a.steps, a.seed, a.threads) for c, n, s in RUNS
-            if c in cases and (c, n, a.seed, a.steps) not in done]
-    rows = [r for (c, *_), r in done.items() if c in cases]
+            if c in cases and (c, n, a.seed, a.steps) not in done and wanted(n, a.names)]
+    rows = [r for (c, n, *_), r in done.items() if c in cases and wanted(n, a.names)]
     began = time.monotonic()
     with mp.get_context("spawn").Pool(a.workers) as pool:
         for row in pool.imap_unordered(_worker, jobs):
