@@ -108,7 +108,6 @@ class AttemptsHost(Protocol):
     manager: Any
     key: FederationKey | None
     step: int
-    codecs: list[Codec]
     codec_name: str
     auto: AutoCodec
     inner_state: InnerStateAverager | None
@@ -117,6 +116,9 @@ class AttemptsHost(Protocol):
     judge: RowJudge
     is_bridge: bool
     book: RoundBook
+
+    @property
+    def codecs(self) -> list[Codec]: ...
 
     @property
     def globals(self) -> list[nn.Parameter]: ...

@@ -46,9 +46,11 @@ class ContributionHost(Protocol):
     layouts: list[FlatLayout]
     handoffs: Handoffs | None
     book: RoundBook
-    codecs: list[Codec]
     codec_name: str
     auto: AutoCodec
+
+    @property
+    def codecs(self) -> list[Codec]: ...
 
     @property
     def globals(self) -> list[nn.Parameter]: ...

@@ -35,8 +35,6 @@ class DecoupledHost(Protocol):
     ft: FaultToleranceConfig
     manager: Any
     pending: Pending | None
-    core: OuterCore | None
-    codecs: list[Codec]
     layouts: list[FlatLayout]
     attempts: ExchangeAttempts
     book: RoundBook
@@ -44,6 +42,12 @@ class DecoupledHost(Protocol):
     per_fragment: int
     local_step: int
     inner_step: int
+
+    @property
+    def core(self) -> OuterCore | None: ...
+
+    @property
+    def codecs(self) -> list[Codec]: ...
 
     @property
     def globals(self) -> list[nn.Parameter]: ...

@@ -51,12 +51,12 @@ from torch.distributed import ReduceOp
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.attempts import ExchangeAttempts, Pending, Tried
 from archipelago.federation.auto_codec import AutoCodec
-from archipelago.federation.codecs import Codec, build_codec, effective_codec
+from archipelago.federation.codecs import Codec, effective_codec
 from archipelago.federation.contribution import Contributions
 from archipelago.federation.decoupled_rounds import DecoupledRounds
-from archipelago.federation.fragments import load_tensor_state, tensor_state
+from archipelago.federation.global_weights import GlobalWeights
 from archipelago.federation.guard import Poison
-from archipelago.federation.healing import Healing, digest
+from archipelago.federation.healing import Healing
 from archipelago.federation.inner_state import InnerStateAverager
 from archipelago.federation.judging import RowJudge
 from archipelago.federation.layout import FlatLayout
@@ -119,14 +119,12 @@ class OuterLoop:
         self.quorum = Quorum(ft, manager, key, rank)  # entering each quorum; the members' fingerprints
         self.judge = RowJudge(ft, self.quorum, rank, len(fragments), self.island_sums)
         self.attempts = ExchangeAttempts(self)  # the round's exchange, attempt by attempt
-        self.core: OuterCore | None = None  # the global weights and outer optimizers (bridge ranks)
+        self.weights = GlobalWeights(ft)  # bridge ranks: the global chunks, outer optimizers, codecs
         self.codec_name = effective_codec(ft)
-        self.codecs: list[Codec] = []  # one per fragment chunk, on bridge ranks
         self.auto = AutoCodec(ft, manager, key, self.per_fragment)  # codec = "auto": the measured link
         self.healing = Healing(self)  # a peer's state, held until the members vouch for it
         self.established = False     # this process committed a round (policy.reference_fingerprint)
         self.last_committed = False  # its last round committed ("current" in its state claim)
-        self._digest: str | None = None  # chunk_digest()'s, until the global weights change
         self.contributions = Contributions(self, poisons)  # the round's pseudo-gradient, checked and weighted
         self.guard = self.contributions.guard
         self.book = RoundBook(ft, len(fragments), self.island_max)  # the round in progress, its record
@@ -149,14 +147,24 @@ class OuterLoop:
     # ---- public --------------------------------------------------------------------
 
     @property
+    def core(self) -> OuterCore | None:
+        """The global weights and their outer optimizers (bridge ranks; None elsewhere)."""
+        return self.weights.core
+
+    @property
+    def codecs(self) -> list[Codec]:
+        """The codec of each fragment's rows (bridge ranks)."""
+        return self.weights.codecs
+
+    @property
     def globals(self) -> list[nn.Parameter]:
         """The global weights of this bridge rank's chunks, one per fragment (none elsewhere)."""
-        return self.core.globals if self.core is not None else []
+        return self.weights.globals
 
     @property
     def outer(self) -> list[torch.optim.Optimizer]:
         """Their outer optimizers."""
-        return self.core.outer if self.core is not None else []
+        return self.weights.outer
 
     @property
     def exchange_pending(self) -> bool:
@@ -221,12 +229,9 @@ class OuterLoop:
         chunks = [c for c in gathered if c is not None]  # all of them on a bridge rank, none elsewhere
         if not self.is_bridge:
             return
-        self.core = OuterCore(self.ft, chunks, pin=torch.cuda.is_available())
-        self.forget_digest()
+        self.weights.take(chunks)
         if self.handoffs is not None:
             self.handoffs.start(self.globals)
-        if len(self.codecs) != len(self.globals):  # codec state (error feedback) outlives a reset
-            self.codecs = [build_codec(self.ft, g.numel()) for g in self.globals]
 
     def global_hash(self) -> str:
         """SHA-256 over the global weights in canonical order (a collective)."""
@@ -234,15 +239,12 @@ class OuterLoop:
         return hashlib.sha256("".join(d for d in digests if d).encode()).hexdigest()[:16]
 
     def chunk_digest(self) -> str:
-        """SHA-256 of this bridge rank's global chunks, computed once per change of them:
-        the round's global hash and the next round's state claim hash the same bytes."""
-        if self._digest is None:
-            self._digest = digest(self.globals)
-        return self._digest
+        """SHA-256 of this bridge rank's global chunks (GlobalWeights.chunk_digest)."""
+        return self.weights.chunk_digest()
 
     def forget_digest(self) -> None:
         """The global chunks changed: hash them again when asked."""
-        self._digest = None
+        self.weights.forget_digest()
 
     def shutdown(self) -> None:
         if self.manager is not None:
@@ -451,9 +453,7 @@ class OuterLoop:
         state: dict[str, Any] = {"local_step": self.local_step, "step": self.step,
                                  "federation_tokens": self.federation_tokens, "guard": self.guard.state_tensor()}
         if self.is_bridge:
-            state[f"bridge{self.rank}"] = {f"fragment{i}": {"global": g.detach(), "outer": tensor_state(o, g),
-                                                           **_codec_state(c)}
-                                          for i, (g, o, c) in enumerate(zip(self.globals, self.outer, self.codecs))}
+            state[f"bridge{self.rank}"] = self.weights.state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -461,11 +461,7 @@ class OuterLoop:
         self.federation_tokens = int(state["federation_tokens"])
         self.guard.load_state_tensor(state["guard"])
         if self.is_bridge:
-            for i, (g, o, c) in enumerate(zip(self.globals, self.outer, self.codecs)):
-                saved = state[f"bridge{self.rank}"][f"fragment{i}"]
-                load_tensor_state(o, g, saved)
-                c.load_state_dict(saved.get("codec", {}))
-            self.forget_digest()
+            self.weights.load(state[f"bridge{self.rank}"])
             if self.handoffs is not None:  # the exchange that was in flight is lost: the next row resends it
                 self.handoffs.start(self.globals)
         if self.manager is not None:
@@ -496,9 +492,3 @@ class OuterLoop:
 def _rank_or_none(manager: Any) -> int:
     rank = manager.participating_rank()
     return -1 if rank is None else int(rank)
-
-
-def _codec_state(codec: Codec) -> dict[str, Any]:
-    """The codec's state for a checkpoint, under "codec" (nothing for stateless codecs)."""
-    state = codec.state_dict()
-    return {"codec": state} if state else {}
