@@ -9,7 +9,8 @@ A  two equal islands whose every exchange overlaps the next round (staleness 1),
    tokens; baseline in the same run: the synchronous round.
 T  a thin island: three islands, two members that wait for their cheap exchange (their
    rows are fresh) and one whose row enters two rounds after its hand-off, every other
-   round (staleness 2; `handoff_delays` [0, 0, 2]), equal wall-clock (--steps ticks);
+   round, three outer steps after the weights it started from (staleness 3;
+   `handoff_delays` [0, 0, 2]), equal wall-clock (--steps ticks);
    baselines: the two members alone, and all three synchronous (as if its link were fast).
 
 Variants, each applied to a row with staleness >= 1 as it enters an outer step (the
@@ -31,9 +32,9 @@ platform's rule, `staleness_exponent`, applies to all of them):
 * `cancel`: the sum is divided by the discounted weights (the discount then only shifts
   the shares between rows).
 
-    python bench/stale_corrections.py --workers 2          # about 40 minutes on the 2-core machine
+    python bench/stale_corrections.py --workers 2          # 32 minutes on the 2-core machine
     python bench/stale_corrections.py --workers 2 --only A --steps 240 --names synchronous,discount,heloco \
-        --out bench/results/stale-corrections-240-cpu.json   # does a longer run shrink the cost? 15 minutes
+        --out bench/results/stale-corrections-240-cpu.json   # does a longer run shrink the cost? 10 minutes
 
 Prints one table, ratio to the case's decoupled baseline first; `--out` gets the runs with
 machine, threads and commit, and `--log` each run as it finishes (reused with --resume).
