@@ -93,7 +93,8 @@ def heloco(row: Any, ref: Any, sizes: list[int], counts: dict[str, int], c_ok: f
             if c < 0:
                 out[at:at + n] = d - min(-c * conf, 1.0) * c * dn * v
             elif c < c_ok:
-                w = (1 - min(0.5 * (c_ok - c) * conf, 1.0)) * u + min(0.5 * (c_ok - c) * conf, 1.0) * v
+                turn = min(0.5 * (c_ok - c) * conf, 1.0)
+                w = (1 - turn) * u + turn * v
                 out[at:at + n] = dn * w / w.norm().clamp_min(1e-12)
         at += n
     return out
@@ -125,6 +126,14 @@ def corrected_rounds(simulation: Any, s: dict[str, Any]) -> type:
             self.sizes = [p.numel() for p in self.islands[0].fragments[0]]
             self.counts: dict[str, int] = {}   # heloco: blocks kept, shrunk, turned
             self.cosines: list[float] = []     # each late row against the last outer update
+            if s.get("cancel"):  # each row's share of the divisor is its discounted weight
+                weight = self.core.weight
+
+                def discounted_divisor(*a: Any, **kw: Any) -> tuple[float, float]:
+                    summed, _ = weight(*a, **kw)
+                    return summed, summed
+
+                self.core.weight = discounted_divisor
             Corrected.made.append(self)
 
         def round_boundary(self) -> None:
@@ -153,31 +162,12 @@ def corrected_rounds(simulation: Any, s: dict[str, Any]) -> type:
                 if s.get("rate"):
                     h.tokens = h.tokens / max(self.delays[h.island], 1)
             before, step = now.clone(), self.step
-            self._enter(everything)
+            super().enter_due(everything)
             if self.step > step:
                 self.history[self.step] = self.core.globals[0].detach().clone()
                 update = before - self.core.globals[0].detach()
                 beta = s.get("heloco") or 0.0
                 self.reference = update if self.reference is None else beta * self.reference + (1 - beta) * update
-
-        def _enter(self, everything: bool) -> None:
-            if not s.get("cancel"):
-                super().enter_due(everything)
-                return
-            due = sorted((h for h in self.in_flight if everything or h.entry == self.boundary), key=lambda h: h.island)
-            self.in_flight = [h for h in self.in_flight if all(h is not d for d in due)]
-            values, weights = [], []
-            for h in due:
-                weight, _ = self.core.weight(h.tokens, True, staleness=self.step - h.base_step)
-                if weight:
-                    self.staleness.append(self.step - h.base_step)
-                    values.append(h.values)
-                    weights.append(weight)
-            members = sum(d <= 1 for d in self.delays)
-            if values and self.core.apply(0, simulation._as_received(self.codec, self.islands[0], 0,
-                                                                    self.core.merge(values, weights), members),
-                                          sum(weights)):
-                self.step += 1
 
     return Corrected
 
