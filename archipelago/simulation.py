@@ -226,14 +226,8 @@ def _as_received(codec_name: str, island: _Island, fragment: int, total: torch.T
 class _Outer:
     """The outer loop between the simulated islands (OuterLoop's semantics, in lockstep)."""
 
-    def __init__(self, cfg: Config, islands: list[_Island], momentum_warmup_rounds: int = 0,
-                 sync_warmup_rounds: int = 0, average_running_stats: int = 0) -> None:
+    def __init__(self, cfg: Config, islands: list[_Island]) -> None:
         self.ft, self.islands = cfg.fault_tolerance, islands
-        self.average_running_stats = bool(average_running_stats)
-        self.momentum_warmup_rounds = momentum_warmup_rounds
-        self.sync_warmup_rounds = sync_warmup_rounds
-        if sync_warmup_rounds and (self.ft.num_fragments > 1 or self.ft.fragment_sync_delay):
-            raise ValueError("sync_warmup_rounds: one fragment without fragment_sync_delay only")
         n = len(islands[0].fragments)
         self.core = OuterCore(self.ft, [islands[0].flat(f) for f in range(n)])
         self.globals = self.core.globals
@@ -263,10 +257,7 @@ class _Outer:
             self.perform()
 
     def round_length(self) -> int:
-        """Inner steps in the current round. With `sync_warmup_rounds` K (an experiment) the
-        first K rounds last 1, 2, 4, ... steps (at most sync_steps), then sync_steps."""
-        if self.step < self.sync_warmup_rounds:
-            return min(2 ** self.step, self.per_fragment)
+        """Inner steps in the current round (bench/outer_sweep.py's experiments vary it)."""
         return self.per_fragment
 
     def prepare(self) -> None:
@@ -295,10 +286,6 @@ class _Outer:
     @torch.no_grad()
     def perform(self) -> None:
         fragment, total, weights = self.pending
-        if self.momentum_warmup_rounds:  # an experiment: outer momentum ramps up from 0
-            ramp = min(1.0, self.step / self.momentum_warmup_rounds)
-            for group in self.core.outer[fragment].param_groups:
-                group["momentum"] = self.ft.outer_momentum * ramp
         self.core.apply(fragment, total, weights)
         self.step += 1
         for island in self.islands:
@@ -310,12 +297,6 @@ class _Outer:
             for island, own in zip(self.islands, self.round_tokens):
                 if own:
                     island.optimizer.batch_ratio = max(1.0, sum(self.round_tokens) / own)  # type: ignore[attr-defined]
-        if self.average_running_stats:  # an experiment: every island continues from their mean
-            stats = [running_stats(island.model) for island in self.islands]
-            for k in range(len(stats[0])):
-                mean = torch.stack([s[k].float() for s in stats]).mean(0)
-                for s in stats:
-                    s[k].copy_(mean)
 
 
 @dataclass
@@ -423,9 +404,8 @@ class _Decoupled:
 
 
 def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval_windows: int = 256,
-             eval_every: int | None = None, log: Callable[[str], None] | None = None,
-             momentum_warmup_rounds: int = 0, sync_warmup_rounds: int = 0, ranks: int = 1,
-             average_running_stats: int = 0, slow_period: int = 0, link_ticks: Sequence[int] | None = None,
+             eval_every: int | None = None, log: Callable[[str], None] | None = None, ranks: int = 1,
+             slow_period: int = 0, link_ticks: Sequence[int] | None = None,
              wall_ticks: int = 0, handoff_delays: Sequence[int] | None = None, drain: bool = True) -> SimResult:
     """Train `islands` islands of `cfg` for `cfg.training.steps` inner steps each.
 
@@ -433,11 +413,6 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
     is plain training, and with `ranks` > 1 a DDP island of that many ranks. Evaluates
     island 0 every `eval_every` steps (default `training.val_every`) and at the end, on
     `eval_windows` held-out windows (images).
-    `momentum_warmup_rounds` is an experiment the platform does not have: the outer
-    momentum grows linearly from 0 to `outer_momentum` over that many rounds.
-    `sync_warmup_rounds` K, another: the first K rounds last 1, 2, 4, ... inner steps.
-    `average_running_stats` 1, another: every outer step also sets every island's BatchNorm
-    running statistics to their mean.
     `slow_period` P > 1 emulates time-paced rounds with a slow last island, deterministically:
     a round lasts `sync_steps` ticks, the other islands step at every tick and the last one
     at every P-th (P times slower), contributions are weighted by the tokens each trained,
@@ -480,7 +455,7 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
             delays, pause = list(handoff_delays), 0
         outer = _Decoupled(cfg, crew, delays)
     elif ft.enable:
-        outer = _Outer(cfg, crew, momentum_warmup_rounds, sync_warmup_rounds, average_running_stats)
+        outer = _Outer(cfg, crew)
     tokens_per_step = t.batch_size * task.tokens_per_sample
     every = t.val_every if eval_every is None else eval_every
     result = SimResult()

@@ -8,7 +8,9 @@ the same tokens). Any model family runs (`--config configs/resnet/federation.tom
 Every run evaluates on the same held-out windows, whatever its batch size. Runs go to a
 pool of worker processes; on a GPU many fit side by side.
 
-`--grid sim.NAME=VALUE` passes an option to `simulate()` instead of the config:
+`--grid sim.NAME=VALUE` passes an option to `simulate()` instead of the config, or turns on
+one of the experiments below (EXPERIMENTS: outer-momentum and round-length warm-ups,
+averaged BatchNorm statistics):
 `sim.slow_period=3` emulates the heterogeneous case (time-paced rounds, the last island 3x
 slower, token-weighted), whose baseline at equal wall-clock is one island alone for the
 fast island's steps (1.5x `--steps` for two islands:
@@ -106,21 +108,71 @@ def build_jobs(args: argparse.Namespace) -> list[dict]:
             for seed in args.seeds for kind, tag, n, o in baselines + federations]
 
 
+# Experiments the platform does not have, applied to the simulator's outer loop here
+# (`--grid sim.NAME=VALUE`): the outer momentum growing linearly from 0 to
+# `outer_momentum` over `momentum_warmup_rounds` rounds; the first `sync_warmup_rounds` K
+# rounds lasting 1, 2, 4, ... inner steps; every outer step also setting every island's
+# BatchNorm running statistics to their mean (`average_running_stats` 1).
+EXPERIMENTS = ("momentum_warmup_rounds", "sync_warmup_rounds", "average_running_stats")
+
+
+def experimental_outer(simulation, experiments: dict[str, int]) -> type:
+    """The simulator's synchronous outer loop with `experiments` (see EXPERIMENTS)."""
+    import torch
+
+    momentum_warmup = experiments.get("momentum_warmup_rounds", 0)
+    sync_warmup = experiments.get("sync_warmup_rounds", 0)
+    average_stats = bool(experiments.get("average_running_stats", 0))
+
+    class Experimental(simulation._Outer):
+        def __init__(self, cfg, islands) -> None:
+            super().__init__(cfg, islands)
+            if sync_warmup and (self.ft.num_fragments > 1 or self.ft.fragment_sync_delay):
+                raise ValueError("sync_warmup_rounds: one fragment without fragment_sync_delay only")
+
+        def round_length(self) -> int:
+            if self.step < sync_warmup:
+                return min(2 ** self.step, self.per_fragment)
+            return self.per_fragment
+
+        @torch.no_grad()
+        def perform(self) -> None:
+            if momentum_warmup:
+                ramp = min(1.0, self.step / momentum_warmup)
+                for group in self.core.outer[self.pending[0]].param_groups:
+                    group["momentum"] = self.ft.outer_momentum * ramp
+            super().perform()
+            if average_stats:
+                stats = [simulation.running_stats(island.model) for island in self.islands]
+                for k in range(len(stats[0]) if stats else 0):
+                    mean = torch.stack([s[k].float() for s in stats]).mean(0)
+                    for s in stats:
+                        s[k].copy_(mean)
+
+    return Experimental
+
+
 def run_job(job: dict, config: str, device: str, threads: int, eval_windows: int) -> dict:
     import torch
 
+    import archipelago.simulation as simulation
     from archipelago.config import load_toml, parse_overrides, validate
-    from archipelago.simulation import simulate
 
     torch.set_num_threads(threads)
-    # `--sim.NAME=VALUE` entries are simulate() options (experiments), the rest config overrides.
+    # `--sim.NAME=VALUE` entries are simulate() options or experiments, the rest config overrides.
     options = {o[6:].split("=")[0]: int(o.split("=")[1]) for o in job["overrides"] if o.startswith("--sim.")}
+    experiments = {k: options.pop(k) for k in EXPERIMENTS if k in options}
     overrides = [o for o in job["overrides"] if not o.startswith("--sim.")]
     cfg = parse_overrides(load_toml(config), [*overrides, f"--training.seed={job['seed']}"])
     validate(cfg)
-    began = time.perf_counter()
-    result = simulate(cfg, job["islands"], device=device, eval_windows=eval_windows, ranks=job.get("ranks", 1),
-                      **options)
+    began, original = time.perf_counter(), simulation._Outer
+    if experiments:
+        simulation._Outer = experimental_outer(simulation, experiments)
+    try:
+        result = simulation.simulate(cfg, job["islands"], device=device, eval_windows=eval_windows,
+                                     ranks=job.get("ranks", 1), **options)
+    finally:
+        simulation._Outer = original
     return {**job, "val_loss": result.final.val_loss, "tokens": result.final.tokens,
             "bytes_sent": result.bytes_sent, "inner_steps": result.inner_steps,
             "params": sum(p.numel() for p in result.models[0].parameters()) if result.models else None,

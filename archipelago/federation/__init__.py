@@ -12,7 +12,7 @@ from torch import nn
 from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.decoupled import check_decoupled
-from archipelago.federation.diloco import FederationError, OuterLoop
+from archipelago.federation.diloco import OuterLoop
 from archipelago.federation.fragments import NamedParameters, named_parameters, split_fragments
 from archipelago.federation.guard import poisons_from_env
 from archipelago.federation.membership import (
@@ -24,6 +24,7 @@ from archipelago.federation.membership import (
     lighthouse_address,
     wait_for_lighthouse,
 )
+from archipelago.federation.outcome import FederationError
 from archipelago.federation.round_book import OuterReport, report_record
 from archipelago.federation.seam import Alone, IslandHooks, Member
 from archipelago.federation.trust import FederationKey

@@ -34,6 +34,7 @@ from archipelago.federation.exchange import (
     wire_device,
 )
 from archipelago.federation.inner_state import InnerStateAverager, StateExchange
+from archipelago.federation.island_ranks import IslandRanks
 from archipelago.federation.judging import RowJudge
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.outer_core import staleness_discount
@@ -105,6 +106,7 @@ class AttemptsHost(Protocol):
     """What the exchange's attempts read of the outer loop they belong to, and ask of it."""
 
     ft: FaultToleranceConfig
+    ranks: IslandRanks
     manager: Any
     key: FederationKey | None
     step: int
@@ -123,9 +125,7 @@ class AttemptsHost(Protocol):
     @property
     def globals(self) -> list[nn.Parameter]: ...
 
-    def island_max(self, values: list[float]) -> list[float]: ...
 
-    def island_sums(self, values: list[float]) -> list[float]: ...
 
     def enter_quorum(self, again: bool = False) -> Membership: ...
 
@@ -153,7 +153,7 @@ class ExchangeAttempts:
                                       replace(p.framing, forge=forge))
         if h.inner_state is not None and p.exchanged:
             device = torch.device("cpu") if h.ft.copy_pseudogradients_to_cpu else None
-            p.state = h.inner_state.start(p.fragment, p.weight > 0, h.manager, h.island_max, p.framing, device)
+            p.state = h.inner_state.start(p.fragment, p.weight > 0, h.manager, h.ranks.max, p.framing, device)
 
     def until_agreed(self, p: Pending) -> tuple[Pending, Tried]:
         """Finish the exchange; every member must agree that it went through, or all run it
@@ -187,7 +187,7 @@ class ExchangeAttempts:
             factor = staleness_discount(p.staleness, h.ft.staleness_exponent, h.ft.max_staleness)
             weights, divisor = [w * factor for w in weights], divisor if factor > 0 else 0.0
         if p.state is not None and h.inner_state is not None:  # the moments of the islands it accepted
-            h.inner_state.judge_moments(p.state, weights, h.island_max)
+            h.inner_state.judge_moments(p.state, weights, h.ranks.max)
         p.judged = Judged(weights, tokens, refused, divisor, time.perf_counter() - judging)
 
     def measure_link(self, p: Pending, carried: bool) -> None:
@@ -201,7 +201,7 @@ class ExchangeAttempts:
         handed to the cross-island collective, and what came back from the other islands
         (their rows; with averaged moments also the moments' all-reduce)."""
         sent, received = self._attempt_bytes(p)
-        totals = self.host.island_sums([float(sent + p.spent[0]), float(received + p.spent[1])])
+        totals = self.host.ranks.sums([float(sent + p.spent[0]), float(received + p.spent[1])])
         return int(totals[0]), int(totals[1])
 
     # ---- one attempt ---------------------------------------------------------------
@@ -255,7 +255,7 @@ class ExchangeAttempts:
             failed = settle_exchange(h.manager, p.framing, wire_device(h.manager, device),
                                      [p.gathered, p.state.gathered if p.state is not None else None],
                                      self._exchange_fraction(p), p.overlapped, p.facts)
-        return h.island_max([float(failed)])[0] > 0
+        return h.ranks.max([float(failed)])[0] > 0
 
     def _exchange_fraction(self, p: Pending) -> float:
         """Decoupled rounds: this exchange's seconds (from its start until its rows were in)

@@ -30,6 +30,7 @@ from archipelago.federation.auto_codec import AutoCodec
 from archipelago.federation.codecs import Codec
 from archipelago.federation.decoupled import Handoffs
 from archipelago.federation.guard import DIE_IN_EXCHANGE, FORGE_KINDS, Poison, UpdateGuard
+from archipelago.federation.island_ranks import IslandRanks
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.outer_core import contribution_weight
 from archipelago.federation.policy import RoundPlan, Verdict, skips_exchange
@@ -42,6 +43,7 @@ class ContributionHost(Protocol):
     """What building a contribution reads of the outer loop."""
 
     ft: FaultToleranceConfig
+    ranks: IslandRanks
     step: int
     layouts: list[FlatLayout]
     handoffs: Handoffs | None
@@ -55,7 +57,6 @@ class ContributionHost(Protocol):
     @property
     def globals(self) -> list[nn.Parameter]: ...
 
-    def island_sums(self, values: list[float]) -> list[float]: ...
 
 
 class Contributions:
@@ -109,7 +110,7 @@ class Contributions:
         h = self.host
         # The island's norm over its bridge chunks; a NaN/inf anywhere makes it non-finite.
         sumsq = 0.0 if buffer is None else float(torch.linalg.vector_norm(buffer[:-2])) ** 2  # a device sync
-        pending.norm = math.sqrt(h.island_sums([sumsq])[0])
+        pending.norm = math.sqrt(h.ranks.sums([sumsq])[0])
         pending.rejected = self.guard.check(fragment, pending.norm)
         if pending.rejected:
             pending.reset = True  # it takes the global weights, like a healed island

@@ -21,6 +21,7 @@ from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.attempts import ExchangeAttempts, Pending
 from archipelago.federation.codecs import Codec
 from archipelago.federation.decoupled import Handoffs
+from archipelago.federation.island_ranks import IslandRanks
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.outer_core import OuterCore
 from archipelago.federation.round_book import OuterReport, RoundBook
@@ -33,6 +34,7 @@ class DecoupledHost(Protocol):
     """What decoupled rounds read of the outer loop, and ask of it."""
 
     ft: FaultToleranceConfig
+    ranks: IslandRanks
     manager: Any
     pending: Pending | None
     layouts: list[FlatLayout]
@@ -52,7 +54,6 @@ class DecoupledHost(Protocol):
     @property
     def globals(self) -> list[nn.Parameter]: ...
 
-    def island_max(self, values: list[float]) -> list[float]: ...
 
     def prepare(self, joining: bool = False, need: int = 1) -> bool: ...
 
@@ -92,7 +93,7 @@ class DecoupledRounds:
         h = self.host
         p.overlapped = True
         two_phase = p.gathered is not None and p.gathered.segments is not None  # bridge ranks know it
-        p.midway = h.island_max([float(two_phase)])[0] > 0
+        p.midway = h.ranks.max([float(two_phase)])[0] > 0
         own = [p.buffer[:-2]] if p.buffer is not None and p.weight > 0 else []
         new = h.core.rebased(p.fragment, own) if h.core is not None else None
         h.layouts[p.fragment].scatter(new)
@@ -135,7 +136,7 @@ class DecoupledRounds:
         them; combined over the island, so all ranks decide alike)."""
         h = self.host
         overlapped, overlaps = self.handoffs.decide(p.facts) if h.is_bridge else (False, False)
-        shared = h.island_max([float(overlapped), float(overlaps)])
+        shared = h.ranks.max([float(overlapped), float(overlaps)])
         self.handoffs.settle(shared[0] > 0, shared[1] > 0, applied)
 
     def after_overlapped(self, p: Pending, own: torch.Tensor | None, committed: bool) -> None:

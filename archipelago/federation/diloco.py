@@ -46,10 +46,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import ReduceOp
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.attempts import ExchangeAttempts, Pending, Tried
+from archipelago.federation.attempts import ExchangeAttempts, Pending
 from archipelago.federation.auto_codec import AutoCodec
 from archipelago.federation.codecs import Codec, effective_codec
 from archipelago.federation.contribution import Contributions
@@ -58,15 +57,14 @@ from archipelago.federation.global_weights import GlobalWeights
 from archipelago.federation.guard import Poison
 from archipelago.federation.healing import Healing
 from archipelago.federation.inner_state import InnerStateAverager
+from archipelago.federation.island_ranks import IslandRanks
 from archipelago.federation.judging import RowJudge
 from archipelago.federation.layout import FlatLayout
+from archipelago.federation.outcome import RoundOutcome
 from archipelago.federation.outer_core import OuterCore
 from archipelago.federation.policy import (
     Membership,
-    RoundResult,
     aligned_inner_step,
-    applies_outer_step,
-    merges_local,
     must_wait,
     plan_round,
 )
@@ -76,15 +74,6 @@ from archipelago.federation.trust import FederationKey
 
 log = logging.getLogger("archipelago.federation")
 
-# Hash the global weights after every round below this size (cheap); larger models
-# hash them only at the end of the run (sha256 reads every byte once).
-HASH_EVERY_ROUND_MAX_NUMEL = 1 << 26
-
-
-class FederationError(RuntimeError):
-    """The federation cannot go on (e.g. too many rounds in a row failed to commit)."""
-
-
 class OuterLoop:
     """Runs the outer synchronisation after each inner optimizer step (see module doc)."""
 
@@ -93,6 +82,7 @@ class OuterLoop:
                  group: dist.ProcessGroup | None = None, poisons: list[Poison] | None = None,
                  optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None) -> None:
         self.ft, self.rank, self.world_size, self.group = ft, rank, world_size, group
+        self.ranks = IslandRanks(world_size, group)  # the island's own small collectives
         self.key = key  # signs this island's rows and checks the others' (None: plain rows)
         self.manager, self.fingerprint = manager, fingerprint  # torchft Manager on bridge ranks, else None
         self.per_fragment = ft.sync_steps // len(fragments)
@@ -117,7 +107,7 @@ class OuterLoop:
         self.peer_inner_step = 0  # the step count of the peer this island last healed from
         self.peer_delay = self.delay  # inner steps that peer trains between its state and its commit
         self.quorum = Quorum(ft, manager, key, rank)  # entering each quorum; the members' fingerprints
-        self.judge = RowJudge(ft, self.quorum, rank, len(fragments), self.island_sums)
+        self.judge = RowJudge(ft, self.quorum, rank, len(fragments), self.ranks.sums)
         self.attempts = ExchangeAttempts(self)  # the round's exchange, attempt by attempt
         self.weights = GlobalWeights(ft)  # bridge ranks: the global chunks, outer optimizers, codecs
         self.codec_name = effective_codec(ft)
@@ -127,10 +117,11 @@ class OuterLoop:
         self.last_committed = False  # its last round committed ("current" in its state claim)
         self.contributions = Contributions(self, poisons)  # the round's pseudo-gradient, checked and weighted
         self.guard = self.contributions.guard
-        self.book = RoundBook(ft, len(fragments), self.island_max)  # the round in progress, its record
+        self.book = RoundBook(ft, len(fragments), self.ranks.max)  # the round in progress, its record
         self.federation_tokens = 0        # tokens the whole federation trained (at the last outer step)
         self.tokens_ratio = float(ft.group_size)  # federation tokens per own token, last round
-        self._scale_inner_batch()
+        self.outcome = RoundOutcome(self)  # the vote, the outer step, the counts and the record
+        self.outcome.scale_inner_batch()
         # Decoupled rounds (decoupled.py): the base weights and the decisions every island shares.
         self.decoupled = DecoupledRounds(self) if ft.round_mode == "decoupled" else None
         self.handoffs = self.decoupled.handoffs if self.decoupled is not None else None
@@ -138,11 +129,7 @@ class OuterLoop:
         if not ft.init_sync:  # islands start from their own weights: peers check they are the same
             self.fingerprint = dict(fingerprint, start=f"own weights {self.global_hash()}")  # collective
         if manager is not None:
-            manager.register_state_dict_fn("archipelago_outer", self.healing.load, self.healing.state)
-            expect = getattr(getattr(manager, "_checkpoint_transport", None), "expect_state_like", None)
-            if expect is not None:  # a peer's state may be at most about this island's own size
-                expect({"user": {"archipelago_outer": self.healing.shape()},
-                        "torchft": {"step": 0, "batches_committed": 0}})
+            self.healing.register()
 
     # ---- public --------------------------------------------------------------------
 
@@ -235,7 +222,7 @@ class OuterLoop:
 
     def global_hash(self) -> str:
         """SHA-256 over the global weights in canonical order (a collective)."""
-        digests = self._island_gather_objects(self.chunk_digest() if self.is_bridge else None)
+        digests = self.ranks.gather_objects(self.chunk_digest() if self.is_bridge else None)
         return hashlib.sha256("".join(d for d in digests if d).encode()).hexdigest()[:16]
 
     def chunk_digest(self) -> str:
@@ -289,7 +276,7 @@ class OuterLoop:
 
     def enter_quorum(self, again: bool = False) -> Membership:
         """Join a quorum (a new one with `again`: a retry), healing if behind; the island's view."""
-        m = self.healing.settle(self._island_membership(self._membership(again)))
+        m = self.healing.settle(self._island_membership(self.healing.membership(self.quorum, again)))
         self.step, self.leads = m.outer_step, m.leads
         return m
 
@@ -308,30 +295,9 @@ class OuterLoop:
         self.contributions.drill_death(pending)  # test-only: this island's row is in flight
         return pending
 
-    def _membership(self, again: bool = False) -> Membership:
-        """This rank's view of the quorum: a bridge rank joins it (blocking; a healing island
-        receives the state here); the other ranks know nothing yet. With `again` (a retry),
-        the lighthouse is made to hand out a new quorum id even for the same members."""
-        if self.manager is None:
-            return Membership()
-        self.healing.begin()
-        self.quorum.start(again)  # a healing island's Healing.load holds the peer's state
-        self.quorum.refuse_outsiders()
-        refusal = self.healing.judge_offer()
-        self.quorum.check_members(self.fingerprint, self.established)
-        offer = self.healing.offer
-        healed = offer is not None and refusal is None
-        same = healed and all(torch.equal(g.detach(), f["global"].to(g.device))
-                              for g, f in zip(self.globals, offer["fragments"]))  # type: ignore[index]
-        return Membership(outer_step=self.manager.current_step(), healed=healed,
-                          progress_void=healed and not same,
-                          peer_inner_step=self.healing.taken.inner_step if healed else 0,
-                          participants=self.manager.num_participants(),
-                          replica_rank=_rank_or_none(self.manager), heal_refused=refusal is not None)
-
     def _island_membership(self, mine: Membership) -> Membership:
         """The island's view: the element-wise max of its ranks' views."""
-        return Membership.from_values(self.island_max(mine.to_values()))
+        return Membership.from_values(self.ranks.max(mine.to_values()))
 
     def perform(self, inner_step: int) -> OuterReport:
         """Finish the exchange, vote, and step (or restore) the fragment's global weights."""
@@ -344,11 +310,11 @@ class OuterLoop:
         if p.total is not None:  # the agreed sum replaces the pseudo-gradient (freed)
             p.buffer, p.total = p.total, None
         tried.exposed_s = time.perf_counter() - blocked_since + p.midway_s
-        result, state_accepted = self._vote(p)
+        result, state_accepted = self.outcome.vote(p)
         if self.codec_name == "auto" and p.buffer is not None and p.exchanged:
             refused_me = any(r.get("island") == self.ft.replica_id for r in tried.refused)
             self.attempts.measure_link(p, carried=result.committed and p.weight > 0 and not refused_me)
-        self._apply_round(p, own, result)
+        self.outcome.apply(p, own, result)
         if p.state is not None and self.inner_state is not None:
             self.inner_state.finish(p.state, apply=result.committed and state_accepted)
         if p.reset:  # a healed island takes every fragment's global weights
@@ -356,96 +322,10 @@ class OuterLoop:
                 if i != p.fragment:
                     layout.scatter(self.globals[i].detach() if self.is_bridge else None)
             self.book.forget_fragments()
-        self._count_round(p, result)
-        report = self._report(p, inner_step, result, tried, blocked_since)
+        self.outcome.count(p, result)
+        report = self.outcome.report(p, inner_step, result, tried, blocked_since)
         self.book.start_clock()
         return report
-
-    def _vote(self, p: Pending) -> tuple[RoundResult, bool]:
-        """torchft's vote on this bridge rank, combined over the island's ranks: the round's
-        result, and whether the averaged moments had any island's weight."""
-        mine = RoundResult()
-        if self.manager is not None and p.buffer is not None:
-            mine = RoundResult(self._should_commit(), self.manager.num_participants(),
-                               float(p.buffer[-1]), int(float(p.buffer[-2])))
-        state_weight = sum(p.state.weights) if p.state is not None else 0.0
-        values = self.island_max([*mine.to_values(), state_weight])
-        return RoundResult.from_values(values[:-1]), values[-1] > 0
-
-    def _apply_round(self, p: Pending, own: torch.Tensor | None, result: RoundResult) -> None:
-        """The outer step on the global weights (when the round applies one), and the
-        island's weights that follow: the global ones (merged with its own, with
-        fragment_update_alpha), or under decoupled rounds its own, moved on."""
-        merge = merges_local(result, p.reset, self.ft.fragment_update_alpha)
-        local = self.layouts[p.fragment].gather() if merge and not p.overlapped else None
-        if p.buffer is not None and applies_outer_step(result):  # bridge ranks
-            self._outer_step(p.fragment, p.buffer, result.total_weight)
-        if self.decoupled is not None and p.exchanged:
-            self.decoupled.settle(p, applies_outer_step(result))
-        if self.decoupled is not None and p.overlapped:  # the island trained on: its weights are not the global ones
-            self.decoupled.after_overlapped(p, own, result.committed)
-            return
-        new = self.core.island_weights(p.fragment, local) if self.core is not None else None  # bridge ranks
-        self.layouts[p.fragment].scatter(new)
-        if self.handoffs is not None and new is not None:
-            self.handoffs.rebase(p.fragment, new)
-
-    def _count_round(self, p: Pending, result: RoundResult) -> None:
-        """The federation's step and token counts after the round."""
-        self.last_committed = result.committed
-        if not result.committed:
-            return
-        self.step += 1
-        self.established = True
-        self.federation_tokens += result.federation_tokens
-        if p.tokens:
-            self.tokens_ratio = result.federation_tokens / p.tokens
-            self._scale_inner_batch()
-
-    def _report(self, p: Pending, inner_step: int, result: RoundResult, tried: Tried,
-                blocked_since: float) -> OuterReport:
-        """The round's record; the round's counters start again."""
-        sent, received = self.attempts.exchange_bytes(p)
-        report = self.book.close(step=inner_step, outer_step=self.step, committed=result.committed,
-                                 participants=result.participants, contributors=result.total_weight,
-                                 fragment=p.fragment, healed=self.healed, bytes_sent=sent,
-                                 sync_s=p.prepare_s + p.midway_s + time.perf_counter() - blocked_since,
-                                 tokens=p.tokens, weight=p.weight, federation_tokens=self.federation_tokens,
-                                 norm=p.norm, rejected=p.rejected, refused=tried.refused,
-                                 codec=self._codec_label(p.fragment), bytes_received=received,
-                                 encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=tried.decode_s,
-                                 overlap_s=blocked_since - p.started, exposed_s=tried.exposed_s,
-                                 retries=tried.retries, retry_s=tried.retry_s)
-        if self.numel <= HASH_EVERY_ROUND_MAX_NUMEL:
-            report.global_hash = self.global_hash()
-        return report
-
-    # ---- pieces --------------------------------------------------------------------
-
-    def _scale_inner_batch(self) -> None:
-        """adam_federation_batch: the inner AdamW's batch ratio is the federation's tokens per
-        own token (the same on every rank of the island; 1 when it trains alone)."""
-        if self.scaled_optimizer is not None:
-            self.scaled_optimizer.batch_ratio = max(1.0, self.tokens_ratio)  # type: ignore[attr-defined]
-
-    def _outer_step(self, fragment: int, buffer: torch.Tensor, total: float) -> None:
-        """The core's outer step on the agreed sum (from a GPU buffer: a device-to-host copy)."""
-        assert self.core is not None, "only bridge ranks hold the global weights"
-        self.core.apply(fragment, buffer[:-2], total)
-        self.forget_digest()
-
-    def _should_commit(self) -> bool:
-        try:
-            return bool(self.manager.should_commit())
-        except RuntimeError as exc:  # torchft raises after max_retries failures in a row
-            raise FederationError(f"{exc}; the federation is not making progress: check that the other "
-                                  "islands are alive and reachable (fault_tolerance.max_retries)") from exc
-
-    def _codec_label(self, fragment: int) -> str:
-        """The codec's name for the record; with `auto`, the round's choice (`auto:int8`)."""
-        if self.codec_name == "auto" and self.codecs:
-            return f"auto:{self.codecs[fragment].current}"  # type: ignore[attr-defined]
-        return self.codec_name
 
     # ---- checkpoint (DCP Stateful) -------------------------------------------------
 
@@ -466,29 +346,3 @@ class OuterLoop:
                 self.handoffs.start(self.globals)
         if self.manager is not None:
             self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
-
-    # ---- island collectives --------------------------------------------------------
-
-    def island_max(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(t, op=ReduceOp.MAX, group=self.group)
-        return t.tolist()
-
-    def island_sums(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(t, group=self.group)
-        return t.tolist()
-
-    def _island_gather_objects(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-
-def _rank_or_none(manager: Any) -> int:
-    rank = manager.participating_rank()
-    return -1 if rank is None else int(rank)

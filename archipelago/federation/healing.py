@@ -28,6 +28,7 @@ from archipelago.federation.fragments import load_tensor_state, tensor_state
 from archipelago.federation.guard import UpdateGuard
 from archipelago.federation.membership import exchange_claims, mismatch
 from archipelago.federation.policy import Membership, StateClaim, heal_verdict
+from archipelago.federation.quorum import Quorum
 from archipelago.federation.trust import FederationKey
 
 log = logging.getLogger("archipelago.federation")
@@ -47,6 +48,7 @@ class HealingHost(Protocol):
     federation_tokens: int
     peer_inner_step: int
     last_committed: bool
+    established: bool
 
     @property
     def globals(self) -> list[nn.Parameter]: ...
@@ -75,7 +77,38 @@ class Healing:
         self.offer, self.refusal = None, None
         self.before_quorum = (manager.current_step(), manager.batches_committed())
 
+    def membership(self, quorum: Quorum, again: bool = False) -> Membership:
+        """This bridge rank's view of the quorum it enters (blocking; a healing island
+        receives the peer's state here, in `load`); the island's other ranks know nothing yet
+        (an empty view). With `again` (a retry), the lighthouse is made to hand out a new
+        quorum id even for the same members."""
+        h = self.host
+        if h.manager is None:
+            return Membership()
+        self.begin()
+        quorum.start(again)
+        quorum.refuse_outsiders()
+        refusal = self.judge_offer()
+        quorum.check_members(h.fingerprint, h.established)
+        healed = self.offer is not None and refusal is None
+        same = healed and all(torch.equal(g.detach(), f["global"].to(g.device))
+                              for g, f in zip(h.globals, self.offer["fragments"]))  # type: ignore[index]
+        rank = h.manager.participating_rank()
+        return Membership(outer_step=h.manager.current_step(), healed=healed, progress_void=healed and not same,
+                          peer_inner_step=self.taken.inner_step if healed else 0,
+                          participants=h.manager.num_participants(),
+                          replica_rank=-1 if rank is None else int(rank), heal_refused=refusal is not None)
+
     # ---- what travels (torchft's state_dict functions) ------------------------------
+
+    def register(self) -> None:
+        """Hand torchft the functions that serve and take this state, and the most a peer's
+        state may hold: about this island's own size."""
+        manager = self.host.manager
+        manager.register_state_dict_fn("archipelago_outer", self.load, self.state)
+        expect = getattr(getattr(manager, "_checkpoint_transport", None), "expect_state_like", None)
+        if expect is not None:
+            expect({"user": {"archipelago_outer": self.shape()}, "torchft": {"step": 0, "batches_committed": 0}})
 
     def state(self) -> dict[str, Any]:
         """This island's state for a healing peer (not the codec state: see the module doc)."""
