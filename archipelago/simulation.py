@@ -16,7 +16,7 @@ keeping its own BatchNorm running statistics, averaged before an evaluation (wha
 island of N ranks does; for models without BatchNorm it equals one rank with the whole
 batch, up to rounding).
 
-Left out on purpose: faults and healing, time pacing, the update guard (honest islands
+Left out on purpose: faults and healing, time pacing, the guard (honest islands
 never trip it), multi-rank islands in a federation (an island's pseudo-gradient does not
 depend on how it is sharded).
 """

@@ -901,8 +901,8 @@ class RunMetrics:
         if self.display is not None:
             state = "committed" if record["committed"] else "NOT committed"
             extra = " (healed from a peer)" if record["healed"] else ""
-            if record["rejected"]:
-                extra += f"; this island's update REJECTED ({record['rejected']})"
+            if record["own_refused"]:
+                extra += f"; this island's pseudo-gradient REFUSED ({record['own_refused']})"
             if record["overlap_s"] >= 0.01:  # streaming with fragment_sync_delay: the exchange ran behind steps
                 extra += (f"; exchange hidden behind {record['overlap_s']:.2f} s of inner steps, "
                           f"then {record['exposed_s']:.2f} s exposed")

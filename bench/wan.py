@@ -367,7 +367,7 @@ def federation_result(run_dir: Path, sampler: Sampler, equal_steps: int, count: 
         # Rounds in which the island's own pseudo-gradient entered the global weights (its row
         # accepted with a weight and the round committed), out of its rounds after the join.
         "entered": [sum(1 for r in i["outer"][1:] if r.get("committed") and (r.get("weight") or 0) > 0
-                        and not r.get("rejected")) for i in islands],
+                        and not r.get("own_refused")) for i in islands],
         "codec": islands[0]["outer"][-1].get("codec") if islands[0]["outer"] else None,
         "steady_bytes": steady,
         "steady_tokens": window_tokens,

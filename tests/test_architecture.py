@@ -79,3 +79,28 @@ def test_the_round_policy_is_pure():
     imported = _imports(MODULES["archipelago.federation.policy"])
     banned = ("torch", "torchft", "socket", "subprocess", "threading", "multiprocessing", "os")
     assert not [m for m in imported if m.split(".")[0] in banned or m.startswith("archipelago.")], imported
+
+
+# One name per concept (docs/glossary.md, "Retired names"): a retired name may not come back
+# in the package, in code, log messages, `--help` or the dashboard.
+RETIRED = {
+    r"(?i)\breject": "refuse / refused / refusal",
+    r"\bUpdateGuard\b": "PseudoGradientGuard",
+    r"\bjudge_update\b": "policy.judge_pseudo_gradient",
+    r"\bUPDATE_KINDS\b": "config.faults.POISON_KINDS",
+    r"(?i)\bpoisoned updates?\b|\bupdate guards?\b|\bthe updates? of (island|a peer)": "pseudo-gradient",
+}
+
+
+def test_retired_names_stay_out_of_the_package():
+    import re
+
+    glossary = (PACKAGE.parent / "docs" / "glossary.md").read_text()
+    assert "## Retired names" in glossary
+    found = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.html")]):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for pattern, instead in RETIRED.items():
+                if re.search(pattern, line):
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()[:80]} (use {instead})")
+    assert not found, "\n".join(found)

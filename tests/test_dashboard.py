@@ -27,7 +27,7 @@ def _push(island: int, *records: dict, info: dict | None = None) -> dict:
 STEP = {"step": 10, "loss": 5.5, "tokens": 5120, "tokens_per_s": 900.0, "mfu": None}
 OUTER = {"event": "outer_step", "outer_step": 3, "step": 10, "committed": True, "participants": 2,
          "bytes_sent": 1234, "compute_s": 3.0, "sync_s": 1.0, "overlap_s": 0.0, "exposed_s": 1.0, "codec": "int8",
-         "rejected": None}
+         "own_refused": None}
 
 
 def test_pushed_records_become_islands_outer_steps_curves_and_prometheus_gauges():

@@ -117,7 +117,7 @@ def test_read_text_folder_txt_and_jsonl(tmp_path: Path) -> None:
     assert docs[0].text == _text(10) and docs[3].text == _text(101)
 
 
-def test_read_text_folder_rejects_bad_jsonl_and_empty(tmp_path: Path) -> None:
+def test_read_text_folder_refuses_bad_jsonl_and_empty(tmp_path: Path) -> None:
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "x.jsonl").write_text('{"text": "ok"}\n{"content": "no text"}\n')
     with pytest.raises(ValueError, match=r"x\.jsonl:2.*\"text\""):

@@ -6,8 +6,8 @@ import pytest
 
 from archipelago.config import ConfigError
 from archipelago.config.faults import (
+    POISON_KINDS,
     TRAINER_KINDS,
-    UPDATE_KINDS,
     Fault,
     env_value,
     faults_from_env,
@@ -32,7 +32,7 @@ def test_malformed_faults_name_the_form(text):
 
 def test_where_a_fault_is_given_limits_its_kinds_and_island():
     with pytest.raises(ConfigError, match="KIND one of nan, scale1000"):
-        parse_fault("crash@3", kinds=UPDATE_KINDS)
+        parse_fault("crash@3", kinds=POISON_KINDS)
     with pytest.raises(ConfigError):
         parse_fault("nan@3", island=True)  # --inject needs the island
     with pytest.raises(ConfigError):
@@ -44,7 +44,7 @@ def test_the_environment_carries_a_list_and_the_rank_filter(monkeypatch):
     assert env_value(faults) == "crash@7,nan@2,nan-loss@3"
     monkeypatch.setenv("ARCHIPELAGO_FAULT", env_value(faults))
     assert [f.kind for f in faults_from_env(TRAINER_KINDS, rank=0)] == ["crash", "nan-loss"]
-    assert [f.kind for f in faults_from_env(UPDATE_KINDS)] == ["nan"]
+    assert [f.kind for f in faults_from_env(POISON_KINDS)] == ["nan"]
     monkeypatch.setenv("ARCHIPELAGO_FAULT_RANK", "1")
     assert faults_from_env(TRAINER_KINDS, rank=0) == []
     assert len(faults_from_env(TRAINER_KINDS, rank=1)) == 2
@@ -58,7 +58,7 @@ def test_die_in_exchange_is_an_outer_loop_fault_that_archipelago_local_injects(m
     assert parse_fault("2:die_in_exchange@3") == Fault("die_in_exchange", 3, 2)
     with pytest.raises(ConfigError, match="outer steps count from 1"):
         parse_fault("die_in_exchange@0")
-    assert "die_in_exchange" in OUTER_KINDS and "die_in_exchange" not in UPDATE_KINDS + TRAINER_KINDS
+    assert "die_in_exchange" in OUTER_KINDS and "die_in_exchange" not in POISON_KINDS + TRAINER_KINDS
     opts = parse_args(["--islands", "1,1,1", "--inject", "2:die_in_exchange@3"])
     assert opts.injections == {2: [Fault("die_in_exchange", 3, 2)]}
     monkeypatch.setenv("ARCHIPELAGO_FAULT", env_value(opts.injections[2]))

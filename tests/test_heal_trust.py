@@ -191,7 +191,7 @@ def test_an_odd_member_claiming_any_step_is_refused_and_the_honest_islands_go_on
                        [_fingerprint_row(1, 4), _fingerprint_row(2, step, outer_lr=0.1)]]
     assert loop.prepare() is True  # cb92e48: FederationMismatch (or a TypeError) on every honest island
     assert loop.quorum.odd_ranks == {2}
-    assert "refusing the updates of a peer island" in caplog.text
+    assert "refusing the rows of a peer island" in caplog.text
 
 
 def test_the_odd_island_itself_is_told_why_it_cannot_join():

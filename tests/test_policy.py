@@ -25,7 +25,7 @@ from archipelago.federation.policy import (
     exchange_agreed,
     heal_verdict,
     judge_contributions,
-    judge_update,
+    judge_pseudo_gradient,
     keeps_pending,
     merges_local,
     must_wait,
@@ -80,13 +80,13 @@ def test_plan_round(joining, healed, void, reset, contributes):
 
 
 def test_guard_refuses_non_finite_and_outliers_only_once_it_has_a_history():
-    assert judge_update(math.nan, [], 10.0) == Verdict(False, "non-finite values")
-    assert not judge_update(math.inf, [1.0] * 5, 0.0).accepted  # even with the norm check off
-    assert judge_update(1e6, [1.0] * (GUARD_MIN_HISTORY - 1), 10.0).accepted  # too few to judge a norm
-    refused = judge_update(11.0, [1.0, 1.0, 2.0], 10.0)
+    assert judge_pseudo_gradient(math.nan, [], 10.0) == Verdict(False, "non-finite values")
+    assert not judge_pseudo_gradient(math.inf, [1.0] * 5, 0.0).accepted  # even with the norm check off
+    assert judge_pseudo_gradient(1e6, [1.0] * (GUARD_MIN_HISTORY - 1), 10.0).accepted  # too few to judge a norm
+    refused = judge_pseudo_gradient(11.0, [1.0, 1.0, 2.0], 10.0)
     assert not refused.accepted and "above 10 x the running median 1" in refused.reason
-    assert judge_update(10.0, [1.0, 1.0, 2.0], 10.0).accepted
-    assert judge_update(1e6, [1.0] * 5, 0.0).accepted  # limit 0: norm check off
+    assert judge_pseudo_gradient(10.0, [1.0, 1.0, 2.0], 10.0).accepted
+    assert judge_pseudo_gradient(1e6, [1.0] * 5, 0.0).accepted  # limit 0: norm check off
 
 
 def test_guard_window_keeps_the_newest_norms():

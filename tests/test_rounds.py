@@ -1,4 +1,4 @@
-"""Heterogeneous rounds: the weighted outer average and the update guard, on real islands.
+"""Heterogeneous rounds: the weighted outer average and the guard, on real islands.
 
 Each test runs one process per rank of every island (torch.multiprocessing), islands of
 different rank counts as separate gloo groups, each bridge rank with its own torchft
@@ -22,7 +22,7 @@ from torch import nn
 
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.diloco import OuterLoop, OuterReport
-from archipelago.federation.guard import Poison, UpdateGuard, poisons_from_env
+from archipelago.federation.guard import Poison, PseudoGradientGuard, poisons_from_env
 from archipelago.federation.membership import fingerprint
 from archipelago.federation.trust import FederationKey, new_secret
 
@@ -116,7 +116,7 @@ def _worker(proc: int, port: int, sizes: list[int], width: int, weighting: str, 
                 if lying_moments == (island, round_):  # finite, but no Adam state: m^2 far above C * v
                     next(iter(optimizer.state.values()))["exp_avg"].mul_(1e4)
             report, step = _train_round(outer, model, island, round_, step)
-            out[(proc, round_)] = (_flat(model), report.weight, report.rejected, report.committed,
+            out[(proc, round_)] = (_flat(model), report.weight, report.own_refused, report.committed,
                                    report.federation_tokens)
             out[(proc, round_, "bytes")] = (report.bytes_sent, report.bytes_received)
             out[(proc, round_, "refused")] = report.refused
@@ -198,8 +198,8 @@ def test_outer_step_applies_the_weighted_mean_of_pseudo_gradients(sizes, width, 
     for proc in range(sum(sizes)):
         island = max(k for k, a in enumerate(starts[:-1]) if proc >= a)
         for round_ in range(1, rounds + 1):
-            flat, weight, rejected, committed, fed_tokens = out[(proc, round_)]
-            assert committed and rejected is None
+            flat, weight, own_refused, committed, fed_tokens = out[(proc, round_)]
+            assert committed and own_refused is None
             assert weight == weights[island]
             assert fed_tokens == round_ * ROUND * sum(TOKENS[:len(sizes)])  # every island's tokens, counted once
             torch.testing.assert_close(flat, expected[round_ - 1], rtol=0, atol=1e-6,
@@ -214,7 +214,7 @@ def test_outer_step_applies_the_weighted_mean_of_pseudo_gradients(sizes, width, 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("poison,sizes", [(Poison("nan", 2), [1, 1]), (Poison("scale1000", 5), [2, 1])],
                          ids=["nan", "scale1000"])
-def test_poisoned_updates_are_rejected_and_everyone_keeps_the_same_finite_weights(poison, sizes):
+def test_poisoned_pseudo_gradients_are_refused_and_everyone_keeps_the_same_finite_weights(poison, sizes):
     rounds = poison.round + 1
     # With averaged moments: the poisoned island's NaN moments stay out of the average too.
     out = _federate(sizes, 1, "tokens", rounds, {1: poison}, moments=True)
@@ -223,9 +223,9 @@ def test_poisoned_updates_are_rejected_and_everyone_keeps_the_same_finite_weight
     for proc in range(sum(sizes)):
         island = 0 if proc < sizes[0] else 1
         for round_ in range(1, rounds + 1):
-            flat, weight, rejected, committed, _ = out[(proc, round_)]
+            flat, weight, own_refused, committed, _ = out[(proc, round_)]
             poisoned = island == 1 and round_ == poison.round
-            assert committed and (rejected is not None) == poisoned, (proc, round_, rejected)
+            assert committed and (own_refused is not None) == poisoned, (proc, round_, own_refused)
             assert weight == (0.0 if poisoned else weights[island])
             assert torch.isfinite(flat).all()
             torch.testing.assert_close(flat, expected[round_ - 1], rtol=0, atol=1e-6,
@@ -279,8 +279,8 @@ def test_moments_no_optimizer_can_hold_are_refused_while_the_islands_update_coun
     expected = _expected(sizes, weights, rounds)
     for proc in range(len(sizes)):
         for round_ in range(1, rounds + 1):
-            flat, weight, rejected, committed, _ = out[(proc, round_)]
-            assert committed and rejected is None and not out[(proc, round_, "refused")]
+            flat, weight, own_refused, committed, _ = out[(proc, round_)]
+            assert committed and own_refused is None and not out[(proc, round_, "refused")]
             torch.testing.assert_close(flat, expected[round_ - 1], rtol=0, atol=1e-6)
             w = [0.0 if (k, round_) == (2, 2) else weights[k] for k in range(len(sizes))]
             for key, got in enumerate(out[(proc, round_, "moments")]):
@@ -349,7 +349,7 @@ def test_every_receiver_refuses_a_lying_island_from_the_first_round(kind, signed
     expected = _expected(sizes, weights, rounds, skip={1: 1})
     for round_ in range(1, rounds + 1):
         for proc in range(len(sizes)):
-            flat, _, rejected, committed, tokens = out[(proc, round_)]
+            flat, _, own_refused, committed, tokens = out[(proc, round_)]
             assert committed
             atol = 1e-6 if codec == "fp32" else 4e-3
             torch.testing.assert_close(flat, expected[round_ - 1], rtol=0, atol=atol, msg=f"{proc}, {round_}")
@@ -357,10 +357,10 @@ def test_every_receiver_refuses_a_lying_island_from_the_first_round(kind, signed
             refused = out[(proc, round_, "refused")]
             if round_ == 1:
                 assert [r["island"] for r in refused] == [1] and reason in refused[0]["reason"], refused
-                assert (rejected is not None) == (proc == 1)
+                assert (own_refused is not None) == (proc == 1)
                 assert tokens == (TOKENS[0] + TOKENS[2]) * ROUND  # the liar's claim is not counted
             else:
-                assert refused == [] and rejected is None
+                assert refused == [] and own_refused is None
 
 
 @pytest.mark.timeout(240)
@@ -380,8 +380,8 @@ def test_islands_with_another_key_are_unauthenticated_and_each_key_averages_its_
         for round_ in range(1, rounds + 1):
             g = sum(wk * (g + _delta(k, round_, g.numel())) for k, wk in enumerate(w) if wk) / sum(w)
             for proc in pair:
-                flat, _, rejected, committed, _ = out[(proc, round_)]
-                assert committed and rejected is None
+                flat, _, own_refused, committed, _ = out[(proc, round_)]
+                assert committed and own_refused is None
                 assert sorted(r["island"] for r in out[(proc, round_, "refused")]) == list(others)
                 torch.testing.assert_close(flat, g, rtol=0, atol=1e-6, msg=f"{proc}, {round_}")
 
@@ -401,7 +401,7 @@ def test_the_trimmed_mean_of_three_islands_is_their_coordinate_wise_median_on_ev
 
 
 def test_guard_uses_the_running_median_of_accepted_norms():
-    guard = UpdateGuard(limit=10.0, fragments=2)
+    guard = PseudoGradientGuard(limit=10.0, fragments=2)
     assert guard.check(0, 1e6) is None  # no history yet: only non-finite values are refused
     assert guard.check(0, float("nan")) == "non-finite values"
     for norm in (1.0, 2.0, 3.0):
@@ -409,11 +409,11 @@ def test_guard_uses_the_running_median_of_accepted_norms():
     assert "running median 2" in guard.check(1, 21.0)  # above 10 x the median of 1, 2, 3
     assert guard.check(1, 15.0) is None and guard.check(1, 18.0) is None  # medians 2 and 2.5: below 10x
     assert "running median 3" in guard.check(1, 31.0)  # median of 1, 2, 3, 15, 18
-    assert guard.history[1] == [1.0, 2.0, 3.0, 15.0, 18.0]  # rejected norms are not remembered
-    restored = UpdateGuard(limit=10.0, fragments=2)
+    assert guard.history[1] == [1.0, 2.0, 3.0, 15.0, 18.0]  # refused norms are not remembered
+    restored = PseudoGradientGuard(limit=10.0, fragments=2)
     restored.load_state_tensor(guard.state_tensor())
     assert restored.history == guard.history
-    assert UpdateGuard(limit=0.0, fragments=1).check(0, 1e30) is None  # 0 turns the norm check off
+    assert PseudoGradientGuard(limit=0.0, fragments=1).check(0, 1e30) is None  # 0 turns the norm check off
 
 
 @pytest.mark.parametrize("spec", ["nan", "nan@0", "zero@3", "scale1000@x", "crash@1.5", "1:nan@2"])
@@ -476,8 +476,8 @@ def test_topk_reduce_scatter_equals_the_all_gather_bit_for_bit(islands, signed):
         assert not torch.equal(reference, start) and torch.isfinite(reference).all()
         for exchange, out in paths.items():
             for proc in range(islands):
-                flat, _, rejected, committed, _ = out[(proc, round_)]
-                assert committed and rejected is None
+                flat, _, own_refused, committed, _ = out[(proc, round_)]
+                assert committed and own_refused is None
                 assert torch.equal(flat, reference), f"{exchange}, island {proc}, round {round_}"
     # Each path moved what it should: the all-gather a whole payload from every other island;
     # the reduce-scatter one segment from each, their sums' sizes (8 bytes) and summed segments.

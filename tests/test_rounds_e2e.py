@@ -1,5 +1,5 @@
 """Heterogeneous rounds through `archipelago local`: time pacing with an emulated slow
-island, and poisoned updates injected into a running federation."""
+island, and poisoned pseudo-gradients injected into a running federation."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_time_pacing_lets_the_fast_island_run_more_steps_without_waiting(tmp_pat
 
 @pytest.mark.timeout(600)
 @pytest.mark.slow  # 78 s on 2 cores: make test-slow (test_rounds checks the guards in-process)
-def test_injected_nan_scaled_and_lying_updates_are_rejected_and_training_goes_on(tmp_path):
+def test_injected_nan_scaled_and_lying_pseudo_gradients_are_refused_and_training_goes_on(tmp_path):
     # Island 1 sends a 1000x update in round 2, before its own guard has a history (the
     # receivers' absolute bound refuses it), NaN in round 3 (its own guard keeps it back),
     # and claims 10^15 tokens in round 5 (the receivers refuse it); island 0 sends a 1000x
@@ -73,11 +73,11 @@ def test_injected_nan_scaled_and_lying_updates_are_rejected_and_training_goes_on
               "--training.val_every", "24"]
     poisoned = _local(tmp_path / "poisoned", *common, "--inject", "1:scale1000@2", "--inject", "1:nan@3",
                       "--inject", "1:forge_tokens@5", "--inject", "0:scale1000@7")
-    rejected = [e for e in poisoned["events"] if e["event"] == "rejected"]
-    seen = sorted((e["outer_step"], e["rejected_island"], e["by"], e["island"]) for e in rejected)
+    refused = [e for e in poisoned["events"] if e["event"] == "refused"]
+    seen = sorted((e["outer_step"], e["refused_island"], e["by"], e["island"]) for e in refused)
     assert seen == [(2, 1, "receivers", 0), (2, 1, "receivers", 1), (3, 1, "own guard", 1),
-                    (5, 1, "receivers", 0), (5, 1, "receivers", 1), (7, 0, "own guard", 0)], rejected
-    reasons = {(e["outer_step"], e["island"]): e["reason"] for e in rejected}
+                    (5, 1, "receivers", 0), (5, 1, "receivers", 1), (7, 0, "own guard", 0)], refused
+    reasons = {(e["outer_step"], e["island"]): e["reason"] for e in refused}
     assert "absolute bound" in reasons[(2, 0)] and "non-finite" in reasons[(3, 1)]
     assert "declared batch" in reasons[(5, 0)] and "running median" in reasons[(7, 0)]
     assert poisoned["global_hash_agree"]
@@ -150,14 +150,14 @@ def test_decoupled_rounds_refuse_a_lying_island_on_every_island_alike(tmp_path):
     # islands take the reduce-scatter: the rows are judged halfway through the round after
     # the hand-off, where the second phase starts, and the summers leave the liar's segments out.
     fed, rounds = _three_judged_halfway(tmp_path / "run", "--inject", "1:forge_tokens@4")
-    events = [[r for r in records(tmp_path / "run" / f"island-{k}") if r.get("event") == "rejected"]
+    events = [[r for r in records(tmp_path / "run" / f"island-{k}") if r.get("event") == "refused"]
               for k in range(3)]
-    seen = [sorted((e["outer_step"], e["rejected_island"], e["by"]) for e in island) for island in events]
+    seen = [sorted((e["outer_step"], e["refused_island"], e["by"]) for e in island) for island in events]
     assert seen[0] == seen[1] == seen[2] and len(seen[0]) == 1 and seen[0][0][1:] == (1, "receivers"), events
     assert "declared batch" in events[0][0]["reason"]
     refused_at = seen[0][0][0]
     liar = {r["outer_step"]: r for r in rounds[1]}
-    assert liar[refused_at]["rejected"] and liar[refused_at + 1]["weight"] == 0  # its next row is void
+    assert liar[refused_at]["own_refused"] and liar[refused_at + 1]["weight"] == 0  # its next row is void
     assert all(r["committed"] for island in rounds for r in island)
     assert [r["global_hash"] for r in rounds[0]] == [r["global_hash"] for r in rounds[2]]
 

@@ -179,7 +179,7 @@ def _write_run(root: Path, records: dict[int, list[dict]], events: list[dict], p
 
 def _outer(step: int, t: float, steps: int, weight: float, elapsed: list[float] | None, healed: bool = False) -> dict:
     record = {"event": "outer_step", "time": t, "outer_step": step, "committed": True, "sync_s": 0.5,
-              "healed": healed, "inner_steps": steps, "weight": weight, "rejected": None}
+              "healed": healed, "inner_steps": steps, "weight": weight, "own_refused": None}
     if elapsed is not None:
         record["pacing_elapsed_s"] = elapsed
     return record

@@ -10,9 +10,9 @@
 | `nan-loss` | inner step | that step's loss becomes NaN | the trainer |
 | `nan` | outer step | the island's pseudo-gradient becomes NaN | the outer loop |
 | `scale1000` | outer step | the island's pseudo-gradient is multiplied by 1000 | the outer loop |
-| `forge_tokens` | outer step | the island claims 10^15 tokens for its update | the outer loop |
-| `forge_weight` | outer step | the island claims weight -10^6 for its update | the outer loop |
-| `unsigned` | outer step | the island signs its update with a key outside the federation | the outer loop |
+| `forge_tokens` | outer step | the island claims 10^15 tokens for its pseudo-gradient | the outer loop |
+| `forge_weight` | outer step | the island claims weight -10^6 for its pseudo-gradient | the outer loop |
+| `unsigned` | outer step | the island signs its pseudo-gradient with a key outside the federation | the outer loop |
 | `die_in_exchange` | outer step | the island SIGKILLs itself, its row of that exchange in flight | the outer loop |
 
 `archipelago local --inject ISLAND:KIND@AT` (repeatable, every entry kept) hands an
@@ -33,9 +33,9 @@ RANK_ENV = "ARCHIPELAGO_FAULT_RANK"
 
 LAUNCHER_KINDS = ("kill",)
 TRAINER_KINDS = ("crash", "error", "nan-loss")
-UPDATE_KINDS = ("nan", "scale1000", "forge_tokens", "forge_weight", "unsigned")
+POISON_KINDS = ("nan", "scale1000", "forge_tokens", "forge_weight", "unsigned")
 EXCHANGE_KINDS = ("die_in_exchange",)  # the island dies mid-exchange (the survivors' retry: docs/rounds.md)
-OUTER_KINDS = UPDATE_KINDS + EXCHANGE_KINDS  # acted on by the outer loop, AT in outer steps
+OUTER_KINDS = POISON_KINDS + EXCHANGE_KINDS  # acted on by the outer loop, AT in outer steps
 KINDS = LAUNCHER_KINDS + TRAINER_KINDS + OUTER_KINDS
 _UNIT = {"kill": "SECONDS", **{k: "STEP" for k in TRAINER_KINDS}, **{k: "ROUND" for k in OUTER_KINDS}}
 _EXAMPLE = "1:kill@30, crash@7, nan-loss@3 or 1:scale1000@4"

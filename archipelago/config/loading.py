@@ -92,7 +92,7 @@ def _section_from_table(cls: type, table: dict[str, Any], where: str) -> Any:
 
 
 def section_from_table(cls: type, table: Any, where: str) -> Any:
-    """One dataclass section from a TOML table, rejecting unknown or mistyped keys (the
+    """One dataclass section from a TOML table, refusing unknown or mistyped keys (the
     run files' rules, for other files such as simulation scenarios)."""
     if not isinstance(table, dict):
         raise ConfigError(f"{where} must be a table, not a {type(table).__name__}")
@@ -100,7 +100,7 @@ def section_from_table(cls: type, table: Any, where: str) -> Any:
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
-    """Build a Config from a parsed TOML document, rejecting unknown or mistyped keys."""
+    """Build a Config from a parsed TOML document, refusing unknown or mistyped keys."""
     hints = typing.get_type_hints(Config)
     sections = {}
     for name, table in raw.items():

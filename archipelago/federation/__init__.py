@@ -94,7 +94,7 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module | NamedParameter
     for poison in poisons if rank == 0 else []:
         what = ("will die with its exchange of outer step %d in flight (a drill of exchange_retries)"
                 if poison.kind == "die_in_exchange" else
-                "will send a poisoned update in outer step %d (a test/demo of the update guard)")
+                "will send a poisoned pseudo-gradient in outer step %d (a test/demo of the guard)")
         log.warning("ARCHIPELAGO_FAULT %s@%d: this island " + what, poison.kind, poison.round, poison.round)
     return OuterLoop(ft, fragments, rank, world_size, manager, fp, poisons=poisons, optimizer=optimizer, key=key)
 

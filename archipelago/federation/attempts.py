@@ -52,12 +52,12 @@ class Pending:
 
     fragment: int
     buffer: torch.Tensor | None = None
-    reset: bool = False      # this island healed (or was rejected): discard its local progress
+    reset: bool = False      # this island healed (or was refused): discard its local progress
     prepare_s: float = 0.0   # seconds prepare() blocked (quorum, healing, gather)
     tokens: int = 0          # this island's tokens since the previous exchange
     weight: float = 0.0
     norm: float | None = None
-    rejected: str | None = None
+    own_refused: str | None = None
     gathered: Gathered | None = None  # the exchange's rows (bridge ranks)
     exchanged: bool = False           # the island takes part in an exchange this round (all ranks)
     participants: int = 0             # islands in the quorum (rows of the exchange)
@@ -218,7 +218,7 @@ class ExchangeAttempts:
         global_sumsq = float(h.globals[p.fragment].detach().double().square().sum()) if h.is_bridge else 0.0
         judged = h.judge.judge(table, h.layouts[p.fragment].numel, global_sumsq, h.step, p.replica_rank)
         if judged.own_refused:  # this island's own row: it takes the federation's weights
-            p.reset, p.rejected = True, p.rejected or judged.own_refused
+            p.reset, p.own_refused = True, p.own_refused or judged.own_refused
         return judged.weights, judged.tokens, judged.refused
 
     def _finish(self, p: Pending) -> tuple[float, list[dict[str, Any]]]:

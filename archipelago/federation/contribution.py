@@ -8,10 +8,10 @@ the result to the exchange; this part builds it (`Contributions.build`, a `Pendi
   the island's tokens and its weight;
 * the drills' poison for this outer step (test-only, `ARCHIPELAGO_FAULT`);
 * `codec = "auto"`'s choice for the round, before the guard sees the values;
-* the guard's check of the update's norm over the island's ranks (`UpdateGuard`): one bad
+* the guard's check of the pseudo-gradient's norm over the island's ranks (`PseudoGradientGuard`): one bad
   island must not poison the others;
 * its weight: its tokens since the fragment's last exchange (or 1), 0 when it sends no
-  progress or was rejected.
+  progress or was refused.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from archipelago.federation.attempts import Pending
 from archipelago.federation.auto_codec import AutoCodec
 from archipelago.federation.codecs import Codec
 from archipelago.federation.decoupled import Handoffs
-from archipelago.federation.guard import DIE_IN_EXCHANGE, FORGE_KINDS, Poison, UpdateGuard
+from archipelago.federation.guard import DIE_IN_EXCHANGE, FORGE_KINDS, Poison, PseudoGradientGuard
 from archipelago.federation.island_ranks import IslandRanks
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.outer_core import contribution_weight
@@ -65,7 +65,7 @@ class Contributions:
     def __init__(self, host: ContributionHost, poisons: list[Poison] | None = None) -> None:
         self.host = host
         self.poisons = {p.round: p for p in poisons or []}  # test-only: outer step -> poison
-        self.guard = UpdateGuard(host.ft.outer_norm_limit, len(host.layouts))
+        self.guard = PseudoGradientGuard(host.ft.outer_norm_limit, len(host.layouts))
 
     def build(self, plan: RoundPlan, joining: bool) -> tuple[Pending, str | None]:
         """The round's `Pending` (its buffer on bridge ranks), and the kind of frame forgery
@@ -79,7 +79,7 @@ class Contributions:
         poison = self.poisons.get(h.step + 1)
         corrupt = poison if poison is not None and plan.contributes and poison.kind != DIE_IN_EXCHANGE else None
         if buffer is not None and corrupt is not None:
-            log.warning("ARCHIPELAGO_FAULT: poisoning this island's update (%s) in outer step %d",
+            log.warning("ARCHIPELAGO_FAULT: poisoning this island's pseudo-gradient (%s) in outer step %d",
                         corrupt.kind, h.step + 1)
             corrupt.apply(buffer[:-2])
         tokens, fragment_tokens = h.book.take_tokens(fragment)
@@ -106,17 +106,17 @@ class Contributions:
             poison.die()
 
     def _guard(self, fragment: int, buffer: torch.Tensor | None, pending: Pending) -> Verdict:
-        """One bad island must not poison the others: check the update before it is sent."""
+        """One bad island must not poison the others: check the pseudo-gradient before it is sent."""
         h = self.host
         # The island's norm over its bridge chunks; a NaN/inf anywhere makes it non-finite.
         sumsq = 0.0 if buffer is None else float(torch.linalg.vector_norm(buffer[:-2])) ** 2  # a device sync
         pending.norm = math.sqrt(h.ranks.sums([sumsq])[0])
-        pending.rejected = self.guard.check(fragment, pending.norm)
-        if pending.rejected:
+        pending.own_refused = self.guard.check(fragment, pending.norm)
+        if pending.own_refused:
             pending.reset = True  # it takes the global weights, like a healed island
-            log.warning("rejected this island's update at outer step %d: %s; it sends weight 0 and "
-                        "takes the federation's weights", h.step + 1, pending.rejected)
-        return Verdict(pending.rejected is None, pending.rejected)
+            log.warning("refused this island's pseudo-gradient at outer step %d: %s; it sends weight 0 and "
+                        "takes the federation's weights", h.step + 1, pending.own_refused)
+        return Verdict(pending.own_refused is None, pending.own_refused)
 
     def _pseudo_gradient(self, fragment: int, local: torch.Tensor) -> torch.Tensor:
         """[global - local ..., tokens, weight], the last two still 0 (build fills them).

@@ -24,7 +24,7 @@ bridge ranks in the canonical flat layout (layout.py), so islands of any size me
 and a healing island can take them from any peer; each island's pseudo-gradient
 is sent with a weight (the tokens it trained since the fragment's last exchange, or 1
 with outer_weighting = "equal"; 0 for an island that has just healed and holds no
-valid local progress, or whose update the guard rejected), and the average divides by
+valid local progress, or whose pseudo-gradient the guard refused), and the average divides by
 the sum of weights. The weight and the island's token count travel in the header of the
 island's row (exchange.py), so weighting costs no extra round trip, and every island
 learns how many tokens the whole federation trained. Every island receives every

@@ -1,4 +1,4 @@
-"""Guards against bad updates: what may not enter the federation's average.
+"""Guards against bad pseudo-gradients: what may not enter the federation's average.
 
 An island checks its own pseudo-gradient before it sends it. Non-finite values, or a
 norm above `outer_norm_limit` times the running median of the norms it sent before,
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from archipelago.config.faults import OUTER_KINDS, faults_from_env
-from archipelago.federation.policy import GUARD_HISTORY, judge_update, remember_norm
+from archipelago.federation.policy import GUARD_HISTORY, judge_pseudo_gradient, remember_norm
 
 FORGE_KINDS = ("forge_tokens", "forge_weight", "unsigned")  # lie in the frame, not in the values
 DIE_IN_EXCHANGE = "die_in_exchange"  # kill the island with its row in flight (config/faults.py)
@@ -71,16 +71,16 @@ def poisons_from_env() -> list[Poison]:
     return [Poison(f.kind, int(f.at)) for f in faults_from_env(OUTER_KINDS)]
 
 
-class UpdateGuard:
-    """Accepts or rejects an island's pseudo-gradient norms, one history per fragment."""
+class PseudoGradientGuard:
+    """Accepts or refuses an island's pseudo-gradient norms, one history per fragment."""
 
     def __init__(self, limit: float, fragments: int) -> None:
         self.limit = limit
         self.history: list[list[float]] = [[] for _ in range(fragments)]
 
     def check(self, fragment: int, norm: float) -> str | None:
-        """None if the update may be sent (and remember its norm), else why not."""
-        verdict = judge_update(norm, self.history[fragment], self.limit)
+        """None if the pseudo-gradient may be sent (and remember its norm), else why not."""
+        verdict = judge_pseudo_gradient(norm, self.history[fragment], self.limit)
         if verdict.accepted:
             remember_norm(self.history[fragment], norm)
         return verdict.reason

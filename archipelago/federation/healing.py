@@ -25,7 +25,7 @@ from torch import nn
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.decoupled import Handoffs
 from archipelago.federation.fragments import load_tensor_state, tensor_state
-from archipelago.federation.guard import UpdateGuard
+from archipelago.federation.guard import PseudoGradientGuard
 from archipelago.federation.membership import exchange_claims, mismatch
 from archipelago.federation.policy import Membership, StateClaim, heal_verdict
 from archipelago.federation.quorum import Quorum
@@ -41,7 +41,7 @@ class HealingHost(Protocol):
     manager: Any
     key: FederationKey | None
     fingerprint: dict[str, Any]
-    guard: UpdateGuard
+    guard: PseudoGradientGuard
     handoffs: Handoffs | None
     inner_step: int
     step: int
@@ -194,7 +194,7 @@ class Healing:
     def apply(self, state: dict[str, Any]) -> None:
         """Take the global weights and outer optimizer state a peer sent, with the counters
         its supporters vouched for. The guard's history stays this island's own (a peer's
-        could make it refuse or wave through this island's next updates)."""
+        could make it refuse or wave through this island's next pseudo-gradients)."""
         h = self.host
         for g, o, f in zip(h.globals, h.outer, state["fragments"]):
             load_tensor_state(o, g, f)  # the codecs keep this island's own error feedback
@@ -221,7 +221,7 @@ def shape_problem(ours: Any, theirs: Any, where: str) -> str | None:
         if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape or theirs.dtype != ours.dtype:
             return f"{where}: expected a {ours.dtype} tensor of shape {tuple(ours.shape)}"
         ok = torch.isfinite(theirs)
-        if where == "state.guard":  # update norms, NaN-padded: >= 0 or padding
+        if where == "state.guard":  # pseudo-gradient norms, NaN-padded: >= 0 or padding
             ok = (ok & (theirs >= 0)) | torch.isnan(theirs)
         return None if bool(ok.all()) else f"{where}: not finite"
     if isinstance(ours, dict):

@@ -84,7 +84,7 @@ class RowJudge:
         for k, v in enumerate(verdicts):
             if v.accepted:
                 continue
-            log.warning("refused the update of island %s at outer step %d: %s", islands[k], step + 1, v.reason)
+            log.warning("refused the pseudo-gradient of island %s at outer step %d: %s", islands[k], step + 1, v.reason)
             judged.refused.append({"island": islands[k], "reason": v.reason})
             if k == own:  # this island's own row: it takes the federation's weights
                 judged.own_refused = judged.own_refused or v.reason

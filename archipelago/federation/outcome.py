@@ -128,7 +128,7 @@ class RoundOutcome:
                               fragment=p.fragment, healed=h.healed, bytes_sent=sent,
                               sync_s=p.prepare_s + p.midway_s + time.perf_counter() - blocked_since,
                               tokens=p.tokens, weight=p.weight, federation_tokens=h.federation_tokens,
-                              norm=p.norm, rejected=p.rejected, refused=tried.refused,
+                              norm=p.norm, own_refused=p.own_refused, refused=tried.refused,
                               codec=self._codec_label(p.fragment), bytes_received=received,
                               encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=tried.decode_s,
                               overlap_s=blocked_since - p.started, exposed_s=tried.exposed_s,

@@ -11,7 +11,7 @@ A round of one island, in order:
    element-wise max, see `Membership.to_values`).
 2. `must_wait`: a new federation waits until enough islands are present.
 3. `plan_round`: which fragment, and whether the island's own progress counts.
-4. `judge_update`: whether the island's pseudo-gradient may enter the average (the
+4. `judge_pseudo_gradient`: whether the island's pseudo-gradient may enter the average (the
    sender's own check; `judge_contributions` is every receiver's, after the exchange).
 5. `outer_core.contribution_weight`: its weight in the average.
 6. `skips_exchange`: whether the exchange can be left out altogether.
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 # The guard's median needs a few accepted rounds before it means anything; until then only
-# non-finite updates are rejected. The window follows the norm as training goes on.
+# non-finite pseudo-gradients are refused. The window follows the norm as training goes on.
 GUARD_MIN_HISTORY = 3
 GUARD_HISTORY = 32
 
@@ -97,8 +97,8 @@ class Verdict:
     reason: str | None = None  # why not, when not
 
 
-def judge_update(norm: float, accepted_norms: Sequence[float], limit: float) -> Verdict:
-    """The guard: refuse a non-finite update, or one whose norm is above `limit` x the
+def judge_pseudo_gradient(norm: float, accepted_norms: Sequence[float], limit: float) -> Verdict:
+    """The guard: refuse a non-finite pseudo-gradient, or one whose norm is above `limit` x the
     median of the norms accepted before (once there are GUARD_MIN_HISTORY of them;
     `limit` 0 turns the norm check off)."""
     if not math.isfinite(norm):

@@ -91,13 +91,13 @@ class Quorum:
         if len(members) == 1 and len(table) > 1:
             log.error("none of the %d other island(s) of quorum %d signs its join frame with this island's "
                       "federation key (%s): they hold another key file, or are impostors replaying member "
-                      "tokens. This island refuses their updates and trains on; if its own key file is the odd "
+                      "tokens. This island refuses their rows and trains on; if its own key file is the odd "
                       "one, give every island the same key file (ARCHIPELAGO_FEDERATION_KEY_FILE or "
                       "[federation_security] key_file)", len(table) - 1, quorum_id, fingerprint.get("federation"))
         for k, fp in enumerate(table):
             if fp.get("unauthenticated") and k != me:  # declared nothing: every island refuses its rows
                 log.error("unauthenticated member at replica rank %d of quorum %d: no valid join frame (another "
-                          "federation key, or none); every island refuses its updates", k, quorum_id)
+                          "federation key, or none); every island refuses its rows", k, quorum_id)
         table[me] = mine  # its own row as it sent it
         groups = fingerprint_groups([table[k] for k in members])
         reference = reference_fingerprint([table[k] for k in members], groups, members.index(me))
@@ -106,7 +106,7 @@ class Quorum:
             raise FederationMismatch(f"refusing to join the federation: {problem}")
         self.odd_ranks = {k for k in members if mismatch(table[k], reference) is not None}
         for k in sorted(self.odd_ranks):
-            log.error("refusing the updates of a peer island: %s", mismatch(table[k], mine))
+            log.error("refusing the rows of a peer island: %s", mismatch(table[k], mine))
         return bool(self.odd_ranks)
 
     def declared(self, rank: int) -> list[float]:

@@ -86,7 +86,7 @@ def replayed(run_dir: Path) -> list[RoundDecision]:
             steps = 0 if joining else _paced_steps(ft, r)
             plan = plan_round(Membership(outer_step=r["outer_step"] - 1, healed=bool(r["healed"])), joining, 1)
             weight = contribution_weight(ft["outer_weighting"], steps * per_step, plan.contributes,
-                                         r.get("rejected") is None)
+                                         r.get("own_refused") is None)
             if r.get("committed"):
                 out.append(RoundDecision(r["outer_step"], k, present(r["outer_step"]), steps, weight))
                 joining = False

@@ -34,10 +34,10 @@ class OuterReport:
     inner_steps: int = 0          # inner steps this island ran in the round
     tokens: int = 0               # tokens this island trained in the round
     compute_s: float = 0.0        # seconds of those inner steps (emulated slowdown included)
-    weight: float = 0.0           # this island's weight in the average (0: sent no update)
+    weight: float = 0.0           # this island's weight in the average (0: sent no progress)
     federation_tokens: int = 0    # tokens trained by the whole federation, after this round
     norm: float | None = None     # norm of this island's pseudo-gradient (None: not checked)
-    rejected: str | None = None   # why this island's update was kept out (its own guard or the receivers)
+    own_refused: str | None = None  # why this island's pseudo-gradient was kept out (its own guard or the receivers)
     refused: list[dict[str, Any]] = field(default_factory=list)  # rows every receiver refused: island, reason
     codec: str = "fp32"
     bytes_received: int = 0       # what this island got back from the other islands' exchange

@@ -27,7 +27,7 @@ class IslandHooks(Protocol):
         """The island's inner step count."""
 
     def event(self, name: str, **fields: Any) -> None:
-        """Log a metrics.jsonl event (join, heal, rejected, leave)."""
+        """Log a metrics.jsonl event (join, heal, refused, leave)."""
 
     def outer_step(self, record: dict[str, Any]) -> None:
         """Log one outer step (its metrics.jsonl record and console line)."""
@@ -163,13 +163,13 @@ class Member(Alone):
             self.hooks.event("heal", step=self.hooks.step, outer_step=report.outer_step, to_step=to_step)
             self.hooks.catch_up(to_step)
         refused = {r["island"] for r in report.refused}
-        if report.rejected and self.ft.replica_id not in refused:  # its own guard kept it out
-            self.hooks.event("rejected", step=self.hooks.step, outer_step=report.outer_step,
-                             island=self.ft.replica_id, rejected_island=self.ft.replica_id, by="own guard",
-                             norm=report.norm, reason=report.rejected)
+        if report.own_refused and self.ft.replica_id not in refused:  # its own guard kept it out
+            self.hooks.event("refused", step=self.hooks.step, outer_step=report.outer_step,
+                             island=self.ft.replica_id, refused_island=self.ft.replica_id, by="own guard",
+                             norm=report.norm, reason=report.own_refused)
         for r in report.refused:  # every receiver refused this island's row (every island logs it)
-            self.hooks.event("rejected", step=self.hooks.step, outer_step=report.outer_step,
-                             island=self.ft.replica_id, rejected_island=r["island"], by="receivers",
+            self.hooks.event("refused", step=self.hooks.step, outer_step=report.outer_step,
+                             island=self.ft.replica_id, refused_island=r["island"], by="receivers",
                              reason=r["reason"])
         self.hooks.outer_step(report_record(report))
 

@@ -19,9 +19,9 @@ options to island 0's command only (repeatable; after the shared options, so the
 
 Experiments (emulations, not real conditions): `--slowdown 1,3` makes island 1's inner
 steps take 3x their compute time (--island.slowdown); `--inject 1:nan@3` makes island 1
-send a poisoned update (NaN, or `scale1000`: 1000x) in outer step 3, which the update
-guards must reject (`forge_tokens`, `forge_weight` and `unsigned` make it lie about its
-update instead, which every receiver must refuse), `--inject 1:die_in_exchange@3` makes it
+send a poisoned pseudo-gradient (NaN, or `scale1000`: 1000x) in outer step 3, which the
+guards must refuse (`forge_tokens`, `forge_weight` and `unsigned` make it lie about its
+pseudo-gradient instead, which every receiver must refuse), `--inject 1:die_in_exchange@3` makes it
 SIGKILL itself with its exchange of outer step 3 in flight (the others re-form the quorum
 and run the exchange again without it), and `--inject 1:crash@7` (or `error`,
 `nan-loss`) fails its trainer at inner step 7. Faults share one grammar, ISLAND:KIND@AT (docs/development.md).
@@ -159,7 +159,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="emulated slowdown of each island (>= 1; 1,3: island 1's steps take 3x as long); "
                         "an experiment setting, passed as --island.slowdown")
     p.add_argument("--inject", action="append", default=[], type=_inject_arg, metavar="ISLAND:KIND@AT",
-                   help="for tests and demos: ISLAND sends a poisoned update in outer step AT (KIND nan or "
+                   help="for tests and demos: ISLAND sends a poisoned pseudo-gradient in outer step AT (KIND nan or "
                         "scale1000) or lies about it (forge_tokens, forge_weight, unsigned), or dies with "
                         "its exchange of outer step AT in flight (die_in_exchange), or its trainer "
                         "fails at inner step AT (crash, error, nan-loss); "

@@ -5,8 +5,8 @@ serve it (Flask on werkzeug's threaded server, in a background thread). Islands 
 with `--metrics.dashboard http://HOST:PORT` post their step records, outer steps and events
 to `/push` (metrics/push.py). The page (`/`) polls `/api/state` and draws each island
 (state, ranks, device, step, tokens/s, utilisation, last push), each outer step
-(participants, bytes, exchange time hidden and exposed, rejections), validation and
-training loss over tokens per island, and the events (join, leave, heal, rejections; and
+(participants, bytes, exchange time hidden and exposed, refusals), validation and
+training loss over tokens per island, and the events (join, leave, heal, refusals; and
 under `archipelago local`, the launcher's kills, restarts and exits).
 `/metrics` serves the same in Prometheus' text format. Nothing on it changes the run.
 
@@ -116,7 +116,7 @@ class DashboardState:
         if event == "outer_step":
             row: dict[str, Any] = {k: _number(record.get(k)) for k in OUTER_FIELDS}
             row.update(island=view.island, committed=bool(record.get("committed")),
-                       rejected=_text(record.get("rejected") or ""), codec=_text(record.get("codec") or ""))
+                       own_refused=_text(record.get("own_refused") or ""), codec=_text(record.get("codec") or ""))
             self.outer_steps.append(row)
             view.compute_s += row["compute_s"] or 0.0
             view.sync_s += row["sync_s"] or 0.0

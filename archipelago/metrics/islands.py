@@ -23,7 +23,7 @@ FEDERATION_FILE = "federation.json"
 
 # Island events worth a line in the federation's story; per-step noise is left out.
 # "recovery" is what older runs called a heal.
-ISLAND_EVENTS = ("join", "leave", "heal", "recovery", "quorum", "resume", "rejected")
+ISLAND_EVENTS = ("join", "leave", "heal", "recovery", "quorum", "resume", "refused")
 
 _ISLAND_DIR = re.compile(r"island-(\d+)$")
 

@@ -23,7 +23,7 @@ def to_jsonable(value: Any) -> Any:
     """`value` with non-finite floats as None and numpy/torch scalars as Python.
 
     JSON has no NaN/Infinity; Python's json module would write them as bare
-    `NaN`, which strict parsers (jq, JavaScript) reject. Keys are kept so a
+    `NaN`, which strict parsers (jq, JavaScript) refuse. Keys are kept so a
     NaN loss stays visible as `"loss": null`.
     """
     if isinstance(value, dict):
