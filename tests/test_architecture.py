@@ -89,6 +89,7 @@ RETIRED = {
     r"\bjudge_update\b": "policy.judge_pseudo_gradient",
     r"\bUPDATE_KINDS\b": "config.faults.POISON_KINDS",
     r"(?i)\bpoisoned updates?\b|\bupdate guards?\b|\bthe updates? of (island|a peer)": "pseudo-gradient",
+    r"\b(h|host|outer|loop|pending|p)\.step\b": "outer_step (a plain step is an inner step)",
 }
 
 

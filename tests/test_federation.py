@@ -98,7 +98,7 @@ def _ours(ft: FaultToleranceConfig, lighthouse: str, replica: int, steps: int, o
             outer.after_inner_step(step, tokens)
             healed = healed or outer.healed
         out[replica] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out[f"step{replica}"], out[f"healed{replica}"] = outer.step, healed
+        out[f"step{replica}"], out[f"healed{replica}"] = outer.outer_step, healed
     finally:
         manager.shutdown(wait=False)
 

@@ -100,7 +100,7 @@ def _claim(replica: int, claim: StateClaim) -> bytes:
 def _loop(manager: _Quorum, step: int) -> OuterLoop:
     ft, model, fp = _island(0)
     loop = OuterLoop(ft, [list(model.parameters())], 0, 1, manager, fp, key=KEY)
-    loop.step, loop.last_committed, loop.established = step, True, step > 0
+    loop.outer_step, loop.last_committed, loop.established = step, True, step > 0
     loop.federation_tokens, loop.inner_step = 5000, 40
     manager.step = step
     return loop
@@ -128,7 +128,7 @@ def test_a_member_claiming_the_next_step_does_not_become_the_healing_source(capl
     # Nothing of the forged state was taken: cb92e48 applied it in the heal callback.
     for g, b in zip(loop.globals, before):
         assert torch.equal(g.detach(), b)
-    assert (loop.step, manager.step, manager.batches) == (4, 4, 3)  # torchft's step put back
+    assert (loop.outer_step, manager.step, manager.batches) == (4, 4, 3)  # torchft's step put back
     assert loop.federation_tokens == 5000 and not loop.healed
     assert "refused the global state a peer island sent" in caplog.text and "2 member(s)" in caplog.text
 
@@ -162,7 +162,7 @@ def test_a_state_the_members_vouch_for_heals_with_their_counters_not_the_sources
                         _claim(2, StateClaim(5, digest, True, 10**9, 10**15))],
                        [_fingerprint_row(1, 5), _fingerprint_row(2, 5)]]
     assert loop.prepare() is True
-    assert loop.healed and loop.step == 5
+    assert loop.healed and loop.outer_step == 5
     for g, f in zip(loop.globals, offer["fragments"]):
         assert torch.equal(g.detach(), f["global"])
     assert loop.federation_tokens == 7000 and loop.peer_inner_step == 50

@@ -66,7 +66,7 @@ class Pending:
     started: float = 0.0              # perf_counter when the exchange was handed to the network
     waited: float = 0.0               # perf_counter when perform's wait for the rows returned
     residue: torch.Tensor | None = None  # codec = "auto": top-k's residue this dense round carries
-    step: int = 0                     # the federation's outer step the round started from
+    outer_step: int = 0               # the federation's outer step the round started from
     joining: bool = False             # the island's join round (it sends nothing)
     framing: Framing | None = None    # how this attempt's rows are framed (its quorum's id)
     codec_state: dict[str, torch.Tensor] | None = None  # the codec's state before it encoded (a retry restores it)
@@ -109,7 +109,7 @@ class AttemptsHost(Protocol):
     ranks: IslandRanks
     manager: Any
     key: FederationKey | None
-    step: int
+    outer_step: int
     codec_name: str
     auto: AutoCodec
     inner_state: InnerStateAverager | None
@@ -144,7 +144,7 @@ class ExchangeAttempts:
         h = self.host
         p.participants, p.replica_rank = m.participants, m.replica_rank
         p.framing = Framing(h.key, int(h.manager._quorum_id or 0) if h.manager is not None else 0,
-                            h.step, p.fragment, h.ft.replica_id)
+                            h.outer_step, p.fragment, h.ft.replica_id)
         if p.exchanged and p.buffer is not None:
             codec = h.codecs[p.fragment]
             if h.ft.exchange_retries > 0:  # encoding moves error feedback; a retry starts from here
@@ -216,7 +216,7 @@ class ExchangeAttempts:
         if table.shape[0] != n:  # a lost round's rows: nothing to judge (it will not commit)
             table = empty_table(n)
         global_sumsq = float(h.globals[p.fragment].detach().double().square().sum()) if h.is_bridge else 0.0
-        judged = h.judge.judge(table, h.layouts[p.fragment].numel, global_sumsq, h.step, p.replica_rank)
+        judged = h.judge.judge(table, h.layouts[p.fragment].numel, global_sumsq, h.outer_step, p.replica_rank)
         if judged.own_refused:  # this island's own row: it takes the federation's weights
             p.reset, p.own_refused = True, p.own_refused or judged.own_refused
         return judged.weights, judged.tokens, judged.refused
@@ -291,14 +291,14 @@ class ExchangeAttempts:
         island meanwhile (it healed), the round is planned again from the new quorum."""
         h = self.host
         log.warning("the exchange of outer step %d failed (%s); running it again with a new quorum "
-                    "(retry %d of %d, fault_tolerance.exchange_retries)", p.step + 1, self._failure(), attempt,
+                    "(retry %d of %d, fault_tolerance.exchange_retries)", p.outer_step + 1, self._failure(), attempt,
                     h.ft.exchange_retries)
         self._forget(p)
         began = time.perf_counter()
         m = h.enter_quorum(again=True)
-        log.info("outer step %d: a new quorum of %d island(s) after %.2f s; exchanging again", p.step + 1,
+        log.info("outer step %d: a new quorum of %d island(s) after %.2f s; exchanging again", p.outer_step + 1,
                  m.participants, time.perf_counter() - began)
-        if not keeps_pending(m, p.step):
+        if not keeps_pending(m, p.outer_step):
             self._give_back(p)
             if h.handoffs is not None:  # decoupled: it healed; the row after this one is void too
                 h.handoffs.sends_nothing = True
@@ -329,7 +329,7 @@ class ExchangeAttempts:
         commits this round (the manager's error makes this island's vote say no)."""
         manager = self.host.manager
         log.warning("the exchange of outer step %d failed (%s) and no retry is left "
-                    "(fault_tolerance.exchange_retries = %d): the round is lost", p.step + 1, self._failure(),
+                    "(fault_tolerance.exchange_retries = %d): the round is lost", p.outer_step + 1, self._failure(),
                     self.host.ft.exchange_retries)
         if manager is not None and manager.errored() is None:
             manager.report_error(RuntimeError("another member's exchange failed (agree_on_exchange)"))

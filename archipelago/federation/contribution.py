@@ -44,7 +44,7 @@ class ContributionHost(Protocol):
 
     ft: FaultToleranceConfig
     ranks: IslandRanks
-    step: int
+    outer_step: int
     layouts: list[FlatLayout]
     handoffs: Handoffs | None
     book: RoundBook
@@ -76,16 +76,16 @@ class Contributions:
         fragment = plan.fragment
         local = h.layouts[fragment].gather()
         buffer = self._pseudo_gradient(fragment, local) if local is not None else None  # bridge ranks
-        poison = self.poisons.get(h.step + 1)
+        poison = self.poisons.get(h.outer_step + 1)
         corrupt = poison if poison is not None and plan.contributes and poison.kind != DIE_IN_EXCHANGE else None
         if buffer is not None and corrupt is not None:
             log.warning("ARCHIPELAGO_FAULT: poisoning this island's pseudo-gradient (%s) in outer step %d",
-                        corrupt.kind, h.step + 1)
+                        corrupt.kind, h.outer_step + 1)
             corrupt.apply(buffer[:-2])
         tokens, fragment_tokens = h.book.take_tokens(fragment)
-        pending = Pending(fragment, reset=plan.reset, tokens=tokens, step=h.step, joining=joining,
+        pending = Pending(fragment, reset=plan.reset, tokens=tokens, outer_step=h.outer_step, joining=joining,
                           staleness=int(h.handoffs.stale) if h.handoffs is not None else 0)
-        pending.exchanged = not skips_exchange(joining, h.step, h.ft.init_sync)
+        pending.exchanged = not skips_exchange(joining, h.outer_step, h.ft.init_sync)
         if pending.exchanged and buffer is not None and h.codec_name == "auto":  # before the guard sees it
             pending.residue = h.auto.choose(h.codecs[fragment], buffer, plan.contributes)
         verdict = self._guard(fragment, buffer, pending) if plan.contributes else Verdict(True)
@@ -101,7 +101,7 @@ class Contributions:
     def drill_death(self, pending: Pending) -> None:
         """Test-only: an island asked to die in this outer step's exchange dies now, its row
         in flight (`--inject ISLAND:die_in_exchange@K`)."""
-        poison = self.poisons.get(pending.step + 1)
+        poison = self.poisons.get(pending.outer_step + 1)
         if poison is not None and poison.kind == DIE_IN_EXCHANGE and pending.exchanged:
             poison.die()
 
@@ -115,7 +115,7 @@ class Contributions:
         if pending.own_refused:
             pending.reset = True  # it takes the global weights, like a healed island
             log.warning("refused this island's pseudo-gradient at outer step %d: %s; it sends weight 0 and "
-                        "takes the federation's weights", h.step + 1, pending.own_refused)
+                        "takes the federation's weights", h.outer_step + 1, pending.own_refused)
         return Verdict(pending.own_refused is None, pending.own_refused)
 
     def _pseudo_gradient(self, fragment: int, local: torch.Tensor) -> torch.Tensor:

@@ -179,4 +179,4 @@ class DecoupledRounds:
         p.midway_s = time.perf_counter() - began
         h.book.blocked()  # time pacing: the block is not an inner step's length
         log.info("outer step %d: rows judged halfway through the round (%.2f s blocked); the second phase "
-                 "travels while the island trains", p.step + 1, p.midway_s)
+                 "travels while the island trains", p.outer_step + 1, p.midway_s)

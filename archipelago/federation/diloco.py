@@ -99,7 +99,7 @@ class OuterLoop:
             raise ValueError("bridge ranks (and only they) need a torchft Manager")
         self.numel = sum(layout.numel for layout in self.layouts)
         self.local_step = 0       # inner steps since the last round ended
-        self.step = 0             # the federation's step count (torchft's manager step)
+        self.outer_step = 0       # the federation's step count (torchft's manager step)
         self.pending: Pending | None = None
         self.inner_step = 0       # the trainer's step count, sent to healing peers
         self.healed = False       # the last quorum sent this island the global state
@@ -277,7 +277,7 @@ class OuterLoop:
     def enter_quorum(self, again: bool = False) -> Membership:
         """Join a quorum (a new one with `again`: a retry), healing if behind; the island's view."""
         m = self.healing.settle(self._island_membership(self.healing.membership(self.quorum, again)))
-        self.step, self.leads = m.outer_step, m.leads
+        self.outer_step, self.leads = m.outer_step, m.leads
         return m
 
     def plan(self, m: Membership, joining: bool) -> Pending:
@@ -330,14 +330,14 @@ class OuterLoop:
     # ---- checkpoint (DCP Stateful) -------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"local_step": self.local_step, "step": self.step,
+        state: dict[str, Any] = {"local_step": self.local_step, "step": self.outer_step,
                                  "federation_tokens": self.federation_tokens, "guard": self.guard.state_tensor()}
         if self.is_bridge:
             state[f"bridge{self.rank}"] = self.weights.state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.local_step, self.step = int(state["local_step"]), int(state["step"])
+        self.local_step, self.outer_step = int(state["local_step"]), int(state["step"])
         self.federation_tokens = int(state["federation_tokens"])
         self.guard.load_state_tensor(state["guard"])
         if self.is_bridge:
@@ -345,4 +345,4 @@ class OuterLoop:
             if self.handoffs is not None:  # the exchange that was in flight is lost: the next row resends it
                 self.handoffs.start(self.globals)
         if self.manager is not None:
-            self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
+            self.manager.load_state_dict({"step": self.outer_step, "batches_committed": 0})

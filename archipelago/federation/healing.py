@@ -44,7 +44,7 @@ class HealingHost(Protocol):
     guard: PseudoGradientGuard
     handoffs: Handoffs | None
     inner_step: int
-    step: int
+    outer_step: int
     federation_tokens: int
     peer_inner_step: int
     last_committed: bool
@@ -185,7 +185,7 @@ class Healing:
                 step, batches = self.before_quorum
                 h.manager.load_state_dict({"step": step, "batches_committed": batches})
             self.offer, self.refusal = None, None
-            return replace(m, outer_step=h.step, healed=False, progress_void=False, peer_inner_step=0)
+            return replace(m, outer_step=h.outer_step, healed=False, progress_void=False, peer_inner_step=0)
         if self.offer is not None:
             self.apply(self.offer)
             self.offer = None

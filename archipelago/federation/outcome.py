@@ -49,7 +49,7 @@ class OutcomeHost(Protocol):
     codec_name: str
     numel: int
     healed: bool
-    step: int
+    outer_step: int
     established: bool
     last_committed: bool
     federation_tokens: int
@@ -111,7 +111,7 @@ class RoundOutcome:
         h.last_committed = result.committed
         if not result.committed:
             return
-        h.step += 1
+        h.outer_step += 1
         h.established = True
         h.federation_tokens += result.federation_tokens
         if p.tokens:
@@ -123,7 +123,7 @@ class RoundOutcome:
         """The round's record; the round's counters start again."""
         h = self.host
         sent, received = h.attempts.exchange_bytes(p)
-        report = h.book.close(step=inner_step, outer_step=h.step, committed=result.committed,
+        report = h.book.close(step=inner_step, outer_step=h.outer_step, committed=result.committed,
                               participants=result.participants, contributors=result.total_weight,
                               fragment=p.fragment, healed=h.healed, bytes_sent=sent,
                               sync_s=p.prepare_s + p.midway_s + time.perf_counter() - blocked_since,

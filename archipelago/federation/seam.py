@@ -150,7 +150,7 @@ class Member(Alone):
         return {"federation": self.outer}
 
     def leave(self) -> None:
-        self.hooks.event("leave", step=self.hooks.step, outer_step=self.outer.step,
+        self.hooks.event("leave", step=self.hooks.step, outer_step=self.outer.outer_step,
                          global_hash=self.outer.global_hash())
 
     def shutdown(self) -> None:
