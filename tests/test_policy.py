@@ -47,11 +47,11 @@ def _island_view(*ranks: Membership) -> Membership:
 
 def test_membership_survives_the_island_max_whatever_the_ranks_know():
     bridge = Membership(outer_step=7, healed=True, progress_void=True, peer_inner_step=140,
-                        participants=3, replica_rank=0)
+                        participants=3, participant_rank=0)
     assert _island_view(bridge) == bridge
     # Ranks without a bridge know nothing: the island's view is the bridge rank's.
     assert _island_view(Membership(), bridge, Membership()) == bridge
-    assert bridge.leads and not Membership(replica_rank=1).leads and not Membership().leads
+    assert bridge.leads and not Membership(participant_rank=1).leads and not Membership().leads
     # Two bridge ranks (sync_width 2) of one island hold the same quorum; any refusal wins.
     assert _island_view(bridge, Membership(**{**bridge.__dict__, "heal_refused": True})).heal_refused
 

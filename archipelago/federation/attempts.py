@@ -61,7 +61,7 @@ class Pending:
     gathered: Gathered | None = None  # the exchange's rows (bridge ranks)
     exchanged: bool = False           # the island takes part in an exchange this round (all ranks)
     participants: int = 0             # islands in the quorum (rows of the exchange)
-    replica_rank: int = -1            # this island's row
+    participant_rank: int = -1            # this island's row
     state: StateExchange | None = None  # the inner optimizer's moments (average_optimizer_state)
     started: float = 0.0              # perf_counter when the exchange was handed to the network
     waited: float = 0.0               # perf_counter when perform's wait for the rows returned
@@ -142,7 +142,7 @@ class ExchangeAttempts:
         """Hand the pending pseudo-gradient (and moments) to the exchange of quorum `m`, in
         frames signed for that quorum; the codec's state is kept first, for a retry."""
         h = self.host
-        p.participants, p.replica_rank = m.participants, m.replica_rank
+        p.participants, p.participant_rank = m.participants, m.participant_rank
         p.framing = Framing(h.key, int(h.manager._quorum_id or 0) if h.manager is not None else 0,
                             h.outer_step, p.fragment, h.ft.replica_id)
         if p.exchanged and p.buffer is not None:
@@ -216,7 +216,7 @@ class ExchangeAttempts:
         if table.shape[0] != n:  # a lost round's rows: nothing to judge (it will not commit)
             table = empty_table(n)
         global_sumsq = float(h.globals[p.fragment].detach().double().square().sum()) if h.is_bridge else 0.0
-        judged = h.judge.judge(table, h.layouts[p.fragment].numel, global_sumsq, h.outer_step, p.replica_rank)
+        judged = h.judge.judge(table, h.layouts[p.fragment].numel, global_sumsq, h.outer_step, p.participant_rank)
         if judged.own_refused:  # this island's own row: it takes the federation's weights
             p.reset, p.own_refused = True, p.own_refused or judged.own_refused
         return judged.weights, judged.tokens, judged.refused

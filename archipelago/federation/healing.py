@@ -97,7 +97,7 @@ class Healing:
         return Membership(outer_step=h.manager.current_step(), healed=healed, progress_void=healed and not same,
                           peer_inner_step=self.taken.inner_step if healed else 0,
                           participants=h.manager.num_participants(),
-                          replica_rank=-1 if rank is None else int(rank), heal_refused=refusal is not None)
+                          participant_rank=-1 if rank is None else int(rank), heal_refused=refusal is not None)
 
     # ---- what travels (torchft's state_dict functions) ------------------------------
 

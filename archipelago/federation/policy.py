@@ -45,20 +45,20 @@ class Membership:
     progress_void: bool = False  # ...whose weights differed: its own progress since is void
     peer_inner_step: int = 0    # the inner step of the peer it healed from (0 if not healed)
     participants: int = 0       # islands in the quorum
-    replica_rank: int = -1      # this island's rank in the quorum (-1: not in it)
+    participant_rank: int = -1  # this island's rank among the participants (-1: not one; torchft's replica rank)
     heal_refused: bool = False  # a bridge rank refused the state it was sent (heal_verdict)
 
     @property
     def leads(self) -> bool:
         """The lowest live island: the one that saves the model under checkpoint.scope = "leader"."""
-        return self.replica_rank == 0
+        return self.participant_rank == 0
 
     def to_values(self) -> list[float]:
         """Numbers whose element-wise max over the island's ranks is the island's view:
         only bridge ranks know the quorum, the others send `Membership()` (all lowest)."""
         return [float(self.outer_step), float(self.healed), float(self.progress_void),
                 float(self.peer_inner_step if self.healed else 0), float(self.participants),
-                float(self.replica_rank + 1), float(self.heal_refused)]
+                float(self.participant_rank + 1), float(self.heal_refused)]
 
     @classmethod
     def from_values(cls, values: Sequence[float]) -> Membership:
