@@ -31,8 +31,8 @@ from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, Objec
 from archipelago.config import Config, ConfigError, advice, config_to_dict, data_ranks, validate_for_island
 from archipelago.config.counts import parse_factors
 from archipelago.config.faults import TRAINER_KINDS, faults_from_env
-from archipelago.federation import Alone, build_federation
-from archipelago.federation.trust import FederationKey, dashboard_tag, load_key, refuse_exposed_without_key
+from archipelago.federation import Federation, build_federation, data_shard, scales_inner_batch
+from archipelago.federation.trust import FederationKey, dashboard_tag, load_key
 from archipelago.island.batches import RankBatches, forward_backward, rank_batches
 from archipelago.island.device import IslandContext, all_reduce_, barrier, broadcast_object, close_island, init_island
 from archipelago.island.emulation import SlowDevice
@@ -256,9 +256,8 @@ class Trainer:
         return SlowDevice(self.model.inner, self.rank_slowdown, self.ctx.device)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        ft = self.cfg.fault_tolerance  # the federation sets its batch_ratio every round
         return build_optimizer(self.model.module, self.cfg.optimizer, self.ctx.device,
-                               batch_scaled=ft.enable and ft.adam_federation_batch)
+                               batch_scaled=scales_inner_batch(self.cfg.fault_tolerance))
 
     def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
         return build_lr_scheduler(self.optimizer, self.cfg.training.steps, self.cfg.lr_scheduler)
@@ -268,10 +267,9 @@ class Trainer:
         try:
             if t.val_every:  # checks the held-out split is big enough, before any step
                 self.validation_batches()
-            ft = self.cfg.fault_tolerance  # islands read disjoint sequences
-            return self.task.train_loader(self.data_rank, self.data_ranks,
-                                          ft.replica_id if ft.enable else 0, ft.group_size if ft.enable else 1,
-                                          log.info, None if self.batches.even else list(self.batches.samples))
+            shard, shards = data_shard(self.cfg.fault_tolerance)  # islands read disjoint sequences
+            return self.task.train_loader(self.data_rank, self.data_ranks, shard, shards, log.info,
+                                          None if self.batches.even else list(self.batches.samples))
         except ValueError as exc:  # too little data for seq_len x batch_size
             raise ConfigError(f"data: {exc} (settings: --data.seq_len, --training.batch_size, "
                               "--training.val_batches, --training.val_offset)") from exc
@@ -279,17 +277,13 @@ class Trainer:
     def validation_batches(self):  # noqa: ANN201 - an iterator of (inputs, targets)
         return self.task.validation_batches(self.data_rank, self.data_ranks)
 
-    def build_federation(self) -> Alone:
+    def build_federation(self) -> Federation:
         """The seam to the other islands: `Alone` when fault_tolerance is off, else a
         federation member that has joined the lighthouse (it talks back through _Hooks)."""
-        key = None
-        if self.cfg.fault_tolerance.enable:
-            key = self.federation_key
-            refuse_exposed_without_key(key, self.cfg.federation_security.insecure)
         return build_federation(self.cfg.fault_tolerance, self.cfg.training.steps,
                                 self.model.federation_parameters(), f"{self.cfg.model.name}/{self.cfg.model.flavor}",
-                                self.ctx.rank,
-                                self.ctx.world_size, self.tokens_per_step, _Hooks(self), self.optimizer, key)
+                                self.ctx.rank, self.ctx.world_size, self.tokens_per_step, _Hooks(self), self.optimizer,
+                                self.federation_key, self.cfg.federation_security.insecure)
 
     @functools.cached_property
     def federation_key(self) -> FederationKey | None:

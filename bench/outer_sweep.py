@@ -1,4 +1,4 @@
-"""Sweep outer-loop settings with the in-process simulator (archipelago/simulation.py).
+"""Sweep outer-loop settings with the in-process simulator (archipelago/quality_simulator.py).
 
 Each setting trains N 1-rank islands in one process, in lockstep, with the federation's
 exact outer step (a test checks it bit for bit against `archipelago local`), over several
@@ -155,7 +155,7 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
 def run_job(job: dict, config: str, device: str, threads: int, eval_windows: int) -> dict:
     import torch
 
-    import archipelago.simulation as simulation
+    import archipelago.quality_simulator as simulation
     from archipelago.config import load_toml, parse_overrides, validate
 
     torch.set_num_threads(threads)

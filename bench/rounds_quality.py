@@ -1,4 +1,4 @@
-"""Decoupled rounds against synchronous ones, in the quality simulator (archipelago/simulation.py).
+"""Decoupled rounds against synchronous ones, in the quality simulator (archipelago/quality_simulator.py).
 
 Every run trains llama3 `debug` islands in one process (`simulate()`, lockstep, the
 federation's outer step), with `fault_tolerance.no_average_optimizer_state` in BOTH round
@@ -123,7 +123,7 @@ def key(job: dict[str, Any]) -> str:
 def run_job(job: dict[str, Any], threads: int) -> dict[str, Any]:
     import torch
 
-    import archipelago.simulation as simulation
+    import archipelago.quality_simulator as simulation
     from archipelago.config import load_config
 
     torch.set_num_threads(threads)
@@ -162,7 +162,7 @@ def drain(cfg: Any, rounds: Any, windows: int) -> dict[str, Any]:
     hand-off, without the other islands'. `val_loss_drained` evaluates the global weights
     once every contribution in flight has entered (the exchanges finished, no more
     training), as a synchronous run's last round ends."""
-    import archipelago.simulation as simulation
+    import archipelago.quality_simulator as simulation
 
     in_flight = len(rounds.in_flight)
     before = len(rounds.staleness)

@@ -1,6 +1,6 @@
 """Stale rows in decoupled rounds: corrections tried against the discount alone.
 
-The quality simulator (archipelago/simulation.py) trains llama3 `debug` islands in one
+The quality simulator (archipelago/quality_simulator.py) trains llama3 `debug` islands in one
 process with configs/llama3/federation.toml (sync_steps 10, plain averaging, token
 weighting) and no averaged moments. Two cases, on one seed (the tuning seed: a variant
 that does not beat the discount there is not carried to report seeds):
@@ -175,7 +175,7 @@ def corrected_rounds(simulation: Any, s: dict[str, Any]) -> type:
 def run_one(case: str, name: str, s: dict[str, Any], steps: int, seed: int, threads: int) -> dict[str, Any]:
     import torch
 
-    import archipelago.simulation as simulation
+    import archipelago.quality_simulator as simulation
     from archipelago.config import load_config
 
     torch.set_num_threads(threads)

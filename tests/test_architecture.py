@@ -90,6 +90,8 @@ RETIRED = {
     r"\bUPDATE_KINDS\b": "config.faults.POISON_KINDS",
     r"(?i)\bpoisoned updates?\b|\bupdate guards?\b|\bthe updates? of (island|a peer)": "pseudo-gradient",
     r"\b(h|host|outer|loop|pending|p)\.step\b": "outer_step (a plain step is an inner step)",
+    r"\bRoundPlan\b|\bplan_round\b": "RoundPart, part_in_round (a plan is an island's split over its ranks)",
+    r"\bsimulation\.py\b|\barchipelago\.simulation\b": "quality_simulator.py (simulate is archipelago simulate)",
 }
 
 

@@ -54,7 +54,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 @pytest.mark.timeout(600)
 def test_islands_of_two_and_one_ranks_match_one_and_one(tmp_path):
     from archipelago.config import load_config
-    from archipelago.simulation import simulate
+    from archipelago.quality_simulator import simulate
 
     # With the inner optimizer's moments averaged too: they cross the 2-rank island's FSDP
     # shards through the same flat layout as the weights.
@@ -86,7 +86,7 @@ def test_islands_of_two_and_one_ranks_match_one_and_one(tmp_path):
 @pytest.mark.timeout(600)
 def test_decoupled_rounds_on_a_two_rank_island_train_the_simulators_weights(tmp_path):
     from archipelago.config import load_config
-    from archipelago.simulation import simulate
+    from archipelago.quality_simulator import simulate
 
     # Decoupled rounds whose every exchange overlaps the next round, with an FSDP island of
     # two ranks beside a one-rank island: the rebase and the decisions cross the 2-rank

@@ -86,7 +86,7 @@ def _tiny(mode: str, steps: int = 12):  # noqa: ANN202 - a Config
 @pytest.mark.slow  # over 30 s on 2 cores: make test-slow (CI runs it)
 @pytest.mark.timeout(300)
 def test_decoupled_rounds_without_delay_are_the_synchronous_round_bit_for_bit(shakespeare):
-    from archipelago.simulation import simulate
+    from archipelago.quality_simulator import simulate
 
     synchronous = simulate(_tiny("synchronous"), islands=2, eval_windows=8)
     undelayed = simulate(_tiny("decoupled"), islands=2, eval_windows=8, handoff_delays=[0, 0])

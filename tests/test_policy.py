@@ -30,7 +30,7 @@ from archipelago.federation.policy import (
     merges_local,
     must_wait,
     norm_allowance,
-    plan_round,
+    part_in_round,
     reference_fingerprint,
     remember_norm,
     retries_exchange,
@@ -75,7 +75,7 @@ def test_first_round_waits_for_the_islands_and_later_rounds_do_not():
     (False, True, True, True, False),     # healed with different weights: its progress is void
 ])
 def test_plan_round(joining, healed, void, reset, contributes):
-    plan = plan_round(Membership(outer_step=5, healed=healed, progress_void=void), joining, fragments=2)
+    plan = part_in_round(Membership(outer_step=5, healed=healed, progress_void=void), joining, fragments=2)
     assert (plan.reset, plan.contributes, plan.fragment) == (reset, contributes, 1)
 
 

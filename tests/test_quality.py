@@ -1,6 +1,6 @@
 """The federation pays off: the outer step against references, and two islands against one.
 
-* The in-process simulator (archipelago/simulation.py, what bench/outer_sweep.py tunes
+* The in-process simulator (archipelago/quality_simulator.py, what bench/outer_sweep.py tunes
   with) trains the same weights as `archipelago local`, bit for bit (with the inner
   optimizer's moments averaged as well).
 * With inner SGD, one inner step per round and plain averaging (outer SGD, lr 1, no
@@ -34,7 +34,7 @@ def _model_weights(island_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow  # make test-slow
 def test_simulator_trains_the_same_weights_as_a_real_federation(tmp_path):
     from archipelago.config import load_config
-    from archipelago.simulation import simulate
+    from archipelago.quality_simulator import simulate
 
     # The reference platform's outer step (Nesterov momentum): the optimizer state matters;
     # the islands' inner AdamW moments averaged at each outer step (sent in bf16), and each
@@ -98,7 +98,7 @@ def test_one_step_rounds_of_plain_averaging_with_inner_sgd_are_data_parallelism(
 @pytest.mark.slow  # make test-slow
 def test_simulator_trains_a_resnet_federation_as_the_real_one_batchnorm_statistics_included(fashion_mnist, tmp_path):
     from archipelago.config import load_config
-    from archipelago.simulation import simulate
+    from archipelago.quality_simulator import simulate
 
     # The image task through the simulator: augmentation, BatchNorm in train mode, each
     # island's own running statistics, averaged AdamW moments (the config's).
@@ -129,7 +129,7 @@ def test_simulator_trains_a_resnet_federation_as_the_real_one_batchnorm_statisti
 
 def _model_weights_at_start() -> dict[str, torch.Tensor]:
     from archipelago.config import load_config
-    from archipelago.simulation import _initial_model
+    from archipelago.quality_simulator import _initial_model
 
     cfg = load_config([*TINY])
     return {k: v.detach() for k, v in _initial_model(cfg, 4096, torch.device("cpu")).state_dict().items()}
@@ -164,7 +164,7 @@ def test_the_simulators_slow_island_steps_a_third_as_often_and_weighs_by_its_tok
     round ends on the token-weighted mean of their weights."""
     from archipelago.config import load_config
     from archipelago.island.optim import set_schedule_position
-    from archipelago.simulation import _Island, simulate
+    from archipelago.quality_simulator import _Island, simulate
     from archipelago.tasks import build_task
 
     # 6 ticks make one round; the budget (2 islands x 3 steps) is reached at its end: 6 + 2 steps.
@@ -244,7 +244,7 @@ def test_wan_bench_codec_auto_runs_auto_without_and_with_streaming(monkeypatch):
 def test_decoupled_rounds_on_the_platform_train_the_simulators_weights(tmp_path):
     from archipelago.config import load_config
     from archipelago.metrics.islands import island_records, outer_records
-    from archipelago.simulation import simulate
+    from archipelago.quality_simulator import simulate
 
     # Every exchange overlaps the next round (overlap_threshold 0): the islands train on from
     # the global weights minus their own pseudo-gradient in flight, the rows of the second and
@@ -281,7 +281,7 @@ def test_decoupled_rounds_on_the_platform_train_the_simulators_weights(tmp_path)
 def test_decoupled_reduce_scatter_runs_its_second_phase_midway_and_trains_the_simulators_weights(tmp_path):
     from archipelago.config import load_config
     from archipelago.metrics.islands import island_records, outer_records
-    from archipelago.simulation import simulate
+    from archipelago.quality_simulator import simulate
 
     # Three islands with int8 take the reduce-scatter: in decoupled rounds each island judges
     # the rows and starts the second phase halfway through the round after the hand-off, and
@@ -302,7 +302,7 @@ def test_decoupled_reduce_scatter_runs_its_second_phase_midway_and_trains_the_si
         assert real.keys() == model.state_dict().keys() and len(real) > 10
         for name, value in model.state_dict().items():
             assert torch.equal(real[name], value), (island, name)
-    import archipelago.simulation as simulation
+    import archipelago.quality_simulator as simulation
 
     once = simulation._as_received
     try:  # the same simulation with one rounding only: the test can tell the two apart

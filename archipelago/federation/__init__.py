@@ -26,24 +26,27 @@ from archipelago.federation.membership import (
 )
 from archipelago.federation.outcome import FederationError
 from archipelago.federation.round_book import OuterReport, report_record
-from archipelago.federation.seam import Alone, IslandHooks, Member
-from archipelago.federation.trust import FederationKey
+from archipelago.federation.seam import Alone, Federation, IslandHooks, Member, data_shard, scales_inner_batch
+from archipelago.federation.trust import FederationKey, refuse_exposed_without_key
 
 log = logging.getLogger("archipelago.federation")
 
-__all__ = ["Alone", "FederationError", "FederationMismatch", "IslandHooks", "LighthouseUnreachable", "Member",
-           "OuterLoop", "OuterReport", "build_federation", "build_outer_loop", "check_exchange_device",
-           "island_fingerprint", "report_record", "split_fragments"]
+__all__ = ["Alone", "Federation", "FederationError", "FederationMismatch", "IslandHooks", "LighthouseUnreachable",
+           "Member", "OuterLoop", "OuterReport", "build_federation", "build_outer_loop", "check_exchange_device",
+           "data_shard", "island_fingerprint", "report_record", "scales_inner_batch", "split_fragments"]
 
 
 def build_federation(ft: FaultToleranceConfig, steps: int, model: nn.Module | NamedParameters, model_name: str,
                      rank: int,
                      world_size: int, tokens_per_step: int, hooks: IslandHooks,
-                     optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None) -> Alone:
+                     optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None,
+                     insecure: bool = False) -> Federation:
     """The trainer's side of the seam: `Alone` without fault tolerance, else a `Member`
-    that has joined the lighthouse (a collective over the island; see build_outer_loop)."""
+    that has joined the lighthouse (a collective over the island; see build_outer_loop).
+    A member that serves healing beyond loopback needs `key`, or `insecure`."""
     if not ft.enable:
         return Alone(steps)
+    refuse_exposed_without_key(key, insecure)
     outer = build_outer_loop(ft, model, model_name, rank, world_size, tokens_per_step, optimizer, key)
     return Member(outer, ft, steps, tokens_per_step, world_size, hooks)
 

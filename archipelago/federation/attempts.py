@@ -129,7 +129,7 @@ class AttemptsHost(Protocol):
 
     def enter_quorum(self, again: bool = False) -> Membership: ...
 
-    def plan(self, m: Membership, joining: bool) -> Pending: ...
+    def start_round(self, m: Membership, joining: bool) -> Pending: ...
 
 
 class ExchangeAttempts:
@@ -302,7 +302,7 @@ class ExchangeAttempts:
             self._give_back(p)
             if h.handoffs is not None:  # decoupled: it healed; the row after this one is void too
                 h.handoffs.sends_nothing = True
-            fresh = h.plan(m, p.joining)
+            fresh = h.start_round(m, p.joining)
             fresh.prepare_s, fresh.started, fresh.spent = p.prepare_s, p.started, p.spent
             return fresh
         if h.codec_name == "auto" and p.buffer is not None:  # the members' collectives of a round, in order

@@ -33,7 +33,7 @@ from archipelago.federation.guard import DIE_IN_EXCHANGE, FORGE_KINDS, Poison, P
 from archipelago.federation.island_ranks import IslandRanks
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.outer_core import contribution_weight
-from archipelago.federation.policy import RoundPlan, Verdict, skips_exchange
+from archipelago.federation.policy import RoundPart, Verdict, skips_exchange
 from archipelago.federation.round_book import RoundBook
 
 log = logging.getLogger("archipelago.federation")
@@ -67,29 +67,29 @@ class Contributions:
         self.poisons = {p.round: p for p in poisons or []}  # test-only: outer step -> poison
         self.guard = PseudoGradientGuard(host.ft.outer_norm_limit, len(host.layouts))
 
-    def build(self, plan: RoundPlan, joining: bool) -> tuple[Pending, str | None]:
+    def build(self, part: RoundPart, joining: bool) -> tuple[Pending, str | None]:
         """The round's `Pending` (its buffer on bridge ranks), and the kind of frame forgery
         a drill asks the exchange for (None: none)."""
         h = self.host
         if h.handoffs is not None and h.handoffs.sends_nothing:  # its last row was refused
-            plan, h.handoffs.sends_nothing = replace(plan, contributes=False), False
-        fragment = plan.fragment
+            part, h.handoffs.sends_nothing = replace(part, contributes=False), False
+        fragment = part.fragment
         local = h.layouts[fragment].gather()
         buffer = self._pseudo_gradient(fragment, local) if local is not None else None  # bridge ranks
         poison = self.poisons.get(h.outer_step + 1)
-        corrupt = poison if poison is not None and plan.contributes and poison.kind != DIE_IN_EXCHANGE else None
+        corrupt = poison if poison is not None and part.contributes and poison.kind != DIE_IN_EXCHANGE else None
         if buffer is not None and corrupt is not None:
             log.warning("ARCHIPELAGO_FAULT: poisoning this island's pseudo-gradient (%s) in outer step %d",
                         corrupt.kind, h.outer_step + 1)
             corrupt.apply(buffer[:-2])
         tokens, fragment_tokens = h.book.take_tokens(fragment)
-        pending = Pending(fragment, reset=plan.reset, tokens=tokens, outer_step=h.outer_step, joining=joining,
+        pending = Pending(fragment, reset=part.reset, tokens=tokens, outer_step=h.outer_step, joining=joining,
                           staleness=int(h.handoffs.stale) if h.handoffs is not None else 0)
         pending.exchanged = not skips_exchange(joining, h.outer_step, h.ft.init_sync)
         if pending.exchanged and buffer is not None and h.codec_name == "auto":  # before the guard sees it
-            pending.residue = h.auto.choose(h.codecs[fragment], buffer, plan.contributes)
-        verdict = self._guard(fragment, buffer, pending) if plan.contributes else Verdict(True)
-        pending.weight = contribution_weight(h.ft.outer_weighting, fragment_tokens, plan.contributes,
+            pending.residue = h.auto.choose(h.codecs[fragment], buffer, part.contributes)
+        verdict = self._guard(fragment, buffer, pending) if part.contributes else Verdict(True)
+        pending.weight = contribution_weight(h.ft.outer_weighting, fragment_tokens, part.contributes,
                                              verdict.accepted)
         if buffer is not None:
             if not pending.weight:  # nothing of this island enters the average

@@ -66,7 +66,7 @@ from archipelago.federation.policy import (
     Membership,
     aligned_inner_step,
     must_wait,
-    plan_round,
+    part_in_round,
 )
 from archipelago.federation.quorum import Quorum
 from archipelago.federation.round_book import OuterReport, RoundBook
@@ -270,7 +270,7 @@ class OuterLoop:
         m = self.enter_quorum()
         if must_wait(m, need):
             return False
-        self.pending = self.plan(m, joining)
+        self.pending = self.start_round(m, joining)
         self.pending.prepare_s = time.perf_counter() - began
         return True
 
@@ -280,7 +280,7 @@ class OuterLoop:
         self.outer_step, self.leads = m.outer_step, m.leads
         return m
 
-    def plan(self, m: Membership, joining: bool) -> Pending:
+    def start_round(self, m: Membership, joining: bool) -> Pending:
         """This round's pseudo-gradient, checked and weighted, with its exchange started."""
         self.healed = m.healed
         if self.healed:
@@ -289,7 +289,7 @@ class OuterLoop:
             # out their state and committing; in a new federation's join round every island
             # commits at once (join), so the healed island starts at the peer's own step.
             self.peer_delay = 0 if joining and m.outer_step == 0 else self.delay
-        pending, forge = self.contributions.build(plan_round(m, joining, len(self.layouts)), joining)
+        pending, forge = self.contributions.build(part_in_round(m, joining, len(self.layouts)), joining)
         self.attempts.start(pending, m, forge)
         pending.started = time.perf_counter()
         self.contributions.drill_death(pending)  # test-only: this island's row is in flight

@@ -1,7 +1,7 @@
 """The outer step without collectives: the one piece every driver of a federation shares.
 
 The platform (diloco.py: bridge ranks that gather rows over torchft), the quality
-simulator (archipelago/simulation.py: islands in lockstep in one process) and the scale
+simulator (archipelago/quality_simulator.py: islands in lockstep in one process) and the scale
 simulator (federation/simulate.py: no tensors, only weights and clocks) all ask this module
 the same questions, so they cannot drift apart:
 

@@ -10,7 +10,7 @@ A round of one island, in order:
 1. `Membership`: what the quorum told the island (its ranks combine their views with an
    element-wise max, see `Membership.to_values`).
 2. `must_wait`: a new federation waits until enough islands are present.
-3. `plan_round`: which fragment, and whether the island's own progress counts.
+3. `part_in_round`: which fragment, and whether the island's own progress counts.
 4. `judge_pseudo_gradient`: whether the island's pseudo-gradient may enter the average (the
    sender's own check; `judge_contributions` is every receiver's, after the exchange).
 5. `outer_core.contribution_weight`: its weight in the average.
@@ -74,7 +74,9 @@ def must_wait(m: Membership, need: int) -> bool:
 
 
 @dataclass(frozen=True)
-class RoundPlan:
+class RoundPart:
+    """This island's part in the round about to start."""
+
     fragment: int       # the fragment this round synchronises
     reset: bool         # discard the island's local progress: take every fragment's global weights
     contributes: bool   # the island's pseudo-gradient may enter the average (if the guard agrees)
@@ -85,10 +87,10 @@ def fragment_of(outer_step: int, fragments: int) -> int:
     return outer_step % fragments
 
 
-def plan_round(m: Membership, joining: bool, fragments: int) -> RoundPlan:
+def part_in_round(m: Membership, joining: bool, fragments: int) -> RoundPart:
     """A joining island only receives; a healed one whose own weights were stale, too."""
     reset = m.progress_void or (joining and m.healed)
-    return RoundPlan(fragment=fragment_of(m.outer_step, fragments), reset=reset, contributes=not (reset or joining))
+    return RoundPart(fragment=fragment_of(m.outer_step, fragments), reset=reset, contributes=not (reset or joining))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ made from: when each island asked to join, was killed or left (federation.json's
 events), how long each inner step took (time-paced records carry the seconds from the
 round's start at each step's end, `pacing_elapsed_s`), its batch (config.json). The replay
 recomputes the decisions from those inputs alone with the functions the simulator uses
-(policy.round_is_up, plan_round, outer_core.contribution_weight) and this membership rule: an island is in
+(policy.round_is_up, part_in_round, outer_core.contribution_weight) and this membership rule: an island is in
 a round's quorum when it has asked to join before the quorum formed (the latest of its
 participants' arrivals at the outer step) and did not die or leave before it arrived
 there itself; when it died, whether it would have arrived first is replayed from its step
@@ -29,7 +29,7 @@ from typing import Any
 
 from archipelago.config.errors import ConfigError
 from archipelago.federation.outer_core import contribution_weight
-from archipelago.federation.policy import Membership, plan_round, round_is_up
+from archipelago.federation.policy import Membership, part_in_round, round_is_up
 from archipelago.metrics.islands import is_step_record, island_records, outer_records
 
 
@@ -84,8 +84,8 @@ def replayed(run_dir: Path) -> list[RoundDecision]:
                 joining = True
                 continue
             steps = 0 if joining else _paced_steps(ft, r)
-            plan = plan_round(Membership(outer_step=r["outer_step"] - 1, healed=bool(r["healed"])), joining, 1)
-            weight = contribution_weight(ft["outer_weighting"], steps * per_step, plan.contributes,
+            part = part_in_round(Membership(outer_step=r["outer_step"] - 1, healed=bool(r["healed"])), joining, 1)
+            weight = contribution_weight(ft["outer_weighting"], steps * per_step, part.contributes,
                                          r.get("own_refused") is None)
             if r.get("committed"):
                 out.append(RoundDecision(r["outer_step"], k, present(r["outer_step"]), steps, weight))

@@ -1,7 +1,10 @@
 """The one place where the trainer meets the federation.
 
-The trainer holds a `Federation`: `Alone` for an island on its own (every call does
-nothing), or `Member` for an island of a federation (the outer loop). It calls
+The trainer holds a `Federation` (the Protocol below): `Alone` for an island on its own
+(every call does nothing), or `Member` for an island of a federation (the outer loop).
+Before it is built, the trainer asks the federation package two things with no branch of
+its own: its data shard (`data_shard`) and whether its inner optimizer scales to the
+federation's batch (`scales_inner_batch`). It calls
 `join` once, `after_step` after every inner step, and asks `done`, `at_round_end`,
 `exchange_pending`, `saves_model`; the federation talks back through `IslandHooks`
 (metrics events, the outer-step record, catching up with the federation's step, the
@@ -39,14 +42,67 @@ class IslandHooks(Protocol):
         """Put the learning-rate schedule at `position` inner steps (time-paced rounds)."""
 
 
-class Alone:
-    """An island on its own: no federation, every call does nothing."""
+class Federation(Protocol):
+    """What the trainer asks of the islands it trains with, whether there are any or not."""
 
-    exchange_pending = False   # an exchange in flight: the island's state cannot be checkpointed
-    at_round_end = True        # the island may stop here (all islands stop at the same outer step)
+    @property
+    def exchange_pending(self) -> bool:
+        """An exchange is in flight: the island's state cannot be checkpointed now."""
+
+    @property
+    def at_round_end(self) -> bool:
+        """The island may stop here (all islands stop at the same outer step)."""
+
+    def join(self, step: int) -> None: ...
+
+    def after_step(self, step: int, tokens: int, compute_s: float) -> None: ...
+
+    def done(self, step: int) -> bool: ...
+
+    def token_budget_or_none(self) -> int | None: ...
+
+    def position(self, step: int) -> float: ...
+
+    def saves_model(self, scope: str) -> bool: ...
+
+    def add_untimed(self, seconds: float) -> None: ...
+
+    def checkpoint_state(self) -> dict[str, Any]: ...
+
+    def finish_rounds(self) -> None: ...
+
+    def leave(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def data_shard(ft: FaultToleranceConfig) -> tuple[int, int]:
+    """(this island's shard, the shards): islands read disjoint sequences of the data; an
+    island on its own reads all of it."""
+    return (ft.replica_id, ft.group_size) if ft.enable else (0, 1)
+
+
+def scales_inner_batch(ft: FaultToleranceConfig) -> bool:
+    """The inner AdamW normalises by the federation's batch (`adam_federation_batch`; the
+    outer loop sets its batch ratio every round). Never for an island on its own."""
+    return ft.enable and ft.adam_federation_batch
+
+
+class Alone:
+    """An island on its own: no federation, every call does nothing (a `Federation`)."""
 
     def __init__(self, steps: int) -> None:
         self.steps = steps
+
+    @property
+    def exchange_pending(self) -> bool:
+        """Never: there is no exchange."""
+        return False
+
+    @property
+    def at_round_end(self) -> bool:
+        """Always: there are no rounds."""
+        return True
 
     def join(self, step: int) -> None:
         """Enter the federation (receive its weights, line up with its step)."""
@@ -103,11 +159,11 @@ class Member(Alone):
         self.token_budget = steps * tokens_per_step * ft.group_size
 
     @property
-    def exchange_pending(self) -> bool:  # type: ignore[override]
+    def exchange_pending(self) -> bool:
         return self.outer.exchange_pending
 
     @property
-    def at_round_end(self) -> bool:  # type: ignore[override]
+    def at_round_end(self) -> bool:
         return self.outer.local_step == 0
 
     def join(self, step: int) -> None:

@@ -2,7 +2,7 @@
 
 Islands of given speeds, links and failure rates run rounds as the platform does, with the
 platform's own decisions: the round pacing (`policy.round_is_up`), the join (`policy.
-plan_round`: a restarted island heals, then sends weight 0 for a round), the weights
+part_in_round`: a restarted island heals, then sends weight 0 for a round), the weights
 (`outer_core.contribution_weight`), the quorum's minimum (`policy.must_wait`), the exchange's path
 and bytes (`exchange.round_received`: the codec's payload sizes, framing and reduce-scatter
 choice). What it leaves out: the training itself (no model, no loss), streaming
@@ -45,7 +45,7 @@ from archipelago.federation.auto_codec import auto_target_s, choose_codec
 from archipelago.federation.codecs import build_codec
 from archipelago.federation.exchange import Framing, round_received
 from archipelago.federation.outer_core import contribution_weight
-from archipelago.federation.policy import Membership, must_wait, plan_round, round_is_up
+from archipelago.federation.policy import Membership, must_wait, part_in_round, round_is_up
 
 # Codec sizes are linear in the model's size; measured on a chunk this large and scaled
 # (a top-k codec of the whole model would allocate its error-feedback buffer).
@@ -282,14 +282,14 @@ class Simulation:
 
     def _round(self, start: float, live: list[int], outer: int) -> tuple[float, bool]:
         """One round from `start` with the islands `live`; returns (its end, committed)."""
-        arrive, plans, began = {}, {}, {}
+        arrive, parts, began = {}, {}, {}
         for k in live:
             g, joining = self.islands[k], not self.joined[k]
             # A joining island trains nothing this round: it heals from a peer (a running
             # federation's state), then takes part in the exchange with weight 0.
             heal = self._heal_s(k) if joining and outer > 0 else 0.0
             self.stats[k].heal_s += heal
-            plans[k] = plan_round(Membership(outer_step=outer, healed=heal > 0, participants=len(live)), joining, 1)
+            parts[k] = part_in_round(Membership(outer_step=outer, healed=heal > 0, participants=len(live)), joining, 1)
             began[k] = start + heal
             arrive[k] = began[k] + (0.0 if joining else self.steps[g.step_s] * g.step_s)
         detect = self.s.settings.detect_s
@@ -315,7 +315,7 @@ class Simulation:
         self.codecs_used[codec] = self.codecs_used.get(codec, 0) + 1
         for k in live:
             trained = max(0.0, min(arrive[k], gone.get(k, arrive[k])) - began[k])
-            self._account(k, plans[k].contributes and not lost and k not in gone, trained,
+            self._account(k, parts[k].contributes and not lost and k not in gone, trained,
                           received if k in members else 0)
         for k, at in gone.items():
             self._fail(k, at)
