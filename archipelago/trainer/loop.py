@@ -12,14 +12,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import json
 import logging
-import math
-import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,78 +26,27 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
 from archipelago.config import Config, ConfigError, advice, config_to_dict, data_ranks, validate_for_island
-from archipelago.config.counts import parse_factors
-from archipelago.config.faults import TRAINER_KINDS, faults_from_env
 from archipelago.federation import Federation, build_federation, data_shard, scales_inner_batch
 from archipelago.federation.trust import FederationKey, dashboard_tag, load_key
 from archipelago.island.batches import RankBatches, forward_backward, rank_batches
 from archipelago.island.device import IslandContext, all_reduce_, barrier, broadcast_object, close_island, init_island
 from archipelago.island.emulation import SlowDevice
-from archipelago.island.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer, set_schedule_position
+from archipelago.island.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer
 from archipelago.island.parallelize import ParallelModel, parallelize
 from archipelago.island.pipeline import check_pipelinable, pipeline_layout
-from archipelago.island.plan import IslandPlan, RankSpeed
 from archipelago.metrics import (
-    MetricsLog,
-    ProgressDisplay,
-    TensorBoardLog,
-    ThroughputMeter,
-    peak_flops_per_s,
     write_json_atomic,
 )
-from archipelago.metrics.progress import format_count
 from archipelago.metrics.push import RecordPusher
-from archipelago.planning import (
-    describe_plan,
-    plan_island,
-    profile_lines,
-    rank_batches_of,
-    rank_speeds,
-    rebalanced,
-)
 from archipelago.tasks import Task, TaskModel, build_task
+from archipelago.trainer.drills import Drills
+from archipelago.trainer.hooks import TrainerHooks
+from archipelago.trainer.planner import IslandPlanner
+from archipelago.trainer.run_files import has_model, log_to_file, resume_mismatch, stop_logging_to_file
+from archipelago.trainer.run_metrics import RunMetrics
+from archipelago.trainer.state import NonFiniteLossError, Progress, StepResult
 
 log = logging.getLogger("archipelago.trainer")
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training produced a NaN/inf loss; the message names the step and the last good checkpoint."""
-
-
-@dataclass
-class Progress:
-    """Where the run stands; checkpointed with everything else."""
-
-    step: int = 0
-    tokens: int = 0
-    loss: float = float("nan")      # last logged training loss
-    val_loss: float = float("nan")  # last validation loss (nan: not evaluated yet)
-    val_accuracy: float = float("nan")  # last validation accuracy (image classification only)
-    wall_s: float = 0.0             # wall-clock seconds of training, summed over sessions
-
-    def state_dict(self) -> dict[str, float]:
-        return {"step": self.step, "tokens": self.tokens, "loss": self.loss,
-                "val_loss": self.val_loss, "val_accuracy": self.val_accuracy, "wall_s": self.wall_s}
-
-    def record_validation(self, metrics: dict[str, float]) -> None:
-        self.val_loss = metrics["val_loss"]
-        self.val_accuracy = metrics.get("val_accuracy", float("nan"))
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.step, self.tokens = int(state["step"]), int(state["tokens"])
-        self.loss, self.val_loss = float(state["loss"]), float(state["val_loss"])
-        self.val_accuracy = float(state.get("val_accuracy", float("nan")))
-        self.wall_s = float(state["wall_s"])
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step produced; tensors stay on the device until a log step."""
-
-    loss: torch.Tensor
-    grad_norm: torch.Tensor
-    lr: float  # the learning rate this step used
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # the task's step metrics (accuracy)
 
 
 class Trainer:
@@ -114,6 +60,8 @@ class Trainer:
         self.run_dir = self.build_run_dir()
         self.task = self.build_task()
         self.build_dataset()
+        self.drills = Drills(cfg, self.ctx)  # emulated slowness and injected faults (tests, demos)
+        self.planner = IslandPlanner(cfg, self.ctx, self.task)  # parallelism.auto, rebalance_after
         self.batches = self.build_rank_batches()
         self.model = self.build_model()
         self.slow_device = self.build_slow_device()
@@ -124,8 +72,6 @@ class Trainer:
         self.federation = self.build_federation()
         self.checkpointer = self.build_checkpointer()
         self.metrics = self.build_metrics()
-        # Test-only faults (config/faults.py): crash, error or nan-loss at an inner step.
-        self.faults = faults_from_env(TRAINER_KINDS, self.ctx.rank)
 
     # ---- build hooks ---------------------------------------------------------------
 
@@ -141,11 +87,11 @@ class Trainer:
         run_dir = Path(str(broadcast_object(chosen, self.ctx)))
         problem = None
         if self.ctx.is_leader:
-            problem = _resume_mismatch(run_dir / "config.json", self.cfg)
+            problem = resume_mismatch(run_dir / "config.json", self.cfg)
             if problem is None:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 write_json_atomic(run_dir / "config.json", config_to_dict(self.cfg))
-                _log_to_file(run_dir / "train.log")
+                log_to_file(run_dir / "train.log")
         problem = broadcast_object(problem, self.ctx)
         if problem is not None:
             raise ConfigError(str(problem))
@@ -170,7 +116,7 @@ class Trainer:
         validate_for_island(self.cfg, self.ctx.world_size)
         batches = rank_batches(self.cfg, self.data_ranks)
         if self.cfg.parallelism.auto and self.cfg.parallelism.pipeline_stages <= 1:  # pipelines: in build_model
-            batches = self.plan_rank_batches()
+            batches = self.planner.rank_batches()
         if not batches.even or batches.uneven_counts:
             if self.cfg.parallelism.expert_parallel and batches.uneven_counts:
                 raise ConfigError("parallelism.expert_parallel exchanges tokens at every forward, so every rank "
@@ -178,31 +124,6 @@ class Trainer:
                                   "equal counts (vary the sizes instead)")
             log.info("island batch split: %s (of %d)", batches.describe(), batches.global_batch)
         return batches
-
-    def plan_rank_batches(self) -> RankBatches:
-        """parallelism.auto: measure every rank and split the batch to their speeds (logged)."""
-        p = self.cfg.parallelism
-        if p.micro_batch_size_per_rank or self.cfg.training.micro_batch_size:
-            raise ConfigError("parallelism.auto chooses the micro-batches itself: leave out "
-                              "parallelism.micro_batch_size_per_rank and training.micro_batch_size, or drop auto")
-        return rank_batches_of(self.measured_plan())
-
-    def plan_stage_layers(self) -> tuple[int, ...]:
-        """parallelism.auto on a pipelined island: measure every rank, give each stage the
-        layers its device runs fastest (logged)."""
-        plan = self.measured_plan()
-        assert plan.stages is not None  # plan_island plans stages when pipeline_stages > 1
-        return plan.stages.layers
-
-    def measured_plan(self) -> IslandPlan:
-        """parallelism.auto: measure every rank (a collective) and plan; the plan is logged."""
-        plan, profiles = plan_island(self.cfg, self.ctx, self.task)
-        for line in [*profile_lines(profiles), *describe_plan(plan, profiles).splitlines()]:
-            log.info("parallelism.auto: %s", line)
-        self.profiled_speeds = rank_speeds(profiles)  # what rebalance_after scales to the run
-        return plan
-
-    profiled_speeds: list[RankSpeed] | None = None  # set by measured_plan (parallelism.auto)
 
     @property
     def data_ranks(self) -> int:
@@ -213,17 +134,6 @@ class Trainer:
     def data_rank(self) -> int:
         return self.ctx.rank % self.data_ranks
 
-    @functools.cached_property
-    def rank_slowdown(self) -> float:
-        """This rank's island.rank_slowdown factor (1 = its real speed)."""
-        text = self.cfg.island.rank_slowdown
-        if not text:
-            return 1.0
-        try:
-            return parse_factors(text, self.ctx.world_size, "island.rank_slowdown")[self.ctx.rank]
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-
     def build_model(self) -> ParallelModel:
         t = self.cfg.training
         built = self.task.build_model()
@@ -232,7 +142,7 @@ class Trainer:
         if layout is not None:
             check_pipelinable(built.module)
             if p.auto:
-                layout = replace(layout, layers=self.plan_stage_layers())
+                layout = replace(layout, layers=self.planner.stage_layers())
             log.info("pipeline of %d stages (%s), %s schedule, %d micro-batches per step%s", layout.stages,
                      layout.describe(), layout.schedule, layout.micro_batches,
                      f", {layout.data} data ranks per stage (FSDP)" if layout.data > 1 else "")
@@ -253,7 +163,7 @@ class Trainer:
     def build_slow_device(self) -> SlowDevice:
         """island.rank_slowdown: this rank's model made that many times slower, unit by unit
         (an emulation for tests and benchmarks; a factor of 1 adds nothing)."""
-        return SlowDevice(self.model.inner, self.rank_slowdown, self.ctx.device)
+        return self.drills.slow_device(self.model)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return build_optimizer(self.model.module, self.cfg.optimizer, self.ctx.device,
@@ -279,11 +189,11 @@ class Trainer:
 
     def build_federation(self) -> Federation:
         """The seam to the other islands: `Alone` when fault_tolerance is off, else a
-        federation member that has joined the lighthouse (it talks back through _Hooks)."""
+        federation member that has joined the lighthouse (it talks back through TrainerHooks)."""
         return build_federation(self.cfg.fault_tolerance, self.cfg.training.steps,
                                 self.model.federation_parameters(), f"{self.cfg.model.name}/{self.cfg.model.flavor}",
-                                self.ctx.rank, self.ctx.world_size, self.tokens_per_step, _Hooks(self), self.optimizer,
-                                self.federation_key, self.cfg.federation_security.insecure)
+                                self.ctx.rank, self.ctx.world_size, self.tokens_per_step, TrainerHooks(self),
+                                self.optimizer, self.federation_key, self.cfg.federation_security.insecure)
 
     @functools.cached_property
     def federation_key(self) -> FederationKey | None:
@@ -352,7 +262,7 @@ class Trainer:
             self.load_initial_weights()
             return
         latest = self.checkpointer.latest_path()
-        full = latest is None or _has_model(latest)
+        full = latest is None or has_model(latest)
         if not full:
             log.info("the newest checkpoint holds this island's data position only "
                      "(checkpoint.scope = leader): the model comes from a live peer")
@@ -424,11 +334,11 @@ class Trainer:
         while not final:
             started = time.perf_counter()
             result = self.train_step()
-            self.emulate_slowdown(time.perf_counter() - started)
+            self.drills.emulate_slowdown(time.perf_counter() - started)
             self.progress.step += 1
             self.progress.tokens += self.tokens_per_step
             self.progress.wall_s = self.metrics.wall_s()
-            self.maybe_inject_fault()
+            self.metrics.poison_next_loss |= self.drills.inject(self.progress.step)
             self.after_inner_step(time.perf_counter() - started)
             final = self.done()  # once per step: the time budget must not flip between uses
             if final:
@@ -442,9 +352,9 @@ class Trainer:
             log.warning("island.slowdown = %g: EMULATED slow island, each inner step waits %g x its "
                         "compute time (an experiment setting, not a real speed)",
                         self.cfg.island.slowdown, self.cfg.island.slowdown - 1)
-        if self.rank_slowdown > 1:
+        if self.drills.rank_slowdown > 1:
             log.warning("island.rank_slowdown: EMULATED slow rank %d, each forward and backward waits %g x its "
-                        "time (an experiment setting, not a real speed)", self.ctx.rank, self.rank_slowdown - 1)
+                        "time (an experiment setting, not a real speed)", self.ctx.rank, self.drills.rank_slowdown - 1)
         if self.ctx.is_leader:
             for message in advice(self.cfg):
                 log.warning("%s", message)
@@ -478,15 +388,6 @@ class Trainer:
         if self.ctx.world_size > 1:  # ranks' clocks differ: all must stop at the same step
             spent = float(all_reduce_(torch.tensor(spent, device=self.ctx.device), self.ctx, op="max"))
         return spent > 0
-
-    def emulate_slowdown(self, compute_s: float) -> None:
-        """island.slowdown: wait (slowdown - 1) x the step's compute time (an emulation)."""
-        factor = self.cfg.island.slowdown
-        if factor <= 1:
-            return
-        if self.ctx.device.type == "cuda":  # a CPU-GPU sync point; only under emulation
-            torch.cuda.synchronize(self.ctx.device)
-        time.sleep((factor - 1) * compute_s)
 
     def join_federation(self) -> None:
         """Enter the federation with a round of our own: receive the global weights (from a
@@ -557,17 +458,6 @@ class Trainer:
         # Under FSDP2 the norm is a DTensor; full_tensor() is a (small) collective.
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
-    def maybe_inject_fault(self) -> None:
-        for fault in self.faults:
-            if fault.at != self.progress.step:
-                continue
-            if fault.kind == "crash":
-                log.warning("ARCHIPELAGO_FAULT: crashing at step %d", self.progress.step)
-                os.kill(os.getpid(), 9)
-            if fault.kind == "error":
-                raise RuntimeError(f"ARCHIPELAGO_FAULT: injected failure at step {self.progress.step}")
-            self.metrics.poison_next_loss = True  # nan-loss
-
     def after_step(self, result: StepResult, final: bool) -> None:
         step, t = self.progress.step, self.cfg.training
         self.metrics.observe(step, result.loss)
@@ -581,35 +471,19 @@ class Trainer:
                                                        position=self.federation.position(step))
             if validation is not None:
                 self.progress.record_validation(validation)
-            if not final and self.rebalance_due(step):
+            if not final and self.planner.rebalance_due(step, self.model.pipeline is not None,
+                                                        len(self.metrics.idle_history)):
                 self.rebalance()
         with self.untimed_in_round():
             self.save_checkpoint(final=final)
 
-    _rebalanced = False
-
-    def rebalance_due(self, step: int) -> bool:
-        """parallelism.rebalance_after: the first log step at or after it, with two records to read."""
-        after = self.cfg.parallelism.rebalance_after
-        return (bool(after) and not self._rebalanced and step >= after and self.model.pipeline is None
-                and len(self.metrics.idle_history) >= 2)
-
     def rebalance(self) -> None:
-        """Split the batch again from this session's step records (planning.rebalanced) and
-        go on with it: the data loader is rebuilt for the new shares at the same position
-        (its state does not depend on the split), so no sample is skipped or repeated."""
-        self._rebalanced = True
+        """Split the batch again from this session's step records (IslandPlanner) and go on
+        with it: the data loader is rebuilt for the new shares at the same position (its
+        state does not depend on the split), so no sample is skipped or repeated."""
         before = self.batches
-        after = rebalanced(before, self.metrics.idle_history, self.profiled_speeds,
-                           fsdp=self.cfg.parallelism.data_parallel == "fsdp")
-        if after.uneven_counts != before.uneven_counts and (self.model.strategy == "ddp"
-                                                            or self.cfg.parallelism.expert_parallel):
-            log.info("parallelism.rebalance_after: keeping %s: %s would change whether ranks run as many "
-                     "micro-batches, which DDP's buffers and the experts' exchanges fixed at start",
-                     before.describe(), after.describe())
-            return
-        if after == before:
-            log.info("parallelism.rebalance_after: the measured speeds keep the split (%s)", before.describe())
+        after = self.planner.rebalanced_batches(before, self.metrics.idle_history, self.model.strategy)
+        if after is None:
             return
         position = self.train_loader.state_dict()
         self.batches = after
@@ -706,305 +580,7 @@ class Trainer:
         self.model = self.optimizer = self.lr_scheduler = None  # type: ignore[assignment]
         gc.collect()
         close_island()
-        _stop_logging_to_file()
-
-
-class _Hooks:
-    """The trainer as the federation sees it (federation.seam.IslandHooks)."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    @property
-    def step(self) -> int:
-        return self.trainer.progress.step
-
-    def event(self, name: str, **fields: Any) -> None:
-        self.trainer.metrics.event(name, **fields)
-
-    def outer_step(self, record: dict[str, Any]) -> None:
-        self.trainer.metrics.outer_step(record)
-
-    def catch_up(self, step: int) -> None:
-        self.trainer.catch_up(step)
-
-    def follow_schedule(self, position: float) -> None:
-        set_schedule_position(self.trainer.lr_scheduler, position)
-
-
-class RunMetrics:
-    """Everything the trainer reports: metrics.jsonl, TensorBoard, the live display, summary.json.
-
-    Losses stay on the device until a log step: reading them every step would be a
-    host-device sync point that stalls the GPU queue.
-    """
-
-    def __init__(self, cfg: Config, ctx: IslandContext, run_dir: Path, model: ParallelModel,
-                 flops_per_token: float, tokens_per_step: int, unit: str = "tok",
-                 emulated_s: Callable[[], float] = lambda: 0.0, pusher: RecordPusher | None = None) -> None:
-        """`emulated_s`: seconds an emulated slow rank has waited so far (counted as busy);
-        `pusher`: where records also go (a federation dashboard)."""
-        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
-        self.tokens_per_step, self.unit = tokens_per_step, unit
-        leader = ctx.is_leader
-        self.jsonl = MetricsLog(run_dir / "metrics.jsonl", enabled=leader)
-        self.pusher = pusher
-        self.tensorboard = TensorBoardLog(run_dir / "tensorboard", enabled=leader and cfg.metrics.tensorboard)
-        self.display: ProgressDisplay | None = None  # made in start(), once the first step is known
-        self.flops_per_token = flops_per_token
-        self.peak, self.peak_source = peak_flops_per_s(ctx.device, model.dtype, cfg.metrics.peak_tflops)
-        self.meter = ThroughputMeter(window=1)  # each update is already a whole log window
-        self.first_bad = torch.full((), -1, dtype=torch.long, device=ctx.device)
-        self.poison_next_loss = False
-        self.started = self.window_start = time.perf_counter()
-        self.window_steps = 0
-        self.window_untimed = 0.0  # seconds of validation/checkpointing inside the window
-        # Each rank's idle share of the step (`rank_idle`, a pipeline's bubble): busy is this
-        # thread's CPU time plus emulated waits. Only on a CPU: a GPU's host thread mostly
-        # waits for the device, so its CPU time says nothing about the device being busy.
-        self.busy_clock = (lambda: time.thread_time() + emulated_s()) if ctx.device.type == "cpu" else None
-        self.window_busy = self.busy_clock() if self.busy_clock else 0.0
-        self.window_untimed_busy = 0.0
-        self.idle_history: list[list[float]] = []  # every record's rank_idle, this session (a re-plan reads it)
-        self.start_step, self.wall_before = 0, 0.0
-
-    def start(self, progress: Progress, token_budget: int | None = None) -> None:
-        """Begin this session's clock where the (possibly resumed) run stands. With a
-        `token_budget` (time-paced rounds) the display counts the federation's tokens toward
-        it, not steps: an island's step count is not what ends the run."""
-        self.display = ProgressDisplay(token_budget or self.cfg.training.steps, start_step=progress.step,
-                                       mode=self.cfg.metrics.progress, enabled=self.ctx.is_leader,
-                                       title=self.cfg.job.name, time_limit_s=self.cfg.training.time_budget_s,
-                                       unit=self.unit, budget_unit=self.unit if token_budget else None)
-        self.started = self.window_start = time.perf_counter()
-        self.window_busy = self.busy_clock() if self.busy_clock else 0.0
-        self.start_step, self.wall_before = progress.step, progress.wall_s
-        log.info("peak %.2f TFLOP/s per rank (%s) used for MFU", self.peak / 1e12, self.peak_source)
-
-    def wall_s(self) -> float:
-        """Wall-clock seconds of training so far, over all sessions of the run."""
-        return self.wall_before + time.perf_counter() - self.started
-
-    @contextlib.contextmanager
-    def untimed(self) -> Iterator[None]:
-        """Leave the enclosed work (validation, checkpointing) out of tokens/s and MFU."""
-        began, busy = time.perf_counter(), self.busy_clock() if self.busy_clock else 0.0
-        try:
-            yield
-        finally:
-            self.window_untimed += time.perf_counter() - began
-            if self.busy_clock:
-                self.window_untimed_busy += self.busy_clock() - busy
-
-    def observe(self, step: int, loss: torch.Tensor) -> None:
-        """Record the first step whose loss is not finite, without a host sync."""
-        if self.poison_next_loss:
-            loss.fill_(float("nan"))
-            self.poison_next_loss = False
-        bad = ~torch.isfinite(loss) & (self.first_bad < 0)
-        self.first_bad = torch.where(bad, torch.full_like(self.first_bad, step), self.first_bad)
-        self.window_steps += 1
-
-    def first_nonfinite_step(self) -> int | None:
-        """The earliest non-finite step on any rank (a collective and a host sync point).
-
-        Every rank learns about any rank's NaN, so all stop together and none is left
-        waiting in a collective.
-        """
-        never = 2**62
-        mine = torch.where(self.first_bad < 0, torch.full_like(self.first_bad, never), self.first_bad)
-        first = int(all_reduce_(mine.clone(), self.ctx, op="min"))
-        return None if first >= never else first
-
-    def log_step(self, step: int, result: StepResult, tokens: int, validation: dict[str, float] | None,
-                 position: float | None = None) -> float:
-        """Write one step record; returns the loss averaged over the island's ranks.
-        `position`: where the run stands toward the display's total (steps, or tokens)."""
-        # float() waits for the device to finish the queued steps, so the clock read
-        # after it covers their whole compute time (this is the host sync point).
-        loss_avg = float(all_reduce_(result.loss.detach().clone(), self.ctx, op="avg"))
-        now = time.perf_counter()
-        window_tokens = self.window_steps * self.tokens_per_step
-        timed = now - self.window_start - self.window_untimed
-        self.meter.update(window_tokens, timed)
-        idle = self.rank_idle(timed)
-        self.window_start, self.window_steps, self.window_untimed = now, 0, 0.0
-        tokens_per_s = self.meter.tokens_per_s()
-        mfu = self.shown_mfu(self.meter.mfu(self.flops_per_token, self.peak * self.ctx.world_size))
-        record: dict[str, Any] = {"step": step, "loss": loss_avg, "lr": result.lr, "grad_norm": float(result.grad_norm),
-                  "tokens": tokens, "tokens_per_s": tokens_per_s, "mfu": mfu,
-                  "elapsed_s": now - self.started, "time": time.time()}
-        if idle is not None:
-            record["rank_idle"] = idle
-            self.idle_history.append(idle)
-        for name, value in result.extra.items():  # the task's own, e.g. accuracy
-            record[name] = float(all_reduce_(value.detach().clone(), self.ctx, op="avg"))
-        record.update(validation or {})
-        self.write(record)
-        self.tensorboard.log(step, {k: v for k, v in record.items() if k != "step"})
-        if self.display is not None:
-            self.display.update(step, record, position)
-        return loss_avg
-
-    _mfu_warned = False
-
-    def shown_mfu(self, mfu: float) -> float | None:
-        """MFU, or None (`n/a`) above 100%: a measured peak (a CPU's, taken while other ranks or
-        islands shared its cores) can be below what training then reaches; a fraction over 1
-        would say nothing true. Logged once, naming metrics.peak_tflops for a stated peak."""
-        if mfu <= 1.0 or self.peak_source.startswith("override"):
-            return mfu
-        if not self._mfu_warned:
-            self._mfu_warned = True
-            log.warning("MFU shown as n/a: training reached %.0f%% of the %s (%.2f TFLOP/s per rank), which was "
-                        "taken while the cores were shared; set --metrics.peak_tflops to the device's nominal peak "
-                        "for a true MFU", 100 * mfu, self.peak_source, self.peak / 1e12)
-        return None
-
-    def rank_idle(self, timed_s: float) -> list[float] | None:
-        """Every rank's idle share of the window's training time (a collective), on a CPU
-        island of several ranks; None elsewhere. Restarts the busy count."""
-        if self.busy_clock is None or self.ctx.world_size == 1:
-            return None
-        now = self.busy_clock()
-        busy = now - self.window_busy - self.window_untimed_busy
-        self.window_busy, self.window_untimed_busy = now, 0.0
-        shares = torch.zeros(self.ctx.world_size, dtype=torch.float64, device=self.ctx.device)
-        shares[self.ctx.rank] = min(1.0, max(0.0, 1.0 - busy / timed_s)) if timed_s > 0 else 0.0
-        return [round(float(x), 4) for x in all_reduce_(shares, self.ctx)]
-
-    def write(self, record: dict[str, Any]) -> None:
-        """One record to metrics.jsonl, and to the dashboard when there is one."""
-        self.jsonl.log(record)
-        if self.pusher is not None:
-            self.pusher.push(record)
-
-    def log_validation(self, step: int, validation: dict[str, float]) -> None:
-        """A validation-only record (the evaluation before the first step)."""
-        self.write({"step": step, **validation, "tokens": 0})
-        self.tensorboard.log(step, validation)
-        if self.display is not None:
-            accuracy = f", accuracy {validation['val_accuracy']:.3f}" if "val_accuracy" in validation else ""
-            self.display.message(f"step {step}: val {validation['val_loss']:.3f}{accuracy}")
-
-    def outer_step(self, record: dict[str, Any]) -> None:
-        """One round of the outer loop (metrics.jsonl `outer_step` event, and a display line)."""
-        self.write({"event": "outer_step", "time": time.time(), **record})
-        self.tensorboard.log(record["step"], {"outer/participants": record["participants"],
-                                              "outer/sync_s": record["sync_s"]})
-        if self.display is not None:
-            state = "committed" if record["committed"] else "NOT committed"
-            extra = " (healed from a peer)" if record["healed"] else ""
-            if record["own_refused"]:
-                extra += f"; this island's pseudo-gradient REFUSED ({record['own_refused']})"
-            if record["overlap_s"] >= 0.01:  # streaming with fragment_sync_delay: the exchange ran behind steps
-                extra += (f"; exchange hidden behind {record['overlap_s']:.2f} s of inner steps, "
-                          f"then {record['exposed_s']:.2f} s exposed")
-            self.display.message(f"outer step {record['outer_step']} {state} with "
-                                 f"{record['participants']} island(s){extra}: {record['inner_steps']} inner "
-                                 f"steps in {record['compute_s']:.2f} s, waited {record['sync_s']:.2f} s, "
-                                 f"sent {format_count(record['bytes_sent'])}B ({record['codec']})")
-
-    def event(self, name: str, **fields: Any) -> None:
-        self.write({"event": name, "time": time.time(), **fields})
-        if self.display is not None:
-            self.display.message(f"{name}: {fields}")
-
-    def finish(self, progress: Progress, params: int) -> dict[str, Any]:
-        """Write summary.json (whole-run totals); a session that trained nothing keeps the old one."""
-        path = self.run_dir / "summary.json"
-        if progress.step == self.start_step and path.is_file():
-            return json.loads(path.read_text())
-        wall = progress.wall_s
-        if self.pusher is not None:  # its last records go now, so its CPU time below is whole
-            self.pusher.close()
-        summary = {
-            "steps": progress.step, "tokens": progress.tokens, "wall_s": wall,
-            "tokens_per_s": progress.tokens / wall if wall > 0 else None,
-            "final_loss": progress.loss,
-            "val_loss": progress.val_loss if math.isfinite(progress.val_loss) else None,
-            **({"val_accuracy": progress.val_accuracy} if math.isfinite(progress.val_accuracy) else {}),
-            "params": params,
-            "model": f"{self.cfg.model.name}/{self.cfg.model.flavor}", "ranks": self.ctx.world_size,
-            "device": self.ctx.device.type, "peak_flops_per_s": self.peak,
-            "peak_source": self.peak_source, "run_dir": str(self.run_dir),
-            # This session's: wall_s spans every session of a resumed run.
-            **({"dashboard_push_cpu_s": self.pusher.cpu_s} if self.pusher is not None else {}),
-            # The leader's (rank 0, the first bridge rank) peak resident memory in this session.
-            "peak_rss_bytes": _peak_rss_bytes(),
-        }
-        if self.ctx.is_leader:
-            write_json_atomic(path, summary)
-        return summary
-
-    def close(self) -> None:
-        if self.pusher is not None:
-            self.pusher.close()
-        if self.display is not None:
-            self.display.close()
-        self.tensorboard.close()
-        self.jsonl.close()
-
-
-def _peak_rss_bytes() -> int | None:
-    """This process's peak resident set size (Linux reports KiB; None where unknown)."""
-    try:
-        import resource
-    except ImportError:  # not a Unix
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-# Settings a checkpoint is tied to: resuming with other values would load the wrong
-# shapes or data order, and training from scratch instead would overwrite the run's work.
-RESUME_KEYS = (("model", "name"), ("model", "flavor"), ("data", "path"), ("data", "tokenizer"),
-               ("data", "vocab_size"), ("data", "seq_len"), ("data", "val_fraction"),
-               ("training", "batch_size"), ("training", "seed"))
-
-
-def _resume_mismatch(saved_config: Path, cfg: Config) -> str | None:
-    """Why this run may not reuse the run directory that holds `saved_config`, or None."""
-    if not cfg.checkpoint.resume or not saved_config.is_file():
-        return None
-    saved, now = json.loads(saved_config.read_text()), config_to_dict(cfg)
-    diffs = [f"{a}.{b}: {saved.get(a, {}).get(b)!r} -> {now[a][b]!r}" for a, b in RESUME_KEYS
-             if saved.get(a, {}).get(b) != now[a][b]]
-    if not diffs:
-        return None
-    return (f"run directory {saved_config.parent} belongs to a run with other settings "
-            f"({'; '.join(diffs)}); its checkpoints cannot be resumed with them. Use a new "
-            "--job.run_dir, or the original settings to resume")
-
-
-def _has_model(checkpoint: Path) -> bool:
-    """Whether a DCP checkpoint holds the model (not just an island's data position)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        keys = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    except Exception:  # noqa: BLE001 - unreadable: let load_latest report it properly
-        return True
-    return any(k.startswith("train.") for k in keys)
-
-
-class _RunLog(logging.FileHandler):
-    """The run directory's train.log; one at a time per process."""
-
-
-def _log_to_file(path: Path) -> None:
-    """Copy the platform's log lines into `path`, replacing an earlier run's train.log in
-    this process (trainers run one after another in tests, the simulator and benchmarks)."""
-    _stop_logging_to_file()
-    handler = _RunLog(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("archipelago").addHandler(handler)
-
-
-def _stop_logging_to_file() -> None:
-    logger = logging.getLogger("archipelago")
-    for handler in [h for h in logger.handlers if isinstance(h, _RunLog)]:
-        logger.removeHandler(handler)
-        handler.close()
+        stop_logging_to_file()
 
 
 def run_training(cfg: Config) -> dict[str, Any]:
@@ -1017,4 +593,3 @@ def run_training(cfg: Config) -> dict[str, Any]:
         raise
     trainer.close()
     return summary
-
