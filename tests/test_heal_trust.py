@@ -22,7 +22,7 @@ from torch import nn
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.diloco import OuterLoop
 from archipelago.federation.fragments import tensor_state
-from archipelago.federation.healing import digest as _digest
+from archipelago.federation.global_weights import digest as _digest
 from archipelago.federation.membership import claim_row, fingerprint, fingerprint_row
 from archipelago.federation.policy import StateClaim
 from archipelago.federation.trust import FederationKey

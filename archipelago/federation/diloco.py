@@ -222,16 +222,8 @@ class OuterLoop:
 
     def global_hash(self) -> str:
         """SHA-256 over the global weights in canonical order (a collective)."""
-        digests = self.ranks.gather_objects(self.chunk_digest() if self.is_bridge else None)
+        digests = self.ranks.gather_objects(self.weights.chunk_digest() if self.is_bridge else None)
         return hashlib.sha256("".join(d for d in digests if d).encode()).hexdigest()[:16]
-
-    def chunk_digest(self) -> str:
-        """SHA-256 of this bridge rank's global chunks (GlobalWeights.chunk_digest)."""
-        return self.weights.chunk_digest()
-
-    def forget_digest(self) -> None:
-        """The global chunks changed: hash them again when asked."""
-        self.weights.forget_digest()
 
     def shutdown(self) -> None:
         if self.manager is not None:

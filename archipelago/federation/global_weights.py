@@ -8,6 +8,7 @@ a peer takes.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +18,6 @@ from torch import nn
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.codecs import Codec, build_codec
 from archipelago.federation.fragments import load_tensor_state, tensor_state
-from archipelago.federation.healing import digest
 from archipelago.federation.outer_core import OuterCore
 
 
@@ -75,3 +75,11 @@ def _codec_state(codec: Codec) -> dict[str, Any]:
     """The codec's state for a checkpoint, under "codec" (nothing for stateless codecs)."""
     state = codec.state_dict()
     return {"codec": state} if state else {}
+
+
+def digest(tensors: Any) -> str:
+    """SHA-256 over tensors' bytes in order: a bridge rank's global chunks, or a peer's."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().to("cpu").contiguous().numpy().tobytes())
+    return h.hexdigest()

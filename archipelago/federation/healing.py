@@ -14,17 +14,16 @@ progress, which it still sends itself).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.decoupled import Handoffs
 from archipelago.federation.fragments import load_tensor_state, tensor_state
+from archipelago.federation.global_weights import GlobalWeights, digest
 from archipelago.federation.guard import PseudoGradientGuard
 from archipelago.federation.membership import exchange_claims, mismatch
 from archipelago.federation.policy import Membership, StateClaim, heal_verdict
@@ -49,16 +48,8 @@ class HealingHost(Protocol):
     peer_inner_step: int
     last_committed: bool
     established: bool
+    weights: GlobalWeights
 
-    @property
-    def globals(self) -> list[nn.Parameter]: ...
-
-    @property
-    def outer(self) -> list[torch.optim.Optimizer]: ...
-
-    def chunk_digest(self) -> str: ...
-
-    def forget_digest(self) -> None: ...
 
 
 class Healing:
@@ -92,7 +83,7 @@ class Healing:
         quorum.check_members(h.fingerprint, h.established)
         healed = self.offer is not None and refusal is None
         same = healed and all(torch.equal(g.detach(), f["global"].to(g.device))
-                              for g, f in zip(h.globals, self.offer["fragments"]))  # type: ignore[index]
+                              for g, f in zip(h.weights.globals, self.offer["fragments"]))  # type: ignore[index]
         rank = h.manager.participating_rank()
         return Membership(outer_step=h.manager.current_step(), healed=healed, progress_void=healed and not same,
                           peer_inner_step=self.taken.inner_step if healed else 0,
@@ -116,7 +107,7 @@ class Healing:
         state = {"fingerprint": h.fingerprint, "inner_step": h.inner_step,
                  "federation_tokens": h.federation_tokens, "guard": h.guard.state_tensor(),
                  "fragments": [{"global": g.detach().clone(), "outer": tensor_state(o, g)}
-                               for g, o in zip(h.globals, h.outer)]}
+                               for g, o in zip(h.weights.globals, h.weights.outer)]}
         if h.handoffs is not None:  # decoupled: whether the next exchange's rows are stale (decoupled.py)
             state["stale"] = int(h.handoffs.stale)
         return state
@@ -139,7 +130,8 @@ class Healing:
         h = self.host
         shape = {"fingerprint": h.fingerprint, "inner_step": 0, "federation_tokens": 0,
                  "guard": h.guard.state_tensor(),
-                 "fragments": [{"global": g, "outer": tensor_state(o, g)} for g, o in zip(h.globals, h.outer)]}
+                 "fragments": [{"global": g, "outer": tensor_state(o, g)}
+                               for g, o in zip(h.weights.globals, h.weights.outer)]}
         if h.handoffs is not None:
             shape["stale"] = 0
         return shape
@@ -168,7 +160,7 @@ class Healing:
     def own_claim(self) -> StateClaim:
         """This bridge rank's claim about its state before this quorum (what it committed)."""
         h = self.host
-        return StateClaim(self.before_quorum[0], h.chunk_digest(), h.last_committed, h.inner_step,
+        return StateClaim(self.before_quorum[0], h.weights.chunk_digest(), h.last_committed, h.inner_step,
                           h.federation_tokens)
 
     def settle(self, m: Membership) -> Membership:
@@ -196,23 +188,15 @@ class Healing:
         its supporters vouched for. The guard's history stays this island's own (a peer's
         could make it refuse or wave through this island's next pseudo-gradients)."""
         h = self.host
-        for g, o, f in zip(h.globals, h.outer, state["fragments"]):
+        for g, o, f in zip(h.weights.globals, h.weights.outer, state["fragments"]):
             load_tensor_state(o, g, f)  # the codecs keep this island's own error feedback
-        h.forget_digest()
+        h.weights.forget_digest()
         h.peer_inner_step = self.taken.inner_step
         h.federation_tokens = self.taken.federation_tokens
         if h.handoffs is not None:  # decoupled: the members' view of the next exchange's rows
             h.handoffs.stale = bool(state.get("stale", 0))
         log.info("healed: received the global weights from a peer island (federation step %d)",
                  h.manager.current_step())
-
-
-def digest(tensors: Any) -> str:
-    """SHA-256 over tensors' bytes in order: a bridge rank's global chunks, or a peer's."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().to("cpu").contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def shape_problem(ours: Any, theirs: Any, where: str) -> str | None:

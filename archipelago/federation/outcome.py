@@ -20,6 +20,7 @@ from archipelago.federation.attempts import ExchangeAttempts, Pending, Tried
 from archipelago.federation.codecs import Codec
 from archipelago.federation.decoupled import Handoffs
 from archipelago.federation.decoupled_rounds import DecoupledRounds
+from archipelago.federation.global_weights import GlobalWeights
 from archipelago.federation.island_ranks import IslandRanks
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.outer_core import OuterCore
@@ -54,6 +55,7 @@ class OutcomeHost(Protocol):
     last_committed: bool
     federation_tokens: int
     tokens_ratio: float
+    weights: GlobalWeights
     scaled_optimizer: torch.optim.Optimizer | None
 
     @property
@@ -65,7 +67,6 @@ class OutcomeHost(Protocol):
 
     def global_hash(self) -> str: ...
 
-    def forget_digest(self) -> None: ...
 
 
 class RoundOutcome:
@@ -149,7 +150,7 @@ class RoundOutcome:
         h = self.host
         assert h.core is not None, "only bridge ranks hold the global weights"
         h.core.apply(fragment, buffer[:-2], total)
-        h.forget_digest()
+        h.weights.forget_digest()
 
     def _should_commit(self) -> bool:
         try:
