@@ -35,6 +35,7 @@ from archipelago.federation.policy import (
     remember_norm,
     retries_exchange,
     round_is_up,
+    segment_repair,
     skips_exchange,
     steps_between_exchanges,
 )
@@ -281,3 +282,43 @@ def test_the_pending_update_is_kept_only_while_the_federation_is_at_the_rounds_s
     assert not keeps_pending(Membership(outer_step=5, healed=True, participants=2), 4)
     # A joining island that only now receives the state: its round is planned again.
     assert not keeps_pending(Membership(outer_step=4, healed=True, participants=3), 4)
+
+
+def test_segment_repair_by_hand():
+    # Four members; member 2 died in the first phase; summer 0 lacks member 1's segment 0.
+    holds = [[True, False, True, True], [True, True, False, True], [True, True, True, True], [True, True, False, True]]
+    plan = segment_repair([True, True, False, True], holds)
+    assert plan.summers == (0, 1, 0, 3)  # segment 2 to the least loaded live member, the lowest rank first
+    assert plan.sends == ((1, 0, 0), (1, 0, 2), (3, 0, 2))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_segment_repair_sums_exactly_the_survivors_rows_and_sends_nothing_twice(seed):
+    import random
+
+    rng = random.Random(seed)
+    members = rng.randint(2, 9)
+    alive = [rng.random() < 0.7 for _ in range(members)]
+    alive[rng.randrange(members)] = True
+    holds = [[rng.random() < 0.6 for _ in range(members)] for _ in range(members)]
+    plan = segment_repair(alive, holds)
+    live = {j for j in range(members) if alive[j]}
+    assert all(alive[summer] for summer in plan.summers)
+    assert len(set(plan.sends)) == len(plan.sends)
+    for k, summer in enumerate(plan.summers):
+        sent = {j for j, to, segment in plan.sends if segment == k}
+        assert all(to == summer for j, to, segment in plan.sends if segment == k)
+        kept = {j for j in live if j == summer or (summer == k and holds[k][j])}
+        assert not sent & kept and sent | kept == live, (k, sent, kept)  # every survivor's row once, no other
+    loads = [plan.summers.count(j) for j in live]
+    assert max(loads) - min(loads) <= 1 or all(alive[k] for k in range(members))  # dead segments spread evenly
+    restart = len(live) * (len(live) - 1)  # a restart's first phase: every survivor to every other
+    dead_segments = members - len(live)
+    assert len(plan.sends) <= restart + dead_segments * (len(live) - 1)
+
+
+def test_segment_repair_refuses_what_it_cannot_repair():
+    with pytest.raises(ValueError):
+        segment_repair([False, False], [[True, True], [True, True]])
+    with pytest.raises(ValueError):
+        segment_repair([True, True], [[True, True]])

@@ -17,7 +17,9 @@ A round of one island, in order:
 6. `skips_exchange`: whether the exchange can be left out altogether.
 7. `exchange_agreed` / `retries_exchange` / `keeps_pending`: whether every member
    completed the exchange, and if not, whether to run it again with a new quorum and
-   whether this island's pending pseudo-gradient still belongs to the round.
+   whether this island's pending pseudo-gradient still belongs to the round
+   (`segment_repair`: what a reduce-scatter's first phase would send again instead; not
+   on the platform yet).
 8. `RoundResult` / `applies_outer_step`: after the exchange and the vote, what to do.
 
 Time-paced rounds end by `round_is_up`; a healed island continues at `aligned_inner_step`.
@@ -246,6 +248,44 @@ def keeps_pending(m: Membership, step: int) -> bool:
     (a member committed the round without it, and this island healed from it; or a
     joining island was sent the state only now) the round is planned again from `m`."""
     return m.outer_step == step and not m.healed
+
+
+@dataclass(frozen=True)
+class SegmentRepair:
+    """How the survivors finish a reduce-scatter's first phase after members died in it."""
+
+    summers: tuple[int, ...]               # the survivor that sums each segment from now on
+    sends: tuple[tuple[int, int, int], ...]  # (sender, summer, segment): what travels again
+
+
+def segment_repair(alive: Sequence[bool], holds: Sequence[Sequence[bool]]) -> SegmentRepair:
+    """The first phase, repaired instead of run again: `alive[j]`, whether member j (by
+    replica rank) survived; `holds[k][j]`, whether segment k's summer (member k) holds
+    member j's segment k whole (each frame's signature says so), as the survivors agreed
+    on it. A live summer keeps what it holds and receives only the live senders' segments
+    it lacks; a dead summer's segment goes to the live member with the fewest segments
+    (then the lowest rank), and every live member sends it that segment of its row. So
+    the repaired round sums exactly the survivors' rows, as a restart would, sending only
+    the bytes that did not arrive; every survivor computes the same plan. The dead
+    members' rows are left out, as in a restart."""
+    members = len(alive)
+    if len(holds) != members or any(len(row) != members for row in holds):
+        raise ValueError("holds must be one row of `members` flags per segment")
+    live = [j for j in range(members) if alive[j]]
+    if not live:
+        raise ValueError("no member survived: nothing to repair")
+    load = {j: 1 for j in live}  # each live summer keeps its own segment
+    summers, sends = [], []
+    for k in range(members):
+        if alive[k]:
+            summers.append(k)
+            sends += [(j, k, k) for j in live if j != k and not holds[k][j]]  # its own row is local
+            continue
+        heir = min(live, key=lambda j: (load[j], j))
+        load[heir] += 1
+        summers.append(heir)
+        sends += [(j, heir, k) for j in live if j != heir]
+    return SegmentRepair(tuple(summers), tuple(sends))
 
 
 @dataclass(frozen=True)
