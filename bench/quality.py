@@ -176,6 +176,8 @@ def command(args: argparse.Namespace, s: Setting, seed: int, run_dir: Path, step
     cli = [sys.executable, "-m", "archipelago.launch.cli"]
     common = [*base_args(args, seed, steps, args.batch_size * s.batch_factor, eval_every(args, s, steps)),
               "--job.run_dir", str(run_dir), *s.args]
+    if s.name in args.lr:  # each setting at the peak learning rate tuned for it
+        common += ["--optimizer.lr", args.lr[s.name]]
     if not s.islands:
         return [*cli, "train", "--nproc", str(ranks_here(args, s)), *common]
     cmd = [*cli, "local", "--islands", s.islands, "--no-table", *common]
@@ -325,6 +327,9 @@ def parse_args() -> argparse.Namespace:
                    help="held-out windows skipped before those evaluated: tune on one slice (0), report on another")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--lr", nargs="+", default=[], metavar="SETTING=LR",
+                   help="a setting's peak learning rate instead of the config's (each setting at its own "
+                        "tuned rate: --lr ddp=5e-3 diloco=5e-3 single=3e-3)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
     p.add_argument("--work-dir", type=Path, default=None, help="run directories (default: a new /tmp folder)")
     p.add_argument("--resume", action="store_true",
@@ -332,6 +337,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="write validation loss vs tokens as PNG here")
     args = p.parse_args()
+    rates = [item.partition("=") for item in args.lr]
+    bad = [item for item, (name, eq, value) in zip(args.lr, rates) if not eq or name not in SETTINGS or not value]
+    if bad:
+        p.error(f"--lr {' '.join(bad)}: expected SETTING=LR with SETTING one of {', '.join(SETTINGS)}")
+    args.lr = {name: value for name, _, value in rates}
     if "het-1:3" in args.settings and "single-fast" not in args.settings:
         args.settings.append("single-fast")  # het-1:3's baseline at equal wall-clock
     return args
@@ -387,7 +397,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = where_measured(flavor=args.flavor, steps=args.steps, batch_size=args.batch_size, seeds=args.seeds,
                               device=args.device, config=str(args.config), eval_windows=args.eval_windows,
-                              eval_offset=args.eval_offset)
+                              eval_offset=args.eval_offset, lr=args.lr or None)
         args.out.write_text(json.dumps({"meta": meta, "settings": table}, indent=2))
         print(f"wrote {args.out}")
     if args.plot:
