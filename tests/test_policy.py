@@ -288,8 +288,9 @@ def test_segment_repair_by_hand():
     # Four members; member 2 died in the first phase; summer 0 lacks member 1's segment 0.
     holds = [[True, False, True, True], [True, True, False, True], [True, True, True, True], [True, True, False, True]]
     plan = segment_repair([True, True, False, True], holds)
-    assert plan.summers == (0, 1, 0, 3)  # segment 2 to the least loaded live member, the lowest rank first
-    assert plan.sends == ((1, 0, 0), (1, 0, 2), (3, 0, 2))
+    assert plan.summers == ((0,), (1,), (0, 1, 3), (3,))  # the dead summer's segment in three parts
+    assert plan.sends == ((1, 0, 0, 0),
+                          (1, 0, 2, 0), (3, 0, 2, 0), (0, 1, 2, 1), (3, 1, 2, 1), (0, 3, 2, 2), (1, 3, 2, 2))
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -303,18 +304,21 @@ def test_segment_repair_sums_exactly_the_survivors_rows_and_sends_nothing_twice(
     holds = [[rng.random() < 0.6 for _ in range(members)] for _ in range(members)]
     plan = segment_repair(alive, holds)
     live = {j for j in range(members) if alive[j]}
-    assert all(alive[summer] for summer in plan.summers)
     assert len(set(plan.sends)) == len(plan.sends)
-    for k, summer in enumerate(plan.summers):
-        sent = {j for j, to, segment in plan.sends if segment == k}
-        assert all(to == summer for j, to, segment in plan.sends if segment == k)
-        kept = {j for j in live if j == summer or (summer == k and holds[k][j])}
-        assert not sent & kept and sent | kept == live, (k, sent, kept)  # every survivor's row once, no other
-    loads = [plan.summers.count(j) for j in live]
-    assert max(loads) - min(loads) <= 1 or all(alive[k] for k in range(members))  # dead segments spread evenly
-    restart = len(live) * (len(live) - 1)  # a restart's first phase: every survivor to every other
-    dead_segments = members - len(live)
-    assert len(plan.sends) <= restart + dead_segments * (len(live) - 1)
+    for k, summers in enumerate(plan.summers):
+        assert all(alive[summer] for summer in summers)
+        assert summers == ((k,) if alive[k] else tuple(sorted(live)))
+        for part, summer in enumerate(summers):
+            sent = {j for j, to, segment, p in plan.sends if segment == k and p == part}
+            assert all(to == summer for j, to, segment, p in plan.sends if segment == k and p == part)
+            kept = {j for j in live if j == summer or (alive[k] and holds[k][j])}
+            assert not sent & kept and sent | kept == live, (k, part, sent, kept)  # each survivor's row once
+    # Balanced: every survivor sends and receives the same number of dead segments' parts.
+    dead = [k for k in range(members) if not alive[k]]
+    for j in live:
+        received = sum(1 for s, to, segment, p in plan.sends if to == j and segment in dead)
+        sent = sum(1 for s, to, segment, p in plan.sends if s == j and segment in dead)
+        assert received == sent == len(dead) * (len(live) - 1)
 
 
 def test_segment_repair_refuses_what_it_cannot_repair():

@@ -254,8 +254,8 @@ def keeps_pending(m: Membership, step: int) -> bool:
 class SegmentRepair:
     """How the survivors finish a reduce-scatter's first phase after members died in it."""
 
-    summers: tuple[int, ...]               # the survivor that sums each segment from now on
-    sends: tuple[tuple[int, int, int], ...]  # (sender, summer, segment): what travels again
+    summers: tuple[tuple[int, ...], ...]  # each segment's parts, in order: the survivor summing each
+    sends: tuple[tuple[int, int, int, int], ...]  # (sender, summer, segment, part): what travels again
 
 
 def segment_repair(alive: Sequence[bool], holds: Sequence[Sequence[bool]]) -> SegmentRepair:
@@ -263,28 +263,28 @@ def segment_repair(alive: Sequence[bool], holds: Sequence[Sequence[bool]]) -> Se
     replica rank) survived; `holds[k][j]`, whether segment k's summer (member k) holds
     member j's segment k whole (each frame's signature says so), as the survivors agreed
     on it. A live summer keeps what it holds and receives only the live senders' segments
-    it lacks; a dead summer's segment goes to the live member with the fewest segments
-    (then the lowest rank), and every live member sends it that segment of its row. So
-    the repaired round sums exactly the survivors' rows, as a restart would, sending only
-    the bytes that did not arrive; every survivor computes the same plan. The dead
-    members' rows are left out, as in a restart."""
+    it lacks (its segment is one part). A dead summer's segment is cut into one part per
+    survivor, in replica order, each summed by that survivor, and every survivor sends each
+    other survivor its part of that segment: each then sends and receives about 1/N of a
+    row more, where one heir of the whole segment would receive a whole row (a phase's
+    length, not 1/N of it). So the repaired round sums exactly the survivors' rows, as a
+    restart would, sending only the bytes that did not arrive; every survivor computes the
+    same plan. The dead members' rows are left out, as in a restart."""
     members = len(alive)
     if len(holds) != members or any(len(row) != members for row in holds):
         raise ValueError("holds must be one row of `members` flags per segment")
-    live = [j for j in range(members) if alive[j]]
+    live = tuple(j for j in range(members) if alive[j])
     if not live:
         raise ValueError("no member survived: nothing to repair")
-    load = {j: 1 for j in live}  # each live summer keeps its own segment
-    summers, sends = [], []
+    summers: list[tuple[int, ...]] = []
+    sends: list[tuple[int, int, int, int]] = []
     for k in range(members):
         if alive[k]:
-            summers.append(k)
-            sends += [(j, k, k) for j in live if j != k and not holds[k][j]]  # its own row is local
+            summers.append((k,))
+            sends += [(j, k, k, 0) for j in live if j != k and not holds[k][j]]  # its own row is local
             continue
-        heir = min(live, key=lambda j: (load[j], j))
-        load[heir] += 1
-        summers.append(heir)
-        sends += [(j, heir, k) for j in live if j != heir]
+        summers.append(live)
+        sends += [(j, summer, k, part) for part, summer in enumerate(live) for j in live if j != summer]
     return SegmentRepair(tuple(summers), tuple(sends))
 
 
