@@ -304,3 +304,27 @@ def test_checkpoints_larger_than_the_free_disk_fail_and_a_small_model_passes(tmp
     assert check.status == "FAIL" and "lower checkpoint.keep" in check.fix and str(tmp_path) in check.detail
     small = load_config(["--config", "configs/llama3/federation.toml", "--job.run_dir", str(tmp_path / "run")])
     assert doctor.check_disk(small).status == "ok"
+
+
+def _row_bytes(payload: int) -> int:
+    """A signed row's bytes, counted here from the frame's parts (trust.py), rounded up to 8."""
+    from archipelago.federation.trust import HEADER_BYTES, TAG_BYTES
+
+    return -(-(HEADER_BYTES + payload + TAG_BYTES) // 8) * 8
+
+
+def test_the_link_check_counts_an_exchange_and_names_what_fits_a_time_paced_round():
+    from dataclasses import replace
+
+    ft = load_config(["--config", "configs/llama3/federation.toml"]).fault_tolerance
+    ft = replace(ft, codec="fp32", round_pacing="time", round_seconds=20.0, group_size=2)
+    fp = {"params": 1_000_000, "federation": "key 0123"}
+    link = 10e6  # 10 Mbit/s: fp32's 4 MB take 3.2 s, over the 5% (1 s) of a 20-s round; int8 fits
+    slow = doctor.link_check("peer p", ft, fp, link)
+    assert slow.status == "warn" and 'codec = "auto" (it takes int8' in slow.fix, slow
+    fp32 = _row_bytes(4 * 1_000_000)  # two islands, the all-gather: one row in
+    assert f"fp32 {fp32 / 1e6:,.1f} MB ({fp32 * 8 / link:,.2f} s)" in slow.detail, slow.detail
+    assert doctor.link_check("peer p", replace(ft, codec="auto"), fp, link).status == "ok"
+    assert doctor.link_check("peer p", ft, fp, 1e9).status == "ok"  # 1 Gbit/s carries fp32 in 0.03 s
+    steps = doctor.link_check("peer p", replace(ft, round_pacing="steps"), fp, link)
+    assert steps.status == "info" and f"fp32 {fp32 * 8 / link / 0.05:,.0f} s" in steps.detail, steps.detail

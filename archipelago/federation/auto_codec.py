@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -52,10 +53,35 @@ def choose_codec(codec: Any, participants: int, link_bits_s: float, target_s: fl
     (top-k's all-gather can receive more than int8's reduce-scatter from about seven
     islands on). The same on every island given the same agreed values."""
     received = {name: round_received(option, participants, framing) for name, option in codec.options.items()}
+    return densest_within(received, link_bits_s, target_s)
+
+
+def densest_within(received: dict[str, int], link_bits_s: float, target_s: float) -> str:
+    """The first codec (densest first) whose `received` bytes cross a link of `link_bits_s`
+    in at most `target_s` seconds; when none does, the one that receives the fewest."""
     for name, size in received.items():
         if size * 8 / link_bits_s <= target_s:
             return name
     return min(received, key=lambda name: received[name])
+
+
+def link_carries(ft: Any, params: int, islands: int, link_bits_s: float,
+                 signed: bool) -> dict[str, tuple[int, float]]:
+    """What one exchange of a model of `params` parameters costs over a link of
+    `link_bits_s`, codec by codec (`codec = "auto"`'s options, densest first): the bytes one
+    island receives among `islands` islands (`round_received`, per bridge rank's chunk of
+    each fragment: params / sync_width / num_fragments) and the seconds they take. No
+    collective: `archipelago doctor` prints it for a measured link before any island runs."""
+    from archipelago.federation.codecs import LADDER, build_codec
+    from archipelago.federation.trust import FederationKey
+
+    numel = max(1, math.ceil(params / max(ft.sync_width, 1) / max(ft.num_fragments, 1)))
+    framing = Framing(FederationKey(bytes(32)) if signed else None)  # only the frame's size matters here
+    carries = {}
+    for name in LADDER:
+        received = round_received(build_codec(replace(ft, codec=name), numel), islands, framing)
+        carries[name] = (received, received * 8 / link_bits_s if link_bits_s > 0 else math.inf)
+    return carries
 
 
 def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants: int,

@@ -322,8 +322,9 @@ def _serve_quietly(conn: socket.socket, fingerprint: dict[str, Any] | None) -> N
 
 
 def check_peer(address: str, fingerprint: dict[str, Any] | None, local_addr: str | None = None,
-               ports: tuple[int, ...] = ()) -> list[Check]:
-    """Reach a peer's `doctor --serve`; compare versions, fingerprint and clocks; measure the link;
+               ports: tuple[int, ...] = (), ft: Any = None) -> list[Check]:
+    """Reach a peer's `doctor --serve`; compare versions, fingerprint and clocks; measure the link
+    (with the config's `ft`, what one exchange costs over it: `link_check`);
     with `local_addr`, have the peer connect back to this host there: at each of `ports` (the
     ports this island will listen on, which peers must reach through any firewall), else at an
     ephemeral port."""
@@ -339,7 +340,7 @@ def check_peer(address: str, fingerprint: dict[str, Any] | None, local_addr: str
                       "between the hosts (firewall, security group), or join both to one Tailscale/WireGuard net")]
     try:
         with conn, conn.makefile("rb") as reader:
-            checks = _peer_checks(name, conn, reader, fingerprint)
+            checks = _peer_checks(name, conn, reader, fingerprint, ft)
             if local_addr:
                 checks += [_reach_back(name, conn, reader, local_addr, port) for port in ports or (0,)]
             return checks
@@ -348,7 +349,8 @@ def check_peer(address: str, fingerprint: dict[str, Any] | None, local_addr: str
                       "check that `archipelago doctor --serve` runs there (not another service on that port)")]
 
 
-def _peer_checks(name: str, conn: socket.socket, reader: Any, fingerprint: dict[str, Any] | None) -> list[Check]:
+def _peer_checks(name: str, conn: socket.socket, reader: Any, fingerprint: dict[str, Any] | None,
+                 ft: Any = None) -> list[Check]:
     sent = time.time()
     _send(conn, hello(fingerprint))
     theirs = _receive(reader)
@@ -366,6 +368,8 @@ def _peer_checks(name: str, conn: socket.socket, reader: Any, fingerprint: dict[
     mbit = BANDWIDTH_BYTES * 8 / (time.perf_counter() - began) / 1e6
     checks = [Check(name, "ok", f"reached: latency {statistics.median(rtts) * 1e3:.2f} ms (median of 5), "
                                 f"bandwidth {mbit:,.0f} Mbit/s (8 MiB one way)")]
+    if ft is not None and fingerprint is not None and isinstance(fingerprint.get("params"), int):
+        checks.append(link_check(name, ft, fingerprint, mbit * 1e6))
     checks.append(_compare_versions(name, theirs.get("versions")))
     checks.append(_compare_fingerprints(name, fingerprint, theirs.get("fingerprint")))
     if abs(skew) > SKEW_LIMIT_S:
@@ -375,6 +379,37 @@ def _peer_checks(name: str, conn: socket.socket, reader: Any, fingerprint: dict[
     else:
         checks.append(Check(f"{name} clock", "ok", f"clocks within {abs(skew):.3f} s"))
     return checks
+
+
+def link_check(name: str, ft: Any, fingerprint: dict[str, Any], link_bits_s: float) -> Check:
+    """What the measured link carries for this config: one exchange's bytes and seconds,
+    codec by codec, and whether the config's codec keeps it within its share of a round
+    (AUTO_EXCHANGE_SHARE, or target_exchange_s; `codec = "auto"`'s rule)."""
+    from archipelago.federation.auto_codec import AUTO_EXCHANGE_SHARE, auto_target_s, densest_within, link_carries
+    from archipelago.federation.codecs import effective_codec
+
+    islands = max(ft.group_size, 2)
+    carries = link_carries(ft, fingerprint["params"], islands, link_bits_s, fingerprint.get("federation") != "no key")
+    costs = ", ".join(f"{codec} {size / 1e6:,.1f} MB ({seconds:,.2f} s)" for codec, (size, seconds) in carries.items())
+    where = f"{name} link carries"
+    said = f"one exchange among {islands} islands, received by each: {costs}"
+    codec = effective_codec(ft)
+    if ft.round_pacing != "time":  # the round's compute seconds are not known before a run
+        fits = {c: seconds / AUTO_EXCHANGE_SHARE for c, (_, seconds) in carries.items()}
+        mine = "auto: the densest that fits" if codec == "auto" else f"{codec} {fits[codec]:,.0f} s"
+        return Check(where, "info", f"{said}; rounds ({ft.sync_steps} inner steps) must last at least this long for "
+                                    f"the exchange to take {AUTO_EXCHANGE_SHARE:.0%} of them: {mine} "
+                                    f"(fp32 {fits['fp32']:,.0f} s, int8 {fits['int8']:,.0f} s, "
+                                    f"topk {fits['topk']:,.0f} s)")
+    target = auto_target_s(ft, ft.round_seconds)
+    choice = densest_within({c: size for c, (size, _) in carries.items()}, link_bits_s, target)
+    if codec == "auto" or carries[codec][1] <= target:
+        return Check(where, "ok", f"{said}; rounds of {ft.round_seconds:g} s allow {target:.2f} s of exchange: "
+                                  f"codec {codec} fits" + (f" (auto takes {choice})" if codec == "auto" else ""))
+    return Check(where, "warn", f"{said}; rounds of {ft.round_seconds:g} s allow {target:.2f} s of exchange and "
+                                f"codec {codec} takes {carries[codec][1]:.2f} s",
+                 f'set fault_tolerance.codec = "auto" (it takes {choice} over this link) or lengthen '
+                 "fault_tolerance.round_seconds")
 
 
 def _reach_back(name: str, conn: socket.socket, reader: Any, local_addr: str, port: int = 0) -> Check:
@@ -494,7 +529,8 @@ def run_checks(args: argparse.Namespace, cfg: Any | None, env: dict[str, str]) -
     for port in args.port:
         checks.append(check_port(local or "127.0.0.1", port))
     for peer in args.peer:
-        checks += check_peer(peer, fingerprint, local, tuple(args.port))
+        checks += check_peer(peer, fingerprint, local, tuple(args.port),
+                             cfg.fault_tolerance if cfg is not None else None)
     return checks
 
 
