@@ -123,3 +123,67 @@ def test_batch_scaled_adamw_takes_larger_steps_where_noise_dominates():
             opt.step()
         sizes[ratio] = float((p.detach() - before).abs().mean())
     assert 1.5 < sizes[4.0] / sizes[1.0] <= 2.0, sizes
+
+
+class _Tiny(torch.nn.Module):
+    """An embedding, two hidden linear layers, a norm and a head: what each optimizer steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 6)
+        self.up = torch.nn.Linear(6, 12)
+        self.down = torch.nn.Linear(12, 6, bias=False)
+        self.norm = torch.nn.LayerNorm(6)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.down(torch.relu(self.up(self.embed(x))))))
+
+
+def test_muon_steps_the_hidden_matrices_as_torchs_muon_and_the_rest_as_adamw():
+    torch.manual_seed(0)
+    model = _Tiny()
+    reference = {name: p.detach().clone() for name, p in model.named_parameters()}
+    cfg = OptimizerConfig(name="muon", lr=0.01, weight_decay=0.1, muon_momentum=0.9)
+    optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+    x = torch.randint(0, 11, (4, 5))
+    grads = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        optimizer.step()
+    # The same three gradients through torch's own optimizers, one per part of the model.
+    hidden = ("up.weight", "down.weight")
+    plain = {name: torch.nn.Parameter(t.clone()) for name, t in reference.items()}
+    muon = torch.optim.Muon([plain[n] for n in hidden], lr=0.01, weight_decay=0.1, momentum=0.9,
+                            adjust_lr_fn="match_rms_adamw")
+    matrices = [plain[n] for n in ("embed.weight", "head.weight")]
+    rest = [plain[n] for n in ("up.bias", "norm.weight", "norm.bias")]
+    adamw = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                              lr=0.01, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    for step in grads:
+        for name, p in plain.items():
+            p.grad = step[name]
+        muon.step()
+        adamw.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), plain[name].detach(), rtol=1e-6, atol=1e-7, msg=name)
+    assert set(optimizer.state[model.up.weight]) == {"momentum_buffer", "step"}
+    restored = build_optimizer(model, cfg, torch.device("cpu"))
+    restored.load_state_dict(optimizer.state_dict())  # AdamW's loading reads every state's step
+    kept = restored.state[model.up.weight]["momentum_buffer"]
+    assert torch.equal(kept, optimizer.state[model.up.weight]["momentum_buffer"])
+    assert set(optimizer.state[model.head.weight]) >= {"exp_avg", "exp_avg_sq"}
+
+
+def test_muon_is_refused_where_fsdp_shards_its_matrices_and_with_averaged_moments():
+    from archipelago.config import ConfigError, load_config, validate_for_island
+
+    base = ["--config", "configs/llama3/federation.toml", "--optimizer.name", "muon"]
+    with pytest.raises(ConfigError, match="average_optimizer_state"):
+        load_config([*base, "--fault_tolerance.enable"])
+    cfg = load_config([*base, "--parallelism.data_parallel", "fsdp", "--training.batch_size", "8"])
+    with pytest.raises(ConfigError, match="FSDP shards them"):
+        validate_for_island(cfg, 2)
+    validate_for_island(load_config([*base, "--parallelism.data_parallel", "ddp", "--training.batch_size", "8"]), 2)

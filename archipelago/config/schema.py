@@ -82,8 +82,8 @@ class TrainingConfig:
 class OptimizerConfig:
     """The inner optimizer."""
 
-    name: Literal["adamw", "sgd"] = "adamw"
-    """Inner optimizer: `adamw`, or `sgd` (plain SGD with `momentum`; a reference for tests and experiments)."""
+    name: Literal["adamw", "sgd", "muon"] = "adamw"
+    """Inner optimizer: `adamw`; `muon` (Muon for the hidden matrices, AdamW for embeddings, the output head, norms and biases, one learning rate: Muon's step is scaled to AdamW's RMS; MuLoCo's inner optimizer; not with FSDP over several ranks, nor with averaged moments); or `sgd` (plain SGD with `momentum`; a reference for tests and experiments)."""
     lr: float = 1e-3
     """Peak learning rate (reached after warmup)."""
     beta1: float = 0.9
@@ -96,6 +96,8 @@ class OptimizerConfig:
     """Weight decay of matrices (decoupled under AdamW, added to the gradient under SGD)."""
     momentum: float = 0.0
     """SGD momentum (name = sgd only)."""
+    muon_momentum: float = 0.95
+    """Muon's Nesterov momentum (name = muon only)."""
 
 
 @dataclass

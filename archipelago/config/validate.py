@@ -151,6 +151,11 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
     _require(not (ft.enable and ft.adam_federation_batch) or cfg.optimizer.name == "adamw",
              f"fault_tolerance.adam_federation_batch scales AdamW's second moment, but optimizer.name = "
              f"\"{cfg.optimizer.name}\"; use optimizer.name = \"adamw\" or set adam_federation_batch = false", p)
+    _require(not (ft.enable and ft.average_optimizer_state) or cfg.optimizer.name != "muon",
+             "fault_tolerance.average_optimizer_state averages AdamW's moments, and optimizer.name = \"muon\" keeps "
+             "a momentum buffer for its matrices instead; set average_optimizer_state = false with muon", p)
+    _require(0 <= cfg.optimizer.muon_momentum < 1,
+             f"optimizer.muon_momentum = {cfg.optimizer.muon_momentum}: must be in [0, 1)", p)
     _require(math.isfinite(ft.target_exchange_s) and ft.target_exchange_s >= 0,
              f"fault_tolerance.target_exchange_s = {ft.target_exchange_s}: must be >= 0 seconds (0: a twentieth "
              "of the round)", p)
@@ -267,6 +272,10 @@ def validate_for_island(cfg: Config, ranks: int) -> None:
     """Rules that depend on the island's rank count; checked by the launcher and the trainer."""
     if not cfg.parallelism.micro_batch_size_per_rank:  # uneven shares: island/batches.py checks them
         _check_even_shares(cfg.training, data_ranks(cfg, ranks))
+    if cfg.optimizer.name == "muon" and cfg.parallelism.data_parallel == "fsdp" and data_ranks(cfg, ranks) > 1:
+        raise ConfigError(f"optimizer.name = \"muon\" orthogonalises whole matrices, and FSDP shards them over this "
+                          f"island's {data_ranks(cfg, ranks)} data ranks: use parallelism.data_parallel = \"ddp\" "
+                          "with muon, or optimizer.name = \"adamw\"")
     ft = cfg.fault_tolerance
     if ft.enable and ft.sync_width > ranks:
         raise ConfigError(f"fault_tolerance.sync_width = {ft.sync_width} exceeds this island's {ranks} "

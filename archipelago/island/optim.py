@@ -61,11 +61,57 @@ class BatchScaledAdamW(torch.optim.AdamW):
         return loss
 
 
+class MuonAdamW(torch.optim.AdamW):
+    """Muon for the hidden matrices, AdamW for everything else (embeddings, the output
+    head, norm gains, biases, convolutions, stacked experts), in one optimizer with one
+    learning-rate schedule (`optimizer.name = "muon"`; MuLoCo's inner optimizer).
+
+    A group with `muon` set takes torch's Muon update (`torch.optim.Muon`: Nesterov
+    momentum, orthogonalised by Newton-Schulz iterations, decoupled weight decay) with its
+    step scaled to AdamW's RMS (`adjust_lr_fn = "match_rms_adamw"`), so the AdamW learning
+    rate serves both; its state is a `momentum_buffer` and a `step` count. The other groups are AdamW's,
+    state and all. Muon needs whole matrices: an FSDP island of several ranks (which
+    shards them) is refused at the start (config/validate.py).
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001,ANN201 - torch's signature
+        from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, muon
+
+        loss = closure() if closure is not None else None
+        everything = self.param_groups
+        for group in everything:
+            if not group.get("muon"):
+                continue
+            params = [p for p in group["params"] if p.grad is not None]
+            buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+            for p in params:  # counted as AdamW counts (whose loading reads every state's step)
+                self.state[p]["step"] = self.state[p].get("step", torch.zeros((), dtype=torch.float32)) + 1
+            if params:
+                muon(params, [p.grad for p in params], buffers, lr=group["lr"], weight_decay=group["weight_decay"],
+                     momentum=group["momentum"], nesterov=True, ns_coefficients=(DEFAULT_A, DEFAULT_B, DEFAULT_C),
+                     ns_steps=5, eps=EPS, adjust_lr_fn="match_rms_adamw", has_complex=False)
+        self.param_groups = [group for group in everything if not group.get("muon")]
+        try:  # AdamW's own step over the other groups
+            super().step()
+        finally:
+            self.param_groups = everything
+        return loss
+
+
+def muon_matrices(model: nn.Module) -> set[int]:
+    """The ids of the parameters Muon steps: the weights of the model's linear layers but
+    the last one (the output head, in every family) and any embedding's (a tied head)."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {id(m.weight) for m in linears[:-1] if m.weight.ndim == 2 and id(m.weight) not in embedded}
+
+
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device,
                     batch_scaled: bool = False) -> torch.optim.Optimizer:
-    """AdamW (the default) or SGD, with weight decay on matrices only (norm gains and
-    biases are not decayed). `batch_scaled`: AdamW as `BatchScaledAdamW` (its
-    `batch_ratio` set by the federation)."""
+    """AdamW (the default), SGD, or Muon with AdamW (`MuonAdamW`), with weight decay on
+    matrices only (norm gains and biases are not decayed). `batch_scaled`: AdamW as
+    `BatchScaledAdamW` (its `batch_ratio` set by the federation)."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for param in model.parameters():
@@ -78,6 +124,14 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     foreach = None if fused else True
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused, foreach=foreach)
+    if cfg.name == "muon":
+        hidden = muon_matrices(model)
+        groups = [{"params": [p for p in decay if id(p) in hidden], "weight_decay": cfg.weight_decay, "muon": True,
+                   "momentum": cfg.muon_momentum},
+                  {"params": no_decay, "weight_decay": 0.0, "muon": False},
+                  {"params": [p for p in decay if id(p) not in hidden], "weight_decay": cfg.weight_decay,
+                   "muon": False, "decayed": True}]
+        return MuonAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=foreach)
     adamw = BatchScaledAdamW if batch_scaled else torch.optim.AdamW
     return adamw(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=foreach)
 
@@ -113,15 +167,18 @@ def apply_optimizer_config(optimizer: torch.optim.Optimizer,
                            scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: OptimizerConfig) -> None:
     """Make a restored optimizer and schedule follow `cfg` (loading restores the old values).
 
-    Group 0 holds the decayed matrices and group 1 the rest (see build_adamw). The
+    Group 0 holds the decayed matrices (Muon's under MuonAdamW) and group 1 the rest (see
+    build_optimizer; MuonAdamW's group 2, AdamW's decayed matrices, says `decayed`). The
     schedule keeps its position; its peak becomes `cfg.lr`, and the current learning
     rate is recomputed from it, so the next step already uses the new settings.
     """
-    decays = [cfg.weight_decay, 0.0]
-    for group, decay in zip(optimizer.param_groups, decays):
-        group.update(weight_decay=decay, initial_lr=cfg.lr)
+    for index, group in enumerate(optimizer.param_groups):
+        decayed = group.get("decayed", index == 0)  # MuonAdamW's third group: AdamW's decayed matrices
+        group.update(weight_decay=cfg.weight_decay if decayed else 0.0, initial_lr=cfg.lr)
         if isinstance(optimizer, torch.optim.SGD):
             group.update(momentum=cfg.momentum)
+        elif group.get("muon"):
+            group.update(momentum=cfg.muon_momentum)
         else:
             group.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
