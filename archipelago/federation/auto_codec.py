@@ -72,14 +72,15 @@ def link_carries(ft: Any, params: int, islands: int, link_bits_s: float,
     island receives among `islands` islands (`round_received`, per bridge rank's chunk of
     each fragment: params / sync_width / num_fragments) and the seconds they take. No
     collective: `archipelago doctor` prints it for a measured link before any island runs."""
-    from archipelago.federation.codecs import LADDER, build_codec
+    from archipelago.federation.codecs import build_codec
     from archipelago.federation.trust import FederationKey
 
     numel = max(1, math.ceil(params / max(ft.sync_width, 1) / max(ft.num_fragments, 1)))
     framing = Framing(FederationKey(bytes(32)) if signed else None)  # only the frame's size matters here
+    options = build_codec(replace(ft, codec="auto"), numel).options  # type: ignore[attr-defined]
     carries = {}
-    for name in LADDER:
-        received = round_received(build_codec(replace(ft, codec=name), numel), islands, framing)
+    for name, option in options.items():
+        received = round_received(option, islands, framing)
         carries[name] = (received, received * 8 / link_bits_s if link_bits_s > 0 else math.inf)
     return carries
 
