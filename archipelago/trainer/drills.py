@@ -47,6 +47,16 @@ class Drills:
         (a factor of 1 adds nothing)."""
         return SlowDevice(model.inner, self.rank_slowdown, self.ctx.device)
 
+    def warn(self) -> None:
+        """Say loudly that the run is slowed on purpose (at the start of training)."""
+        if self.cfg.island.slowdown > 1:
+            log.warning("island.slowdown = %g: EMULATED slow island, each inner step waits %g x its "
+                        "compute time (an experiment setting, not a real speed)",
+                        self.cfg.island.slowdown, self.cfg.island.slowdown - 1)
+        if self.rank_slowdown > 1:
+            log.warning("island.rank_slowdown: EMULATED slow rank %d, each forward and backward waits %g x its "
+                        "time (an experiment setting, not a real speed)", self.ctx.rank, self.rank_slowdown - 1)
+
     def emulate_slowdown(self, compute_s: float) -> None:
         """island.slowdown: wait (slowdown - 1) x the step's compute time (an emulation)."""
         factor = self.cfg.island.slowdown

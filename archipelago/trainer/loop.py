@@ -22,29 +22,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from archipelago.checkpoint import CheckpointManager, ModelOptimizerState, ObjectState, RNGState
-from archipelago.config import Config, ConfigError, advice, config_to_dict, data_ranks, validate_for_island
-from archipelago.federation import Federation, build_federation, data_shard, scales_inner_batch
+from archipelago.config import Config, ConfigError, advice, config_to_dict
+from archipelago.federation import Federation, build_federation, scales_inner_batch
 from archipelago.federation.trust import FederationKey, dashboard_tag, load_key
-from archipelago.island.batches import RankBatches, forward_backward, rank_batches
+from archipelago.island.batches import forward_backward
 from archipelago.island.device import IslandContext, all_reduce_, barrier, broadcast_object, close_island, init_island
 from archipelago.island.emulation import SlowDevice
-from archipelago.island.optim import apply_optimizer_config, build_lr_scheduler, build_optimizer
+from archipelago.island.optim import build_lr_scheduler, build_optimizer
 from archipelago.island.parallelize import ParallelModel, parallelize
 from archipelago.island.pipeline import check_pipelinable, pipeline_layout
-from archipelago.metrics import (
-    write_json_atomic,
-)
+from archipelago.metrics import write_json_atomic
 from archipelago.metrics.push import RecordPusher
 from archipelago.tasks import Task, TaskModel, build_task
 from archipelago.trainer.drills import Drills
+from archipelago.trainer.evaluation import evaluate
 from archipelago.trainer.hooks import TrainerHooks
+from archipelago.trainer.island_data import IslandData
 from archipelago.trainer.planner import IslandPlanner
-from archipelago.trainer.run_files import has_model, log_to_file, resume_mismatch, stop_logging_to_file
+from archipelago.trainer.run_checkpoints import RunCheckpoints, TrainingParts
+from archipelago.trainer.run_files import log_to_file, resume_mismatch, stop_logging_to_file
 from archipelago.trainer.run_metrics import RunMetrics
-from archipelago.trainer.state import NonFiniteLossError, Progress, StepResult
+from archipelago.trainer.state import Progress, StepResult
 
 log = logging.getLogger("archipelago.trainer")
 
@@ -62,16 +61,16 @@ class Trainer:
         self.build_dataset()
         self.drills = Drills(cfg, self.ctx)  # emulated slowness and injected faults (tests, demos)
         self.planner = IslandPlanner(cfg, self.ctx, self.task)  # parallelism.auto, rebalance_after
-        self.batches = self.build_rank_batches()
+        self.data = self.build_data()  # the batch split now (the model is built for it), the loader later
         self.model = self.build_model()
         self.slow_device = self.build_slow_device()
         self.optimizer = self.build_optimizer()
         self.lr_scheduler = self.build_lr_scheduler()
-        self.train_loader = self.build_train_loader()
+        self.data.open_loader()
         self.progress = Progress()
         self.federation = self.build_federation()
-        self.checkpointer = self.build_checkpointer()
         self.metrics = self.build_metrics()
+        self.checkpoints = self.build_checkpoints()
 
     # ---- build hooks ---------------------------------------------------------------
 
@@ -111,28 +110,9 @@ class Trainer:
         """
         self.task.prepare(log.info if self.ctx.is_leader else log.debug)
 
-    def build_rank_batches(self) -> RankBatches:
-        """Each rank's micro-batch size and count (equal shares unless set per rank)."""
-        validate_for_island(self.cfg, self.ctx.world_size)
-        batches = rank_batches(self.cfg, self.data_ranks)
-        if self.cfg.parallelism.auto and self.cfg.parallelism.pipeline_stages <= 1:  # pipelines: in build_model
-            batches = self.planner.rank_batches()
-        if not batches.even or batches.uneven_counts:
-            if self.cfg.parallelism.expert_parallel and batches.uneven_counts:
-                raise ConfigError("parallelism.expert_parallel exchanges tokens at every forward, so every rank "
-                                  "must run as many micro-batches: give parallelism.num_micro_batches_per_rank "
-                                  "equal counts (vary the sizes instead)")
-            log.info("island batch split: %s (of %d)", batches.describe(), batches.global_batch)
-        return batches
-
-    @property
-    def data_ranks(self) -> int:
-        """Ranks that read different data (a pipeline's stages share each batch)."""
-        return data_ranks(self.cfg, self.ctx.world_size)
-
-    @property
-    def data_rank(self) -> int:
-        return self.ctx.rank % self.data_ranks
+    def build_data(self) -> IslandData:
+        """This rank's batch split (parallelism.auto asks the planner), loader and held-out batches."""
+        return IslandData(self.cfg, self.ctx, self.task, self.planner)
 
     def build_model(self) -> ParallelModel:
         t = self.cfg.training
@@ -150,7 +130,7 @@ class Trainer:
             parallel = parallelize(built.module, self.ctx, p.data_parallel, t.mixed_precision,
                                    t.activation_checkpointing, t.compile, seed=t.seed,
                                    expert_parallel=p.expert_parallel,
-                                   broadcast_buffers=not self.batches.uneven_counts,
+                                   broadcast_buffers=not self.data.batches.uneven_counts,
                                    pipeline=layout, loss_fn=self.task.loss)
         except ValueError as exc:  # e.g. experts that do not divide over the ranks
             raise ConfigError(str(exc)) from exc
@@ -172,21 +152,6 @@ class Trainer:
     def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
         return build_lr_scheduler(self.optimizer, self.cfg.training.steps, self.cfg.lr_scheduler)
 
-    def build_train_loader(self):  # noqa: ANN201 - the task's loader (next_batch, state_dict)
-        t = self.cfg.training
-        try:
-            if t.val_every:  # checks the held-out split is big enough, before any step
-                self.validation_batches()
-            shard, shards = data_shard(self.cfg.fault_tolerance)  # islands read disjoint sequences
-            return self.task.train_loader(self.data_rank, self.data_ranks, shard, shards, log.info,
-                                          None if self.batches.even else list(self.batches.samples))
-        except ValueError as exc:  # too little data for seq_len x batch_size
-            raise ConfigError(f"data: {exc} (settings: --data.seq_len, --training.batch_size, "
-                              "--training.val_batches, --training.val_offset)") from exc
-
-    def validation_batches(self):  # noqa: ANN201 - an iterator of (inputs, targets)
-        return self.task.validation_batches(self.data_rank, self.data_ranks)
-
     def build_federation(self) -> Federation:
         """The seam to the other islands: `Alone` when fault_tolerance is off, else a
         federation member that has joined the lighthouse (it talks back through TrainerHooks)."""
@@ -200,21 +165,17 @@ class Trainer:
         """The federation key (`[federation_security]`), read once, when a part first needs it."""
         return load_key(self.cfg.federation_security.key_file)
 
-    def build_checkpointer(self) -> CheckpointManager | None:
-        c = self.cfg.checkpoint
-        if not c.enable and not c.resume:
-            return None
-        folder = Path(c.folder) if Path(c.folder).is_absolute() else self.run_dir / c.folder
-        # Manifests are signed with the island's local key (checkpoint/signing.py), not the federation's;
-        # a federation run still verifies its checkpoints whatever checkpoint.verify says, as before.
-        return CheckpointManager(folder, keep=c.keep, rank=self.ctx.rank, world_size=self.ctx.world_size,
-                                 verify=c.verify or self.federation_key is not None,
-                                 accept_unsigned=c.accept_unsigned)
-
     def build_metrics(self) -> RunMetrics:
         return RunMetrics(self.cfg, self.ctx, self.run_dir, self.model, self.model_info.flops_per_token,
                           self.tokens_per_step, self.task.unit, emulated_s=lambda: self.slow_device.slept_s,
                           pusher=self.build_dashboard_pusher())
+
+    def build_checkpoints(self) -> RunCheckpoints:
+        """Where the run starts and what it saves (a federation run always verifies its checkpoints)."""
+        parts = TrainingParts(self.model, self.optimizer, self.lr_scheduler, self.data, self.progress,
+                              self.federation)
+        return RunCheckpoints(self.cfg, self.ctx, self.run_dir, parts, self.task, self.metrics,
+                              verify_always=self.federation_key is not None)
 
     def build_dashboard_pusher(self) -> RecordPusher | None:
         """metrics.dashboard: the island's leader pushes its records there, tagged with the
@@ -229,93 +190,11 @@ class Trainer:
                 "model": f"{self.cfg.model.name}/{self.cfg.model.flavor}"}
         return RecordPusher(url, island, info, sign)
 
-    # ---- state ---------------------------------------------------------------------
-
-    def checkpoint_state(self, full: bool = True) -> dict[str, Any]:
-        """Everything a resumed run needs to continue bit-for-bit.
-
-        `full=False` (checkpoint.scope = "leader" on an island that does not lead) keeps
-        only this island's own position: a restart takes the model from a live peer.
-        """
-        own = {
-            "data": ObjectState(self.train_loader.state_dict, self.train_loader.load_state_dict),
-            "progress": ObjectState(self.progress.state_dict, self.progress.load_state_dict),
-            "rng": RNGState(),
-        }
-        if not full:
-            return own
-        return {
-            "train": ModelOptimizerState(self.model.module, self.optimizer),
-            "lr_scheduler": ObjectState(self.lr_scheduler.state_dict, self.lr_scheduler.load_state_dict),
-            **own,
-            **self.federation.checkpoint_state(),
-        }
-
-    def saves_model(self) -> bool:
-        """Whether this island writes the model (always, unless checkpoint.scope = "leader")."""
-        return self.federation.saves_model(self.cfg.checkpoint.scope)
-
-    def resume(self) -> None:
-        """Continue from the newest checkpoint; a fresh run starts from
-        checkpoint.initial_load_path when one is set."""
-        if self.checkpointer is None or not self.cfg.checkpoint.resume:
-            self.load_initial_weights()
-            return
-        latest = self.checkpointer.latest_path()
-        full = latest is None or has_model(latest)
-        if not full:
-            log.info("the newest checkpoint holds this island's data position only "
-                     "(checkpoint.scope = leader): the model comes from a live peer")
-        step = self.checkpointer.load_latest(self.checkpoint_state(full))
-        if step is not None:
-            # The checkpoint restores the optimizer's hyper-parameters too; the config of
-            # this run wins, so a resumed run can change lr, betas or weight decay.
-            apply_optimizer_config(self.optimizer, self.lr_scheduler, self.cfg.optimizer)
-            log.info("resumed from step %d (%s tokens)", self.progress.step, f"{self.progress.tokens:,}")
-            self.metrics.event("resume", step=self.progress.step)
-        else:
-            self.load_initial_weights()
-
-    def load_initial_weights(self) -> None:
-        """Pretrained weights (a Hugging Face directory) into the freshly built model. Every
-        rank reads the full tensors on CPU and keeps its own shard (FSDP)."""
-        folder = self.cfg.checkpoint.initial_load_path
-        if not folder:
-            return
-        state: dict[str, Any] = dict(self.task.initial_weights(folder))
-        # Not strict: LoRA adapters are not in a pretrained model (they start at zero); anything else must be.
-        result = set_model_state_dict(self.model.module, state,
-                                      options=StateDictOptions(full_state_dict=True, strict=False))
-        missing = [k for k in result.missing_keys if not k.endswith((".lora_a", ".lora_b"))]
-        if missing or result.unexpected_keys:
-            raise ConfigError(f"checkpoint.initial_load_path = {folder}: missing {missing[:3]}, unexpected "
-                              f"{list(result.unexpected_keys)[:3]}")
-        log.info("started from the weights in %s", folder)
-        self.metrics.event("initial_load", path=folder)
-
-    def save_checkpoint(self, final: bool = False) -> None:
-        if self.checkpointer is None or not self.cfg.checkpoint.enable:
-            return
-        step = self.progress.step
-        due = final or step % self.cfg.checkpoint.interval == 0 or self._checkpoint_deferred
-        if not due:
-            return
-        # Mid-exchange state (an all-reduce in flight) cannot be saved; save after the round.
-        self._checkpoint_deferred = self.federation.exchange_pending
-        if self._checkpoint_deferred:
-            return
-        self.check_finite()  # never write a checkpoint of weights that already diverged
-        self.model.average_buffers()  # every rank saves the island's one set of BatchNorm statistics
-        with self.metrics.untimed():
-            self.checkpointer.save(step, self.checkpoint_state(self.saves_model()))
-
     # ---- the loop ------------------------------------------------------------------
-
-    _checkpoint_deferred = False
 
     def train(self) -> dict[str, Any]:
         """Train to `training.steps` and return the summary (also written to summary.json)."""
-        self.resume()
+        self.checkpoints.resume()
         self.metrics.start(self.progress, token_budget=self.federation.token_budget_or_none())
         if self.progress.step == 0 and self.cfg.training.val_every:
             validation = self.evaluate()
@@ -348,13 +227,7 @@ class Trainer:
 
     def warn_about_settings(self) -> None:
         """Settings that run but are emulations or known to train worse (config.advice)."""
-        if self.cfg.island.slowdown > 1:
-            log.warning("island.slowdown = %g: EMULATED slow island, each inner step waits %g x its "
-                        "compute time (an experiment setting, not a real speed)",
-                        self.cfg.island.slowdown, self.cfg.island.slowdown - 1)
-        if self.drills.rank_slowdown > 1:
-            log.warning("island.rank_slowdown: EMULATED slow rank %d, each forward and backward waits %g x its "
-                        "time (an experiment setting, not a real speed)", self.ctx.rank, self.drills.rank_slowdown - 1)
+        self.drills.warn()
         if self.ctx.is_leader:
             for message in advice(self.cfg):
                 log.warning("%s", message)
@@ -369,7 +242,7 @@ class Trainer:
             validation = self.evaluate()
             self.progress.record_validation(validation)
             self.metrics.log_validation(self.progress.step, validation)
-        self.save_checkpoint(final=True)
+        self.checkpoints.save(final=True)
 
     def done(self) -> bool:
         """Trained enough? `training.steps` inner steps; in a time-paced federation, the
@@ -422,20 +295,12 @@ class Trainer:
         """Tokens (text) or images this island trains on per step (the federation's unit of work)."""
         return self.cfg.training.batch_size * self.task.tokens_per_sample
 
-    def micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's share of the global batch, cut into micro-batches for accumulation."""
-        inputs, targets = self.train_loader.next_batch()
-        size = self.batches.micro_batch_size[self.ctx.rank]  # checked in build_rank_batches
-        dev = self.ctx.device
-        return [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
-                for x, y in zip(inputs.split(size), targets.split(size))]
-
     def forward_backward(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This rank's gradients for the step, and the step's loss (and task metrics)."""
         pipeline = self.model.pipeline
         if pipeline is None:
-            return forward_backward(self.model, self.micro_batches(), self.batches, self.task)
-        inputs, targets = (t.to(self.ctx.device) for t in self.train_loader.next_batch())
+            return forward_backward(self.model, self.data.micro_batches(), self.data.batches, self.task)
+        inputs, targets = self.data.next_batch()
         with self.model.autocast():
             return pipeline.step(inputs, targets), {}
 
@@ -466,7 +331,7 @@ class Trainer:
             with self.metrics.untimed(), self.untimed_in_round():  # throughput counts training time only
                 validation = self.evaluate()
         if step % self.cfg.metrics.log_every == 0 or validation is not None or final:
-            self.check_finite()
+            self.checkpoints.check_finite()
             self.progress.loss = self.metrics.log_step(step, result, self.progress.tokens, validation,
                                                        position=self.federation.position(step))
             if validation is not None:
@@ -475,20 +340,16 @@ class Trainer:
                                                         len(self.metrics.idle_history)):
                 self.rebalance()
         with self.untimed_in_round():
-            self.save_checkpoint(final=final)
+            self.checkpoints.save(final=final)
 
     def rebalance(self) -> None:
         """Split the batch again from this session's step records (IslandPlanner) and go on
-        with it: the data loader is rebuilt for the new shares at the same position (its
-        state does not depend on the split), so no sample is skipped or repeated."""
-        before = self.batches
+        with it, at the same data position (IslandData.resplit)."""
+        before = self.data.batches
         after = self.planner.rebalanced_batches(before, self.metrics.idle_history, self.model.strategy)
         if after is None:
             return
-        position = self.train_loader.state_dict()
-        self.batches = after
-        self.train_loader = self.build_train_loader()
-        self.train_loader.load_state_dict(position)
+        self.data.resplit(after)
         log.info("parallelism.rebalance_after: at step %d, from %s to %s (measured idle per rank: %s)",
                  self.progress.step, before.describe(), after.describe(),
                  ", ".join(f"{share:.0%}" for share in self.metrics.idle_history[-1]))
@@ -503,48 +364,9 @@ class Trainer:
         finally:
             self.federation.add_untimed(time.perf_counter() - began)
 
-    def check_finite(self) -> None:
-        """Stop on a NaN/inf loss seen since the last check (a host sync point)."""
-        bad_step = self.metrics.first_nonfinite_step()
-        if bad_step is None:
-            return
-        checkpoints = self.checkpointer
-        last = checkpoints.latest_step() if checkpoints is not None else None
-        where = (f"the last good checkpoint is step {last} in {checkpoints.folder}; the run "
-                 "resumes from it when restarted with the same --job.run_dir"
-                 if checkpoints is not None and last is not None else "no checkpoint was written before it")
-        message = (f"non-finite loss at step {bad_step}: training stopped; {where}. Lower "
-                   "--optimizer.lr or --training.max_norm, or check the data.")
-        self.metrics.event("nonfinite_loss", step=bad_step, last_checkpoint=last)
-        raise NonFiniteLossError(message)
-
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """The task's validation metrics (`val_loss`, and `val_accuracy` for images) over
-        the held-out split: the same batches every time."""
-        self.model.average_buffers()  # BatchNorm: one set of running statistics per island
-        self.model.module.eval()
-        sums: torch.Tensor | None = None
-        for inputs, targets in self.validation_batches():
-            inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
-            with self.model.autocast():
-                outputs = self.model_outputs(inputs)
-            # [loss, count, ...] padded to 3 (what the image task sums); zeros on pipeline
-            # stages without the output, so the island's sum is the last stage's.
-            batch = (torch.zeros(3, dtype=torch.float64, device=self.ctx.device) if outputs is None else
-                     torch.nn.functional.pad(self.task.eval_sums(outputs, targets), (0, 1)).narrow(0, 0, 3))
-            sums = batch if sums is None else sums + batch
-        self.model.module.train()
-        if sums is None:  # every rank yields as many batches, so all take this branch together
-            return self.task.eval_metrics(torch.zeros(3, dtype=torch.float64))
-        all_reduce_(sums, self.ctx)
-        return self.task.eval_metrics(sums)
-
-    def model_outputs(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        """The model's outputs (forward only); None on pipeline stages before the last."""
-        if self.model.pipeline is not None:
-            return self.model.pipeline.outputs(inputs)
-        return self.model.module(inputs)
+        """The task's validation metrics over the held-out split (trainer/evaluation.py)."""
+        return evaluate(self.model, self.ctx, self.task, self.data.validation_batches())
 
     def finish(self) -> dict[str, Any]:
         self.federation.leave()
