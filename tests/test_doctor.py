@@ -248,6 +248,7 @@ def two_hosts():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # 17 s on 2 cores: make test-slow
 def test_a_local_addr_the_peer_cannot_route_to_fails_naming_the_fix(two_hosts):
     a, b = two_hosts
     env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "COLUMNS": "250", "PYTHONPATH": str(ROOT)}

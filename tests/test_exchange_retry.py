@@ -414,6 +414,7 @@ def test_archipelago_local_survivors_commit_the_round_a_member_died_in(tmp_path,
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # 25 s on 2 cores: make test-slow
 def test_decoupled_rounds_survive_a_member_that_dies_with_its_row_in_flight(tmp_path):
     # Every exchange overlaps the next round; island 2 dies right after handing its row off.
     # The survivors learn it at their next round end, run that exchange again without it, and

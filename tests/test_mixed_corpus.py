@@ -147,6 +147,7 @@ REAL = [default_cache_dir() / a.name for a in mixed.ARCHIVES]
 
 
 @pytest.mark.skipif(not all(p.is_file() for p in REAL), reason="the mixed corpus's archives are not in the cache")
+@pytest.mark.slow  # 30 s on 2 cores: make test-slow
 def test_the_real_mixed_corpus_holds_its_five_sources():
     docs = read_mixed(default_cache_dir())
     by_source: dict[str, int] = {}

@@ -113,7 +113,7 @@ def one_rank_20_steps(shakespeare, tmp_path_factory) -> Path:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("schedule,layers,stages", [
-    ("gpipe", "4,2", "stage 0: layers 0-3, stage 1: layers 4-5"),
+    pytest.param("gpipe", "4,2", "stage 0: layers 0-3, stage 1: layers 4-5", marks=pytest.mark.slow),  # 25 s
     ("1f1b", "4,2", "stage 0: layers 0-3, stage 1: layers 4-5"),
     pytest.param("interleaved_1f1b", "2,1,2,1", "stage 0 (rank 0): layers 0-1, stage 1 (rank 1): layers 2-2, "
                  "stage 2 (rank 0): layers 3-4, stage 3 (rank 1): layers 5-5", marks=pytest.mark.slow),

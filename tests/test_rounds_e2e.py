@@ -26,6 +26,7 @@ def _rounds(island_dir: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # 31 s on 2 cores: make test-slow
 def test_time_pacing_lets_the_fast_island_run_more_steps_without_waiting(tmp_path):
     # Federation budget: 24 steps x 512 tokens x 2 islands; rounds of 3 s (5 rounds here).
     fed = _local(tmp_path / "run", "--slowdown", "1,3", "--fault_tolerance.round_pacing", "time",
@@ -94,6 +95,7 @@ def test_injected_nan_scaled_and_lying_pseudo_gradients_are_refused_and_training
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # 32 s on 2 cores: make test-slow
 def test_streaming_int8_islands_agree_send_a_quarter_and_hide_the_exchange(tmp_path):
     run = tmp_path / "run"
     done = run_cli(["local", "--islands", "2,1", "--no-table", *TINY, "--training.val_every", "0",
@@ -142,6 +144,7 @@ def _three_judged_halfway(run_dir: Path, *extra: str) -> tuple[dict, list[list[d
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow  # 31 s on 2 cores: make test-slow
 def test_decoupled_rounds_refuse_a_lying_island_on_every_island_alike(tmp_path):
     # Island 1 claims 10^15 tokens in the exchange it hands off at outer step 4; the rows
     # travel while everyone trains on, and when the exchange is finished every island refuses
@@ -163,6 +166,7 @@ def test_decoupled_rounds_refuse_a_lying_island_on_every_island_alike(tmp_path):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow  # 20 s on 2 cores: make test-slow
 def test_decoupled_rows_staler_than_max_staleness_are_left_out_alike(tmp_path):
     # max_staleness 0: a row handed off while the exchange before it travelled and then
     # moved the global weights is one outer step stale and left out, on every island alike;
@@ -190,6 +194,7 @@ def _rounds_of(elapsed: list[float]) -> list[list[float]]:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow  # 25 s on 2 cores: make test-slow
 def test_time_paced_decoupled_rounds_keep_their_length_after_the_first_hand_off(tmp_path):
     # Time pacing measures a round's seconds from its start; the round end that hands off the
     # first overlapped exchange writes no report but starts a round all the same (it once did

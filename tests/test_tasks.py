@@ -90,6 +90,7 @@ def test_a_resnet_run_resumes_to_the_same_losses(fashion_mnist, tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # 22 s on 2 cores: make test-slow
 def test_two_resnet_islands_agree_on_their_global_weights(fashion_mnist, tmp_path):
     run = tmp_path / "federation"
     done = run_cli(["local", "--islands", "1,1", "--config", "configs/resnet/federation.toml",

@@ -70,6 +70,7 @@ def test_gradient_accumulation_matches_the_full_batch(shakespeare, tmp_path):
         assert b[step] == pytest.approx(a[step], abs=2e-4), (step, a, b)
 
 
+@pytest.mark.slow  # 54 s on 2 cores: make test-slow
 def test_crashed_run_resumes_and_reproduces_the_uninterrupted_losses(shakespeare, tmp_path):
     common = ["--training.steps", "8", "--metrics.log_every", "1", "--training.val_every", "0",
               "--checkpoint.interval", "3"]
