@@ -328,6 +328,28 @@ def test_auto_chooses_the_densest_codec_whose_exchange_fits_the_target():
     assert choose_codec(auto, 2, link, 1e-9, Framing()) == min(rows, key=rows.get)  # nothing fits: fewest bytes
 
 
+def test_auto_lets_the_averaged_moments_ride_only_with_a_codec_they_fit_beside():
+    from archipelago.federation.auto_codec import choose_round
+    from archipelago.federation.codecs import AutoCodec
+    from archipelago.federation.exchange import Framing
+
+    numel = 10_000
+    auto = AutoCodec(numel, FaultToleranceConfig(codec="auto", codec_block_size=256))
+    # By hand, as above (two islands, one row in each): the codecs' rows, and AdamW's two
+    # fp32 moments as one more row of 8 bytes a value with its 16-byte header.
+    rows = {"fp32": 40_016, "bf16": 20_016, "int8": 10_416, "topk": 2_728}
+    moments = 16 + 8 * numel
+    link = 8e6  # 1 MB/s
+    for target, want in [(1.0, ("fp32", True)), (0.110, ("bf16", True)), (0.095, ("int8", True)),
+                         (0.085, ("topk", True)),   # any codec with the moments before none
+                         (0.080, ("fp32", False)),  # nothing fits beside them: the densest alone
+                         (0.015, ("int8", False))]:
+        assert choose_round(auto, 2, link, target, Framing(), 8 * numel) == want, target
+        name, carried = want
+        assert (rows[name] + moments * carried) / 1e6 <= target
+    assert choose_round(auto, 2, link, 1.0, Framing()) == ("fp32", False)  # no moments averaged
+
+
 @pytest.mark.parametrize("settings,want", [
     (dict(), 0.05 * 12.0),                                              # a twentieth of the round
     (dict(num_fragments=4, fragment_sync_delay=2), 0.5 * 2 / 5 * 12.0),  # half of 2 of each fragment's 5 steps

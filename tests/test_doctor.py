@@ -321,11 +321,22 @@ def test_the_link_check_counts_an_exchange_and_names_what_fits_a_time_paced_roun
     ft = replace(ft, codec="fp32", round_pacing="time", round_seconds=20.0, group_size=2)
     fp = {"params": 1_000_000, "federation": "key 0123"}
     link = 10e6  # 10 Mbit/s: fp32's 4 MB take 3.2 s, over the 5% (1 s) of a 20-s round; int8 fits
-    slow = doctor.link_check("peer p", ft, fp, link)
-    assert slow.status == "warn" and 'codec = "auto" (it takes int8' in slow.fix, slow
+    own = replace(ft, average_optimizer_state=False)
+    slow = doctor.link_check("peer p", own, fp, link)
+    assert slow.status == "warn" and 'codec = "auto" (it takes int8 over' in slow.fix, slow
     fp32 = _row_bytes(4 * 1_000_000)  # two islands, the all-gather: one row in
     assert f"fp32 {fp32 / 1e6:,.1f} MB ({fp32 * 8 / link:,.2f} s)" in slow.detail, slow.detail
-    assert doctor.link_check("peer p", replace(ft, codec="auto"), fp, link).status == "ok"
-    assert doctor.link_check("peer p", ft, fp, 1e9).status == "ok"  # 1 Gbit/s carries fp32 in 0.03 s
-    steps = doctor.link_check("peer p", replace(ft, round_pacing="steps"), fp, link)
+    assert doctor.link_check("peer p", replace(own, codec="auto"), fp, link).status == "ok"
+    assert doctor.link_check("peer p", own, fp, 1e9).status == "ok"  # 1 Gbit/s carries fp32 in 0.03 s
+    steps = doctor.link_check("peer p", replace(own, round_pacing="steps"), fp, link)
     assert steps.status == "info" and f"fp32 {fp32 * 8 / link / 0.05:,.0f} s" in steps.detail, steps.detail
+    # The config's averaged moments: one more row of 8 bytes a value, which int8 cannot fit
+    # beside over 10 Mbit/s (6.4 s), and fp32 can over 200 Mbit/s (0.48 s of 1 s).
+    moments = _row_bytes(8 * 1_000_000)
+    averaged = doctor.link_check("peer p", ft, fp, link)
+    assert f"moments {moments / 1e6:,.1f} MB ({moments * 8 / link:,.2f} s)" in averaged.detail, averaged.detail
+    assert averaged.status == "warn" and "it takes int8 without the moments" in averaged.fix, averaged
+    wide = doctor.link_check("peer p", replace(ft, codec="auto"), fp, 200e6)
+    assert wide.status == "ok" and "auto takes fp32 with the moments" in wide.detail, wide.detail
+    steps = doctor.link_check("peer p", replace(ft, round_pacing="steps"), fp, link)
+    assert f"fp32 {(fp32 + moments) * 8 / link / 0.05:,.0f} s" in steps.detail, steps.detail

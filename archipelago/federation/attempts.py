@@ -153,7 +153,10 @@ class ExchangeAttempts:
                                       replace(p.framing, forge=forge))
         if h.inner_state is not None and p.exchanged:
             device = torch.device("cpu") if h.ft.copy_pseudogradients_to_cpu else None
-            p.state = h.inner_state.start(p.fragment, p.weight > 0, h.manager, h.ranks.max, p.framing, device)
+            carry = h.codec_name != "auto" or p.buffer is None or h.auto.carries_moments
+            p.state = h.inner_state.start(p.fragment, p.weight > 0, h.manager, h.ranks.max, p.framing, device, carry)
+            if not p.state.carried:  # codec = "auto" left them out of this round, on every rank alike
+                p.state = None
 
     def until_agreed(self, p: Pending) -> tuple[Pending, Tried]:
         """Finish the exchange; every member must agree that it went through, or all run it

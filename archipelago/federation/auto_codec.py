@@ -2,7 +2,12 @@
 
 Every round the members all-gather the slowest link and the median round they measured
 (`agree_on_link`) and choose alike the densest codec whose exchange fits the
-round's share of time (`choose_codec`; int8 until some island has measured).
+round's share of time (`choose_codec`; int8 until some island has measured). With
+`average_optimizer_state`, the averaged moments (two model-sized rows per island, far more
+than any codec's row) ride only in rounds whose agreed link carries them too: the densest
+codec whose exchange fits beside them is taken; when none does, the round sends the
+pseudo-gradient alone, each island keeping its own moments (`choose_round`). A shipped
+config taken to a thin link then stops sending three model-sized rows a round by itself.
 After an exchange that went through, the rate at which its rows came in becomes this
 rank's link for the next choice. The outer loop holds one `AutoCodec` per bridge rank and
 calls it at three points of a round: choosing, choosing again on a retry, measuring.
@@ -22,6 +27,8 @@ from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.codecs import AUTO_FIRST, Codec
 from archipelago.federation.exchange import Framing, Gathered, allgather, round_received, wire_device
 from archipelago.federation.trust import FederationKey
+
+MOMENT_ROWS = 2  # average_optimizer_state: AdamW's two moments, each a model-sized row
 
 # codec = "auto": an exchange may take this share of the islands' median round unless
 # target_exchange_s says otherwise (95% of the round left for inner steps) ...
@@ -52,8 +59,35 @@ def choose_codec(codec: Any, participants: int, link_bits_s: float, target_s: fl
     `round_received` counts them); when none does, the one that receives the fewest bytes
     (top-k's all-gather can receive more than int8's reduce-scatter from about seven
     islands on). The same on every island given the same agreed values."""
+    return choose_round(codec, participants, link_bits_s, target_s, framing)[0]
+
+
+def choose_round(codec: Any, participants: int, link_bits_s: float, target_s: float, framing: Framing,
+                 moments_row_bytes: int = 0) -> tuple[str, bool]:
+    """codec = "auto" with averaged moments (`moments_row_bytes`: one island's row of them,
+    0 when the config averages none): (the codec, whether the moments ride). The densest
+    codec whose exchange plus the moments' rows fits `target_s`, with them; when none
+    does, `choose_codec`'s choice without them. Moments first, codec density second:
+    int8 costs little next to each island keeping its own moments (docs/quality.md)."""
     received = {name: round_received(option, participants, framing) for name, option in codec.options.items()}
-    return densest_within(received, link_bits_s, target_s)
+    return densest_round(received, moments_received(moments_row_bytes, participants, framing),
+                         link_bits_s, target_s)
+
+
+def densest_round(received: dict[str, int], moments: int, link_bits_s: float, target_s: float) -> tuple[str, bool]:
+    """`choose_round` on bytes: each codec's `received` bytes (densest first) and the
+    moments' (`moments`, 0: none averaged)."""
+    if moments:
+        for name, size in received.items():
+            if (size + moments) * 8 / link_bits_s <= target_s:
+                return name, True
+    return densest_within(received, link_bits_s, target_s), False
+
+
+def moments_received(row_bytes: int, participants: int, framing: Framing) -> int:
+    """Bytes one island receives of the others' moments: their rows are all-gathered
+    (inner_state.py), one frame of `row_bytes` per other island (0 bytes: none)."""
+    return (participants - 1) * framing.row_bytes(row_bytes) if participants > 1 and row_bytes else 0
 
 
 def densest_within(received: dict[str, int], link_bits_s: float, target_s: float) -> str:
@@ -70,19 +104,20 @@ def link_carries(ft: Any, params: int, islands: int, link_bits_s: float,
     """What one exchange of a model of `params` parameters costs over a link of
     `link_bits_s`, codec by codec (`codec = "auto"`'s options, densest first): the bytes one
     island receives among `islands` islands (`round_received`, per bridge rank's chunk of
-    each fragment: params / sync_width / num_fragments) and the seconds they take. No
-    collective: `archipelago doctor` prints it for a measured link before any island runs."""
+    each fragment: params / sync_width / num_fragments) and the seconds they take; with
+    average_optimizer_state, the moments' rows under "moments" (last). No collective:
+    `archipelago doctor` prints it for a measured link before any island runs."""
     from archipelago.federation.codecs import build_codec
     from archipelago.federation.trust import FederationKey
 
     numel = max(1, math.ceil(params / max(ft.sync_width, 1) / max(ft.num_fragments, 1)))
     framing = Framing(FederationKey(bytes(32)) if signed else None)  # only the frame's size matters here
     options = build_codec(replace(ft, codec="auto"), numel).options  # type: ignore[attr-defined]
-    carries = {}
-    for name, option in options.items():
-        received = round_received(option, islands, framing)
-        carries[name] = (received, received * 8 / link_bits_s if link_bits_s > 0 else math.inf)
-    return carries
+    received = {name: round_received(option, islands, framing) for name, option in options.items()}
+    if ft.average_optimizer_state:
+        width = 2 if ft.moments_dtype == "bf16" else 4
+        received["moments"] = moments_received(MOMENT_ROWS * width * numel, islands, framing)
+    return {name: (size, size * 8 / link_bits_s if link_bits_s > 0 else math.inf) for name, size in received.items()}
 
 
 def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants: int,
@@ -106,11 +141,18 @@ def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants
 
 
 class AutoCodec:
-    """The measured link (bits/s) and round (compute seconds) of this bridge rank."""
+    """The measured link (bits/s) and round (compute seconds) of this bridge rank, and
+    whether this round's moments ride (`carries_moments`; always, unless codec = "auto"
+    chose otherwise)."""
 
-    def __init__(self, ft: FaultToleranceConfig, manager: Any, key: FederationKey | None, per_fragment: int) -> None:
+    def __init__(self, ft: FaultToleranceConfig, manager: Any, key: FederationKey | None, per_fragment: int,
+                 moments_bytes_per_value: int = 0) -> None:
         self.ft, self.manager, self.key, self.per_fragment = ft, manager, key, per_fragment
         self.link_bits_s, self.last_round_s = 0.0, 0.0
+        # average_optimizer_state: bytes of moments per value of the chunk (2 moments x 4
+        # bytes for AdamW in fp32); 0 when the config averages none.
+        self.moments_bytes_per_value = moments_bytes_per_value
+        self.carries_moments = True
 
     def choose(self, codec: Codec, buffer: torch.Tensor, contributes: bool) -> torch.Tensor | None:
         """Choose this round's codec (the same on every island), and let a dense round carry
@@ -129,11 +171,13 @@ class AutoCodec:
         participants = self.manager.num_participants() if self.manager is not None else 1
         agreed = agree_on_link(self.manager, self.link_bits_s, self.last_round_s, participants,
                                wire_device(self.manager, device))
-        name = AUTO_FIRST
+        # Before any island has measured: int8, and no moments (the link may be thin).
+        name, self.carries_moments = AUTO_FIRST, False
         if agreed is not None:
             link, round_s = agreed
             target = auto_target_s(self.ft, round_s, self.per_fragment)
-            name = choose_codec(codec, participants, link, target, Framing(self.key))
+            name, self.carries_moments = choose_round(codec, participants, link, target, Framing(self.key),
+                                                      codec.numel * self.moments_bytes_per_value)
         codec.choose(name)  # type: ignore[attr-defined]
 
     def measure(self, codec: Codec, gathered: Gathered | None, residue: torch.Tensor | None, carried: bool,

@@ -111,7 +111,8 @@ class OuterLoop:
         self.attempts = ExchangeAttempts(self)  # the round's exchange, attempt by attempt
         self.weights = GlobalWeights(ft)  # bridge ranks: the global chunks, outer optimizers, codecs
         self.codec_name = effective_codec(ft)
-        self.auto = AutoCodec(ft, manager, key, self.per_fragment)  # codec = "auto": the measured link
+        self.auto = AutoCodec(ft, manager, key, self.per_fragment,  # codec = "auto": the measured link
+                              self.inner_state.row_bytes_per_value if self.inner_state is not None else 0)
         self.healing = Healing(self)  # a peer's state, held until the members vouch for it
         self.established = False     # this process committed a round (policy.reference_fingerprint)
         self.last_committed = False  # its last round committed ("current" in its state claim)

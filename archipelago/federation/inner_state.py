@@ -112,6 +112,7 @@ class StateExchange:
     weights: list[float] = field(default_factory=list)  # what each row counts for (judge_moments)
     sent: int = 0
     received: int = 0
+    carried: bool = True  # false: codec = "auto" held the moments back this round (nothing in flight)
 
 
 def _finite(tensors: list[torch.Tensor]) -> bool:
@@ -134,6 +135,11 @@ class InnerStateAverager:
         betas = optimizer.param_groups[0].get("betas")
         self.bound = adam_moment_bound(tuple(betas)) if betas is not None else None
 
+    @property
+    def row_bytes_per_value(self) -> int:
+        """Bytes of this island's row of moments per value of its chunk (8 for AdamW in fp32)."""
+        return len(self.keys) * self.wire_dtype.itemsize
+
     def _moments(self, fragment: int, key: str) -> list[torch.Tensor] | None:
         tensors: list[torch.Tensor] = []
         for p in self.fragments[fragment]:
@@ -148,16 +154,21 @@ class InnerStateAverager:
 
     def start(self, fragment: int, sends: bool, manager: Any,
               island_max: Callable[[list[float]], list[float]], framing: Framing,
-              device: torch.device | None = None) -> StateExchange:
+              device: torch.device | None = None, carry: bool = True) -> StateExchange:
         """Gather the fragment's moments onto the bridge ranks and start their exchange (a
         collective over the island, then an all-gather over the federation). An island
         that does not `send` (weight 0), or whose moments are not finite, sends a row of
-        zeros that claims weight 0, and takes the others' average."""
+        zeros that claims weight 0, and takes the others' average. `carry`: false on a
+        bridge rank whose codec = "auto" holds the moments back this round; then no rank of
+        the island gathers or sends them (`carried` false), nor does any other island, since
+        their bridge ranks chose from the same agreed link."""
         moments = [self._moments(fragment, key) for key in self.keys]
         have = all(m is not None for m in moments)
         finite = have and _finite([t for m in moments if m is not None for t in m])
-        lacking, bad = island_max([float(not have), float(not finite)])  # over the island's ranks
+        lacking, bad, held_back = island_max([float(not have), float(not finite), float(not carry)])
         have, layout = not lacking, self.layouts[fragment]
+        if held_back:
+            return StateExchange(fragment, have, carried=False)
         sends = sends and not bad
         # Whether the island sends is the same on all its ranks.
         chunks = [layout.gather(tensors=m) for m in moments] if sends else []

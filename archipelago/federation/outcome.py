@@ -130,7 +130,7 @@ class RoundOutcome:
                               sync_s=p.prepare_s + p.midway_s + time.perf_counter() - blocked_since,
                               tokens=p.tokens, weight=p.weight, federation_tokens=h.federation_tokens,
                               norm=p.norm, own_refused=p.own_refused, refused=tried.refused,
-                              codec=self._codec_label(p.fragment), bytes_received=received,
+                              codec=self._codec_label(p), bytes_received=received,
                               encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=tried.decode_s,
                               overlap_s=blocked_since - p.started, exposed_s=tried.exposed_s,
                               retries=tried.retries, retry_s=tried.retry_s)
@@ -159,9 +159,11 @@ class RoundOutcome:
             raise FederationError(f"{exc}; the federation is not making progress: check that the other "
                                   "islands are alive and reachable (fault_tolerance.max_retries)") from exc
 
-    def _codec_label(self, fragment: int) -> str:
-        """The codec's name for the record; with `auto`, the round's choice (`auto:int8`)."""
+    def _codec_label(self, p: Pending) -> str:
+        """The codec's name for the record; with `auto`, the round's choice (`auto:int8`,
+        `auto:fp32+moments` when the averaged moments rode with it)."""
         h = self.host
         if h.codec_name == "auto" and h.codecs:
-            return f"auto:{h.codecs[fragment].current}"  # type: ignore[attr-defined]
+            moments = "+moments" if p.state is not None else ""
+            return f"auto:{h.codecs[p.fragment].current}{moments}"  # type: ignore[attr-defined]
         return h.codec_name

@@ -41,7 +41,7 @@ from archipelago.config.errors import ConfigError
 from archipelago.config.loading import read_toml, section_from_table
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.config.validate import fault_tolerance_problems
-from archipelago.federation.auto_codec import auto_target_s, choose_codec
+from archipelago.federation.auto_codec import MOMENT_ROWS, auto_target_s, choose_round, moments_received
 from archipelago.federation.codecs import build_codec
 from archipelago.federation.exchange import Framing, round_received
 from archipelago.federation.outer_core import contribution_weight
@@ -210,7 +210,7 @@ def exchange_bytes(ft: FaultToleranceConfig, params: int, participants: int) -> 
     received = round_received(build_codec(ft, sample), participants, Framing()) * params / sample
     if ft.average_optimizer_state:
         width = 2 if ft.moments_dtype == "bf16" else 4
-        received += (participants - 1) * Framing().row_bytes(2 * width * params)
+        received += moments_received(MOMENT_ROWS * width * params, participants, Framing())
     return int(received)
 
 
@@ -384,8 +384,9 @@ class Simulation:
 
     def round_ft(self, participants: int) -> FaultToleranceConfig:
         """The config with this round's codec: with codec = "auto", what the islands would
-        choose (auto_codec.choose_codec) from the slowest link and the median round, as the
-        islands agree on them (auto_codec.agree_on_link)."""
+        choose (auto_codec.choose_round: the codec, and whether averaged moments ride) from
+        the slowest link and the median round, as the islands agree on them
+        (auto_codec.agree_on_link)."""
         if self.ft.codec != "auto":
             return self.ft
         if participants not in self._auto:
@@ -394,8 +395,11 @@ class Simulation:
             target = auto_target_s(replace(self.ft, fragment_sync_delay=0), round_s)  # no overlap here
             sample = build_codec(self.ft, min(self.s.settings.params, CODEC_SAMPLE_VALUES))
             scale = self.s.settings.params / sample.numel
-            name = choose_codec(sample, participants, link / scale, target, Framing())
-            self._auto[participants] = replace(self.ft, codec=name)  # type: ignore[arg-type]
+            moments = MOMENT_ROWS * (2 if self.ft.moments_dtype == "bf16" else 4) * sample.numel
+            name, carried = choose_round(sample, participants, link / scale, target, Framing(),
+                                         moments if self.ft.average_optimizer_state else 0)
+            self._auto[participants] = replace(self.ft, codec=name,  # type: ignore[arg-type]
+                                               average_optimizer_state=carried)
         return self._auto[participants]
 
     def received(self, participants: int) -> int:

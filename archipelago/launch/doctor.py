@@ -384,31 +384,35 @@ def _peer_checks(name: str, conn: socket.socket, reader: Any, fingerprint: dict[
 def link_check(name: str, ft: Any, fingerprint: dict[str, Any], link_bits_s: float) -> Check:
     """What the measured link carries for this config: one exchange's bytes and seconds,
     codec by codec, and whether the config's codec keeps it within its share of a round
-    (AUTO_EXCHANGE_SHARE, or target_exchange_s; `codec = "auto"`'s rule)."""
-    from archipelago.federation.auto_codec import AUTO_EXCHANGE_SHARE, auto_target_s, densest_within, link_carries
+    (AUTO_EXCHANGE_SHARE, or target_exchange_s; `codec = "auto"`'s rule). With averaged
+    moments, their rows too, and whether `auto` would send them."""
+    from archipelago.federation.auto_codec import AUTO_EXCHANGE_SHARE, auto_target_s, densest_round, link_carries
     from archipelago.federation.codecs import effective_codec
 
     islands = max(ft.group_size, 2)
     carries = link_carries(ft, fingerprint["params"], islands, link_bits_s, fingerprint.get("federation") != "no key")
     costs = ", ".join(f"{codec} {size / 1e6:,.1f} MB ({seconds:,.2f} s)" for codec, (size, seconds) in carries.items())
+    moments, moments_s = carries.pop("moments", (0, 0.0))
     where = f"{name} link carries"
     said = f"one exchange among {islands} islands, received by each: {costs}"
     codec = effective_codec(ft)
     if ft.round_pacing != "time":  # the round's compute seconds are not known before a run
-        fits = {c: seconds / AUTO_EXCHANGE_SHARE for c, (_, seconds) in carries.items()}
+        fits = {c: (seconds + (moments_s if codec != "auto" else 0.0)) / AUTO_EXCHANGE_SHARE
+                for c, (_, seconds) in carries.items()}
         mine = "auto: the densest that fits" if codec == "auto" else f"{codec} {fits[codec]:,.0f} s"
         return Check(where, "info", f"{said}; rounds ({ft.sync_steps} inner steps) must last at least this long for "
                                     f"the exchange to take {AUTO_EXCHANGE_SHARE:.0%} of them: {mine} "
                                     f"(fp32 {fits['fp32']:,.0f} s, int8 {fits['int8']:,.0f} s, "
                                     f"topk {fits['topk']:,.0f} s)")
     target = auto_target_s(ft, ft.round_seconds)
-    choice = densest_within({c: size for c, (size, _) in carries.items()}, link_bits_s, target)
-    if codec == "auto" or carries[codec][1] <= target:
+    choice, with_moments = densest_round({c: size for c, (size, _) in carries.items()}, moments, link_bits_s, target)
+    took = choice + (" with the moments" if with_moments else " without the moments" if moments else "")
+    if codec == "auto" or carries[codec][1] + moments_s <= target:
         return Check(where, "ok", f"{said}; rounds of {ft.round_seconds:g} s allow {target:.2f} s of exchange: "
-                                  f"codec {codec} fits" + (f" (auto takes {choice})" if codec == "auto" else ""))
+                                  f"codec {codec} fits" + (f" (auto takes {took})" if codec == "auto" else ""))
     return Check(where, "warn", f"{said}; rounds of {ft.round_seconds:g} s allow {target:.2f} s of exchange and "
-                                f"codec {codec} takes {carries[codec][1]:.2f} s",
-                 f'set fault_tolerance.codec = "auto" (it takes {choice} over this link) or lengthen '
+                                f"codec {codec} takes {carries[codec][1] + moments_s:.2f} s",
+                 f'set fault_tolerance.codec = "auto" (it takes {took} over this link) or lengthen '
                  "fault_tolerance.round_seconds")
 
 
