@@ -223,6 +223,7 @@ def test_killed_island_heals_from_a_live_peer_and_all_end_equal(islands, tmp_pat
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # 14 s on 2 cores: make test-slow (test_federation checks the fingerprint in-process)
 def test_a_different_model_is_refused_naming_both_islands(islands, tmp_path):
     first = islands.start(tmp_path, 0, 1, "--training.steps", "8", "--fault_tolerance.join_wait_ms", "3000")
     other = islands.start(tmp_path, 1, 1, "--training.steps", "8", "--model.name", "qwen3")

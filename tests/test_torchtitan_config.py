@@ -156,6 +156,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=120, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow  # 10 s on 2 cores: make test-slow (the mapping is checked in-process)
 def test_config_convert_prints_our_toml_that_loads_to_the_same_config(titan_file, tmp_path):
     done = _cli("config", "convert", str(titan_file))
     assert done.returncode == 0, done.stderr

@@ -197,6 +197,7 @@ def test_one_failing_rank_stops_the_island_with_its_message(shakespeare, tmp_pat
     assert "rank 1 failed: RuntimeError: ARCHIPELAGO_FAULT: injected failure at step 3" in done.output
 
 
+@pytest.mark.slow  # 14 s on 2 cores: make test-slow (the 1-rank stop is in the fast suite)
 def test_non_finite_loss_exit_code_survives_torchrun(shakespeare, tmp_path):
     done = train(tmp_path / "run", "--training.steps", "8", "--metrics.log_every", "2",
                  "--training.val_every", "0", "--checkpoint.no_enable", nproc=2,
