@@ -91,14 +91,17 @@ def _ours(ft: FaultToleranceConfig, lighthouse: str, replica: int, steps: int, o
         fp = fingerprint("tiny", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, 1,
                          tokens_per_step=tokens, inner_lr=1e-2)
         outer = OuterLoop(replace(ft, replica_id=replica), split_fragments(model, ft.num_fragments),
-                          0, 1, manager, fp, key=key)
-        healed = False
+                          0, 1, manager, fp, key=key, optimizer=opt if ft.average_optimizer_state else None)
+        healed, codecs = False, []
         for step in range(1, steps + 1):
             _inner_step(model, opt, replica, step)
-            outer.after_inner_step(step, tokens)
+            report = outer.after_inner_step(step, tokens)
             healed = healed or outer.healed
+            if report is not None:
+                codecs.append(report.codec)
         out[replica] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out[f"step{replica}"], out[f"healed{replica}"] = outer.outer_step, healed
+        out[f"step{replica}"], out[f"healed{replica}"], out[f"codecs{replica}"] = outer.outer_step, healed, codecs
+        out[f"moments{replica}"] = torch.cat([opt.state[p]["exp_avg_sq"].flatten() for p in model.parameters()])
     finally:
         manager.shutdown(wait=False)
 
@@ -152,46 +155,21 @@ def _run_islands(target, ft: FaultToleranceConfig, steps: int) -> dict:
     return out
 
 
-def _averaging_moments(ft: FaultToleranceConfig, lighthouse: str, replica: int, steps: int, out: dict) -> None:
-    """An island with AdamW whose moments the federation averages (`_ours` otherwise):
-    its records' codec labels and its final second moments."""
-    stores: list = []
-    manager = _manager(lighthouse, replica, stores, ours=True)
-    try:
-        model = _model()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        tokens = 512 * (replica + 1)
-        fp = fingerprint("tiny", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, 1,
-                         tokens_per_step=tokens, inner_lr=1e-2)
-        outer = OuterLoop(replace(ft, replica_id=replica), split_fragments(model, 1), 0, 1, manager, fp,
-                          optimizer=opt)
-        labels = []
-        for step in range(1, steps + 1):
-            _inner_step(model, opt, replica, step)
-            report = outer.after_inner_step(step, tokens)
-            if report is not None:
-                labels.append(report.codec)
-        out[replica] = torch.cat([opt.state[p]["exp_avg_sq"].flatten() for p in model.parameters()])
-        out[f"codecs{replica}"] = labels
-    finally:
-        manager.shutdown(wait=False)
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("target_s,rides", [(60.0, True), (1e-9, False)], ids=["link-carries", "link-too-thin"])
 def test_auto_sends_the_averaged_moments_only_over_a_link_that_carries_them(target_s, rides):
     ft = FaultToleranceConfig(enable=True, group_size=2, min_replica_size=2, sync_steps=2, codec="auto",
                               average_optimizer_state=True, target_exchange_s=target_s)
-    out = _run_islands(_averaging_moments, ft, steps=6)
+    out = _run_islands(_ours, ft, steps=6)
     labels = out["codecs0"]
     assert labels == out["codecs1"] and len(labels) == 3, out  # both islands chose alike, every round
     assert labels[0] == "auto:int8"  # before any island measured the link: int8, no moments
     if rides:  # in-process, the link carries anything: fp32 with the moments from the second round
         assert labels[1:] == ["auto:fp32+moments"] * 2, labels
-        assert torch.equal(out[0], out[1])  # the last round left both islands the same average
+        assert torch.equal(out["moments0"], out["moments1"])  # the last round left both the same average
     else:  # nothing fits a target of 1 ns: the fewest bytes, the moments held back
         assert all("+moments" not in label for label in labels), labels
-        assert not torch.equal(out[0], out[1])  # each island kept its own
+        assert not torch.equal(out["moments0"], out["moments1"])  # each island kept its own
 
 
 @pytest.mark.timeout(240)

@@ -133,7 +133,7 @@ def test_unequal_shares_give_the_full_batch_gradient(strategy, split):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.slow  # 15 s on 2 cores: make test-slow (test_unequal_shares_give_the_full_batch_gradient checks the sum in-process)
+@pytest.mark.slow  # 15 s on 2 cores: make test-slow (the gradient sum is checked in-process above)
 def test_a_two_rank_island_with_unequal_shares_trains_like_one_rank(shakespeare, tmp_path):
     from conftest import TINY, losses, records, run_cli, run_cli_here
 
