@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Finished, finish_started, run_cli_here
 
-from archipelago.launch import local
+from archipelago.launch import local, local_display
 from archipelago.launch.processes import pids_with_env
 from archipelago.metrics import write_report
 from archipelago.metrics.islands import load_federation
@@ -291,11 +291,11 @@ def test_live_table_renders() -> None:
     from rich.console import Console
 
     out = io.StringIO()
-    Console(file=out, width=100).print(local._rich_table(local.LIVE_HEADERS, [["0", "2", "running", "5", "1",
-                                                                                "3.5000", "1.2k", "2"]]))
+    row = ["0", "2", "running", "5", "1", "3.5000", "1.2k", "2"]
+    Console(file=out, width=100).print(local_display.rich_table(local_display.LIVE_HEADERS, [row]))
     text = out.getvalue()
     assert "participants" in text and "running" in text and "1.2k" in text
-    assert local._plain_table(["a", "bb"], [["1", "2"]]) == "a  bb\n1  2"
+    assert local_display.plain_table(["a", "bb"], [["1", "2"]]) == "a  bb\n1  2"
 
 
 def test_hashes_are_compared_at_the_last_outer_step_every_island_committed(tmp_path: Path) -> None:

@@ -1,41 +1,11 @@
-"""usage: archipelago local --islands N[,N...] [options] [--config FILE] [--section.key VALUE ...]
-
-Run a whole federation on this machine: an in-process torchft lighthouse and one
-`archipelago train` island per entry of --islands (`--islands 2,1`: island 0 with 2 CPU
-ranks, island 1 with 1), joined through the lighthouse by DiLoCo-style outer syncs.
-
-Every option this command does not know (the --config file, --section.key overrides) is
-passed to each island's `archipelago train`. Island K writes to RUN_DIR/island-K
-(metrics.jsonl, checkpoints, console.log); RUN_DIR is --job.run_dir, by default
-runs/local-<timestamp>. Island output is shown prefixed with [island-K], under a live
-status table on a terminal (a status line every 10 s elsewhere).
-
-Fault drills: `--kill 1@30` SIGKILLs every process of island 1 thirty seconds after the
-start; with `--restart-after 10` the island is started again ten seconds later with the
-same command, resumes from its own checkpoint and catches up from a live peer.
-
-Islands set up differently: `--island-options "0:--parallelism.pipeline_stages 2"` adds
-options to island 0's command only (repeatable; after the shared options, so they win).
-
-Experiments (emulations, not real conditions): `--slowdown 1,3` makes island 1's inner
-steps take 3x their compute time (--island.slowdown); `--inject 1:nan@3` makes island 1
-send a poisoned pseudo-gradient (NaN, or `scale1000`: 1000x) in outer step 3, which the
-guards must refuse (`forge_tokens`, `forge_weight` and `unsigned` make it lie about its
-pseudo-gradient instead, which every receiver must refuse), `--inject 1:die_in_exchange@3` makes it
-SIGKILL itself with its exchange of outer step 3 in flight (the others re-form the quorum
-and run the exchange again without it), and `--inject 1:crash@7` (or `error`,
-`nan-loss`) fails its trainer at inner step 7. Faults share one grammar, ISLAND:KIND@AT (docs/development.md).
-The lighthouse's own log is quiet (warnings only) unless RUST_LOG says otherwise.
-
-At the end RUN_DIR/federation.json holds per-island results, the outer steps with their
-participants, and every join/leave/heal/kill/restart event; `archipelago report
-RUN_DIR` plots it. The exit code is 0 when every island's last run exited 0, else the
-first failing island's code (130 after Ctrl-C).
-"""
+"""`archipelago local`: a whole federation on this machine (usage and options:
+launch/local_options.py, whose docstring is the command's --help; the live display:
+launch/local_display.py). An in-process torchft lighthouse and one `archipelago train`
+island per entry of --islands; kills, restarts, injected faults, and RUN_DIR/federation.json
+at the end."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -46,17 +16,16 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
 from archipelago.config.errors import ConfigError
 from archipelago.config.faults import ENV as FAULT_ENV
-from archipelago.config.faults import LAUNCHER_KINDS, OUTER_KINDS, TRAINER_KINDS, Fault, parse_fault
 from archipelago.config.faults import RANK_ENV as FAULT_RANK_ENV
 from archipelago.config.faults import env_value as fault_env_value
-from archipelago.launch.args import pop_option  # one parser of --name VALUE for both commands
+from archipelago.launch.local_display import LIVE_HEADERS, STATUS_EVERY_S, MetricsTail, Output, format_cell, rich_table
+from archipelago.launch.local_options import Options, parse_args
 from archipelago.launch.processes import kill_until_gone, pids_with_env, signal_pids
 from archipelago.metrics.islands import FEDERATION_FILE, federation_summary
 from archipelago.metrics.progress import format_count
@@ -70,156 +39,10 @@ ISLAND_CMD_ENV = "ARCHIPELAGO_LOCAL_ISLAND_CMD"
 # so this marker in /proc/PID/environ is the one reliable way to find them all.
 TOKEN_ENV = "ARCHIPELAGO_ISLAND_TOKEN"
 FAILURE_FILE = "failure.json"  # written by `archipelago train` (launch/cli.py)
-COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
 TICK_S = 0.2  # main-loop period: how late a kill/restart/exit is noticed at most
-STATUS_EVERY_S = 10.0  # plain status line period when stdout is not a terminal
 STOP_GRACE_S = 5.0  # after Ctrl-C: how long islands get to exit before SIGKILL
-LIVE_HEADERS = ["island", "ranks", "state", "inner step", "outer step", "loss", "tokens/s", "participants"]
 
 
-# ----------------------------------------------------------------- arguments
-
-
-@dataclass
-class Options:
-    islands: list[int]
-    kills: list[tuple[int, float]]
-    restart_after: float | None
-    lighthouse_bind: str
-    min_replicas: int
-    join_timeout_ms: int
-    quorum_tick_ms: int
-    heartbeat_timeout_ms: int
-    table: bool
-    run_dir: Path
-    passthrough: list[str]
-    slowdowns: list[float] = field(default_factory=list)
-    injections: dict[int, list[Fault]] = field(default_factory=dict)  # island -> its --inject faults
-    island_options: dict[int, list[str]] = field(default_factory=dict)  # island -> its own extra options
-    dashboard: str | None = None  # HOST:PORT of the federation dashboard served during the run
-
-
-def _number_list(text: str, kind: type, least: float, expected: str) -> list:
-    """A comma-separated list of `kind` numbers, each at least `least` (argparse type)."""
-    try:
-        values = [kind(part) for part in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < least:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
-    return values
-
-
-def _islands_arg(text: str) -> list[int]:
-    return _number_list(text, int, 1, "rank counts like 2,1 (each at least 1)")
-
-
-def _kill_arg(text: str) -> tuple[int, float]:
-    """`ISLAND@SECONDS`: the fault ISLAND:kill@SECONDS."""
-    island, _, seconds = text.partition("@")
-    try:
-        fault = parse_fault(f"{island}:kill@{seconds}", where="--kill", kinds=LAUNCHER_KINDS, island=True)
-    except ConfigError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected ISLAND@SECONDS, e.g. 1@30") from None
-    return int(fault.island or 0), fault.at
-
-
-def _slowdown_arg(text: str) -> list[float]:
-    return _number_list(text, float, 1, "one factor >= 1 per island, e.g. 1,3")
-
-
-def _island_options_arg(text: str) -> tuple[int, list[str]]:
-    """`ISLAND:OPTIONS`, e.g. `0:--parallelism.pipeline_stages 2`: options for that island only."""
-    island, sep, options = text.partition(":")
-    if not sep or not island.strip().isdigit() or not options.strip():
-        raise argparse.ArgumentTypeError(f"{text!r}: expected ISLAND:OPTIONS, e.g. "
-                                         "\"0:--parallelism.pipeline_stages 2\"")
-    return int(island), shlex.split(options)
-
-
-def _inject_arg(text: str) -> Fault:
-    """`ISLAND:KIND@AT` with a trainer or outer-loop kind (config/faults.py)."""
-    try:
-        return parse_fault(text, where="--inject", kinds=TRAINER_KINDS + OUTER_KINDS, island=True)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _parser() -> argparse.ArgumentParser:
-    # allow_abbrev=False: a passed-through `--job.x` must never be taken for one of ours.
-    p = argparse.ArgumentParser(prog="archipelago local", description=__doc__, allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter, usage=argparse.SUPPRESS)
-    p.add_argument("--islands", required=True, type=_islands_arg, metavar="N[,N...]",
-                   help="rank count of each island: 2,1 = island 0 with 2 ranks, island 1 with 1")
-    p.add_argument("--kill", action="append", default=[], type=_kill_arg, metavar="ISLAND@SECONDS",
-                   help="SIGKILL every process of ISLAND this many seconds after the start (repeatable)")
-    p.add_argument("--restart-after", type=float, metavar="SECONDS",
-                   help="start a killed island again this many seconds after the kill")
-    p.add_argument("--slowdown", type=_slowdown_arg, metavar="F[,F...]",
-                   help="emulated slowdown of each island (>= 1; 1,3: island 1's steps take 3x as long); "
-                        "an experiment setting, passed as --island.slowdown")
-    p.add_argument("--inject", action="append", default=[], type=_inject_arg, metavar="ISLAND:KIND@AT",
-                   help="for tests and demos: ISLAND sends a poisoned pseudo-gradient in outer step AT (KIND nan or "
-                        "scale1000) or lies about it (forge_tokens, forge_weight, unsigned), or dies with "
-                        "its exchange of outer step AT in flight (die_in_exchange), or its trainer "
-                        "fails at inner step AT (crash, error, nan-loss); "
-                        "repeatable, every entry is kept")
-    p.add_argument("--island-options", action="append", default=[], type=_island_options_arg,
-                   metavar="ISLAND:OPTIONS",
-                   help="options for one island only, after the shared ones (repeatable): "
-                        "\"0:--parallelism.pipeline_stages 2\" pipelines island 0 alone")
-    p.add_argument("--lighthouse-bind", default="127.0.0.1:0", metavar="HOST:PORT",
-                   help="address of the in-process lighthouse (port 0: any free port); beyond loopback "
-                        "it needs the islands' federation key, or --federation_security.insecure")
-    p.add_argument("--min-replicas", type=int, default=1, help="islands needed for a quorum")
-    p.add_argument("--join-timeout-ms", type=int, default=60000,
-                   help="how long the lighthouse waits for islands that are alive (heartbeating) but "
-                        "not yet at the outer step before forming a quorum without them; a killed "
-                        "island stops heartbeating and is dropped after --heartbeat-timeout-ms")
-    p.add_argument("--quorum-tick-ms", type=int, default=100, help="lighthouse quorum check period")
-    p.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
-                   help="an island silent this long is dropped from the quorum: about how long the others "
-                        "stall when an island dies mid-exchange (500 keeps it under a second here; shorter "
-                        "also drops live islands whose heartbeats, every 100 ms, come late)")
-    p.add_argument("--no-table", action="store_true", help="no live status table / status lines")
-    p.add_argument("--dashboard", metavar="[HOST]:PORT", help="serve the live federation dashboard (a web page and "
-                   "/metrics) here during the run, e.g. 127.0.0.1:8080 (`:8080`: on 127.0.0.1); the islands push their "
-                   "records to it")
-    return p
-
-
-def parse_args(argv: list[str]) -> Options:
-    """Options of `archipelago local`; raises SystemExit (argparse) on --help or bad usage."""
-    parser = _parser()
-    args, passthrough = parser.parse_known_args(argv)
-    for island, _ in args.kill:
-        if island >= len(args.islands):
-            parser.error(f"--kill {island}@...: there are only islands 0..{len(args.islands) - 1}")
-    if args.restart_after is not None and args.restart_after < 0:
-        parser.error("--restart-after: expected a number of seconds >= 0")
-    if args.slowdown is not None and len(args.slowdown) != len(args.islands):
-        parser.error(f"--slowdown: give one factor per island ({len(args.islands)}), e.g. "
-                     f"{','.join(['1'] * len(args.islands))}")
-    injections: dict[int, list[Fault]] = {}
-    for fault in args.inject:
-        island = int(fault.island or 0)
-        if island >= len(args.islands):
-            parser.error(f"--inject {island}:...: there are only islands 0..{len(args.islands) - 1}")
-        injections.setdefault(island, []).append(fault)
-    island_options: dict[int, list[str]] = {}
-    for island, options in args.island_options:
-        if island >= len(args.islands):
-            parser.error(f"--island-options {island}:...: there are only islands 0..{len(args.islands) - 1}")
-        island_options.setdefault(island, []).extend(options)
-    run_dir, passthrough = pop_option(passthrough, "--job.run_dir")
-    return Options(
-        islands=args.islands, kills=args.kill,
-        restart_after=args.restart_after, lighthouse_bind=args.lighthouse_bind,
-        min_replicas=args.min_replicas, join_timeout_ms=args.join_timeout_ms,
-        quorum_tick_ms=args.quorum_tick_ms, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-        table=not args.no_table, passthrough=passthrough, slowdowns=args.slowdown or [],
-        injections=injections, island_options=island_options, dashboard=args.dashboard,
-        run_dir=Path(run_dir or f"runs/local-{datetime.now():%Y%m%d-%H%M%S}"))
 
 
 # ------------------------------------------------------------ island command
@@ -276,140 +99,6 @@ def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-# ----------------------------------------------------------------- metrics
-
-
-class MetricsTail:
-    """Follows an island's metrics.jsonl as it grows, keeping the latest values for the table."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.latest: dict[str, Any] = {}
-        self._offset = 0
-        self._partial = b""  # a line still being written: completed by a later read
-
-    def poll(self) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                if os.fstat(f.fileno()).st_size < self._offset:  # replaced or truncated: start over
-                    self._offset, self._partial = 0, b""
-                f.seek(self._offset)
-                data = f.read()
-        except OSError:  # not written yet
-            return
-        self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        for line in lines:
-            self._absorb(line)
-
-    def _absorb(self, line: bytes) -> None:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            return
-        if not isinstance(record, dict):
-            return
-        if record.get("event") == "outer_step":
-            self.latest.update(outer_step=record.get("outer_step"), participants=record.get("participants"))
-        elif "event" not in record and record.get("loss") is not None:
-            self.latest.update(step=record.get("step"), loss=record.get("loss"),
-                               tokens_per_s=record.get("tokens_per_s"))
-
-
-# ------------------------------------------------------------------ output
-
-
-class Output:
-    """Island and launcher lines: colour prefixes on a terminal, plain prefixes elsewhere."""
-
-    def __init__(self, tty: bool) -> None:
-        self.tty = tty
-        self.lock = threading.Lock()  # reader threads print concurrently
-        self.console: Any = None
-        self.live: Any = None
-        if tty:
-            from rich.console import Console
-
-            self.console = Console(highlight=False)
-
-    def island_line(self, island: int, text: str) -> None:
-        self._emit(f"[island-{island}]", COLOURS[island % len(COLOURS)], text)
-
-    def note(self, text: str) -> None:
-        self._emit("[local]", "bold", text)
-
-    def error(self, text: str) -> None:
-        with self.lock:
-            _write(sys.stderr, text)
-
-    def table(self, headers: list[str], rows: list[list[str]]) -> None:
-        with self.lock:
-            if self.console is not None:
-                self.console.print(_rich_table(headers, rows))
-            else:
-                _write(sys.stdout, _plain_table(headers, rows))
-
-    def start_live(self, renderable: Any) -> None:
-        from rich.live import Live
-
-        self.live = Live(renderable, console=self.console, refresh_per_second=2)
-        self.live.start()
-
-    def update_live(self, renderable: Any) -> None:
-        if self.live is not None:
-            with self.lock:
-                self.live.update(renderable)
-
-    def stop_live(self) -> None:
-        live, self.live = self.live, None
-        if live is not None:
-            live.stop()
-
-    def _emit(self, prefix: str, style: str, text: str) -> None:
-        with self.lock:
-            if self.console is None:
-                _write(sys.stdout, f"{prefix} {text}")
-                return
-            from rich.text import Text
-
-            # soft_wrap: long log lines keep their shape instead of being re-flowed.
-            self.console.print(Text.assemble((prefix, style), " ", text), soft_wrap=True)
-
-
-def _write(stream: IO[str], text: str) -> None:
-    try:
-        stream.write(text + "\n")
-        stream.flush()
-    except (OSError, ValueError):  # closed pipe: output is cosmetic, the islands must go on
-        pass
-
-
-def _plain_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows)]
-    lines = [headers] + rows
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
-
-
-def _rich_table(headers: list[str], rows: list[list[str]]) -> Any:
-    from rich import box
-    from rich.table import Table
-
-    table = Table(*headers, box=box.SIMPLE_HEAD)  # light borders: fits 80 columns
-    for row in rows:
-        table.add_row(*[str(c) for c in row])
-    return table
-
-
-def _fmt(value: Any, digits: int = 4) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-# ------------------------------------------------------------ the federation
 
 
 @dataclass
@@ -609,13 +298,13 @@ class LocalFederation:
         for island in self.islands:
             latest = island.tail.latest
             tps = latest.get("tokens_per_s")
-            rows.append([str(island.id), str(island.ranks), island.state, _fmt(latest.get("step")),
-                         _fmt(latest.get("outer_step")), _fmt(latest.get("loss")),
-                         format_count(tps) if tps is not None else "-", _fmt(latest.get("participants"))])
+            rows.append([str(island.id), str(island.ranks), island.state, format_cell(latest.get("step")),
+                         format_cell(latest.get("outer_step")), format_cell(latest.get("loss")),
+                         format_count(tps) if tps is not None else "-", format_cell(latest.get("participants"))])
         return rows
 
     def _live_table(self) -> Any:
-        return _rich_table(LIVE_HEADERS, self._rows())
+        return rich_table(LIVE_HEADERS, self._rows())
 
     def _show(self) -> None:
         if not self.opts.table:
@@ -683,9 +372,10 @@ class LocalFederation:
     def _print_summary(self, summary: dict[str, Any]) -> None:
         headers = ["island", "ranks", "restarts", "outer steps", "final step", "loss", "val loss",
                    "global hash", "exit"]
-        rows = [[str(r["id"]), _fmt(r["ranks"]), _fmt(r["restarts"]), _fmt(r["outer_steps_committed"]),
-                 _fmt(r["final_step"]), _fmt(r["final_loss"]), _fmt(r["final_val_loss"]),
-                 (r["global_hash"] or "-")[:12], _fmt(r["exit_code"])] for r in summary["islands"]]
+        cell = format_cell
+        rows = [[str(r["id"]), cell(r["ranks"]), cell(r["restarts"]), cell(r["outer_steps_committed"]),
+                 cell(r["final_step"]), cell(r["final_loss"]), cell(r["final_val_loss"]),
+                 (r["global_hash"] or "-")[:12], cell(r["exit_code"])] for r in summary["islands"]]
         self.out.note(f"federation finished in {summary['wall_s']:.1f}s; "
                       f"{len(summary['outer_steps'])} outer steps")
         self.out.table(headers, rows)
