@@ -82,6 +82,27 @@ def test_islands_of_two_and_one_ranks_match_one_and_one(tmp_path):
         torch.testing.assert_close(ma[name], mc[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow  # two federations, about 40 s on 2 cores: make test-slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("target_s,rides", [("60", True), ("1e-9", False)], ids=["link-carries", "link-too-thin"])
+def test_auto_moments_follow_the_link_on_every_rank_of_a_two_rank_island(tmp_path, target_s, rides):
+    # codec = "auto" decides each round whether the averaged moments ride; the 2-rank
+    # island's second rank holds no bridge and must follow its bridge rank's decision, or
+    # the island's gather of the moments would wait for a rank that skipped it.
+    auto = ["--fault_tolerance.codec", "auto", "--fault_tolerance.average_optimizer_state",
+            "--fault_tolerance.target_exchange_s", target_s]
+    fed = _federation(tmp_path, "auto", "2,1", *auto)
+    assert fed["global_hash_agree"], fed["islands"]
+    labels = [[r["codec"] for r in records(tmp_path / "auto" / f"island-{k}")
+               if r.get("event") == "outer_step" and r["committed"]] for k in range(2)]
+    assert labels[0] == labels[1] and len(labels[0]) == 3, labels  # the join round, then two
+    assert ("+moments" in labels[0][-1]) == rides, labels
+    ma, mc = (_final_weights(tmp_path / "auto" / island, ".exp_avg") for island in ("island-0", "island-1"))
+    assert ma.keys() == mc.keys() and len(ma) > 20
+    same = all(torch.equal(ma[name], mc[name]) for name in ma)
+    assert same == rides  # the last round's average on both, or each island's own moments
+
+
 @pytest.mark.slow  # over 30 s on 2 cores: make test-slow (CI runs it)
 @pytest.mark.timeout(600)
 def test_decoupled_rounds_on_a_two_rank_island_train_the_simulators_weights(tmp_path):
