@@ -248,6 +248,7 @@ def _island(island: int, group: int, lighthouse: str, store_port: int, retries: 
             report, step = _train_round(outer, model, island, round_, step)
             out[(island, round_)] = (_flat(model), report.committed, report.participants, report.retries,
                                      report.global_hash)
+            out[(island, round_, "abandoned")] = len(outer.attempts.abandoned)  # failed attempts' buffers held
     finally:
         manager.shutdown(wait=False)
 
@@ -311,6 +312,8 @@ def test_the_survivors_run_the_exchange_again_and_commit_their_own_two_updates(s
         torch.testing.assert_close(weights, g2, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(out[(island, 3)][0], g3, rtol=1e-6, atol=1e-6)
         assert out[(island, 3)][1:4] == (True, 2, 0)  # the next round: two islands, no retry
+        # The failed attempt's buffers were held until the retry went through, then let go.
+        assert [out[(island, r, "abandoned")] for r in (1, 2, 3)] == [0, 0, 0]
     assert out[(0, 2)][4] == out[(1, 2)][4] and out[(0, 3)][4] == out[(1, 3)][4]  # one global model
 
 
@@ -324,6 +327,9 @@ def test_without_retries_the_round_a_member_died_in_is_lost_on_every_survivor():
         assert not committed and retries == 0, out[(island, 2)]
         torch.testing.assert_close(weights, g1, rtol=1e-6, atol=1e-6)  # restored: its progress discarded
         torch.testing.assert_close(out[(island, 3)][0], _average(g1, [0, 1], 3), rtol=1e-6, atol=1e-6)
+        # The lost exchange's buffers outlive its round (gloo may still write from them until
+        # the next quorum aborts the old group) and go once the next exchange went through.
+        assert [out[(island, r, "abandoned")] for r in (1, 2, 3)] == [0, 1, 0]
 
 
 @pytest.mark.timeout(240)

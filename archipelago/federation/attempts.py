@@ -137,6 +137,13 @@ class ExchangeAttempts:
 
     def __init__(self, host: AttemptsHost) -> None:
         self.host = host
+        # The buffers of failed attempts (their work, rows and moments), kept until an
+        # exchange goes through again. A collective that failed on one pair (the dead
+        # member's) may still be writing to the others from these buffers on gloo's
+        # transport thread until torchft's next quorum aborts the old group; freeing them
+        # under it made a survivor abort ("writev ... Bad address", a terminate in gloo's
+        # thread). Costs one exchange's buffers per failure, until the next agreed one.
+        self.abandoned: list[tuple[Gathered | None, StateExchange | None]] = []
 
     def start(self, p: Pending, m: Membership, forge: str | None = None) -> None:
         """Hand the pending pseudo-gradient (and moments) to the exchange of quorum `m`, in
@@ -166,6 +173,8 @@ class ExchangeAttempts:
         failed_at = 0.0
         while p.exchanged:
             agreed = not self._failed(p)
+            if agreed:  # every group the failed attempts used has been aborted by now
+                self.abandoned.clear()
             failed_at = failed_at or (0.0 if agreed else time.perf_counter())
             if not retries_exchange(agreed, tried.retries, self.host.ft.exchange_retries):
                 if not agreed:
@@ -319,6 +328,7 @@ class ExchangeAttempts:
         p.spent = (p.spent[0] + sent, p.spent[1] + received)
         if p.codec_state is not None:
             self.host.codecs[p.fragment].load_state_dict(p.codec_state)
+        self.abandoned.append((p.gathered, p.state))
         p.gathered, p.state, p.total, p.judged = None, None, None, None
 
     def _give_back(self, p: Pending) -> None:
@@ -331,6 +341,7 @@ class ExchangeAttempts:
         """The exchange failed somewhere and no retry is left: no island of the federation
         commits this round (the manager's error makes this island's vote say no)."""
         manager = self.host.manager
+        self.abandoned.append((p.gathered, p.state))  # the round ends, but the transport may write on
         log.warning("the exchange of outer step %d failed (%s) and no retry is left "
                     "(fault_tolerance.exchange_retries = %d): the round is lost", p.outer_step + 1, self._failure(),
                     self.host.ft.exchange_retries)
