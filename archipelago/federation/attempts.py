@@ -43,6 +43,10 @@ from archipelago.federation.round_book import RoundBook
 from archipelago.federation.sums import finish_gather
 from archipelago.federation.trust import FederationKey
 
+# Failed attempts whose buffers are kept (ExchangeAttempts.abandoned): the last one is what
+# the transport may still write from; one more for margin.
+ABANDONED_HELD = 2
+
 log = logging.getLogger("archipelago.federation")
 
 
@@ -142,7 +146,9 @@ class ExchangeAttempts:
         # member's) may still be writing to the others from these buffers on gloo's
         # transport thread until torchft's next quorum aborts the old group; freeing them
         # under it made a survivor abort ("writev ... Bad address", a terminate in gloo's
-        # thread). Costs one exchange's buffers per failure, until the next agreed one.
+        # thread). Each new quorum aborts the group before it, so the last ABANDONED_HELD
+        # failures are all that can still be written from: at most that many exchanges'
+        # buffers, until the next agreed one.
         self.abandoned: list[tuple[Gathered | None, StateExchange | None]] = []
 
     def start(self, p: Pending, m: Membership, forge: str | None = None) -> None:
@@ -328,8 +334,12 @@ class ExchangeAttempts:
         p.spent = (p.spent[0] + sent, p.spent[1] + received)
         if p.codec_state is not None:
             self.host.codecs[p.fragment].load_state_dict(p.codec_state)
-        self.abandoned.append((p.gathered, p.state))
+        self._hold(p)
         p.gathered, p.state, p.total, p.judged = None, None, None, None
+
+    def _hold(self, p: Pending) -> None:
+        """Keep a failed attempt's buffers alive (see `abandoned`)."""
+        self.abandoned = [*self.abandoned, (p.gathered, p.state)][-ABANDONED_HELD:]
 
     def _give_back(self, p: Pending) -> None:
         """A round abandoned for a new plan: top-k's residue it took goes back to the codec."""
@@ -341,7 +351,7 @@ class ExchangeAttempts:
         """The exchange failed somewhere and no retry is left: no island of the federation
         commits this round (the manager's error makes this island's vote say no)."""
         manager = self.host.manager
-        self.abandoned.append((p.gathered, p.state))  # the round ends, but the transport may write on
+        self._hold(p)  # the round ends, but the transport may write on
         log.warning("the exchange of outer step %d failed (%s) and no retry is left "
                     "(fault_tolerance.exchange_retries = %d): the round is lost", p.outer_step + 1, self._failure(),
                     self.host.ft.exchange_retries)
