@@ -84,6 +84,13 @@ def densest_round(received: dict[str, int], moments: int, link_bits_s: float, ta
     return densest_within(received, link_bits_s, target_s), False
 
 
+def moments_row_bytes(ft: Any, numel: int) -> int:
+    """Bytes of one island's row of averaged moments for `numel` values (AdamW's two, in
+    `moments_dtype`); 0 when the config averages none."""
+    width = 2 if ft.moments_dtype == "bf16" else 4
+    return MOMENT_ROWS * width * numel if ft.average_optimizer_state else 0
+
+
 def moments_received(row_bytes: int, participants: int, framing: Framing) -> int:
     """Bytes one island receives of the others' moments: their rows are all-gathered
     (inner_state.py), one frame of `row_bytes` per other island (0 bytes: none)."""
@@ -115,8 +122,7 @@ def link_carries(ft: Any, params: int, islands: int, link_bits_s: float,
     options = build_codec(replace(ft, codec="auto"), numel).options  # type: ignore[attr-defined]
     received = {name: round_received(option, islands, framing) for name, option in options.items()}
     if ft.average_optimizer_state:
-        width = 2 if ft.moments_dtype == "bf16" else 4
-        received["moments"] = moments_received(MOMENT_ROWS * width * numel, islands, framing)
+        received["moments"] = moments_received(moments_row_bytes(ft, numel), islands, framing)
     return {name: (size, size * 8 / link_bits_s if link_bits_s > 0 else math.inf) for name, size in received.items()}
 
 

@@ -41,7 +41,7 @@ from archipelago.config.errors import ConfigError
 from archipelago.config.loading import read_toml, section_from_table
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.config.validate import fault_tolerance_problems
-from archipelago.federation.auto_codec import MOMENT_ROWS, auto_target_s, choose_round, moments_received
+from archipelago.federation.auto_codec import auto_target_s, choose_round, moments_received, moments_row_bytes
 from archipelago.federation.codecs import build_codec
 from archipelago.federation.exchange import Framing, round_received
 from archipelago.federation.outer_core import contribution_weight
@@ -208,9 +208,7 @@ def exchange_bytes(ft: FaultToleranceConfig, params: int, participants: int) -> 
     moments' rows when the config sends them."""
     sample = min(params, CODEC_SAMPLE_VALUES)
     received = round_received(build_codec(ft, sample), participants, Framing()) * params / sample
-    if ft.average_optimizer_state:
-        width = 2 if ft.moments_dtype == "bf16" else 4
-        received += moments_received(MOMENT_ROWS * width * params, participants, Framing())
+    received += moments_received(moments_row_bytes(ft, params), participants, Framing())
     return int(received)
 
 
@@ -395,9 +393,8 @@ class Simulation:
             target = auto_target_s(replace(self.ft, fragment_sync_delay=0), round_s)  # no overlap here
             sample = build_codec(self.ft, min(self.s.settings.params, CODEC_SAMPLE_VALUES))
             scale = self.s.settings.params / sample.numel
-            moments = MOMENT_ROWS * (2 if self.ft.moments_dtype == "bf16" else 4) * sample.numel
             name, carried = choose_round(sample, participants, link / scale, target, Framing(),
-                                         moments if self.ft.average_optimizer_state else 0)
+                                         moments_row_bytes(self.ft, sample.numel))
             self._auto[participants] = replace(self.ft, codec=name,  # type: ignore[arg-type]
                                                average_optimizer_state=carried)
         return self._auto[participants]
