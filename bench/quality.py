@@ -14,7 +14,8 @@ keeping its own moments), adam-federation-batch / adam-own-batch (the config wit
 `fault_tolerance.adam_federation_batch` on / off), reference-outer (the reference
 platform's outer Nesterov SGD, lr 0.7, momentum 0.9, sync_steps 20), diloco-3 (3 x 1 rank:
 1.5x DDP's tokens, so compared with one island only), int8, topk (20% of 256, 2 bits),
-topk-5pct-1bit (the sparser top-k before), streaming int8 (2 fragments, tau 1) and
+topk-5pct-1bit (the sparser top-k before), sparseloco (2% at 2 bits, error feedback decayed by
+0.95, 30-step rounds, own moments), streaming int8 (2 fragments, tau 1) and
 streaming-int8-no-overlap (tau 0), sync_steps 5 / 50 / 100, and het-1:3 (a 2-rank and
 a 1-rank island, the 1-rank one emulated 3x slower, time-paced rounds as long as the
 diloco run's median round, token-weighted): the same token budget, unequal steps. Its
@@ -76,6 +77,12 @@ STREAM = ("--fault_tolerance.codec", "int8", "--fault_tolerance.num_fragments", 
 STREAM_NO_OVERLAP = (*STREAM[:-1], "0")
 # The defaults before: a round every 20 steps, each island keeping its own AdamW moments.
 OWN_MOMENTS = ("--fault_tolerance.sync_steps", "20", "--fault_tolerance.no_average_optimizer_state")
+# SparseLoCo-style rounds: 2% of each chunk of 256 at 2 bits, the error-feedback
+# residue decayed by 0.95 a round, 30-step rounds, each island keeping its own moments (averaged
+# moments would be two fp32 model-sized rows a round: about 300x these rows' bytes).
+SPARSELOCO = ("--fault_tolerance.codec", "topk", "--fault_tolerance.topk_fraction", "0.02",
+              "--fault_tolerance.topk_bits", "2", "--fault_tolerance.topk_error_decay", "0.95",
+              "--fault_tolerance.sync_steps", "30", "--fault_tolerance.no_average_optimizer_state")
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,7 @@ SETTINGS = {s.name: s for s in (
     Setting("topk", args=("--fault_tolerance.codec", "topk")),
     Setting("topk-5pct-1bit", args=("--fault_tolerance.codec", "topk", "--fault_tolerance.topk_fraction", "0.05",
                                     "--fault_tolerance.topk_bits", "1")),
+    Setting("sparseloco", args=SPARSELOCO),
     Setting("streaming-int8", args=STREAM),
     Setting("streaming-int8-no-overlap", args=STREAM_NO_OVERLAP),
     Setting("sync-5", args=("--fault_tolerance.sync_steps", "5")),
