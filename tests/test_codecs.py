@@ -52,7 +52,7 @@ def _worst_for_norm(codec, numel: int) -> list[torch.Tensor]:
                          ids=["bf16", "int8-block64", "int8-block256", "int8-one-large-block"])
 def test_norm_bound_holds_for_the_round_trips_worst_chunks(codec):
     # The exchange checks a summed segment, encoded a second time, against norm_bound of
-    # what the segments' norms allow (sums._check_sum): it must hold for any chunk, and
+    # what the segments' norms allow (sums.check_sum): it must hold for any chunk, and
     # for the usual blocks the worst chunks grow the norm by at least 98% of what it allows (tight).
     numel = codec.numel
     growths = []

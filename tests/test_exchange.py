@@ -249,7 +249,7 @@ def _lie(monkeypatch, lie: str) -> None:
     first block's scale becomes NaN), `times2`/`times4` scales it, `misreport` reports
     ten times the norms of the other islands' segments in its first-phase table (and sends
     4x its sum, inside the bound those widen), `misreport_one` only island 0's, by 10^4."""
-    honest_sum, honest_rows = sums._weighted_sum, exchange._inspect_rows
+    honest_sum, honest_rows = sums.weighted_sum, exchange._inspect_rows
 
     def summed(*args, **kwargs):
         total = honest_sum(*args, **kwargs)
@@ -268,7 +268,7 @@ def _lie(monkeypatch, lie: str) -> None:
             table[victims, SUMSQ] *= 1e8 if lie == "misreport_one" else 100
         return table
 
-    monkeypatch.setattr(sums, "_weighted_sum", summed)
+    monkeypatch.setattr(sums, "weighted_sum", summed)
     monkeypatch.setattr(exchange, "_inspect_rows", inspected)
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from archipelago.federation.codecs import Int8Codec
-from archipelago.federation.exchange import Framing
+from archipelago.federation.exchange import FRAME, ISLAND, TOKENS, WEIGHT, Framing
 from archipelago.federation.policy import segment_repair
 from archipelago.federation.repair import (
     PartsInFlight,
@@ -157,3 +157,129 @@ def test_an_island_of_weight_zero_sends_zeros_and_they_arrive_as_zeros():
             assert got is not None and not got.any()
         else:
             assert torch.equal(got, _encoded(codec, part.sender, part.start, part.end))
+
+
+# ---- the whole repaired exchange ------------------------------------------------------
+
+class _Manager:
+    """What the repair asks of torchft's manager: its group, and errors reported to it."""
+
+    def __init__(self, group) -> None:
+        self._pg, self.error = group, None
+
+    def errored(self):
+        return self.error
+
+    def report_error(self, exc) -> None:
+        self.error = exc
+
+    def wrap_future(self, fut, default):
+        return fut
+
+
+def _old_gathered(codec, key, me: int, tokens, weights, cut_half=()):
+    """Summer `me`'s first phase as the death left it: the rows HOLDS says arrived, whole;
+    the others zeros, or half of them (`cut_half`: a row cut off mid-transfer)."""
+    from archipelago.federation.exchange import ROUND_SEGMENT, Gathered
+
+    segments = codec.segments(4)
+    start, end = segments[me]
+    piece = codec.for_length(end - start)
+    framings = [Framing(key, quorum=8, step=3, fragment=0, island=ISLANDS[j]) for j in range(4)]
+    size = framings[0].row_bytes(max(codec.for_length(e - s).payload_bytes() for s, e in segments))
+    rows = torch.stack([framings[j].frame(tokens[j], weights[j], piece.encode(_chunk(j)[start:end]), size,
+                                          ROUND_SEGMENT, me) for j in range(4)])
+    for j in range(4):
+        if not HOLDS[me][j]:
+            rows[j].zero_()
+        elif j in cut_half and j != me:
+            rows[j, size // 2:].zero_()
+    return Gathered(None, framings[me], [rows], segments=segments, rank=me)
+
+
+def _repair_all(codec, key, tokens, weights, framing_of=None, cut_half=()):
+    """Every survivor's repaired exchange in a thread: (merged table, result, manager error)."""
+    from archipelago.federation.repair import finish_repair, repair_first_phase
+
+    survivors = [j for j in range(4) if ALIVE[j]]
+    store = dist.HashStore()
+    out: dict[int, tuple] = {}
+
+    def survivor(rank: int, me: int) -> None:
+        try:
+            manager = _Manager(dist.ProcessGroupGloo(store, rank, len(survivors), timedelta(seconds=30)))
+            framing = (framing_of or (lambda j: Framing(key, quorum=9, step=3, fragment=0, island=ISLANDS[j])))(me)
+            repaired, table = repair_first_phase(manager, codec, _old_gathered(codec, key, me, tokens, weights,
+                                                                               cut_half),
+                                                 framing, _chunk(me), tokens[me], weights[me], survivors, ISLANDS)
+            verdicts = [w if table[i, FRAME] == 0 else 0.0 for i, w in enumerate(table[:, WEIGHT].tolist())]
+            into = torch.empty(NUMEL + 2)
+            kept = sum(tokens[j] for j, w in zip(survivors, verdicts) if w)
+            finish_repair(repaired, codec, into, verdicts, kept, manager)
+            out[me] = (table, into, manager.error, repaired)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            out[me] = (None, None, exc, None)
+
+    threads = [threading.Thread(target=survivor, args=(rank, me), daemon=True) for rank, me in enumerate(survivors)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a survivor hung in the repair"
+    return out
+
+
+def _expected(codec, weights, plan, survivors) -> torch.Tensor:
+    """The survivors' rows summed unit by unit from their own chunks (each unit encoded as
+    its own piece, summed in survivor order, encoded again), without the repair's code paths."""
+    from archipelago.federation.repair import part_range
+
+    segments = codec.segments(4)
+    total = torch.zeros(NUMEL)
+    for k, summers in enumerate(plan.summers):
+        for part in range(len(summers)):
+            start, end = part_range(codec, segments, plan, k, part)
+            piece = codec.for_length(end - start)
+            acc = torch.zeros(end - start)
+            for j in survivors:
+                acc += weights[j] * piece.decode(piece.encode(_chunk(j)[start:end]))
+            total[start:end] = piece.decode(piece.encode(acc))
+    return total
+
+
+def test_the_repaired_exchange_sums_exactly_the_survivors_rows_alike_on_every_survivor():
+    codec = Int8Codec(NUMEL, 32)
+    key = FederationKey(SECRET)
+    tokens, weights = [100.0, 300.0, 200.0, 400.0], [100.0, 300.0, 200.0, 400.0]
+    # Summer 1 holds member 3's row only half: not held, so it travels again.
+    out = _repair_all(codec, key, tokens, weights, cut_half=(3,))
+    assert all(error is None for _, _, error, _ in out.values()), [e for _, _, e, _ in out.values()]
+    holds = [row[:] for row in HOLDS]
+    holds[1][3] = False
+    plan = segment_repair(ALIVE, holds)
+    expected = _expected(codec, weights, plan, [0, 1, 3])
+    for me, (table, into, _, _) in out.items():
+        assert table[:, TOKENS].tolist() == [100.0, 300.0, 400.0] and table[:, ISLAND].tolist() == [10, 11, 13]
+        assert torch.equal(into[:-2], expected), me
+        assert into[-2:].tolist() == [800.0, 800.0]
+    assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][1], out[3][1])
+    # Summer 1 received member 3's segment 1 again, and summer 0 member 1's segment 0; only
+    # the dead segment's parts and those two rows travelled.
+    assert [(p.sender, p.summer) for p in planned_parts(codec, codec.segments(4), plan) if p.segment != 2] \
+        == [(1, 0), (3, 1)]
+
+
+def test_a_part_signed_as_another_island_refuses_its_sender_on_every_survivor_alike():
+    codec = Int8Codec(NUMEL, 32)
+    key = FederationKey(SECRET)
+    tokens, weights = [100.0, 300.0, 200.0, 400.0], [100.0, 300.0, 200.0, 400.0]
+    # Member 3 signs its parts as island 10 (member 0's): every receiver refuses them.
+    out = _repair_all(codec, key, tokens, weights, framing_of=lambda j: Framing(
+        key, quorum=9, step=3, fragment=0, island=ISLANDS[0] if j == 3 else ISLANDS[j]))
+    assert all(error is None for _, _, error, _ in out.values()), [e for _, _, e, _ in out.values()]
+    for table, into, _, _ in out.values():  # member 3's row is left out by all three, itself included
+        assert table[2, FRAME] != 0 and table[0, FRAME] == 0 and table[1, FRAME] == 0
+        assert into[-2:].tolist() == [400.0, 400.0]
+    plan = segment_repair(ALIVE, HOLDS)
+    expected = _expected(codec, {0: 100.0, 1: 300.0, 3: 0.0}, plan, [0, 1, 3])
+    assert all(torch.equal(into[:-2], expected) for _, into, _, _ in out.values())

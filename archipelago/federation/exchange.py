@@ -23,7 +23,7 @@ Two ways to move the rows, both leaving every island with bit-identical results:
   trusted with the sum of segment j only as far as every island can check it: its values
   must be finite and its norm within what the accepted segments' norms allow (the
   table's, per island and segment; each island checks what its own segments were
-  reported to be): `sums._check_sum`. Top-k's segments are whole chunks of its own, cut
+  reported to be): `sums.check_sum`. Top-k's segments are whole chunks of its own, cut
   from one selection over the whole chunk (so its error feedback is unchanged), and its
   sums are not rounded again: island j all-gathers its sum exactly, as a bitmap of the
   nonzero values and those values in fp32 (codecs.pack_sum), after the islands have
@@ -422,7 +422,7 @@ def inspect_gather(gathered: Gathered, codec: Codec, manager: Any, participants:
     if manager.errored() is not None:
         return empty_table(participants)
     gathered.reports = torch.stack([t.cpu() for t in tables])
-    return _merge_segment_tables(list(gathered.reports))
+    return merge_segment_tables(list(gathered.reports))
 
 
 def _inspect_rows(gathered: Gathered, codec: Codec, rows: list[torch.Tensor], kind: int,
@@ -435,21 +435,33 @@ def _inspect_rows(gathered: Gathered, codec: Codec, rows: list[torch.Tensor], ki
         if island >= 0 and island in seen:  # one island's frame in two places: a replay
             frame, payload = FRAME_UNSIGNED, None
         seen.add(island)
-        table[k, TOKENS], table[k, WEIGHT], table[k, ISLAND], table[k, FRAME] = tokens, weight, island, frame
-        if payload is not None and weight != 0:
-            try:
-                values = codec.decode(payload)
-            except PayloadError:
-                table[k, FRAME], payload = FRAME_MALFORMED, None
-            else:
-                # float64 sums of squares: the same on every island for the same bytes. A device sync.
-                table[k, NONFINITE] = float(not bool(torch.isfinite(values).all()))
-                table[k, SUMSQ] = float(values.double().square().sum()) if not table[k, NONFINITE] else 0.0
-        gathered.payloads.append(payload)
+        gathered.payloads.append(fill_row(table, k, (tokens, weight, island, payload, frame), codec))
     return table
 
 
-def _merge_segment_tables(tables: list[torch.Tensor]) -> torch.Tensor:
+def fill_row(table: torch.Tensor, k: int, opened: tuple[float, float, int, torch.Tensor | None, int],
+             codec: Codec) -> torch.Tensor | None:
+    """Row k of a COLUMNS table from an opened frame (tokens, weight, island, payload,
+    FRAME_*): its claims, and, decoded, whether its values are finite and their sum of
+    squares. Returns the payload, None when refused or undecodable."""
+    tokens, weight, island, payload, frame = opened
+    table[k, TOKENS], table[k, WEIGHT], table[k, ISLAND], table[k, FRAME] = tokens, weight, island, frame
+    if payload is not None and weight != 0:
+        try:
+            values = codec.decode(payload)
+        except PayloadError:
+            table[k, FRAME], payload = FRAME_MALFORMED, None
+        else:
+            # float64 sums of squares: the same on every island for the same bytes. A device sync.
+            table[k, NONFINITE] = float(not bool(torch.isfinite(values).all()))
+            table[k, SUMSQ] = float(values.double().square().sum()) if not table[k, NONFINITE] else 0.0
+    return payload
+
+
+def merge_segment_tables(tables: list[torch.Tensor]) -> torch.Tensor:
+    """One table over every island's whole row from its segments' tables: a frame refused or a
+    value not finite anywhere marks the row, the sums of squares add up, and claims that
+    differ between segments mark it malformed."""
     merged = tables[0].clone()
     merged[:, FRAME] = torch.stack([t[:, FRAME] for t in tables]).amax(dim=0)
     merged[:, NONFINITE] = torch.stack([t[:, NONFINITE] for t in tables]).amax(dim=0)

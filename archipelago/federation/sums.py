@@ -3,7 +3,7 @@ reduce-scatter's second phase, where island j sums segment j of the accepted row
 encodes that sum again and the islands all-gather the summed segments.
 
 Island j is trusted with the sum of segment j only as far as every island can check it
-(`_check_sum`): its values must be finite and its norm within what the accepted
+(`check_sum`): its values must be finite and its norm within what the accepted
 segments' norms allow (the first phase's table, per island and segment), and each island
 checks that what its own segments were reported to be is what it sent
 (`_misreported_segment`). A sum that fails is refused alike on every island (`SumRefused`):
@@ -49,7 +49,7 @@ def finish_gather(gathered: Gathered, codec: Codec, into: torch.Tensor, weights:
         into.zero_()
         return time.perf_counter() - began
     if gathered.segments is None:
-        into[:-2] = _weighted_sum(gathered.payloads, codec, weights, into.numel() - 2, into.device, trimmed)
+        into[:-2] = weighted_sum(gathered.payloads, codec, weights, into.numel() - 2, into.device, trimmed)
     else:
         if gathered.second is None:
             start_sums(gathered, codec, weights, manager, into.device, trimmed)
@@ -58,7 +58,7 @@ def finish_gather(gathered: Gathered, codec: Codec, into: torch.Tensor, weights:
     return time.perf_counter() - began
 
 
-def _weighted_sum(payloads: list[torch.Tensor | None], codec: Codec, weights: list[float], numel: int,
+def weighted_sum(payloads: list[torch.Tensor | None], codec: Codec, weights: list[float], numel: int,
                   device: torch.device, trimmed: bool = False) -> torch.Tensor:
     """sum_k w_k * decode(payload_k) in fp32 in row (replica) order (`aggregate`). Summed
     where the rows are (host memory under gloo), then moved once to `device`."""
@@ -86,7 +86,7 @@ def start_sums(gathered: Gathered, codec: Codec, weights: list[float], manager: 
         return
     pieces = [codec.for_length(end - start) for start, end in segments]
     mine = pieces[gathered.rank]
-    total = _weighted_sum(gathered.payloads, mine, weights, mine.numel, device, trimmed)
+    total = weighted_sum(gathered.payloads, mine, weights, mine.numel, device, trimmed)
     wire = wire_device(manager, device)
     if codec.sparse:
         payload = pack_sum(total)
@@ -153,7 +153,7 @@ def _read_sums(gathered: Gathered, codec: Codec, pieces: list[Codec], sizes: lis
             values = unpack_sum(opened, end - start) if codec.sparse else piece.decode(opened)
         except PayloadError as exc:
             return exc
-        why = _check_sum(values, gathered.reports[j], weights, trimmed, None if codec.sparse else piece)
+        why = check_sum(values, gathered.reports[j], weights, trimmed, None if codec.sparse else piece)
         if why is not None:
             return SumRefused(f"the sum of segment {j} from the island at replica rank {j}: {why}")
         into[start:end] = values.to(into.device)
@@ -172,8 +172,14 @@ def _misreported_segment(gathered: Gathered) -> int | None:
     island for the norm limits); None when all match or this island sent weight 0."""
     if gathered.own_sumsq is None or gathered.reports is None:
         return None
-    own = gathered.own_sumsq.cpu().tolist()
-    for j, report in enumerate(gathered.reports[:, gathered.rank].tolist()):
+    return misreported(gathered.reports, gathered.own_sumsq, gathered.rank)
+
+
+def misreported(reports: torch.Tensor, own_sumsq: torch.Tensor, rank: int) -> int | None:
+    """The first segment j whose summer's table (`reports[j]`) gives this island's row
+    (`rank`) another sum of squares than `own_sumsq[j]`, what it sent; None when all match."""
+    own = own_sumsq.cpu().tolist()
+    for j, report in enumerate(reports[:, rank].tolist()):
         if report[FRAME] != FRAME_OK or report[NONFINITE] or report[WEIGHT] == 0 or not math.isfinite(own[j]):
             continue  # it says it read nothing of it (or nothing finite): the row is refused anyway
         if not abs(report[SUMSQ] - own[j]) <= REPORT_TOLERANCE * own[j]:  # a NaN report fails too
@@ -183,7 +189,7 @@ def _misreported_segment(gathered: Gathered) -> int | None:
 
 def summed_norm_bound(norms: list[float], weights: list[float], trimmed: bool) -> float:
     """The largest norm the exact `aggregate` of rows of these norms can have, with these
-    weights (0: left out, as `_weighted_sum` leaves them out; the receivers' weights are
+    weights (0: left out, as `weighted_sum` leaves them out; the receivers' weights are
     never negative).
 
     The weighted sum: sum_i |w_i| ||x_i|| (the triangle inequality). The trimmed mean of
@@ -232,7 +238,7 @@ def summing_slack(rows: int) -> float:
     return 1 + (2 * rows + 8) * 2.0 ** -24 + 1e-6
 
 
-def _check_sum(values: torch.Tensor, reported: torch.Tensor, weights: list[float], trimmed: bool,
+def check_sum(values: torch.Tensor, reported: torch.Tensor, weights: list[float], trimmed: bool,
                piece: Codec | None) -> str | None:
     """Why a summed segment's decoded `values` cannot be the sum of the accepted segments
     whose norms its summer reported (`reported`: its first-phase table), or None.

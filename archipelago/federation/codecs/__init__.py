@@ -63,7 +63,7 @@ class Codec:
     def norm_bound(self, norm: float) -> float:
         """Largest ||decode(encode(x))|| for any finite `x` of norm at most `norm`
         (stateless codecs): what the exchange allows a summed segment, encoded again, to
-        grow by (sums._check_sum). fp32 is exact."""
+        grow by (sums.check_sum). fp32 is exact."""
         return norm
 
     def for_length(self, numel: int) -> Codec:
