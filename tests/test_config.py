@@ -125,6 +125,10 @@ def test_negative_exchange_retries_name_the_fix():
     for allowed in (0, 2, 5):
         cfg.fault_tolerance.exchange_retries = allowed
         validate(cfg)
+    cfg.fault_tolerance.exchange_repair, cfg.fault_tolerance.exchange_retries = "segment", 0
+    assert 'exchange_repair = "segment" repairs a retried exchange, but exchange_retries = 0' in _refusal(cfg)
+    cfg.fault_tolerance.exchange_retries = 1
+    validate(cfg)
 
 
 def test_fault_tolerance_keys_of_the_reference_platform_exist():

@@ -248,6 +248,8 @@ class FaultToleranceConfig:
     """Stop after this many consecutive outer steps that failed to commit."""
     exchange_retries: int = 2
     """When a round's exchange fails because a member died or a link broke (not when the receivers refused rows), re-form the quorum at once and run the exchange again with the members left, keeping this island's pseudo-gradient, up to this many times; every island commits the round only if all members agree that the exchange went through. 0: such a round is lost (every island restores the fragment's global weights). A dead member is dropped once the lighthouse's heartbeat timeout expires (docs/rounds.md)."""
+    exchange_repair: Literal["restart", "segment"] = "restart"
+    """How a retry finishes a reduce-scatter exchange (bf16 or int8 among three or more islands) that a member died in. restart: run the whole exchange again among the members left. segment: the survivors keep the rows that arrived whole (needs a federation key: each signed frame says so), agree on them, and send each other only what is missing: the rows a live summer lacks and the dead member's segment cut into one part per survivor, about 1/N of a row each per dead member instead of a whole exchange (docs/rounds.md). Falls back to restart where it does not apply (another codec, codec = "auto", averaged moments, a new member in the retry's quorum)."""
     init_sync: bool = True
     """At the start of a new federation, every island downloads the starting state from one peer. false: each island starts from its own initialisation, which must be the same on every island (same model, seed and init device; checked at the join, a mismatch is refused); saves one full-state download per island."""
     join_wait_ms: int = 60000

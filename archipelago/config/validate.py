@@ -127,6 +127,9 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
     _require(ft.max_retries >= 0, f"fault_tolerance.max_retries = {ft.max_retries}: must be >= 0", p)
     _require(ft.exchange_retries >= 0, f"fault_tolerance.exchange_retries = {ft.exchange_retries}: must be >= 0 "
              "(0: a round whose exchange loses a member is lost; 2 is the default)", p)
+    _require(ft.exchange_repair == "restart" or ft.exchange_retries > 0,
+             "fault_tolerance.exchange_repair = \"segment\" repairs a retried exchange, but exchange_retries = 0 "
+             "retries none; set exchange_retries >= 1 (2 is the default)", p)
     _require(cfg.training.time_budget_s >= 0,
              f"training.time_budget_s = {cfg.training.time_budget_s}: must be >= 0 (0 = no limit)", p)
     _require(ft.round_seconds > 0, f"fault_tolerance.round_seconds = {ft.round_seconds}: must be positive", p)

@@ -39,9 +39,10 @@ from archipelago.federation.judging import RowJudge
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.outer_core import staleness_discount
 from archipelago.federation.policy import Membership, keeps_pending, retries_exchange
+from archipelago.federation.repair import Repaired, RepairRefused, finish_repair, repair_first_phase
 from archipelago.federation.round_book import RoundBook
 from archipelago.federation.sums import finish_gather
-from archipelago.federation.trust import FederationKey
+from archipelago.federation.trust import FederationKey, member_island
 
 # Failed attempts whose buffers are kept (ExchangeAttempts.abandoned): the last one is what
 # the transport may still write from; one more for margin.
@@ -82,6 +83,9 @@ class Pending:
     midway: bool = False              # decoupled: judged and its second phase started halfway through the round
     judged: Judged | None = None      # the receivers' verdicts on its rows, once judged
     midway_s: float = 0.0             # seconds the island blocked for that, halfway through the round
+    members: list[str] = field(default_factory=list)  # the attempt's quorum, replica ids by replica rank
+    repaired: Repaired | None = None  # a retry finished by the segment repair (exchange_repair = "segment")
+    repaired_table: torch.Tensor | None = None  # ... and the table of the survivors' rows it judged
 
 
 @dataclass
@@ -92,6 +96,7 @@ class Tried:
     refused: list[dict[str, Any]] = field(default_factory=list)
     retries: int = 0       # exchanges run again with a new quorum
     retry_s: float = 0.0   # from the first failed exchange to the end of the last
+    repaired: int = 0      # retries finished by the segment repair instead of a whole exchange
     exposed_s: float = 0.0  # seconds the island waited for the exchange
 
 
@@ -149,27 +154,35 @@ class ExchangeAttempts:
         # thread). Each new quorum aborts the group before it, so the last ABANDONED_HELD
         # failures are all that can still be written from: at most that many exchanges'
         # buffers, until the next agreed one.
-        self.abandoned: list[tuple[Gathered | None, StateExchange | None]] = []
+        self.abandoned: list[tuple[Gathered | None, StateExchange | None, Repaired | None]] = []
 
     def start(self, p: Pending, m: Membership, forge: str | None = None) -> None:
         """Hand the pending pseudo-gradient (and moments) to the exchange of quorum `m`, in
         frames signed for that quorum; the codec's state is kept first, for a retry."""
         h = self.host
-        p.participants, p.participant_rank = m.participants, m.participant_rank
-        p.framing = Framing(h.key, int(h.manager._quorum_id or 0) if h.manager is not None else 0,
-                            h.outer_step, p.fragment, h.ft.replica_id)
+        framing = self._frame(p, m)
         if p.exchanged and p.buffer is not None:
             codec = h.codecs[p.fragment]
             if h.ft.exchange_retries > 0:  # encoding moves error feedback; a retry starts from here
                 p.codec_state = {k: v.clone() for k, v in codec.state_dict().items()}
             p.gathered = start_gather(h.manager, codec, p.buffer[:-2], p.tokens, p.weight,
-                                      replace(p.framing, forge=forge))
+                                      replace(framing, forge=forge))
         if h.inner_state is not None and p.exchanged:
             device = torch.device("cpu") if h.ft.copy_pseudogradients_to_cpu else None
             carry = h.codec_name != "auto" or p.buffer is None or h.auto.carries_moments
-            p.state = h.inner_state.start(p.fragment, p.weight > 0, h.manager, h.ranks.max, p.framing, device, carry)
+            p.state = h.inner_state.start(p.fragment, p.weight > 0, h.manager, h.ranks.max, framing, device, carry)
             if not p.state.carried:  # codec = "auto" left them out of this round, on every rank alike
                 p.state = None
+
+    def _frame(self, p: Pending, m: Membership) -> Framing:
+        """The attempt's place in quorum `m`: its rows' rank, signed frames for that quorum,
+        and the quorum's members (replica ids by rank, for a later segment repair)."""
+        h = self.host
+        p.participants, p.participant_rank = m.participants, m.participant_rank
+        p.framing = Framing(h.key, int(h.manager._quorum_id or 0) if h.manager is not None else 0,
+                            h.outer_step, p.fragment, h.ft.replica_id)
+        p.members = list(getattr(h.manager, "_archipelago_replica_ids", None) or [])
+        return p.framing
 
     def until_agreed(self, p: Pending) -> tuple[Pending, Tried]:
         """Finish the exchange; every member must agree that it went through, or all run it
@@ -188,6 +201,7 @@ class ExchangeAttempts:
                 break
             tried.retries += 1
             p = self._retry(p, tried.retries)
+            tried.repaired += p.repaired is not None
             tried.decode_s, tried.refused = self._finish(p)
         tried.retry_s = time.perf_counter() - failed_at if tried.retries else 0.0
         return p, tried
@@ -229,8 +243,11 @@ class ExchangeAttempts:
         every island): the weights to sum with, the tokens of the accepted rows, and the
         refused ones (island, reason). A collective over the island."""
         h, n = self.host, p.participants
-        table = (inspect_gather(p.gathered, h.codecs[p.fragment], h.manager, n)  # waits for the rows
-                 if p.gathered is not None else empty_table(n))
+        if p.repaired_table is not None:  # the segment repair inspected the survivors' rows
+            table = p.repaired_table
+        else:
+            table = (inspect_gather(p.gathered, h.codecs[p.fragment], h.manager, n)  # waits for the rows
+                     if p.gathered is not None else empty_table(n))
         if table.shape[0] != n:  # a lost round's rows: nothing to judge (it will not commit)
             table = empty_table(n)
         global_sumsq = float(h.globals[p.fragment].detach().double().square().sum()) if h.is_bridge else 0.0
@@ -250,13 +267,21 @@ class ExchangeAttempts:
         judged = p.judged
         assert judged is not None
         decode_s = judged.decode_s
-        if p.gathered is not None and p.buffer is not None:
+        if (p.gathered is not None or p.repaired is not None) and p.buffer is not None:
             # The sum goes beside the pseudo-gradient when a retry may have to send that again
             # (one more copy of the chunk during the exchange; exchange_retries = 0 saves it).
             resent = h.ft.exchange_retries > 0 or h.handoffs is not None  # decoupled: a lost row is resent
             p.total = torch.empty_like(p.buffer) if resent else p.buffer
-            decode_s += finish_gather(p.gathered, h.codecs[p.fragment], p.total, judged.weights, judged.tokens,
-                                      h.manager, h.ft.outer_aggregation == "trimmed_mean")
+            trimmed = h.ft.outer_aggregation == "trimmed_mean"
+            if p.repaired is not None:
+                began = time.perf_counter()
+                finish_repair(p.repaired, h.codecs[p.fragment], p.total, judged.weights, judged.tokens, h.manager,
+                              trimmed)
+                decode_s += time.perf_counter() - began
+            else:
+                assert p.gathered is not None
+                decode_s += finish_gather(p.gathered, h.codecs[p.fragment], p.total, judged.weights, judged.tokens,
+                                          h.manager, trimmed)
             if p.staleness:  # the sum is divided by the undiscounted weights (OuterCore.weight)
                 p.total[-1] = judged.divisor if h.manager.errored() is None else 0.0
         return decode_s, judged.refused
@@ -298,6 +323,8 @@ class ExchangeAttempts:
             sent, received = p.gathered.sent, p.gathered.received
         if p.state is not None:  # the rows of moments
             sent, received = sent + p.state.sent, received + p.state.received
+        if p.repaired is not None:  # the segment repair's parts, tables and sums
+            sent, received = sent + p.repaired.sent, received + p.repaired.received
         return sent, received
 
     # ---- after a failed attempt ------------------------------------------------------
@@ -311,6 +338,7 @@ class ExchangeAttempts:
         log.warning("the exchange of outer step %d failed (%s); running it again with a new quorum "
                     "(retry %d of %d, fault_tolerance.exchange_retries)", p.outer_step + 1, self._failure(), attempt,
                     h.ft.exchange_retries)
+        old, old_members = p.gathered, p.members
         self._forget(p)
         began = time.perf_counter()
         m = h.enter_quorum(again=True)
@@ -325,8 +353,56 @@ class ExchangeAttempts:
             return fresh
         if h.codec_name == "auto" and p.buffer is not None:  # the members' collectives of a round, in order
             h.auto.rechoose(h.codecs[p.fragment], p.buffer.device)
-        self.start(p, m)
+        survivors = self._survivors(p, m, old, old_members)
+        if survivors is None or old is None:
+            self.start(p, m)
+        else:
+            self._repair(p, m, old, old_members, survivors)
         return p
+
+    def _survivors(self, p: Pending, m: Membership, old: Gathered | None, old_members: list[str]) -> list[int] | None:
+        """The old replica ranks of the retry's quorum `m` when the failed attempt can be
+        finished by the segment repair (exchange_repair = "segment": a dense two-phase
+        exchange, the new quorum exactly some of the old members in the same order), else
+        None (the exchange runs again whole). Every member decides alike: the config, the
+        two quorums and the codec's choice are the same on all of them."""
+        h = self.host
+        if (h.ft.exchange_repair != "segment" or h.codec_name == "auto" or h.inner_state is not None
+                or h.codecs[p.fragment].sparse or not p.exchanged):
+            return None
+        if old is None or old.segments is None or h.manager is None:  # not two-phase, or not a bridge rank
+            return None
+        new = list(getattr(h.manager, "_archipelago_replica_ids", None) or [])
+        survivors = [j for j, member in enumerate(old_members) if member in new]
+        if (len(old_members) != len(old.segments) or new != [old_members[j] for j in survivors]
+                or len(new) != m.participants or len(survivors) < 2 or old.rank not in survivors
+                or survivors.index(old.rank) != m.participant_rank):
+            return None
+        return survivors
+
+    def _repair(self, p: Pending, m: Membership, old: Gathered, old_members: list[str], survivors: list[int]) -> None:
+        """Finish the failed exchange by the segment repair (repair.py) among the survivors
+        of quorum `m`, in frames signed for it. A repair that fails reports to the manager:
+        the members then settle that this attempt failed too, and the next retry (if any)
+        runs the exchange again whole."""
+        h = self.host
+        framing = self._frame(p, m)
+        assert p.buffer is not None
+        islands: list[int] | None = [member_island(h.key, member) for member in old_members]
+        if islands is not None and min(islands) < 0:  # ids that name no island: the tables' claims alone
+            islands = None
+        began = time.perf_counter()
+        try:
+            p.repaired, p.repaired_table = repair_first_phase(h.manager, h.codecs[p.fragment], old, framing,
+                                                              p.buffer[:-2], p.tokens, p.weight, survivors, islands)
+        except RepairRefused as exc:
+            if h.manager.errored() is None:
+                h.manager.report_error(exc)
+            log.warning("outer step %d: the segment repair failed (%s)", p.outer_step + 1, exc)
+            return
+        log.info("outer step %d: the segment repair among %d survivor(s) sent %d bytes in %.2f s instead of "
+                 "running the exchange again (fault_tolerance.exchange_repair)", p.outer_step + 1, len(survivors),
+                 p.repaired.sent, time.perf_counter() - began)
 
     def _forget(self, p: Pending) -> None:
         """What a failed attempt leaves: its bytes counted, the codec's state as it was before."""
@@ -336,10 +412,11 @@ class ExchangeAttempts:
             self.host.codecs[p.fragment].load_state_dict(p.codec_state)
         self._hold(p)
         p.gathered, p.state, p.total, p.judged = None, None, None, None
+        p.repaired, p.repaired_table = None, None
 
     def _hold(self, p: Pending) -> None:
         """Keep a failed attempt's buffers alive (see `abandoned`)."""
-        self.abandoned = [*self.abandoned, (p.gathered, p.state)][-ABANDONED_HELD:]
+        self.abandoned = [*self.abandoned, (p.gathered, p.state, p.repaired)][-ABANDONED_HELD:]
 
     def _give_back(self, p: Pending) -> None:
         """A round abandoned for a new plan: top-k's residue it took goes back to the codec."""

@@ -229,6 +229,8 @@ class MembersOnly:
         expect_source = getattr(getattr(self._manager, "_checkpoint_transport", None), "expect_source", None)
         if quorum.heal and expect_source is not None:
             expect_source(quorum.recover_src_manager_address)
+        # The members by replica rank: a retry's segment repair maps the old quorum onto the new.
+        self._manager._archipelago_replica_ids = list(getattr(quorum, "replica_ids", []) or [])
         if self._key is None:
             return quorum
         outsiders = [rid for rid in quorum.replica_ids if check_member_id(self._key, rid) is None]

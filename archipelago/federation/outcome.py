@@ -133,7 +133,7 @@ class RoundOutcome:
                               codec=self._codec_label(p), bytes_received=received,
                               encode_s=p.gathered.encode_s if p.gathered else 0.0, decode_s=tried.decode_s,
                               overlap_s=blocked_since - p.started, exposed_s=tried.exposed_s,
-                              retries=tried.retries, retry_s=tried.retry_s)
+                              retries=tried.retries, retry_s=tried.retry_s, repaired=tried.repaired)
         if h.numel <= HASH_EVERY_ROUND_MAX_NUMEL:
             report.global_hash = h.global_hash()
         return report

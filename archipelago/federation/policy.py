@@ -18,8 +18,8 @@ A round of one island, in order:
 7. `exchange_agreed` / `retries_exchange` / `keeps_pending`: whether every member
    completed the exchange, and if not, whether to run it again with a new quorum and
    whether this island's pending pseudo-gradient still belongs to the round
-   (`segment_repair`: what a reduce-scatter's first phase would send again instead; not
-   on the platform yet).
+   (`segment_repair`: what a reduce-scatter's first phase sends again instead, with
+   `exchange_repair = "segment"`; repair.py moves it).
 8. `RoundResult` / `applies_outer_step`: after the exchange and the vote, what to do.
 
 Time-paced rounds end by `round_is_up`; a healed island continues at `aligned_inner_step`.

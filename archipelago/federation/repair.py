@@ -79,9 +79,11 @@ def part_range(codec: Codec, segments: list[tuple[int, int]], plan: SegmentRepai
 
 
 def planned_parts(codec: Codec, segments: list[tuple[int, int]], plan: SegmentRepair) -> list[Part]:
-    """Every part that travels, in the plan's order (the same list on every survivor)."""
-    return [Part(sender, summer, segment, part, *part_range(codec, segments, plan, segment, part))
-            for sender, summer, segment, part in plan.sends]
+    """Every part that travels, in the plan's order (the same list on every survivor); a
+    part cut empty (a segment of fewer blocks than survivors) has nothing to send."""
+    parts = [Part(sender, summer, segment, part, *part_range(codec, segments, plan, segment, part))
+             for sender, summer, segment, part in plan.sends]
+    return [part for part in parts if part.end > part.start]
 
 
 def frame_bytes(codec: Codec, framing: Framing, part: Part) -> int:
@@ -149,9 +151,10 @@ def _survivors(plan: SegmentRepair) -> list[int]:
 
 def _own_parts(codec: Codec, segments: list[tuple[int, int]], plan: SegmentRepair, me: int) -> list[Part]:
     """The parts `me` sums that were cut from dead segments (its own share of each is local)."""
-    return [Part(me, me, k, part, *part_range(codec, segments, plan, k, part))
-            for k, summers in enumerate(plan.summers) if len(summers) > 1
-            for part, summer in enumerate(summers) if summer == me]
+    parts = [Part(me, me, k, part, *part_range(codec, segments, plan, k, part))
+             for k, summers in enumerate(plan.summers) if len(summers) > 1
+             for part, summer in enumerate(summers) if summer == me]
+    return [part for part in parts if part.end > part.start]
 
 
 def _offsets(sizes: list[int]) -> list[int]:
@@ -196,20 +199,22 @@ def _address_of(body: torch.Tensor) -> tuple[int, ...]:
 Opened = tuple[float, float, int, "torch.Tensor | None", int]  # tokens, weight, island, payload, FRAME_*
 
 
-def held_rows(gathered: Gathered, codec: Codec, islands: list[int]) -> list[Opened | None]:
+def held_rows(gathered: Gathered, codec: Codec, islands: list[int] | None) -> list[Opened | None]:
     """What the failed first phase left this summer of its own segment, by the old members'
     replica ranks: each row that arrived whole (its signed frame opens, from the island at
-    that rank), opened; None for the others. Without a federation key nothing counts as
+    that rank, where `islands` names them), opened; None for the others. Without a federation key nothing counts as
     held (a plain row cannot say whether it arrived whole), so the repair sends every row
     again, which is a restart's bytes, not a wrong sum."""
+    members = len(gathered.segments or [])
     if gathered.framing.key is None or gathered.segments is None or not gathered.outputs:
-        return [None] * len(islands)
+        return [None] * members
     start, end = gathered.segments[gathered.rank]
     piece = codec.for_length(end - start)
     held: list[Opened | None] = []
     for j, row in enumerate(gathered.outputs[0]):
         opened = gathered.framing.open(row.clone(), piece.payload_bytes(), ROUND_SEGMENT, gathered.rank)
-        held.append(opened if opened[4] == FRAME_OK and opened[3] is not None and opened[2] == islands[j] else None)
+        signer_ok = islands is None or opened[2] == islands[j]
+        held.append(opened if opened[4] == FRAME_OK and opened[3] is not None and signer_ok else None)
     return held
 
 
@@ -250,10 +255,11 @@ class Unit:
 
 
 def units_of(codec: Codec, segments: list[tuple[int, int]], plan: SegmentRepair) -> list[Unit]:
-    """Every unit, in chunk order (each segment's parts in order)."""
+    """Every unit, in chunk order (each segment's parts in order), but empty ones."""
     survivors = _survivors(plan)
-    return [Unit(k, part, *part_range(codec, segments, plan, k, part), survivors.index(summer))
-            for k, summers in enumerate(plan.summers) for part, summer in enumerate(summers)]
+    units = [Unit(k, part, *part_range(codec, segments, plan, k, part), survivors.index(summer))
+             for k, summers in enumerate(plan.summers) for part, summer in enumerate(summers)]
+    return [unit for unit in units if unit.end > unit.start]
 
 
 @dataclass
@@ -273,12 +279,14 @@ class Repaired:
 
 
 def repair_first_phase(manager: Any, codec: Codec, old: Gathered, framing: Framing, x: torch.Tensor,
-                       tokens: int, weight: float, survivors: list[int], islands: list[int]
+                       tokens: int, weight: float, survivors: list[int], islands: list[int] | None
                        ) -> tuple[Repaired, torch.Tensor]:
     """The first phase, repaired: agree on the holdings, move the missing parts, inspect
     every unit this survivor sums and all-gather the tables. Returns the repaired exchange
     and the merged table (COLUMNS, one row per survivor) the receivers judge, as
-    `inspect_gather` does for an exchange that went through."""
+    `inspect_gather` does for an exchange that went through. `islands`: the island id at
+    each old replica rank, as the quorum's member ids name them (None: not known; then
+    each row's claims must agree across its units, and no island may claim two rows)."""
     assert old.segments is not None, "the repair finishes a two-phase exchange"
     me = old.rank
     held = held_rows(old, codec, islands)
@@ -289,26 +297,28 @@ def repair_first_phase(manager: Any, codec: Codec, old: Gathered, framing: Frami
     opened = open_parts(inflight, codec, framing, islands, claims=True)
     if manager.errored() is not None:
         raise RepairRefused("the repair's parts did not arrive")
-    own = {u: _own_opened(codec, x, unit, tokens, weight, islands[me])
+    own = {u: _own_opened(codec, x, unit, tokens, weight, old.framing.island)
            for u, unit in enumerate(units) if unit.owner == rank}
     repaired = Repaired(framing, units, rank, sent=inflight.sent, received=inflight.received.numel())
-    local = torch.zeros(len(units), len(survivors), len(COLUMNS), dtype=torch.float64)
+    # Each survivor all-gathers the tables of the units it sums only (1 + one per dead
+    # member), padded to the most any survivor sums: about what the first phase's tables cost.
+    owned = [[u for u, unit in enumerate(units) if unit.owner == i] for i in range(len(survivors))]
+    local = torch.zeros(max(len(o) for o in owned), len(survivors), len(COLUMNS), dtype=torch.float64)
     local[:, :, ISLAND] = -1
-    for u, unit in enumerate(units):
-        if unit.owner != rank:
-            continue
+    for slot, u in enumerate(owned[rank]):
+        unit = units[u]
         piece = codec.for_length(unit.end - unit.start)
         entries = [own[u] if j == me else
                    held[j] if unit.segment == me and held[j] is not None else
                    opened.get((j, unit.segment, unit.part)) for j in survivors]
-        repaired.payloads[u] = [fill_row(local[u], i, entry or _refused(islands[j]), piece)
-                                for i, (j, entry) in enumerate(zip(survivors, entries))]
+        repaired.payloads[u] = [fill_row(local[slot], i, entry or _refused(), piece)
+                                for i, entry in enumerate(_once_per_island(entries))]
     work, tables = allgather(manager, local.flatten(), len(survivors))
     work.wait()
     if manager.errored() is not None:
         raise RepairRefused("the repaired units' tables did not arrive")
     shaped = [t.cpu().view(local.shape) for t in tables]
-    repaired.reports = torch.stack([shaped[unit.owner][u] for u, unit in enumerate(units)])
+    repaired.reports = torch.stack([shaped[unit.owner][owned[unit.owner].index(u)] for u, unit in enumerate(units)])
     repaired.sent += local.numel() * 8
     repaired.received += local.numel() * 8 * (len(survivors) - 1)
     if weight:
@@ -316,8 +326,21 @@ def repair_first_phase(manager: Any, codec: Codec, old: Gathered, framing: Frami
     return repaired, merge_segment_tables(list(repaired.reports))
 
 
-def _refused(island: int) -> Opened:
-    return (0.0, 0.0, island, None, FRAME_UNSIGNED)
+def _refused() -> Opened:
+    return (0.0, 0.0, -1, None, FRAME_UNSIGNED)
+
+
+def _once_per_island(entries: list[Opened | None]) -> list[Opened | None]:
+    """An island's frame in two rows of one unit is a replay: the later one is refused."""
+    seen: set[int] = set()
+    kept: list[Opened | None] = []
+    for entry in entries:
+        if entry is not None and entry[2] >= 0 and entry[2] in seen:
+            entry = None
+        if entry is not None:
+            seen.add(entry[2])
+        kept.append(entry)
+    return kept
 
 
 def _own_opened(codec: Codec, x: torch.Tensor, unit: Unit, tokens: int, weight: float, island: int) -> Opened:

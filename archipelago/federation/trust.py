@@ -248,6 +248,16 @@ def check_member_id(key: FederationKey, replica_id: str) -> int | None:
     return None if member is None else member[0]
 
 
+def member_island(key: FederationKey | None, replica_id: str) -> int:
+    """The island id a replica id names: checked with a key (`check_member_id`), else read
+    from its `island_N` prefix; -1 when it names none."""
+    if key is not None:
+        island = check_member_id(key, replica_id)
+        return -1 if island is None else island
+    match = re.match(rf"{MEMBER_PREFIX}(0|[1-9][0-9]{{0,8}})(?::|$)", replica_id)
+    return int(match.group(1)) if match else -1
+
+
 def admission_proof(key: FederationKey, island: int, token: str, challenge: bytes) -> bytes:
     """An island's answer to the gate's challenge for its member token: an HMAC under the
     island's key, which a token read off the network does not give."""
