@@ -10,6 +10,7 @@ import os
 import threading
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -247,26 +248,29 @@ def _expected(codec, weights, plan, survivors) -> torch.Tensor:
     return total
 
 
-def test_the_repaired_exchange_sums_exactly_the_survivors_rows_alike_on_every_survivor():
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "plain"])
+def test_the_repaired_exchange_sums_exactly_the_survivors_rows_alike_on_every_survivor(signed):
+    # Plain rows cannot say whether they arrived whole: all of them travel again.
     codec = Int8Codec(NUMEL, 32)
-    key = FederationKey(SECRET)
+    key = FederationKey(SECRET) if signed else None
     tokens, weights = [100.0, 300.0, 200.0, 400.0], [100.0, 300.0, 200.0, 400.0]
     # Summer 1 holds member 3's row only half: not held, so it travels again.
     out = _repair_all(codec, key, tokens, weights, cut_half=(3,))
     assert all(error is None for _, _, error, _ in out.values()), [e for _, _, e, _ in out.values()]
-    holds = [row[:] for row in HOLDS]
+    holds = [row[:] for row in HOLDS] if signed else [[j == k for j in range(4)] for k in range(4)]
     holds[1][3] = False
     plan = segment_repair(ALIVE, holds)
     expected = _expected(codec, weights, plan, [0, 1, 3])
     for me, (table, into, _, _) in out.items():
-        assert table[:, TOKENS].tolist() == [100.0, 300.0, 400.0] and table[:, ISLAND].tolist() == [10, 11, 13]
+        assert table[:, TOKENS].tolist() == [100.0, 300.0, 400.0] and table[:, FRAME].tolist() == [0, 0, 0]
+        assert table[:, ISLAND].tolist() == ([10, 11, 13] if signed else [-1, -1, -1])
         assert torch.equal(into[:-2], expected), me
         assert into[-2:].tolist() == [800.0, 800.0]
     assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][1], out[3][1])
-    # Summer 1 received member 3's segment 1 again, and summer 0 member 1's segment 0; only
-    # the dead segment's parts and those two rows travelled.
-    assert [(p.sender, p.summer) for p in planned_parts(codec, codec.segments(4), plan) if p.segment != 2] \
-        == [(1, 0), (3, 1)]
+    # Signed: summer 1 received member 3's segment 1 again, and summer 0 member 1's segment
+    # 0; only the dead segment's parts and those two rows travelled.
+    resent = [(p.sender, p.summer) for p in planned_parts(codec, codec.segments(4), plan) if p.segment != 2]
+    assert resent == ([(1, 0), (3, 1)] if signed else [(1, 0), (3, 0), (0, 1), (3, 1), (0, 3), (1, 3)])
 
 
 def test_a_part_signed_as_another_island_refuses_its_sender_on_every_survivor_alike():

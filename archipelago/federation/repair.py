@@ -297,7 +297,8 @@ def repair_first_phase(manager: Any, codec: Codec, old: Gathered, framing: Frami
     opened = open_parts(inflight, codec, framing, islands, claims=True)
     if manager.errored() is not None:
         raise RepairRefused("the repair's parts did not arrive")
-    own = {u: _own_opened(codec, x, unit, tokens, weight, old.framing.island)
+    island = old.framing.island if framing.key is not None else -1  # what a plain frame of it reads as
+    own = {u: _own_opened(codec, x, unit, tokens, weight, island)
            for u, unit in enumerate(units) if unit.owner == rank}
     repaired = Repaired(framing, units, rank, sent=inflight.sent, received=inflight.received.numel())
     # Each survivor all-gathers the tables of the units it sums only (1 + one per dead
