@@ -425,13 +425,14 @@ def _rounds(island_dir: Path) -> list[dict]:
     return [r for r in records(island_dir) if r.get("event") == "outer_step"]
 
 
-def _drill(run_dir: Path, retries: int, *extra: str) -> tuple[Any, list[list[dict]]]:
-    done = run_cli(["local", "--islands", "1,1,1", "--no-table", "--heartbeat-timeout-ms", "500", *extra,
+def _drill(run_dir: Path, retries: int, *extra: str, islands: str = "1,1,1") -> tuple[Any, list[list[dict]]]:
+    done = run_cli(["local", "--islands", islands, "--no-table", "--heartbeat-timeout-ms", "500", *extra,
                     "--inject", f"2:die_in_exchange@{DIES_AT}", *TINY, "--training.val_every", "0",
                     "--checkpoint.no_enable", "--fault_tolerance.sync_steps", "4", "--training.steps", "12",
                     "--metrics.log_every", "4", "--fault_tolerance.exchange_retries", str(retries),
                     "--job.run_dir", str(run_dir)], timeout=240)
-    return done, [_rounds(run_dir / f"island-{k}") for k in (0, 1)]
+    survivors = [k for k in range(len(islands.split(","))) if k != 2]
+    return done, [_rounds(run_dir / f"island-{k}") for k in survivors]
 
 
 @pytest.mark.timeout(300)
@@ -471,6 +472,29 @@ def test_decoupled_rounds_survive_a_member_that_dies_with_its_row_in_flight(tmp_
     assert all(r["committed"] for island in rounds for r in island)  # no round lost
     assert [r["global_hash"] for r in rounds[0]] == [r["global_hash"] for r in rounds[1]]
     assert sum(r["overlap_s"] > 0 for r in rounds[0]) >= 3  # the exchanges overlapped inner steps
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow  # about 30 s on 2 cores: make test-slow
+def test_decoupled_rounds_repair_the_overlapped_exchange_a_member_died_in(tmp_path):
+    # Four int8 islands, every exchange overlapping the next round, rows signed: island 2
+    # dies with its segments in flight and the three survivors finish that exchange by the
+    # segment repair, a round later, with equal global weights.
+    from archipelago.federation.trust import write_secret
+
+    write_secret(str(tmp_path / "fed.key"))
+    done, rounds = _drill(tmp_path / "run", 2, "--fault_tolerance.round_mode", "decoupled",
+                          "--fault_tolerance.overlap_threshold", "0", "--fault_tolerance.codec", "int8",
+                          "--fault_tolerance.exchange_repair", "segment", "--federation_security.key_file",
+                          str(tmp_path / "fed.key"), islands="1,1,1,1")
+    fed = json.loads((tmp_path / "run" / "federation.json").read_text())
+    assert [i["exit_code"] for i in fed["islands"]] == [0, 0, 128 + signal.SIGKILL, 0], done.output[-4000:]
+    died = [r[DIES_AT - 1] for r in rounds]
+    assert all(r["committed"] and r["participants"] == 3 and r["retries"] == 1 and r["repaired"] == 1
+               for r in died), died
+    assert all(r["committed"] for island in rounds for r in island)  # no round lost
+    assert [r["global_hash"] for r in rounds[0]] == [r["global_hash"] for r in rounds[1]] \
+        == [r["global_hash"] for r in rounds[2]]
 
 
 def test_decoupled_rounds_decide_overlap_and_staleness_from_the_signed_flags_alike():
