@@ -15,7 +15,8 @@ keeping its own moments), adam-federation-batch / adam-own-batch (the config wit
 platform's outer Nesterov SGD, lr 0.7, momentum 0.9, sync_steps 20), diloco-3 (3 x 1 rank:
 1.5x DDP's tokens, so compared with one island only), int8, topk (20% of 256, 2 bits),
 topk-5pct-1bit (the sparser top-k before), sparseloco (2% at 2 bits, error feedback decayed by
-0.95, 30-step rounds, own moments), streaming int8 (2 fragments, tau 1) and
+0.95, 30-step rounds, own moments; -muon: with Muon inside, MuLoCo's inner optimizer;
+-5pct-20: 5% in 20-step rounds), streaming int8 (2 fragments, tau 1) and
 streaming-int8-no-overlap (tau 0), sync_steps 5 / 50 / 100, and het-1:3 (a 2-rank and
 a 1-rank island, the 1-rank one emulated 3x slower, time-paced rounds as long as the
 diloco run's median round, token-weighted): the same token budget, unequal steps. Its
@@ -113,6 +114,9 @@ SETTINGS = {s.name: s for s in (
     Setting("topk-5pct-1bit", args=("--fault_tolerance.codec", "topk", "--fault_tolerance.topk_fraction", "0.05",
                                     "--fault_tolerance.topk_bits", "1")),
     Setting("sparseloco", args=SPARSELOCO),
+    Setting("sparseloco-muon", args=(*SPARSELOCO, "--optimizer.name", "muon")),
+    Setting("sparseloco-5pct-20", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.05",
+                                        "--fault_tolerance.sync_steps", "20")),
     Setting("streaming-int8", args=STREAM),
     Setting("streaming-int8-no-overlap", args=STREAM_NO_OVERLAP),
     Setting("sync-5", args=("--fault_tolerance.sync_steps", "5")),
