@@ -475,16 +475,19 @@ def test_decoupled_rounds_survive_a_member_that_dies_with_its_row_in_flight(tmp_
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.slow  # about 30 s on 2 cores: make test-slow
-def test_decoupled_rounds_repair_the_overlapped_exchange_a_member_died_in(tmp_path):
-    # Four int8 islands, every exchange overlapping the next round, rows signed: island 2
-    # dies with its segments in flight and the three survivors finish that exchange by the
-    # segment repair, a round later, with equal global weights.
+@pytest.mark.slow  # about 30 s each on 2 cores: make test-slow
+@pytest.mark.parametrize("rounds_of", [
+    ("--fault_tolerance.round_mode", "decoupled", "--fault_tolerance.overlap_threshold", "0"),
+    ("--fault_tolerance.average_optimizer_state",)], ids=["decoupled", "moments"])
+def test_the_segment_repair_through_archipelago_local(tmp_path, rounds_of):
+    # Four int8 islands, rows signed: island 2 dies with its segments in flight and the three
+    # survivors finish that exchange by the segment repair with equal global weights. Every
+    # exchange overlapping the next round (finished a round later), or with the AdamW
+    # moments averaged (their exchange runs again whole after the repair).
     from archipelago.federation.trust import write_secret
 
     write_secret(str(tmp_path / "fed.key"))
-    done, rounds = _drill(tmp_path / "run", 2, "--fault_tolerance.round_mode", "decoupled",
-                          "--fault_tolerance.overlap_threshold", "0", "--fault_tolerance.codec", "int8",
+    done, rounds = _drill(tmp_path / "run", 2, *rounds_of, "--fault_tolerance.codec", "int8",
                           "--fault_tolerance.exchange_repair", "segment", "--federation_security.key_file",
                           str(tmp_path / "fed.key"), islands="1,1,1,1")
     fed = json.loads((tmp_path / "run" / "federation.json").read_text())

@@ -167,6 +167,12 @@ class ExchangeAttempts:
                 p.codec_state = {k: v.clone() for k, v in codec.state_dict().items()}
             p.gathered = start_gather(h.manager, codec, p.buffer[:-2], p.tokens, p.weight,
                                       replace(framing, forge=forge))
+        self._start_moments(p, framing)
+
+    def _start_moments(self, p: Pending, framing: Framing) -> None:
+        """Start the exchange of the inner optimizer's moments (average_optimizer_state): a
+        collective over the island's ranks too, so every rank calls it at the same point."""
+        h = self.host
         if h.inner_state is not None and p.exchanged:
             device = torch.device("cpu") if h.ft.copy_pseudogradients_to_cpu else None
             carry = h.codec_name != "auto" or p.buffer is None or h.auto.carries_moments
@@ -367,8 +373,8 @@ class ExchangeAttempts:
         None (the exchange runs again whole). Every member decides alike: the config, the
         two quorums and the codec's choice are the same on all of them."""
         h = self.host
-        if (h.ft.exchange_repair != "segment" or h.codec_name == "auto" or h.inner_state is not None
-                or h.codecs[p.fragment].sparse or not p.exchanged):
+        if (h.ft.exchange_repair != "segment" or h.codec_name == "auto" or h.codecs[p.fragment].sparse
+                or not p.exchanged):
             return None
         if old is None or old.segments is None or h.manager is None:  # not two-phase, or not a bridge rank
             return None
@@ -382,9 +388,9 @@ class ExchangeAttempts:
 
     def _repair(self, p: Pending, m: Membership, old: Gathered, old_members: list[str], survivors: list[int]) -> None:
         """Finish the failed exchange by the segment repair (repair.py) among the survivors
-        of quorum `m`, in frames signed for it. A repair that fails reports to the manager:
-        the members then settle that this attempt failed too, and the next retry (if any)
-        runs the exchange again whole."""
+        of quorum `m`, in frames signed for it; averaged moments are exchanged again whole,
+        after it. A repair that fails reports to the manager: the members then settle that
+        this attempt failed too, and the next retry (if any) runs the exchange again whole."""
         h = self.host
         framing = self._frame(p, m)
         assert p.buffer is not None
@@ -399,7 +405,9 @@ class ExchangeAttempts:
             if h.manager.errored() is None:
                 h.manager.report_error(exc)
             log.warning("outer step %d: the segment repair failed (%s)", p.outer_step + 1, exc)
+            self._start_moments(p, framing)
             return
+        self._start_moments(p, framing)
         log.info("outer step %d: the segment repair among %d survivor(s) sent %d bytes in %.2f s instead of "
                  "running the exchange again (fault_tolerance.exchange_repair)", p.outer_step + 1, len(survivors),
                  p.repaired.sent, time.perf_counter() - began)
