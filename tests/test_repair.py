@@ -49,6 +49,16 @@ def _framing(key: FederationKey, island: int) -> Framing:
     return Framing(key, quorum=9, step=3, fragment=0, island=island)
 
 
+def _in_threads(survivor, members: list[int]) -> None:
+    """survivor(rank, member) for each member in a thread of its own, with a hard timeout."""
+    threads = [threading.Thread(target=survivor, args=(rank, me), daemon=True) for rank, me in enumerate(members)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a survivor hung in the repair"
+
+
 def _run_survivors(codec, plan, framings, weights) -> dict[int, dict]:
     """Each survivor in a thread of its own gloo group: its opened parts (or its error)."""
     live = [j for j in range(len(ALIVE)) if ALIVE[j]]
@@ -65,12 +75,7 @@ def _run_survivors(codec, plan, framings, weights) -> dict[int, dict]:
         except Exception as exc:  # noqa: BLE001 - reported by the test
             results[me] = {"error": exc}
 
-    threads = [threading.Thread(target=survivor, args=(rank, me), daemon=True) for rank, me in enumerate(live)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not any(thread.is_alive() for thread in threads), "a survivor hung in the repair's all-to-all"
+    _in_threads(survivor, live)
     assert not [r["error"] for r in results.values() if "error" in r]
     return results
 
@@ -221,12 +226,7 @@ def _repair_all(codec, key, tokens, weights, framing_of=None, cut_half=()):
         except Exception as exc:  # noqa: BLE001 - reported by the test
             out[me] = (None, None, exc, None)
 
-    threads = [threading.Thread(target=survivor, args=(rank, me), daemon=True) for rank, me in enumerate(survivors)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not any(thread.is_alive() for thread in threads), "a survivor hung in the repair"
+    _in_threads(survivor, survivors)
     return out
 
 
