@@ -297,6 +297,18 @@ def test_member_ids_carry_a_token_only_the_key_makes():
     assert [check_member_id(key, f) for f in forged] == [None] * len(forged)
 
 
+def test_the_island_a_member_id_names_is_checked_with_a_key_and_read_without():
+    from archipelago.federation.trust import member_id, member_island
+
+    key, other = FederationKey(SECRET), FederationKey(bytes.fromhex(new_secret()))
+    suffix = f":{uuid.uuid4()}"
+    assert member_island(key, member_id(key, 12) + suffix) == 12
+    assert member_island(key, member_id(other, 12) + suffix) == -1  # another federation's token
+    assert member_island(key, "island_12" + suffix) == -1            # no token at all
+    assert member_island(None, "island_12" + suffix) == 12 and member_island(None, "island_7") == 7
+    assert [member_island(None, bad) for bad in ("island_", "island_012", "islandx_1", "node_3:1")] == [-1] * 4
+
+
 def test_an_island_neither_heals_from_nor_serves_a_quorum_with_an_outsider():
     from types import SimpleNamespace
 
