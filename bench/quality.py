@@ -36,6 +36,10 @@ against tokens.
     python bench/quality.py [--steps 200] [--seeds 0 1 2] [--settings single ddp diloco ...]
     python bench/quality.py --flavor small --device cuda     # on a GPU machine
     python bench/quality.py --work-dir DIR --resume         # go on after an interruption
+    python bench/quality.py --preset compute-optimal --out FILE   # docs/quality.md's 20-tokens-per-parameter table
+
+Bytes per token are against DDP's of the same seed where the run has one, else against
+DDP's count on the run's own batches (two ranks, one fp32 all-reduce per step).
 
 Defaults take about 2 hours on a 2-core CPU (13 settings x 3 seeds).
 """
@@ -133,6 +137,7 @@ class Run:
     tokens: int
     bytes_sent: int
     steps: list[int] = field(default_factory=list)   # inner steps per island
+    params: int = 0                                 # the model's parameters (DDP's bytes without a DDP run)
     curve: list[list[float]] = field(default_factory=list)  # [tokens, val loss]
 
 
@@ -237,7 +242,7 @@ def collect(s: Setting, seed: int, run_dir: Path, params: int, args: argparse.Na
     else:  # DDP: one fp32 gradient all-reduce per step on every rank (none for one rank)
         sent = 4 * params * s.ranks * steps if s.ranks > 1 else 0
         inner = [final["step"]]
-    return Run(s.name, seed, final["val_loss"], final["tokens"], sent, inner, curve(run_dir))
+    return Run(s.name, seed, final["val_loss"], final["tokens"], sent, inner, params, curve(run_dir))
 
 
 def params_of(run_dir: Path) -> int:
@@ -278,13 +283,41 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
             "val_loss": statistics.fmean(losses), "val_loss_spread": max(losses) - min(losses),
             "val_loss_ratio_vs_ddp": None if name in NOT_DDP_TOKENS else paired(group, "ddp", lambda r: r.val_loss),
             "val_loss_ratio_vs_single": paired(group, single, lambda r: r.val_loss),
-            "bytes_per_token_ratio_vs_ddp": None if name in ("single", "single-fast") else
-            paired(group, "ddp", lambda r: r.bytes_sent / max(r.tokens, 1)),
+            "bytes_per_token_ratio_vs_ddp": bytes_ratio(group, paired(group, "ddp", bytes_per_token)),
             "seeds": [r.seed for r in group], "val_losses": losses,
             "inner_steps": [r.steps for r in group], "bytes_sent": [r.bytes_sent for r in group],
             "curves": [r.curve for r in group],
         })
     return table
+
+
+def bytes_per_token(r: Run) -> float:
+    return r.bytes_sent / max(r.tokens, 1)
+
+
+def ddp_bytes_per_token(r: Run) -> float:
+    """What DDP sends per token on the run's batches: one fp32 gradient all-reduce of every
+    parameter per rank and step, a rank's step being one island step's tokens."""
+    steps = sum(r.steps)
+    return 4 * r.params * steps / r.tokens if r.params and r.tokens and steps else 0.0
+
+
+def bytes_ratio(group: list[Run], measured: float | None) -> float | None:
+    """Bytes per token over DDP's: against the DDP run of the same seed where there is one,
+    else against DDP's count on the run's own batches; 0 for a run that sends nothing."""
+    if measured is not None or not group:
+        return measured
+    if all(r.bytes_sent == 0 for r in group):
+        return 0.0
+    ratios = [bytes_per_token(r) / ddp_bytes_per_token(r) for r in group if ddp_bytes_per_token(r)]
+    return statistics.fmean(ratios) if ratios else None
+
+
+def bytes_cell(ratio: float | None) -> str:
+    """A bytes ratio as the table shows it: four decimals, or 1/N below a hundredth."""
+    if ratio is None or ratio == 0 or ratio >= 0.01:
+        return num(ratio, ".4f")
+    return f"1/{1 / ratio:,.0f}"
 
 
 def print_table(table: list[dict[str, Any]], args: argparse.Namespace) -> None:
@@ -296,7 +329,7 @@ def print_table(table: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print("|---:|---:|---:|---:|---:|---:|---|---|")
     for t in table:
         print(f"| {num(t['val_loss_ratio_vs_ddp'], '.4f')} | {num(t['val_loss_ratio_vs_single'], '.4f')} "
-              f"| {num(t['bytes_per_token_ratio_vs_ddp'], '.4f')} | {t['val_loss']:.4f} "
+              f"| {bytes_cell(t['bytes_per_token_ratio_vs_ddp'])} | {t['val_loss']:.4f} "
               f"| {t['val_loss_spread']:.4f} | {t['tokens']:,} | {'/'.join(map(str, t['inner_steps'][0]))} "
               f"| {t['setting']} |")
 
@@ -326,8 +359,23 @@ def plot(table: list[dict[str, Any]], path: Path, title: str) -> None:
 # ------------------------------------------------------------------ main
 
 
-def parse_args() -> argparse.Namespace:
+# `--preset compute-optimal`: docs/quality.md's compute-optimal table in one command (20 tokens
+# per parameter, report seeds on report windows, each setting at the rate tuned on seed 100).
+PRESETS: dict[str, dict[str, Any]] = {
+    "compute-optimal": {
+        "config": REPO / "configs/llama3/compute-optimal.toml", "flavor": "tiny", "steps": 4300, "batch_size": 16,
+        "eval_windows": 512, "eval_offset": 512, "seeds": [0, 1, 2],
+        "settings": ["single", "ddp", "diloco", "sparseloco"],
+        "lr": ["ddp=5e-3", "diloco=5e-3", "single=3e-3"],
+    },
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=list(PRESETS), default=None,
+                   help="defaults for a whole table (compute-optimal: docs/quality.md's 20-tokens-per-parameter "
+                        "table, about an hour per setting and seed here); options given as well override it")
     p.add_argument("--config", type=Path, default=REPO / "configs/llama3/federation.toml")
     p.add_argument("--flavor", default="debug", help="the config's model flavor (llama3 small on a GPU machine)")
     p.add_argument("--device", default="cpu", help="training.device of every run")
@@ -348,7 +396,10 @@ def parse_args() -> argparse.Namespace:
                    help="reuse runs that finished in --work-dir (an interrupted benchmark goes on where it stopped)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="write validation loss vs tokens as PNG here")
-    args = p.parse_args()
+    preset, _ = p.parse_known_args(argv)
+    if preset.preset:
+        p.set_defaults(**PRESETS[preset.preset])
+    args = p.parse_args(argv)
     rates = [item.partition("=") for item in args.lr]
     bad = [item for item, (name, eq, value) in zip(args.lr, rates) if not eq or name not in SETTINGS or not value]
     if bad:

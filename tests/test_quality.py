@@ -221,6 +221,33 @@ def test_outer_sweep_counts_bytes_per_token_against_ddp_by_hand():
     assert sweep.ddp_bytes_per_token(rows, None) is None
 
 
+def test_quality_bench_gives_every_row_its_bytes_against_ddp_and_a_preset_fills_the_table(monkeypatch):
+    # Two islands of 1,000 parameters trained 100 steps each on 1,024 tokens per step: DDP of
+    # two ranks would all-reduce 4 x 1,000 bytes per rank and step, 8,000 bytes per 2,048
+    # tokens. A federation that sent 20,000 bytes sends 1/400 of that per token.
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("quality", ROOT / "bench" / "quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "quality", quality)  # its dataclasses look their module up
+    monkeypatch.setattr(sys, "path", list(sys.path))  # it adds bench/ for its harness
+    spec.loader.exec_module(quality)
+    sparse = quality.Run("sparseloco", 0, 4.2, 204_800, 20_000, [100, 100], 1000)
+    single = quality.Run("single", 0, 4.4, 102_400, 0, [100], 1000)
+    table = {t["setting"]: t for t in quality.summarize([sparse, single])}
+    assert table["sparseloco"]["bytes_per_token_ratio_vs_ddp"] == pytest.approx((20_000 / 204_800) / (8000 / 2048))
+    assert table["single"]["bytes_per_token_ratio_vs_ddp"] == 0.0
+    ddp = quality.Run("ddp", 0, 4.0, 204_800, 4 * 1000 * 2 * 100, [100], 1000)  # measured in the same run
+    table = {t["setting"]: t for t in quality.summarize([sparse, ddp])}
+    assert table["sparseloco"]["bytes_per_token_ratio_vs_ddp"] == pytest.approx(20_000 / 800_000)
+    assert table["sparseloco"]["val_loss_ratio_vs_ddp"] == pytest.approx(4.2 / 4.0)
+    assert quality.bytes_cell(1 / 400) == "1/400" and quality.bytes_cell(0.3) == "0.3000"
+    args = quality.parse_args(["--preset", "compute-optimal", "--seeds", "2"])
+    assert (args.flavor, args.steps, args.eval_offset, args.seeds) == ("tiny", 4300, 512, [2])
+    assert args.lr == {"ddp": "5e-3", "diloco": "5e-3", "single": "3e-3"} and "sparseloco" in args.settings
+
+
 def test_wan_bench_codec_auto_runs_auto_without_and_with_streaming(monkeypatch):
     import importlib.util
     import sys
