@@ -369,7 +369,7 @@ class ExchangeAttempts:
     def _survivors(self, p: Pending, m: Membership, old: Gathered | None, old_members: list[str]) -> list[int] | None:
         """The old replica ranks of the retry's quorum `m` when the failed attempt can be
         finished by the segment repair (exchange_repair = "segment": a dense two-phase
-        exchange, the new quorum exactly some of the old members in the same order), else
+        exchange on gloo, the new quorum exactly some of the old members in the same order), else
         None (the exchange runs again whole). Every member decides alike: the config, the
         two quorums and the codec's choice are the same on all of them."""
         h = self.host
@@ -377,6 +377,8 @@ class ExchangeAttempts:
                 or not p.exchanged):
             return None
         if old is None or old.segments is None or h.manager is None:  # not two-phase, or not a bridge rank
+            return None
+        if p.buffer is None or wire_device(h.manager, p.buffer.device).type != "cpu":  # parts cross on gloo
             return None
         new = list(getattr(h.manager, "_archipelago_replica_ids", None) or [])
         survivors = [j for j, member in enumerate(old_members) if member in new]
