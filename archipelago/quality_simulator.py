@@ -238,7 +238,9 @@ class _Outer:
         for island in islands:
             island.codecs = [build_codec(self.ft, g.numel()) for g in self.globals]
         self.per_fragment = self.ft.sync_steps // n
-        self.local_step, self.step = 0, 0
+        # The platform's join round is outer step 1 (it synchronises fragment 0, with nothing
+        # in it), so its first round of training synchronises fragment 1 % fragments: count it.
+        self.local_step, self.step = 0, 1
         self.pending: tuple[int, torch.Tensor, float] = (0, torch.zeros(0), 0.0)  # set by prepare()
         self.pending_moments: list[torch.Tensor] = []  # average_optimizer_state: weighted sums
         self.round_tokens: list[int] = []  # each island's tokens in the round prepare() took

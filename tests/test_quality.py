@@ -65,6 +65,37 @@ def test_simulator_trains_the_same_weights_as_a_real_federation(tmp_path):
     assert any(not torch.equal(plain[name], value) for name, value in own.items())
 
 
+@pytest.mark.slow  # about 30 s each on 2 cores: make test-slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("combination", [
+    ("--fault_tolerance.codec", "int8"),
+    ("--fault_tolerance.codec", "topk", "--fault_tolerance.topk_fraction", "0.02",
+     "--fault_tolerance.topk_error_decay", "0.95"),
+    ("--fault_tolerance.codec", "int8", "--fault_tolerance.num_fragments", "2",
+     "--fault_tolerance.fragment_sync_delay", "1"),
+], ids=["int8", "topk-ef", "streaming-int8"])
+def test_the_simulator_trains_the_shipped_combinations_bit_for_bit(tmp_path, combination):
+    # What bench/outer_sweep.py and docs/quality.md's simulator rows stand on: each codec and
+    # streaming as the platform runs them (two islands, the rows' rounding, top-k's error
+    # feedback with decay, fragments whose exchange overlaps one inner step).
+    from archipelago.config import load_config
+    from archipelago.quality_simulator import simulate
+
+    outer = ["--fault_tolerance.sync_steps", "4", "--training.steps", "12", *combination]
+    done = run_cli(["local", "--islands", "1,1", "--no-table", *TINY, *QUICK, *outer,
+                    "--job.run_dir", str(tmp_path / "fed")], timeout=280)
+    assert done.returncode == 0, done.output[-3000:]
+    simulated = simulate(load_config([*TINY, *QUICK, *outer, "--fault_tolerance.enable"]), islands=2,
+                         eval_windows=8).models
+    start = _model_weights_at_start()
+    for island, model in zip(("island-0", "island-1"), simulated):
+        real = _model_weights(tmp_path / "fed" / island)
+        assert real.keys() == model.state_dict().keys() and len(real) > 10
+        assert all(not torch.equal(real[k], v) for k, v in start.items())  # the comparison can fail
+        for name, value in model.state_dict().items():
+            assert torch.equal(real[name], value), (island, name)
+
+
 @pytest.mark.timeout(400)
 def test_one_step_rounds_of_plain_averaging_with_inner_sgd_are_data_parallelism(tmp_path):
     # Inner SGD, no clipping (a per-island clip is not the clip of the averaged gradient).
