@@ -252,18 +252,25 @@ def test_outer_sweep_counts_bytes_per_token_against_ddp_by_hand():
     assert sweep.ddp_bytes_per_token(rows, None) is None
 
 
+def _bench_module(name: str, monkeypatch):
+    """bench/NAME.py loaded as module NAME (its dataclasses look their module up), with the
+    bench/ folder it adds to sys.path for its harness taken out again after the test."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_quality_bench_gives_every_row_its_bytes_against_ddp_and_a_preset_fills_the_table(monkeypatch):
     # Two islands of 1,000 parameters trained 100 steps each on 1,024 tokens per step: DDP of
     # two ranks would all-reduce 4 x 1,000 bytes per rank and step, 8,000 bytes per 2,048
     # tokens. A federation that sent 20,000 bytes sends 1/400 of that per token.
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("quality", ROOT / "bench" / "quality.py")
-    quality = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "quality", quality)  # its dataclasses look their module up
-    monkeypatch.setattr(sys, "path", list(sys.path))  # it adds bench/ for its harness
-    spec.loader.exec_module(quality)
+    quality = _bench_module("quality", monkeypatch)
     sparse = quality.Run("sparseloco", 0, 4.2, 204_800, 20_000, [100, 100], 1000)
     single = quality.Run("single", 0, 4.4, 102_400, 0, [100], 1000)
     table = {t["setting"]: t for t in quality.summarize([sparse, single])}
@@ -280,14 +287,7 @@ def test_quality_bench_gives_every_row_its_bytes_against_ddp_and_a_preset_fills_
 
 
 def test_wan_bench_codec_auto_runs_auto_without_and_with_streaming(monkeypatch):
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("wan", ROOT / "bench" / "wan.py")
-    wan = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "wan", wan)  # its dataclasses look their module up
-    monkeypatch.setattr(sys, "path", list(sys.path))  # it adds bench/ for its harness
-    spec.loader.exec_module(wan)
+    wan = _bench_module("wan", monkeypatch)
     assert wan.parse_args(["--codec", "auto"]).keys == ["f", "g"]
     assert "--fault_tolerance.fragment_sync_delay" in wan.SETTINGS["g"].args  # g streams, f does not
     assert "--fault_tolerance.fragment_sync_delay" not in wan.SETTINGS["f"].args
