@@ -396,9 +396,8 @@ class ExchangeAttempts:
         h = self.host
         framing = self._frame(p, m)
         assert p.buffer is not None
-        islands: list[int] | None = [member_island(h.key, member) for member in old_members]
-        if islands is not None and min(islands) < 0:  # ids that name no island: the tables' claims alone
-            islands = None
+        named = [member_island(h.key, member) for member in old_members]
+        islands = named if min(named) >= 0 else None  # ids that name no island: the tables' claims alone
         began = time.perf_counter()
         try:
             p.repaired, p.repaired_table = repair_first_phase(h.manager, h.codecs[p.fragment], old, framing,
@@ -407,12 +406,11 @@ class ExchangeAttempts:
             if h.manager.errored() is None:
                 h.manager.report_error(exc)
             log.warning("outer step %d: the segment repair failed (%s)", p.outer_step + 1, exc)
-            self._start_moments(p, framing)
-            return
+        else:
+            log.info("outer step %d: the segment repair among %d survivor(s) sent %d bytes in %.2f s instead of "
+                     "running the exchange again (fault_tolerance.exchange_repair)", p.outer_step + 1,
+                     len(survivors), p.repaired.sent, time.perf_counter() - began)
         self._start_moments(p, framing)
-        log.info("outer step %d: the segment repair among %d survivor(s) sent %d bytes in %.2f s instead of "
-                 "running the exchange again (fault_tolerance.exchange_repair)", p.outer_step + 1, len(survivors),
-                 p.repaired.sent, time.perf_counter() - began)
 
     def _forget(self, p: Pending) -> None:
         """What a failed attempt leaves: its bytes counted, the codec's state as it was before."""

@@ -20,6 +20,7 @@ member, plus the segments its summers lacked, instead of a whole exchange again.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,7 +137,7 @@ def send_parts(group: Any, codec: Codec, framing: Framing, x: torch.Tensor, toke
     out_sizes = [sum(frame_bytes(codec, framing, p) for p in group_parts) for group_parts in incoming]
     received = torch.zeros(sum(out_sizes), dtype=torch.uint8)
     arriving = [p for group_parts in incoming for p in group_parts]
-    offsets = _offsets([frame_bytes(codec, framing, p) for p in arriving])
+    offsets = list(itertools.accumulate((frame_bytes(codec, framing, p) for p in arriving), initial=0))[:-1]
     own = {(p.segment, p.part): _encode(codec, x, Part(me, me, p.segment, p.part, p.start, p.end), weight)
            for p in _own_parts(codec, segments, plan, me)}
     work = group.alltoall_base(received, send, out_sizes, in_sizes, AllToAllOptions())
@@ -155,14 +156,6 @@ def _own_parts(codec: Codec, segments: list[tuple[int, int]], plan: SegmentRepai
              for k, summers in enumerate(plan.summers) if len(summers) > 1
              for part, summer in enumerate(summers) if summer == me]
     return [part for part in parts if part.end > part.start]
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    out, at = [], 0
-    for size in sizes:
-        out.append(at)
-        at += size
-    return out
 
 
 def open_parts(inflight: PartsInFlight, codec: Codec, framing: Framing, islands: list[int] | None = None,
