@@ -26,9 +26,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml
+# DaCe (training.backend = "dace") without its declared numpy < 2: requirements-dace.txt says why.
+$(STAMP): $(BIN)/python pyproject.toml requirements-dace.txt
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps -r requirements-dace.txt
 	touch $(STAMP)
 
 # Fetch the Shakespeare corpus, train the tokenizer, write token files (a no-op when cached);

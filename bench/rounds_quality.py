@@ -45,6 +45,8 @@ which `--resume` reuses.
 
     python bench/rounds_quality.py --steps 120 --workers 2 --out bench/results/rounds-quality-cpu.json
     python bench/rounds_quality.py --only A --seeds 1 2 3 --tuning-seed 100
+    python bench/rounds_quality.py --only A --config configs/llama3/compute-optimal.toml --steps 4300 \
+        --eval-windows 512 --workers 2 --extra --training.batch_size 16 --training.val_offset 0
 
 On a 2-core CPU shared with other work one 120-step run of 2 islands took 3 to 5.5 minutes
 (one thread each, two at a time), and the whole benchmark at --steps 120 about 1 h 45 min.
@@ -117,7 +119,8 @@ def jobs_c(lrs3: list[float], lrs2: list[float], exponents: list[float], wall: i
 def key(job: dict[str, Any]) -> str:
     """What makes two runs the same run (for --resume)."""
     return json.dumps([job["experiment"], job["setting"], job["islands"], job["overrides"], job["sim"],
-                       job["seed"], job["steps"], job["eval_windows"], job["config"]], sort_keys=True)
+                       job["seed"], job["steps"], job["eval_windows"], job["config"]]
+                      + ([job["extra"]] if job.get("extra") else []), sort_keys=True)
 
 
 def run_job(job: dict[str, Any], threads: int) -> dict[str, Any]:
@@ -127,7 +130,7 @@ def run_job(job: dict[str, Any], threads: int) -> dict[str, Any]:
     from archipelago.config import load_config
 
     torch.set_num_threads(threads)
-    cfg = load_config(["--config", job["config"], *COMMON, *job["overrides"],
+    cfg = load_config(["--config", job["config"], *job.get("extra", []), *COMMON, *job["overrides"],
                        "--training.steps", str(job["steps"]), "--training.seed", str(job["seed"])])
     captured: list[Any] = []
 
@@ -204,7 +207,7 @@ class Runner:
     def run_many(self, batch: list[tuple[dict[str, Any], int, str]]) -> list[dict[str, Any]]:
         a = self.args
         jobs = [{**job, "seed": seed, "phase": phase, "steps": a.steps, "eval_windows": a.eval_windows,
-                 "config": str(a.config)} for job, seed, phase in batch]
+                 "config": str(a.config), "extra": a.extra} for job, seed, phase in batch]
         out, todo = [], []
         for job in jobs:
             if key(job) in self.done:
@@ -339,6 +342,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log", type=Path, default=None, help="one JSON line per finished run (default: --out with "
                    ".runs.jsonl)")
     p.add_argument("--resume", action="store_true", help="reuse the runs --log already holds")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                   help="anything after --extra overrides the config of every run, before the experiment's own "
+                        "settings (e.g. --model.flavor tiny --training.batch_size 16)")
     args = p.parse_args()
     args.only = sorted({x.strip().upper() for x in args.only.split(",") if x.strip()})
     if not args.only or set(args.only) - {"A", "B", "C"}:
@@ -412,14 +418,15 @@ def main() -> None:
         table.append(compare(rows, f"C thin link, equal wall-clock ({args.wall_ticks} ticks)", "C", method,
                              f"sync-2 lr={fmt(cc['sync-2 outer_lr'])}"))
     wall = time.monotonic() - began
-    print(f"\nllama3 debug, training.steps {args.steps}, wall ticks {args.wall_ticks} (B, C), "
+    print(f"\n{args.config.name} {' '.join(args.extra)}, training.steps {args.steps}, "
+          f"wall ticks {args.wall_ticks} (B, C), "
           f"eval windows {args.eval_windows}, report seeds {' '.join(map(str, args.seeds))}, "
           f"tuning seed {args.tuning_seed}; chosen: {json.dumps(choices)}")
     print_tuning(rows, args.tuning_seed)
     print_comparisons(table)
     print(f"\n{len(rows)} runs ({sum(1 for r in rows if not r.get('reused'))} new) in {wall:.0f} s")
     meta.update({"load_average_at_end": list(os.getloadavg()), "wall_s": wall, "config": str(args.config),
-                 "flavor": "debug", "steps": args.steps, "wall_ticks": args.wall_ticks,
+                 "extra": args.extra, "steps": args.steps, "wall_ticks": args.wall_ticks,
                  "eval_windows": args.eval_windows, "seeds": args.seeds, "tuning_seed": args.tuning_seed,
                  "exponents": args.exponents, "outer_lrs": args.outer_lrs, "only": args.only,
                  "common_overrides": list(COMMON), "max_staleness": "default (4)"})

@@ -13,6 +13,16 @@ With `--model gpt_oss` a second table compares the dropless batched experts (one
 matmul per projection over all experts) with a Python loop over experts on the same
 routed tokens, forward and backward, in the same run.
 
+With `--backend dace` the comparison is the trainer with `training.backend = "dace"` against
+the same trainer with `eager` (ratio dace / eager, both fp32 on the CPU, alternating), and a
+second table times the model's distinct linear-layer products (forward shapes: tokens x in
+-> out) as torch.mm, as the backend's DaCe program, and as DaCe's other lowerings of the
+same product (bench/dace_variants.py: its MatMul library node as DaCe expands it here, the
+same after DaCe's `auto_optimize` (tiling, fusion, parallel maps), one dot product per
+element), each compiled once before timing:
+
+    python bench/throughput.py --backend dace --flavor debug --steps 3 --warmup 1 --repeats 2
+
 On CUDA both loops compute in bf16 (the trainer's `mixed_precision = "auto"`), the
 minimal one under `torch.autocast`; timing ends with a device synchronize.
 """
@@ -20,17 +30,22 @@ minimal one under `torch.autocast`; timing ends with a device synchronize.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import where_measured, write_json  # noqa: E402
 
 from archipelago.config import Config, validate  # noqa: E402
 from archipelago.data import TokenSequenceLoader, prepare_from_config  # noqa: E402
@@ -87,6 +102,100 @@ def run_trainer(cfg: Config, warmup: int) -> float:
     finally:
         trainer.close()
     return trainer.t1 - trainer.t0
+
+
+def dace_config(cfg: Config) -> Config:
+    """The same run computing through the DaCe backend (fp32 on the CPU)."""
+    other = copy.deepcopy(cfg)
+    other.training.backend = "dace"
+    other.training.mixed_precision = "fp32"
+    return validate(other)
+
+
+def product_shapes(args: argparse.Namespace, vocab: int) -> list[tuple[int, int, int]]:
+    """(tokens, in, out) of each distinct nn.Linear of the model, in order of first use."""
+    model = build_model(get_model_args(args.model, args.flavor, vocab_size=vocab), device="meta")
+    tokens = args.batch_size * args.seq_len
+    shapes = [(tokens, m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return list(dict.fromkeys(shapes))
+
+
+def dace_variants(cache: Path) -> dict[str, Any]:
+    """The DaCe programs to time, compiled (cached in `cache`): the backend's and DaCe's own lowerings."""
+    import warnings
+
+    import dace
+    import dace_variants as variants
+    from dace.config import Config as DaceConfig
+    from dace.transformation.auto.auto_optimize import auto_optimize
+
+    from archipelago.island.backends import dace as backend
+
+    shipped = backend.load(cache)
+    DaceConfig.set("default_build_folder", value=str(cache / "dace-bench"))
+    DaceConfig.set("compiler", "use_cache", value=False)  # built afresh each run: nothing stale is timed
+    built = {"backend's program": shipped}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, program, optimize in (("MatMul library node", variants.library_node, False),
+                                        ("library node + auto_optimize", variants.library_node, True),
+                                        ("dot per element", variants.dot_products, False)):
+            sdfg = copy.deepcopy(program.to_sdfg(simplify=True))  # the parser may hand out one SDFG twice
+            sdfg.name = f"bench_{program.name}_{int(optimize)}"
+            if optimize:
+                auto_optimize(sdfg, dace.DeviceType.CPU)
+            built[name] = sdfg.compile()
+    return built
+
+
+def bench_dace_kernels(args: argparse.Namespace, vocab: int, cache: Path) -> list[dict[str, Any]]:
+    """Seconds per call of each product of the model, torch.mm against the DaCe programs
+    (best of `repeats` calls after one warm-up call, whose result is checked)."""
+    programs = dace_variants(cache)
+    rows = []
+    for n, k, m in product_shapes(args, vocab):
+        a, b = torch.randn(n, k), torch.randn(k, m)
+        bt = b.t().contiguous()  # the dot products read b transposed
+        row: dict[str, Any] = {"shape": [n, k, m]}
+        for name in ["torch.mm", *programs]:
+            second = bt if name == "dot per element" else b
+            row[name] = time_product(programs.get(name), a, second, a @ b, args.repeats)
+        rows.append(row)
+    return rows
+
+
+def time_product(program: Any, a: torch.Tensor, b: torch.Tensor, expected: torch.Tensor, repeats: int) -> float:
+    """Best seconds per call of `program` (None: torch.mm) on a [N, K] and b, after a
+    warm-up call checked against `expected`."""
+    (n, k), m = a.shape, expected.shape[1]
+    c = torch.empty(n, m)
+    best = float("inf")
+    for call in range(repeats + 1):
+        t0 = time.perf_counter()
+        if program is None:
+            torch.mm(a, b, out=c)
+        else:
+            arrays = dict(zip(program.sdfg.arg_names, (a.numpy(), b.numpy(), c.numpy()), strict=True))
+            program(**arrays, N=n, K=k, M=m)
+        seconds = time.perf_counter() - t0
+        if call == 0:
+            err = float((c - expected).abs().max() / expected.abs().max())
+            assert err < 1e-4, f"{n}x{k}x{m}: relative error {err:.1e}"
+        else:
+            best = min(best, seconds)
+    return best
+
+
+def print_dace_kernels(rows: list[dict[str, Any]], threads: int) -> None:
+    names = [k for k in rows[0] if k not in ("shape", "torch.mm")]
+    print(f"\nthe model's products a[tokens, in] @ b[in, out], fp32, {threads} threads: ms per call (best of the "
+          "repeats), each DaCe program's time over torch.mm's in brackets\n")
+    print("| backend's program / torch.mm | tokens x in -> out | torch.mm ms | " + " | ".join(names) + " |")
+    print("|---:|---|---:|" + "---:|" * len(names))
+    for r in rows:
+        n, k, m = r["shape"]
+        cells = " | ".join(f"{1e3 * r[name]:.1f} ({r[name] / r['torch.mm']:.0f}x)" for name in names)
+        print(f"| {r[names[0]] / r['torch.mm']:.1f} | {n} x {k} -> {m} | {1e3 * r['torch.mm']:.2f} | {cells} |")
 
 
 def model_flops(args: argparse.Namespace, vocab: int) -> tuple[float, float, str]:
@@ -169,8 +278,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 compute on cuda)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block, in both loops")
+    p.add_argument("--backend", choices=["eager", "dace"], default="eager",
+                   help="dace: the trainer through training.backend = \"dace\" against the trainer with eager "
+                        "(instead of the minimal loop), and the DaCe kernel table (CPU only)")
+    p.add_argument("--no-kernel-table", action="store_true",
+                   help="--backend dace: leave out the kernel table (DaCe's library node takes minutes per "
+                        "product of the small flavor)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args()
+    if args.backend == "dace" and (args.device != "cpu" or args.compile or args.model == "gpt_oss"):
+        p.error("--backend dace: CPU only, without --compile, for llama3 or qwen3")
     torch.set_num_threads(args.threads)
 
     import tempfile
@@ -179,6 +296,9 @@ def main() -> None:
     cfg = bench_config(args, tmp / "run")
     ds = prepare_from_config(cfg.data, cfg.training.seed, log=lambda _m: None)
     tokens = args.steps * args.batch_size * args.seq_len
+    if args.backend == "dace":
+        main_dace(args, cfg, tmp, ds.vocab_size, tokens)
+        return
     trainer_tps, minimal_tps = [], []
     for r in range(args.repeats):
         cfg.job.run_dir = str(tmp / f"run{r}")
@@ -215,6 +335,40 @@ def main() -> None:
         print(f"| {kernels['ratio']:.2f} | {1e3 * kernels['batched_s']:.2f} | {1e3 * kernels['loop_s']:.2f} |")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.out}")
+
+
+def main_dace(args: argparse.Namespace, cfg: Config, tmp: Path, vocab: int, tokens: int) -> None:
+    """--backend dace: the trainer through DaCe against the trainer with eager, alternating,
+    then the kernel table."""
+    from archipelago.data import default_cache_dir
+
+    dace_cfg = dace_config(cfg)
+    dace_tps, eager_tps = [], []
+    for r in range(args.repeats):
+        dace_cfg.job.run_dir, cfg.job.run_dir = str(tmp / f"dace{r}"), str(tmp / f"eager{r}")
+        dace_tps.append(tokens / run_trainer(dace_cfg, args.warmup))
+        eager_tps.append(tokens / run_trainer(cfg, args.warmup))
+    dace_med, eager_med = statistics.median(dace_tps), statistics.median(eager_tps)
+    flops_per_token, peak, peak_source = model_flops(args, vocab)
+    kernels = [] if args.no_kernel_table else bench_dace_kernels(args, vocab, default_cache_dir())
+    result = {"model": args.model, "flavor": args.flavor, "backend": "dace", "ratio": dace_med / eager_med,
+              "dace_tokens_per_s": dace_med, "eager_tokens_per_s": eager_med, "dace_runs": dace_tps,
+              "eager_runs": eager_tps, "seq_len": args.seq_len, "batch_size": args.batch_size, "steps": args.steps,
+              "warmup": args.warmup, "repeats": args.repeats, "threads": args.threads, **where_measured(),
+              "flops_per_token": flops_per_token, "peak_flops_per_s": peak, "peak_source": peak_source,
+              "dace_mfu": dace_med * flops_per_token / peak, "eager_mfu": eager_med * flops_per_token / peak,
+              "kernels": kernels}
+    print(f"\n{args.model}/{args.flavor} on the CPU, fp32, batch {args.batch_size} x seq {args.seq_len}, "
+          f"{args.threads} threads, {args.steps} timed steps x {args.repeats} repeats (median), the trainer both\n")
+    print("| ratio (dace / eager tokens/s) | dace tokens/s | eager tokens/s | dace MFU | eager MFU |")
+    print("|---:|---:|---:|---:|---:|")
+    print(f"| {result['ratio']:.3f} | {dace_med:,.1f} | {eager_med:,.1f} | {100 * result['dace_mfu']:.2f}% "
+          f"| {100 * result['eager_mfu']:.2f}% |")
+    if kernels:
+        print_dace_kernels(kernels, args.threads)
+    if args.out:
+        write_json(args.out, result)
         print(f"\nwrote {args.out}")
 
 

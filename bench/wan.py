@@ -27,7 +27,8 @@ runs for the same wall-clock budget (--budget, `training.time_budget_s`) in each
 number of islands (three here: a thin-link island beside two fast ones). The table then
 also gives each island's rows that entered the global weights (committed rounds in which
 its own row was accepted with a weight) and its steady utilisation (without the first
-round and the end of the run).
+round and the end of the run). `--island-slowdowns 1,3` also slows island 1's inner steps
+3x (`island.slowdown`, an emulation): islands of unlike speeds over the shaped links.
 
 Reported per setting (markdown table on stdout, ratio column first; JSON with --out):
 - bytes across the WAN per token trained: measured on the links, not taken from logs. The
@@ -214,10 +215,17 @@ def run_federation(setting: Setting, args: argparse.Namespace, wan: Wan, run_dir
                "--fault_tolerance.connect_timeout_ms", "60000",
                # Both islands initialise the same weights from the seed (checked at the join), so
                # none downloads them at the start, as DDP ranks need not either (DDP broadcasts them).
-               "--fault_tolerance.no_init_sync", *setting.args, *args.extra]
+               "--fault_tolerance.no_init_sync", *setting.args, *slowdown_args(args, k), *args.extra]
         islands.append(start(f"island-{k}", in_namespace(wan.island_ns(k), addr, cmd), island_env,
                              run_dir / f"island-{k}.log"))
     return islands, [lighthouse]
+
+
+def slowdown_args(args: argparse.Namespace, island: int) -> list[str]:
+    """`--island.slowdown F` for an island that --island-slowdowns slows (an emulation of a
+    slower device: each inner step waits out F - 1 times its compute)."""
+    factor = args.slowdowns[island] if args.slowdowns else 1.0
+    return ["--island.slowdown", f"{factor:g}"] if factor != 1.0 else []
 
 
 def run_ddp(args: argparse.Namespace, wan: Wan, run_dir: Path, token: str,
@@ -522,6 +530,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--island-rates", default=None,
                    help="one rate per island instead (Mbit/s, comma-separated; their count is the number of "
                         "islands), e.g. 100,100,5: a thin-link island beside two fast ones")
+    p.add_argument("--island-slowdowns", default=None,
+                   help="one emulated slowdown per island (comma-separated, >= 1; `island.slowdown`), e.g. 1,3: "
+                        "island 1 steps 3x slower. Not for DDP (a)")
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="also add this one-way delay per shaped direction with netem (default off; needs netem)")
     p.add_argument("--sync-steps", type=int, default=20, help="DiLoCo inner steps per round")
@@ -570,6 +581,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--island-rates {args.island_rates}: expected numbers, e.g. 100,100,5")
     if len(args.rates) < 2 or min(args.rates) <= 0:
         p.error("--island-rates: at least two positive rates")
+    try:
+        args.slowdowns = [float(f) for f in args.island_slowdowns.split(",")] if args.island_slowdowns else []
+    except ValueError:
+        p.error(f"--island-slowdowns {args.island_slowdowns}: expected numbers, e.g. 1,3")
+    if args.slowdowns and (len(args.slowdowns) != len(args.rates) or min(args.slowdowns) < 1):
+        p.error(f"--island-slowdowns: one factor >= 1 per island ({len(args.rates)} islands from the rates)")
+    if args.slowdowns and "a" in args.keys:
+        p.error("--island-slowdowns: DDP (a) has no per-island slowdown; leave it out of --settings")
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 2) // len(args.rates))
     if args.timeout is None:
@@ -615,7 +634,8 @@ def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]
             print(f"[{key} {SETTINGS[key].name}] FAILED: {exc}", flush=True)
             results[key] = {"setting": key, "name": SETTINGS[key].name, "ok": False, "error": str(exc)}
     meta = {**facts, "batch_size": args.batch_size, "budget_s": args.budget, "rate_mbit": args.rate_mbit,
-            "islands": len(args.rates), "rates": args.rates, "threads": args.threads, "extra": args.extra,
+            "islands": len(args.rates), "rates": args.rates, "slowdowns": args.slowdowns,
+            "threads": args.threads, "extra": args.extra,
             **where_measured(),
             "delay_ms": args.delay_ms, "sync_steps": args.sync_steps, "link_mbit": link, "work_dir": str(root),
             "subnet": str(args.subnet), "no_network_step_s": step_time}

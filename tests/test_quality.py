@@ -297,6 +297,18 @@ def test_wan_bench_codec_auto_runs_auto_without_and_with_streaming(monkeypatch):
         wan.parse_args(["--codec", "auto", "--sync-steps", "6"])
 
 
+def test_wan_bench_slows_only_the_islands_it_is_told_to(monkeypatch):
+    wan = _bench_module("wan", monkeypatch)
+    args = wan.parse_args(["--settings", "c,h", "--island-rates", "5,5", "--island-slowdowns", "1,3"])
+    assert [wan.slowdown_args(args, k) for k in (0, 1)] == [[], ["--island.slowdown", "3"]]
+    plain = wan.parse_args(["--settings", "c"])
+    assert wan.slowdown_args(plain, 1) == []
+    for bad in (["--island-slowdowns", "1,3,3"], ["--island-slowdowns", "1,0.5"], ["--island-slowdowns", "1,x"],
+                ["--settings", "a,c", "--island-slowdowns", "1,3"]):  # one per island, >= 1, never DDP
+        with pytest.raises(SystemExit):
+            wan.parse_args(bad)
+
+
 @pytest.mark.slow  # over 30 s on 2 cores: make test-slow (CI runs it)
 @pytest.mark.timeout(300)
 def test_decoupled_rounds_on_the_platform_train_the_simulators_weights(tmp_path):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from archipelago.federation.codecs import Int8Codec
-from archipelago.federation.exchange import FRAME, ISLAND, TOKENS, WEIGHT, Framing
+from archipelago.federation.exchange import FRAME, ISLAND, TOKENS, WEIGHT, Framing, SkippedWork
 from archipelago.federation.policy import segment_repair
 from archipelago.federation.repair import (
     PartsInFlight,
@@ -34,11 +34,6 @@ SECRET = bytes(range(32))
 ALIVE = [True, True, False, True]
 HOLDS = [[True, False, True, True], [True, True, False, True], [True, True, True, True], [True, True, False, True]]
 ISLANDS = [10, 11, 12, 13]  # island ids at replica ranks 0-3
-
-
-class _Done:
-    def wait(self) -> bool:
-        return True
 
 
 def _chunk(member: int) -> torch.Tensor:
@@ -139,7 +134,7 @@ def test_a_part_addressed_elsewhere_or_of_another_round_is_refused():
         return framing.frame(103, 1.0, payload, frame_bytes(codec, framing, part), kind=9, segment=part.segment)
 
     def opened(row):
-        inflight = PartsInFlight(_Done(), row, [wanted], [0])
+        inflight = PartsInFlight(SkippedWork(), row, [wanted], [0])
         return open_parts(inflight, codec, _framing(key, ISLANDS[0]), ISLANDS)[(sender, wanted.segment, wanted.part)]
 
     assert opened(frame(honest, wanted, wanted)) is not None

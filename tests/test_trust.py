@@ -145,9 +145,9 @@ def _rows(framing_of, payloads, tokens=(100.0, 300.0)):
 
 
 def _inspect(codec, rows, framing):
-    from archipelago.federation.exchange import Gathered, _Done, inspect_gather
+    from archipelago.federation.exchange import Gathered, SkippedWork, inspect_gather
 
-    gathered = Gathered(_Done(), framing, rows)
+    gathered = Gathered(SkippedWork(), framing, rows)
     return inspect_gather(gathered, codec, _Quiet(), len(rows)), gathered
 
 

@@ -40,14 +40,15 @@ def build_federation(ft: FaultToleranceConfig, steps: int, model: nn.Module | Na
                      rank: int,
                      world_size: int, tokens_per_step: int, hooks: IslandHooks,
                      optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None,
-                     insecure: bool = False) -> Federation:
+                     insecure: bool = False, compute: str = "") -> Federation:
     """The trainer's side of the seam: `Alone` without fault tolerance, else a `Member`
     that has joined the lighthouse (a collective over the island; see build_outer_loop).
-    A member that serves healing beyond loopback needs `key`, or `insecure`."""
+    A member that serves healing beyond loopback needs `key`, or `insecure`. `compute`:
+    what the island computes with (device, dtype, backend), declared at the join."""
     if not ft.enable:
         return Alone(steps)
     refuse_exposed_without_key(key, insecure)
-    outer = build_outer_loop(ft, model, model_name, rank, world_size, tokens_per_step, optimizer, key)
+    outer = build_outer_loop(ft, model, model_name, rank, world_size, tokens_per_step, optimizer, key, compute)
     return Member(outer, ft, steps, tokens_per_step, world_size, hooks)
 
 
@@ -65,7 +66,8 @@ def check_exchange_device(ft: FaultToleranceConfig, device: torch.device) -> Non
 
 def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module | NamedParameters, model_name: str, rank: int,
                      world_size: int, tokens_per_step: int = 0,
-                     optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None) -> OuterLoop:
+                     optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None,
+                     compute: str = "") -> OuterLoop:
     """Join the federation: check the lighthouse, make the bridge ranks' managers, and
     take the current weights as the first global weights (a collective over the island)."""
     check_decoupled(ft)
@@ -85,7 +87,7 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module | NamedParameter
         problem = box[0]
     if problem is not None:
         raise (FederationMismatch if problem[0] else LighthouseUnreachable)(problem[1])
-    fp = island_fingerprint(ft, named, model_name, world_size, tokens_per_step, optimizer, key)
+    fp = island_fingerprint(ft, named, model_name, world_size, tokens_per_step, optimizer, key, compute)
     poisons = poisons_from_env()  # checked before joining: a typo fails here, not mid-run
     width = 1 if ft.rank0_synchronization_only else ft.sync_width
     manager = build_manager(ft, rank, width, key) if rank < width else None
@@ -104,13 +106,14 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module | NamedParameter
 
 def island_fingerprint(ft: FaultToleranceConfig, named: NamedParameters, model_name: str, world_size: int,
                        tokens_per_step: int, optimizer: torch.optim.Optimizer | None,
-                       key: FederationKey | None) -> dict[str, Any]:
+                       key: FederationKey | None, compute: str = "") -> dict[str, Any]:
     """What this island declares at the join (membership.fingerprint): its trainable
-    parameters' names and shapes, its inner optimizer, settings and federation key.
+    parameters' names and shapes, its inner optimizer, settings and federation key, and
+    what it computes with (`compute`, declared, not compared).
     `archipelago doctor` computes the same from a run file, to compare with a peer's."""
     shapes = [(name, tuple(p.shape)) for name, p in named if p.requires_grad]
     return fingerprint(model_name, shapes, ft, world_size, tokens_per_step, _optimizer_name(optimizer), key,
-                       _peak_lr(optimizer))
+                       _peak_lr(optimizer), compute)
 
 
 def _optimizer_name(optimizer: torch.optim.Optimizer | None) -> str:

@@ -19,7 +19,7 @@ import torch
 
 from archipelago.config.errors import ConfigError
 from archipelago.federation.codecs import PayloadError
-from archipelago.federation.exchange import ROUND_AGREE, Framing, Gathered, _Done
+from archipelago.federation.exchange import ROUND_AGREE, Framing, Gathered, SkippedWork
 from archipelago.federation.policy import EXCHANGE_COMPLETED, FRAME_OK, exchange_agreed
 from archipelago.federation.sums import SumRefused
 from archipelago.federation.trust import FrameRefused
@@ -105,9 +105,9 @@ def release_works(gathered: Gathered | None) -> None:
     timeout instead of failing at once (measured: bench/gloo_abort.py)."""
     if gathered is None:
         return
-    gathered.work = _Done()
+    gathered.work = SkippedWork()
     if gathered.second is not None:
-        gathered.second.work = _Done()
+        gathered.second.work = SkippedWork()
 
 
 def abandon_group(manager: Any, *exchanges: Gathered | None) -> None:

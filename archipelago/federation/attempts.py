@@ -86,6 +86,7 @@ class Pending:
     members: list[str] = field(default_factory=list)  # the attempt's quorum, replica ids by replica rank
     repaired: Repaired | None = None  # a retry finished by the segment repair (exchange_repair = "segment")
     repaired_table: torch.Tensor | None = None  # ... and the table of the survivors' rows it judged
+    repaired_done: float = 0.0        # ... perf_counter when its sums were in
 
 
 @dataclass
@@ -283,7 +284,8 @@ class ExchangeAttempts:
                 began = time.perf_counter()
                 finish_repair(p.repaired, h.codecs[p.fragment], p.total, judged.weights, judged.tokens, h.manager,
                               trimmed)
-                decode_s += time.perf_counter() - began
+                p.repaired_done = time.perf_counter()
+                decode_s += p.repaired_done - began
             else:
                 assert p.gathered is not None
                 decode_s += finish_gather(p.gathered, h.codecs[p.fragment], p.total, judged.weights, judged.tokens,
@@ -310,7 +312,11 @@ class ExchangeAttempts:
         """Decoupled rounds: this exchange's seconds (from its start until its rows were in)
         over this round's compute seconds, in OVERLAP_SCALE units (0: nothing to measure)."""
         h = self.host
-        if h.handoffs is None or p.gathered is None or h.book.compute_s <= 0:
+        if h.handoffs is None or h.book.compute_s <= 0:
+            return 0.0
+        if p.repaired is not None:  # the failed attempt, the new quorum and the repair, all of it
+            return max(0.0, p.repaired_done - p.started) / h.book.compute_s * OVERLAP_SCALE
+        if p.gathered is None:
             return 0.0
         second = p.gathered.second.seconds() if p.gathered.second is not None else 0.0
         return (self._seconds_until_in(p) + second) / h.book.compute_s * OVERLAP_SCALE
@@ -420,7 +426,7 @@ class ExchangeAttempts:
             self.host.codecs[p.fragment].load_state_dict(p.codec_state)
         self._hold(p)
         p.gathered, p.state, p.total, p.judged = None, None, None, None
-        p.repaired, p.repaired_table = None, None
+        p.repaired, p.repaired_table, p.repaired_done = None, None, 0.0
 
     def _hold(self, p: Pending) -> None:
         """Keep a failed attempt's buffers alive (see `abandoned`)."""

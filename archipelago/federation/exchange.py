@@ -203,7 +203,7 @@ def seconds_until_in(started: float, waited: float, done_at: list[float]) -> flo
     return max(started, min(ends)) - started if ends else 0.0
 
 
-class _Done:
+class SkippedWork:
     """Stands in for a collective that was skipped (the manager already saw an error)."""
 
     def wait(self, timeout: Any = None) -> bool:
@@ -270,14 +270,14 @@ def _segment_payloads(codec: Codec, pieces: list[Codec], segments: list[tuple[in
     return [piece.encode(x[start:end]) for piece, (start, end) in zip(pieces, segments)]
 
 
-def _managed(manager: Any, start: Any, outputs: Any, done_at: list[float] | None = None) -> Any:
+def start_managed(manager: Any, start: Any, outputs: Any, done_at: list[float] | None = None) -> Any:
     """Start a collective on torchft's process group with Manager.allreduce's error
     handling (_ManagedWork): a failure is reported to the manager, so the round will not
     commit, instead of raising here. With `done_at`, the collective's completion time
     (perf_counter) is appended to it by the transport's thread (codec = "auto" measures the
     link with it, also while inner steps overlap the exchange)."""
     if manager.errored() is not None:  # the round is lost already; do not touch the network
-        return _Done()
+        return SkippedWork()
     from torchft.manager import _ManagedWork
 
     try:
@@ -287,7 +287,7 @@ def _managed(manager: Any, start: Any, outputs: Any, done_at: list[float] | None
         return _ManagedWork(manager, work, outputs)
     except Exception as exc:  # noqa: BLE001 - any transport failure only loses this round
         manager.report_error(exc)
-        return _Done()
+        return SkippedWork()
 
 
 def _stamp_completion(work: Any, done_at: list[float]) -> None:
@@ -321,7 +321,7 @@ def allgather(manager: Any, payload: torch.Tensor, count: int,
 
     outputs = [torch.zeros_like(payload) for _ in range(count)]
     start = lambda: manager._pg.allgather([outputs], [payload], AllgatherOptions())  # noqa: E731
-    return _managed(manager, start, outputs, done_at), outputs
+    return start_managed(manager, start, outputs, done_at), outputs
 
 
 def round_received(codec: Codec, participants: int, framing: Framing) -> int:
@@ -368,9 +368,9 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
         rank = manager.participating_rank()
         if rank is None:  # not in the quorum after all: this round is lost (finish sees the error)
             manager.report_error(RuntimeError("island is not a participant of the exchange's quorum"))
-            return Gathered(_Done(), framing, [received], encode_s, segments=segments)
+            return Gathered(SkippedWork(), framing, [received], encode_s, segments=segments)
         done_at, started = completion_stamps(wire), time.perf_counter()
-        work = _managed(manager, lambda: manager._pg.alltoall_base(received, send, [], [], AllToAllOptions()),
+        work = start_managed(manager, lambda: manager._pg.alltoall_base(received, send, [], [], AllToAllOptions()),
                         received, done_at)
         return Gathered(work, framing, [received], encode_s, sent=(participants - 1) * size,
                         received=(participants - 1) * size, segments=segments, rank=rank, started=started,

@@ -267,10 +267,12 @@ FINGERPRINT_KEYS = ("model", "params", "shapes", "sync_width", "num_fragments", 
 def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]],
                 ft: FaultToleranceConfig, ranks: int, tokens_per_step: int = 0,
                 inner_optimizer: str = "", key: FederationKey | None = None,
-                inner_lr: float = 0.0) -> dict[str, Any]:
+                inner_lr: float = 0.0, compute: str = "") -> dict[str, Any]:
     """A description of this island that peers compare at join time.
 
-    `tokens_per_step` and `inner_lr` are declared, not compared: islands may differ in
+    `compute` (device, dtype and backend: `cpu fp32, dace 1.0.2`) is declared, not
+    compared: islands of unlike hardware train one model; every island logs its members'.
+    `tokens_per_step` and `inner_lr` are declared, not compared too: islands may differ in
     both, and every receiver bounds what an island may claim in a round by them
     (policy.judge_contributions), each held to `declared_limit` x the other islands'
     median (policy.bounded_batches), a limit all islands must agree on.
@@ -296,7 +298,7 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
             # Which secret, as its public id (a diagnosis: a peer with another key is named at
             # the join; the frames are what keeps it out).
             "federation": f"key {key.federation_id.hex()[:12]}" if key is not None else "no key",
-            "tokens_per_step": tokens_per_step, "inner_lr": inner_lr}
+            "tokens_per_step": tokens_per_step, "inner_lr": inner_lr, "compute": compute}
 
 
 def _codec(ft: FaultToleranceConfig) -> str:
@@ -334,6 +336,14 @@ def describe(fp: dict[str, Any]) -> str:
             f"(shapes {f['shapes']}), sync_width {f['sync_width']}, {f['num_fragments']} fragment(s), "
             f"{f['semi_sync_method']} {f['outer']}, pacing {f['pacing']}, codec {f['codec']}, "
             f"start {f['start']}, inner optimizer state {f['inner_state']}, {f['federation']}")
+
+
+def members_compute(table: list[dict[str, Any]]) -> str:
+    """What each member of a quorum computes with, as it declared it (a peer's text, so cut
+    to 80 printable characters): `island 0: cpu fp32, eager (torch 2.13.0); island 1: ...`."""
+    def text(value: Any) -> str:
+        return "".join(c for c in str(value) if c.isprintable())[:80] if value not in (None, "") else "undeclared"
+    return "; ".join(f"island {text(fp.get('island', '?'))}: {text(fp.get('compute'))}" for fp in table)
 
 
 def differing(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:

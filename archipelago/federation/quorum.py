@@ -21,6 +21,7 @@ from archipelago.federation.membership import (
     exchange_fingerprints,
     fingerprint_groups,
     lighthouse_address,
+    members_compute,
     mismatch,
 )
 from archipelago.federation.policy import reference_fingerprint
@@ -99,6 +100,7 @@ class Quorum:
                 log.error("unauthenticated member at replica rank %d of quorum %d: no valid join frame (another "
                           "federation key, or none); every island refuses its rows", k, quorum_id)
         table[me] = mine  # its own row as it sent it
+        log.info("quorum %d computes on: %s", quorum_id, members_compute(table))
         groups = fingerprint_groups([table[k] for k in members])
         reference = reference_fingerprint([table[k] for k in members], groups, members.index(me))
         problem = mismatch(mine, reference)

@@ -34,11 +34,11 @@ from archipelago.federation.exchange import (
     ROUND_SUM,
     Framing,
     Gathered,
-    _Done,
-    _managed,
+    SkippedWork,
     allgather,
     fill_row,
     merge_segment_tables,
+    start_managed,
 )
 from archipelago.federation.policy import FRAME_OK, FRAME_UNSIGNED, SegmentRepair, segment_repair
 from archipelago.federation.sums import SumRefused, check_sum, misreported, weighted_sum
@@ -268,7 +268,7 @@ class Repaired:
     own_sumsq: torch.Tensor | None = None  # [unit] of this survivor's own payloads (None: weight 0)
     sent: int = 0
     received: int = 0
-    work: Any = field(default_factory=_Done)  # nothing in flight between the calls (attempts waits on it)
+    work: Any = field(default_factory=SkippedWork)  # nothing in flight between the calls (attempts waits on it)
 
 
 def repair_first_phase(manager: Any, codec: Codec, old: Gathered, framing: Framing, x: torch.Tensor,
@@ -359,7 +359,7 @@ class _Managed:
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
                       input_sizes: list[int], options: Any) -> Any:
-        return _managed(self.manager, lambda: self.manager._pg.alltoall_base(output, input, output_sizes,
+        return start_managed(self.manager, lambda: self.manager._pg.alltoall_base(output, input, output_sizes,
                                                                              input_sizes, options), output)
 
 

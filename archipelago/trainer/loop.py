@@ -24,13 +24,15 @@ from typing import Any
 import torch
 
 from archipelago.config import Config, ConfigError, advice, config_to_dict
+from archipelago.data import default_cache_dir
 from archipelago.federation import Federation, build_federation, scales_inner_batch
 from archipelago.federation.trust import FederationKey, dashboard_tag, load_key
+from archipelago.island.backends import apply_backend, describe_backend
 from archipelago.island.batches import forward_backward
 from archipelago.island.device import IslandContext, all_reduce_, barrier, broadcast_object, close_island, init_island
 from archipelago.island.emulation import SlowDevice
 from archipelago.island.optim import build_lr_scheduler, build_optimizer
-from archipelago.island.parallelize import ParallelModel, parallelize
+from archipelago.island.parallelize import ParallelModel, compute_dtype, parallelize
 from archipelago.island.pipeline import check_pipelinable, pipeline_layout
 from archipelago.metrics import write_json_atomic
 from archipelago.metrics.push import RecordPusher
@@ -52,6 +54,7 @@ class Trainer:
     """Trains one model on one island; see the module docstring."""
 
     model_info: TaskModel  # what build_model built: parameter count and FLOPs per token, for metrics
+    compute: str  # what build_model made the island compute with (device, dtype, backend), for the fingerprint
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -117,6 +120,7 @@ class Trainer:
     def build_model(self) -> ParallelModel:
         t = self.cfg.training
         built = self.task.build_model()
+        self.compute = self.apply_backend(built.module)
         p = self.cfg.parallelism
         layout = pipeline_layout(self.cfg, len(getattr(built.module, "layers", ())), self.ctx.world_size)
         if layout is not None:
@@ -140,6 +144,20 @@ class Trainer:
                  parallel.strategy, self.ctx.world_size, self.ctx.device.type, parallel.dtype)
         return parallel
 
+    def apply_backend(self, module: torch.nn.Module) -> str:
+        """training.backend: the model computes through it (island/backends); returns what
+        this island computes with, as its fingerprint declares it (`cpu fp32, dace 1.0.2`)."""
+        t = self.cfg.training
+        dtype = compute_dtype(t.mixed_precision, self.ctx.device)
+        cache = Path(self.cfg.data.cache_dir).expanduser() if self.cfg.data.cache_dir else default_cache_dir()
+        try:
+            converted = apply_backend(module, t.backend, self.ctx.device, dtype, cache)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        if converted:
+            log.info("training.backend = %s: %d module(s) compute through it", t.backend, converted)
+        return f"{self.ctx.device.type} {str(dtype).removeprefix('torch.')}, {describe_backend(t.backend)}"
+
     def build_slow_device(self) -> SlowDevice:
         """island.rank_slowdown: this rank's model made that many times slower, unit by unit
         (an emulation for tests and benchmarks; a factor of 1 adds nothing)."""
@@ -158,7 +176,8 @@ class Trainer:
         return build_federation(self.cfg.fault_tolerance, self.cfg.training.steps,
                                 self.model.federation_parameters(), f"{self.cfg.model.name}/{self.cfg.model.flavor}",
                                 self.ctx.rank, self.ctx.world_size, self.tokens_per_step, TrainerHooks(self),
-                                self.optimizer, self.federation_key, self.cfg.federation_security.insecure)
+                                self.optimizer, self.federation_key, self.cfg.federation_security.insecure,
+                                self.compute)
 
     @functools.cached_property
     def federation_key(self) -> FederationKey | None:
