@@ -144,6 +144,18 @@ def test_islands_declare_their_compute_and_unlike_ones_still_match():
     assert describe_backend("eager").startswith("eager (torch ")
 
 
+def test_the_doctor_says_whether_the_backend_runs_here(monkeypatch):
+    from archipelago.island.backends import dace
+    from archipelago.launch import doctor
+
+    eager = doctor.check_backend(load_config(TINY))
+    assert (eager.status, eager.detail) == ("ok", f"training.backend = eager: {describe_backend('eager')}")
+    cfg = load_config([*TINY, "--training.backend", "dace"])
+    monkeypatch.setattr(dace, "available", lambda: "no dace here: pip install --no-deps -r requirements-dace.txt")
+    missing = doctor.check_backend(cfg)
+    assert missing.status == "FAIL" and "requirements-dace.txt" in missing.fix
+
+
 @pytest.mark.slow  # about a minute on 2 cores: make test-slow
 @pytest.mark.timeout(420)
 def test_a_dace_island_and_an_eager_island_train_heal_and_agree(tmp_path):

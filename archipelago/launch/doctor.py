@@ -86,6 +86,17 @@ def check_devices() -> Check:
     return Check("devices", "info", "; ".join(found))
 
 
+def check_backend(cfg: Any) -> Check:
+    """training.backend: whether it can run here (installed; the device and dtype it needs)."""
+    from archipelago.island.backends import backend, describe_backend
+
+    name = cfg.training.backend
+    missing = backend(name).available()
+    if missing:
+        return Check("backend", "FAIL", f"training.backend = {name}: not available", missing)
+    return Check("backend", "ok", f"training.backend = {name}: {describe_backend(name)}")
+
+
 def island_fingerprint(cfg: Any, ranks: int = 1) -> dict[str, Any]:
     """What an island started from this run file declares at the federation's join, as the
     join computes it (federation.island_fingerprint): the model as the island builds it
@@ -522,7 +533,7 @@ def run_checks(args: argparse.Namespace, cfg: Any | None, env: dict[str, str]) -
     fingerprint = None
     if cfg is not None:
         fingerprint, row = config_check(args.config, cfg, env)
-        checks += [row, check_disk(cfg)]
+        checks += [row, check_backend(cfg), check_disk(cfg)]
     lighthouse = args.lighthouse or env.get("TORCHFT_LIGHTHOUSE")
     if lighthouse:
         checks.append(check_lighthouse(lighthouse))
