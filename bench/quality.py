@@ -98,6 +98,7 @@ class Setting:
     batch_factor: int = 1        # the island's batch = batch_factor x --batch-size
     args: tuple[str, ...] = ()
     slowdown: str = ""           # --slowdown of `archipelago local`
+    island_options: str = ""     # --island-options of `archipelago local` (ISLAND:OPTIONS)
     time_paced: bool = False
 
 
@@ -126,6 +127,9 @@ SETTINGS = {s.name: s for s in (
     Setting("sync-5", args=("--fault_tolerance.sync_steps", "5")),
     Setting("sync-50", args=("--fault_tolerance.sync_steps", "50")),
     Setting("sync-100", args=("--fault_tolerance.sync_steps", "100")),
+    # diloco with island 1 computing through DaCe (docs/backends.md): against diloco, what an
+    # unlike backend costs in held-out loss (the products differ from eager's in their last bits).
+    Setting("diloco-dace", island_options="1:--training.backend dace --training.mixed_precision fp32"),
 )}
 
 
@@ -200,6 +204,8 @@ def command(args: argparse.Namespace, s: Setting, seed: int, run_dir: Path, step
     cmd = [*cli, "local", "--islands", s.islands, "--no-table", *common]
     if s.slowdown:
         cmd += ["--slowdown", s.slowdown]
+    if s.island_options:
+        cmd += ["--island-options", s.island_options]
     if s.time_paced:
         cmd += ["--fault_tolerance.round_pacing", "time", "--fault_tolerance.round_seconds", f"{round_s:.2f}"]
     return cmd
