@@ -95,3 +95,32 @@ def test_decoupled_reduce_scatter_with_exchange_buffers_on_the_gpu(tmp_path):
         assert json.loads((tmp_path / "run" / f"island-{k}" / "summary.json").read_text())["device"] == "cuda"
     assert all(r["committed"] for island in rounds for r in island) and len(rounds[0]) >= 4
     assert [r["global_hash"] for r in rounds[0]] == [r["global_hash"] for r in rounds[1]]
+
+
+def test_a_gpu_island_and_a_cpu_island_train_heal_and_agree(shakespeare, tmp_path):
+    # One federation of unlike devices: island 0 on the GPU (bf16 compute), island 1 on the
+    # CPU (fp32), gloo between them (the GPU island's pseudo-gradients cross through host
+    # memory). The GPU island is SIGKILLed mid-run, restarts from its checkpoint and heals
+    # from the CPU island across the device boundary; at the last outer step both
+    # committed, their global weights are the same. Each island trains 40 s from its join
+    # (the steps are many, so no island runs out of them): the CPU island is still training
+    # when the GPU island comes back, whatever the two devices' speeds.
+    run = tmp_path / "run"
+    done = run_cli(["local", "--islands", "1,1", "--no-table", *TINY, "--training.steps", "100000",
+                    "--training.time_budget_s", "40", "--fault_tolerance.sync_steps", "5",
+                    "--training.val_every", "0", "--checkpoint.interval", "10",
+                    "--island-options", "0:--training.device cuda",
+                    "--island-options", "1:--training.device cpu --training.mixed_precision fp32",
+                    "--kill", "0@15", "--restart-after", "1", "--job.run_dir", str(run)], timeout=560)
+    assert done.returncode == 0, done.output[-4000:]
+    fed = json.loads((run / "federation.json").read_text())
+    assert [i["restarts"] for i in fed["islands"]] == [1, 0], fed["islands"]
+    assert fed["global_hash_agree"], fed["islands"]
+    healed = [r for r in fed["outer_steps"] if 0 in r["healed"] and r["outer_step"] > 1]
+    assert healed and healed[0]["islands"] == [0, 1], fed["outer_steps"]  # from the CPU island, mid-run
+    together = [r for r in fed["outer_steps"] if r["islands"] == [0, 1] and r["outer_step"] > healed[0]["outer_step"]]
+    assert len(together) >= 2, fed["outer_steps"]  # both trained on after the heal
+    devices = [json.loads((run / f"island-{k}" / "summary.json").read_text())["device"] for k in (0, 1)]
+    assert devices == ["cuda", "cpu"]
+    log = (run / "island-1" / "train.log").read_text()
+    assert "island 0: cuda bfloat16, eager" in log and "island 1: cpu float32, eager" in log
