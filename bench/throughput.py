@@ -369,7 +369,6 @@ def main_dace(args: argparse.Namespace, cfg: Config, tmp: Path, vocab: int, toke
         print_dace_kernels(kernels, args.threads)
     if args.out:
         write_json(args.out, result)
-        print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":
