@@ -131,6 +131,21 @@ def test_the_dace_backend_refuses_what_it_cannot_compute():
         apply_backend(_llama(), "dace", CPU, torch.bfloat16, default_cache_dir())
 
 
+def test_a_dace_program_that_will_not_build_is_refused_naming_what_it_needs(monkeypatch, tmp_path):
+    _needs("dace")
+    import dace
+
+    from archipelago.island.backends import dace as dace_backend
+
+    def no_compiler(self, *args, **kwargs):
+        raise RuntimeError("CMake failed: no CMAKE_CXX_COMPILER could be found\nmore lines")
+    monkeypatch.setattr(dace_backend, "_PROGRAM", None)  # not the one this process loaded already
+    monkeypatch.setattr(dace.SDFG, "compile", no_compiler)
+    with pytest.raises(ValueError, match=r"building its program .* failed \(RuntimeError: CMake failed: no "
+                                         r"CMAKE_CXX_COMPILER could be found\); DaCe builds with cmake and a C\+\+"):
+        apply_backend(_llama(), "dace", CPU, FP32, tmp_path)
+
+
 def test_islands_declare_their_compute_and_unlike_ones_still_match():
     cfg = load_config([*TINY, "--fault_tolerance.enable"])
     shapes = [("w", (4, 4))]

@@ -111,7 +111,13 @@ def load(cache_dir: Path) -> Any:
         warnings.simplefilter("ignore")  # DaCe's notes on memlet patterns while it parses the program
         sdfg = dace_program.matmul.to_sdfg(simplify=True)
         sdfg.name = f"archipelago_matmul_{digest}"
-        _PROGRAM = sdfg.compile()
+        try:
+            _PROGRAM = sdfg.compile()
+        except Exception as exc:  # noqa: BLE001 - DaCe's build errors come in many types; all mean the same here
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+            raise ValueError(f"training.backend = \"dace\": building its program in {folder} failed "
+                             f"({type(exc).__name__}: {first}); DaCe builds with cmake and a C++ compiler (g++): "
+                             "install them, or set training.backend = \"eager\"") from exc
     return _PROGRAM
 
 
