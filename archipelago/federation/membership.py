@@ -270,7 +270,7 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
                 inner_lr: float = 0.0, compute: str = "") -> dict[str, Any]:
     """A description of this island that peers compare at join time.
 
-    `compute` (device, dtype and backend: `cpu fp32, dace 1.0.2`) is declared, not
+    `compute` (device, dtype and backend: `cpu float32, dace 1.0.2 (cpu, fp32)`) is declared, not
     compared: islands of unlike hardware train one model; every island logs its members'.
     `tokens_per_step` and `inner_lr` are declared, not compared too: islands may differ in
     both, and every receiver bounds what an island may claim in a round by them
@@ -340,7 +340,7 @@ def describe(fp: dict[str, Any]) -> str:
 
 def members_compute(table: list[dict[str, Any]]) -> str:
     """What each member of a quorum computes with, as it declared it (a peer's text, so cut
-    to 80 printable characters): `island 0: cpu fp32, eager (torch 2.13.0); island 1: ...`."""
+    to 80 printable characters): `island 0: cpu float32, eager (torch 2.13.0); island 1: ...`."""
     def text(value: Any) -> str:
         return "".join(c for c in str(value) if c.isprintable())[:80] if value not in (None, "") else "undeclared"
     return "; ".join(f"island {text(fp.get('island', '?'))}: {text(fp.get('compute'))}" for fp in table)
