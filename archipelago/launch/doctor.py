@@ -87,7 +87,8 @@ def check_devices() -> Check:
 
 
 def check_backend(cfg: Any) -> Check:
-    """training.backend: whether it can run here (installed; the device and dtype it needs)."""
+    """training.backend: whether it is installed here, and what it computes with (its device and
+    dtype needs are checked when the config loads)."""
     from archipelago.island.backends import backend, describe_backend
 
     name = cfg.training.backend
