@@ -1,4 +1,4 @@
-"""DaCe programs of `a @ b` other than the backend's (archipelago/island/backends/
+"""DaCe programs of `a @ b` other than the backends' (archipelago/island/backends/
 dace_program.py), for `bench/throughput.py --backend dace`'s kernel table: what DaCe's own
 lowering and transformations give for the model's products on this CPU.
 
@@ -13,8 +13,8 @@ N, K, M = dace.symbol("N"), dace.symbol("K"), dace.symbol("M")
 
 @dace.program
 def library_node(a: dace.float32[N, K], b: dace.float32[K, M], c: dace.float32[N, M]):  # noqa: ANN201
-    """DaCe's MatMul library node: its BLAS expansion where a BLAS library is installed,
-    else its own loop nest (`pure`)."""
+    """DaCe's MatMul library node with its default expansion here: no system BLAS, so its own
+    loop nest (`pure`); the `dace` backend expands the same node to OpenBLAS instead."""
     c[:] = a @ b
 
 

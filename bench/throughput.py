@@ -13,13 +13,14 @@ With `--model gpt_oss` a second table compares the dropless batched experts (one
 matmul per projection over all experts) with a Python loop over experts on the same
 routed tokens, forward and backward, in the same run.
 
-With `--backend dace` the comparison is the trainer with `training.backend = "dace"` against
-the same trainer with `eager` (ratio dace / eager, both fp32 on the CPU, alternating), and a
-second table times the model's distinct linear-layer products (forward shapes: tokens x in
--> out) as torch.mm, as the backend's DaCe program, and as DaCe's other lowerings of the
-same product (bench/dace_variants.py: its MatMul library node as DaCe expands it here, the
-same after DaCe's `auto_optimize` (tiling, fusion, parallel maps), one dot product per
-element), each compiled once before timing:
+With `--backend dace` (or `dace-loops`) the comparison is the trainer with that
+`training.backend` against the same trainer with `eager` (ratio over eager, both fp32 on the
+CPU, alternating), and a second table times the model's distinct linear-layer products
+(forward shapes: tokens x in -> out) as torch.mm, as the two backends' DaCe programs (the
+MatMul library node expanded to OpenBLAS; DaCe's generated loops), and as DaCe's other
+lowerings of the same product (bench/dace_variants.py: the MatMul library node's own loops,
+`pure`; the same after DaCe's `auto_optimize` (tiling, fusion, parallel maps); one dot
+product per element), each compiled once before timing:
 
     python bench/throughput.py --backend dace --flavor debug --steps 3 --warmup 1 --repeats 2
 
@@ -104,10 +105,10 @@ def run_trainer(cfg: Config, warmup: int) -> float:
     return trainer.t1 - trainer.t0
 
 
-def dace_config(cfg: Config) -> Config:
-    """The same run computing through the DaCe backend (fp32 on the CPU)."""
+def dace_config(cfg: Config, backend: str) -> Config:
+    """The same run computing through a DaCe backend (fp32 on the CPU)."""
     other = copy.deepcopy(cfg)
-    other.training.backend = "dace"
+    other.training.backend = backend
     other.training.mixed_precision = "fp32"
     return validate(other)
 
@@ -121,7 +122,7 @@ def product_shapes(args: argparse.Namespace, vocab: int) -> list[tuple[int, int,
 
 
 def dace_variants(cache: Path) -> dict[str, Any]:
-    """The DaCe programs to time, compiled (cached in `cache`): the backend's and DaCe's own lowerings."""
+    """The DaCe programs to time, compiled (cached in `cache`): the backends' and DaCe's other lowerings."""
     import warnings
 
     import dace
@@ -131,13 +132,13 @@ def dace_variants(cache: Path) -> dict[str, Any]:
 
     from archipelago.island.backends import dace as backend
 
-    shipped = backend.load(cache)
+    built = {"dace (library node -> OpenBLAS)": backend.load(cache, backend.LIBRARY),
+             "dace-loops": backend.load(cache, backend.LOOPS)}
     DaceConfig.set("default_build_folder", value=str(cache / "dace-bench"))
     DaceConfig.set("compiler", "use_cache", value=False)  # built afresh each run: nothing stale is timed
-    built = {"backend's program": shipped}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, program, optimize in (("MatMul library node", variants.library_node, False),
+        for name, program, optimize in (("library node, pure", variants.library_node, False),
                                         ("library node + auto_optimize", variants.library_node, True),
                                         ("dot per element", variants.dot_products, False)):
             sdfg = copy.deepcopy(program.to_sdfg(simplify=True))  # the parser may hand out one SDFG twice
@@ -186,16 +187,17 @@ def time_product(program: Any, a: torch.Tensor, b: torch.Tensor, expected: torch
     return best
 
 
-def print_dace_kernels(rows: list[dict[str, Any]], threads: int) -> None:
+def print_dace_kernels(rows: list[dict[str, Any]], threads: int, backend: str) -> None:
     names = [k for k in rows[0] if k not in ("shape", "torch.mm")]
+    chosen = next(name for name in names if name.split(" ")[0] == backend)
     print(f"\nthe model's products a[tokens, in] @ b[in, out], fp32, {threads} threads: ms per call (best of the "
           "repeats), each DaCe program's time over torch.mm's in brackets\n")
-    print("| backend's program / torch.mm | tokens x in -> out | torch.mm ms | " + " | ".join(names) + " |")
+    print(f"| {backend} / torch.mm | tokens x in -> out | torch.mm ms | " + " | ".join(names) + " |")
     print("|---:|---|---:|" + "---:|" * len(names))
     for r in rows:
         n, k, m = r["shape"]
         cells = " | ".join(f"{1e3 * r[name]:.1f} ({r[name] / r['torch.mm']:.0f}x)" for name in names)
-        print(f"| {r[names[0]] / r['torch.mm']:.1f} | {n} x {k} -> {m} | {1e3 * r['torch.mm']:.2f} | {cells} |")
+        print(f"| {r[chosen] / r['torch.mm']:.2f} | {n} x {k} -> {m} | {1e3 * r['torch.mm']:.2f} | {cells} |")
 
 
 def model_flops(args: argparse.Namespace, vocab: int) -> tuple[float, float, str]:
@@ -278,16 +280,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 compute on cuda)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block, in both loops")
-    p.add_argument("--backend", choices=["eager", "dace"], default="eager",
-                   help="dace: the trainer through training.backend = \"dace\" against the trainer with eager "
-                        "(instead of the minimal loop), and the DaCe kernel table (CPU only)")
+    p.add_argument("--backend", choices=["eager", "dace", "dace-loops"], default="eager",
+                   help="dace or dace-loops: the trainer through that training.backend against the trainer with "
+                        "eager (instead of the minimal loop), and the DaCe kernel table (CPU only)")
     p.add_argument("--no-kernel-table", action="store_true",
-                   help="--backend dace: leave out the kernel table (DaCe's library node takes minutes per "
+                   help="--backend dace(-loops): leave out the kernel table (DaCe's library node takes minutes per "
                         "product of the small flavor)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args()
-    if args.backend == "dace" and (args.device != "cpu" or args.compile or args.model == "gpt_oss"):
-        p.error("--backend dace: CPU only, without --compile, for llama3 or qwen3")
+    if args.backend != "eager" and (args.device != "cpu" or args.compile or args.model == "gpt_oss"):
+        p.error(f"--backend {args.backend}: CPU only, without --compile, for llama3 or qwen3")
     torch.set_num_threads(args.threads)
 
     import tempfile
@@ -296,7 +298,7 @@ def main() -> None:
     cfg = bench_config(args, tmp / "run")
     ds = prepare_from_config(cfg.data, cfg.training.seed, log=lambda _m: None)
     tokens = args.steps * args.batch_size * args.seq_len
-    if args.backend == "dace":
+    if args.backend != "eager":
         main_dace(args, cfg, tmp, ds.vocab_size, tokens)
         return
     trainer_tps, minimal_tps = [], []
@@ -339,11 +341,11 @@ def main() -> None:
 
 
 def main_dace(args: argparse.Namespace, cfg: Config, tmp: Path, vocab: int, tokens: int) -> None:
-    """--backend dace: the trainer through DaCe against the trainer with eager, alternating,
-    then the kernel table."""
+    """--backend dace(-loops): the trainer through DaCe against the trainer with eager,
+    alternating, then the kernel table."""
     from archipelago.data import default_cache_dir
 
-    dace_cfg = dace_config(cfg)
+    dace_cfg = dace_config(cfg, args.backend)
     dace_tps, eager_tps = [], []
     for r in range(args.repeats):
         dace_cfg.job.run_dir, cfg.job.run_dir = str(tmp / f"dace{r}"), str(tmp / f"eager{r}")
@@ -352,7 +354,7 @@ def main_dace(args: argparse.Namespace, cfg: Config, tmp: Path, vocab: int, toke
     dace_med, eager_med = statistics.median(dace_tps), statistics.median(eager_tps)
     flops_per_token, peak, peak_source = model_flops(args, vocab)
     kernels = [] if args.no_kernel_table else bench_dace_kernels(args, vocab, default_cache_dir())
-    result = {"model": args.model, "flavor": args.flavor, "backend": "dace", "ratio": dace_med / eager_med,
+    result = {"model": args.model, "flavor": args.flavor, "backend": args.backend, "ratio": dace_med / eager_med,
               "dace_tokens_per_s": dace_med, "eager_tokens_per_s": eager_med, "dace_runs": dace_tps,
               "eager_runs": eager_tps, "seq_len": args.seq_len, "batch_size": args.batch_size, "steps": args.steps,
               "warmup": args.warmup, "repeats": args.repeats, "threads": args.threads, **where_measured(),
@@ -361,12 +363,13 @@ def main_dace(args: argparse.Namespace, cfg: Config, tmp: Path, vocab: int, toke
               "kernels": kernels}
     print(f"\n{args.model}/{args.flavor} on the CPU, fp32, batch {args.batch_size} x seq {args.seq_len}, "
           f"{args.threads} threads, {args.steps} timed steps x {args.repeats} repeats (median), the trainer both\n")
-    print("| ratio (dace / eager tokens/s) | dace tokens/s | eager tokens/s | dace MFU | eager MFU |")
+    print(f"| ratio ({args.backend} / eager tokens/s) | {args.backend} tokens/s | eager tokens/s | "
+          f"{args.backend} MFU | eager MFU |")
     print("|---:|---:|---:|---:|---:|")
     print(f"| {result['ratio']:.3f} | {dace_med:,.1f} | {eager_med:,.1f} | {100 * result['dace_mfu']:.2f}% "
           f"| {100 * result['eager_mfu']:.2f}% |")
     if kernels:
-        print_dace_kernels(kernels, args.threads)
+        print_dace_kernels(kernels, args.threads, args.backend)
     if args.out:
         write_json(args.out, result)
 

@@ -117,33 +117,54 @@ def test_twenty_training_steps_through_a_backend_track_eagers_losses(name):
     assert max(abs(a - b) for a, b in zip(*losses)) < 1e-4, losses
 
 
-def test_the_dace_backend_refuses_what_it_cannot_compute():
+@pytest.mark.parametrize("name", ["dace", "dace-loops"])
+def test_the_dace_backends_refuse_what_they_cannot_compute(name):
     with pytest.raises(ConfigError, match="mixed_precision"):
-        load_config([*TINY, "--training.backend", "dace", "--training.mixed_precision", "bf16"])
+        load_config([*TINY, "--training.backend", name, "--training.mixed_precision", "bf16"])
     with pytest.raises(ConfigError, match="device"):
-        load_config([*TINY, "--training.backend", "dace", "--training.device", "cuda"])
+        load_config([*TINY, "--training.backend", name, "--training.device", "cuda"])
     with pytest.raises(ConfigError, match="torch.compile"):
-        load_config([*TINY, "--training.backend", "dace", "--training.compile"])
-    with pytest.raises(ValueError, match="expected one of eager, dace"):
+        load_config([*TINY, "--training.backend", name, "--training.compile"])
+    with pytest.raises(ValueError, match="expected one of eager, dace, dace-loops"):
         backend("tpu")
-    _needs("dace")
-    with pytest.raises(ValueError, match="float32"):
-        apply_backend(_llama(), "dace", CPU, torch.bfloat16, default_cache_dir())
+    _needs(name)
+    with pytest.raises(ValueError, match=f"training.backend = \"{name}\" computes on the CPU in float32"):
+        apply_backend(_llama(), name, CPU, torch.bfloat16, default_cache_dir())
 
 
-def test_a_dace_program_that_will_not_build_is_refused_naming_what_it_needs(monkeypatch, tmp_path):
-    _needs("dace")
+@pytest.mark.parametrize(("name", "program"), [("dace", "library"), ("dace-loops", "loops")])
+def test_a_dace_program_that_will_not_build_is_refused_naming_what_it_needs(monkeypatch, tmp_path, name, program):
+    _needs(name)
     import dace
 
     from archipelago.island.backends import dace as dace_backend
 
     def no_compiler(self, *args, **kwargs):
         raise RuntimeError("CMake failed: no CMAKE_CXX_COMPILER could be found\nmore lines")
-    monkeypatch.setattr(dace_backend, "_PROGRAM", None)  # not the one this process loaded already
+    monkeypatch.setattr(dace_backend, "_PROGRAMS", {})  # not the ones this process loaded already
     monkeypatch.setattr(dace.SDFG, "compile", no_compiler)
-    with pytest.raises(ValueError, match=r"building its program .* failed \(RuntimeError: CMake failed: no "
+    with pytest.raises(ValueError, match=rf"{program} program did not build in .* \(RuntimeError: CMake failed: no "
                                          r"CMAKE_CXX_COMPILER could be found\); DaCe builds with cmake and a C\+\+"):
-        apply_backend(_llama(), "dace", CPU, FP32, tmp_path)
+        apply_backend(_llama(), name, CPU, FP32, tmp_path)
+
+
+def test_the_dace_backend_is_dace_lowering_its_matmul_node_to_the_wheels_openblas():
+    # What `dace` compiles: DaCe's MatMul library node, expanded by DaCe to a Gemm node and that
+    # by the implementation dace_blas.py registers, to one cblas_sgemm call built in the wheel's
+    # environment; what `dace-loops` compiles: no library call, no environment.
+    _needs("dace")
+    from archipelago.island.backends import dace as dace_backend
+    from archipelago.island.backends import dace_blas
+
+    def tasklets(program: str) -> list:
+        compiled = dace_backend.load(default_cache_dir(), program)
+        return [node for node, _ in compiled.sdfg.all_nodes_recursive() if type(node).__name__ == "Tasklet"]
+
+    blas = [t for t in tasklets("library") if "cblas_sgemm" in t.code.as_string]
+    assert len(blas) == 1 and blas[0].environments == {dace_blas.WheelOpenBLAS.full_class_path()}
+    assert not any("cblas" in t.code.as_string or t.environments for t in tasklets("loops"))
+    assert describe_backend("dace").endswith(f"MatMul library node -> OpenBLAS {dace_blas.version()}")
+    assert describe_backend("dace-loops").endswith("generated loops")
 
 
 def test_islands_declare_their_compute_and_unlike_ones_still_match():

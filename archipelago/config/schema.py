@@ -74,8 +74,8 @@ class TrainingConfig:
     """Compute dtype: `auto` is bf16 on GPUs and fp32 on CPU (parameters and optimizer stay fp32)."""
     compile: bool = False
     """Compile each transformer block with torch.compile."""
-    backend: Literal["eager", "dace"] = "eager"
-    """How this island computes its model's heavy operators: `eager` (PyTorch's own kernels) or `dace` (every linear layer's and convolution's matrix product, forward and backward, as a DaCe-compiled program on the CPU, float32: `training.device = "cpu"`, `mixed_precision = "fp32"`; install it with `pip install --no-deps -r requirements-dace.txt`, which `make setup` does). Islands of one federation may differ; each declares its backend at the join. docs/backends.md."""
+    backend: Literal["eager", "dace", "dace-loops"] = "eager"
+    """How this island computes its model's heavy operators: `eager` (PyTorch's own kernels), `dace` (every linear layer's and convolution's matrix product, forward and backward, as a DaCe-compiled program on the CPU in float32: DaCe's MatMul library node, expanded to OpenBLAS) or `dace-loops` (the same products as DaCe's own generated loops, no library; many times slower). Both DaCe backends need `training.device = "cpu"`, `mixed_precision = "fp32"` and `pip install --no-deps -r requirements-dace.txt` (`make setup` does it). Islands of one federation may differ; each declares its backend at the join. docs/backends.md."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass to save memory."""
 

@@ -28,12 +28,13 @@ def _check_training(cfg: Config, p: list[str]) -> None:
     _require(t.val_every >= 0, f"training.val_every = {t.val_every}: use 0 to disable validation", p)
     _require(t.val_batches > 0, f"training.val_batches = {t.val_batches}: must be positive", p)
     _require(t.val_offset >= 0, f"training.val_offset = {t.val_offset}: must be >= 0 (held-out windows to skip)", p)
-    if t.backend == "dace":
+    if t.backend in ("dace", "dace-loops"):
         _require(t.device in ("auto", "cpu") and t.mixed_precision != "bf16",
-                 f"training.backend = \"dace\" computes on the CPU in float32 (training.device = {t.device!r}, "
-                 f"mixed_precision = {t.mixed_precision!r}): set device = \"cpu\" and mixed_precision = \"fp32\"", p)
-        _require(not t.compile, "training.backend = \"dace\" with training.compile: torch.compile cannot trace "
-                 "the DaCe program's calls; turn one of them off", p)
+                 f"training.backend = \"{t.backend}\" computes on the CPU in float32 (training.device = "
+                 f"{t.device!r}, mixed_precision = {t.mixed_precision!r}): set device = \"cpu\" and "
+                 "mixed_precision = \"fp32\"", p)
+        _require(not t.compile, f"training.backend = \"{t.backend}\" with training.compile: torch.compile cannot "
+                 "trace the DaCe program's calls; turn one of them off", p)
     lora = cfg.lora
     _require(lora.rank >= 0, f"lora.rank = {lora.rank}: use 0 for no adapters", p)
     _require(0 <= lora.dropout < 1, f"lora.dropout = {lora.dropout}: expected a probability in [0, 1)", p)

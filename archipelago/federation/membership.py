@@ -270,7 +270,7 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
                 inner_lr: float = 0.0, compute: str = "") -> dict[str, Any]:
     """A description of this island that peers compare at join time.
 
-    `compute` (device, dtype and backend: `cpu float32, dace 1.0.2 (cpu, fp32)`) is declared, not
+    `compute` (device, dtype and backend: `cpu float32, dace 1.0.2, generated loops`) is declared, not
     compared: islands of unlike hardware train one model; every island logs its members'.
     `tokens_per_step` and `inner_lr` are declared, not compared too: islands may differ in
     both, and every receiver bounds what an island may claim in a round by them

@@ -146,7 +146,7 @@ class Trainer:
 
     def apply_backend(self, module: torch.nn.Module) -> str:
         """training.backend: the model computes through it (island/backends); returns what
-        this island computes with, as its fingerprint declares it (`cpu float32, dace 1.0.2 (cpu, fp32)`)."""
+        this island computes with, as its fingerprint declares it (`cpu float32, dace 1.0.2, generated loops`)."""
         t = self.cfg.training
         dtype = compute_dtype(t.mixed_precision, self.ctx.device)
         cache = Path(self.cfg.data.cache_dir).expanduser() if self.cfg.data.cache_dir else default_cache_dir()

@@ -28,7 +28,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
-BACKENDS = {"eager": "archipelago.island.backends.eager", "dace": "archipelago.island.backends.dace"}
+BACKENDS = {"eager": "archipelago.island.backends.eager", "dace": "archipelago.island.backends.dace",
+            "dace-loops": "archipelago.island.backends.dace_loops"}
 
 
 def backend(name: str) -> ModuleType:
