@@ -7,6 +7,7 @@ a table (ratio first; model FLOPs utilisation beside tokens/s) and writes JSON w
 
     python bench/throughput.py [--model llama3] [--flavor debug] [--steps 30] [--repeats 3] [--out FILE]
     python bench/throughput.py --device cuda --flavor small --batch-size 16   # on a GPU
+    python bench/throughput.py --device cuda --flavor 1B --seq-len 2048 --batch-size 4 --compile   # MFU, 1B class
     python bench/throughput.py --model gpt_oss                               # + the experts' kernels
 
 With `--model gpt_oss` a second table compares the dropless batched experts (one batched
@@ -72,6 +73,7 @@ def bench_config(args: argparse.Namespace, run_dir: Path) -> Config:
     cfg.job.run_dir = str(run_dir)
     cfg.training.device = args.device
     cfg.training.compile = args.compile
+    cfg.training.activation_checkpointing = args.activation_checkpointing
     return validate(cfg)
 
 
@@ -216,7 +218,8 @@ def run_minimal(cfg: Config, dataset_train: Path, vocab: int, dtype: str, warmup
     torch.manual_seed(cfg.training.seed)
     device = torch.device(cfg.training.device)
     model = build_model(args, device="cpu").to(device)
-    wrap_blocks(model, activation_checkpointing=False, compile_blocks=cfg.training.compile)  # as the island compiles
+    wrap_blocks(model, activation_checkpointing=cfg.training.activation_checkpointing,  # as the island wraps them
+                compile_blocks=cfg.training.compile)
     bf16 = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, betas=(0.9, 0.95),
                             weight_decay=0.1, foreach=True)
@@ -280,6 +283,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 compute on cuda)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block, in both loops")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in the backward, in both loops (larger models)")
     p.add_argument("--backend", choices=["eager", "dace", "dace-loops"], default="eager",
                    help="dace or dace-loops: the trainer through that training.backend against the trainer with "
                         "eager (instead of the minimal loop), and the DaCe kernel table (CPU only)")
@@ -314,7 +319,8 @@ def main() -> None:
         "model": args.model, "ratio": ratio, "trainer_tokens_per_s": trainer_med, "minimal_tokens_per_s": minimal_med,
         "trainer_runs": trainer_tps, "minimal_runs": minimal_tps, "flavor": args.flavor,
         "seq_len": args.seq_len, "batch_size": args.batch_size, "steps": args.steps,
-        "repeats": args.repeats, "compile": args.compile, "device": args.device, "threads": args.threads,
+        "repeats": args.repeats, "compile": args.compile,
+        "activation_checkpointing": args.activation_checkpointing, "device": args.device, "threads": args.threads,
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "flops_per_token": flops_per_token, "peak_flops_per_s": peak, "peak_source": peak_source,

@@ -141,7 +141,7 @@ def test_export_of_an_image_model_or_a_federation_directory_says_what_to_do(tmp_
     assert done.returncode == 2 and "island-0" in done.output
 
 
-@pytest.mark.parametrize("family,flavor", [("llama3", "8B"), ("llama3", "70B"), ("qwen3", "0.6B"),
+@pytest.mark.parametrize("family,flavor", [("llama3", "1B"), ("llama3", "8B"), ("llama3", "70B"), ("qwen3", "0.6B"),
                                            ("qwen3", "1.7B"), ("qwen3", "8B")])
 def test_published_shapes_have_transformers_parameter_counts(family, flavor):
     from archipelago.checkpoint.hf import hf_config

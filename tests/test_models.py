@@ -22,6 +22,7 @@ from archipelago.models.layers import Attention, apply_rope, rope_frequencies
 # (family, flavor, vocab_size passed, exact unique parameter count)
 EXACT_COUNTS = [
     ("llama3", "debug", 2048, 6_163_712),
+    ("llama3", "1B", None, 1_235_814_400),  # Llama-3.2-1B, tied
     ("llama3", "8B", None, 8_030_261_248),
     ("llama3", "70B", None, 70_553_706_496),
     ("qwen3", "0.6B", None, 596_049_920),
