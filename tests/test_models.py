@@ -230,7 +230,7 @@ def test_build_on_cpu_initialises() -> None:
 
 
 def test_unknown_names_suggest_closest() -> None:
-    with pytest.raises(ValueError, match=r"'debug'.*debug, small, 8B, 70B"):
+    with pytest.raises(ValueError, match=r"'debug'.*debug, small, 1B, 8B, 70B"):
         get_model_args("llama3", "debg", vocab_size=10)
     with pytest.raises(ValueError, match="'8B'"):
         get_model_args("llama3", "8b")
