@@ -1,6 +1,8 @@
-"""DaCe programs of `a @ b` other than the backends' (archipelago/island/backends/
-dace_program.py), for `bench/throughput.py --backend dace`'s kernel table: what DaCe's own
-lowering and transformations give for the model's products on this CPU.
+"""A DaCe program of `a @ b` other than the backends' (archipelago/island/backends/
+dace_program.py), for `bench/throughput.py --backend dace`'s kernel table. The table's
+other lowerings (the MatMul library node's own loops, with and without `auto_optimize`)
+are built from the `dace` backend's program, `dace_program.matmul_library`, left to DaCe's
+default expansion (`pure`: no system BLAS here) instead of OpenBLAS.
 
 Without `from __future__ import annotations`: DaCe reads the argument types from the live
 annotations.
@@ -9,13 +11,6 @@ annotations.
 import dace
 
 N, K, M = dace.symbol("N"), dace.symbol("K"), dace.symbol("M")
-
-
-@dace.program
-def library_node(a: dace.float32[N, K], b: dace.float32[K, M], c: dace.float32[N, M]):  # noqa: ANN201
-    """DaCe's MatMul library node with its default expansion here: no system BLAS, so its own
-    loop nest (`pure`); the `dace` backend expands the same node to OpenBLAS instead."""
-    c[:] = a @ b
 
 
 @dace.program

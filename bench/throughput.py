@@ -19,9 +19,9 @@ With `--backend dace` (or `dace-loops`) the comparison is the trainer with that
 CPU, alternating), and a second table times the model's distinct linear-layer products
 (forward shapes: tokens x in -> out) as torch.mm, as the two backends' DaCe programs (the
 MatMul library node expanded to OpenBLAS; DaCe's generated loops), and as DaCe's other
-lowerings of the same product (bench/dace_variants.py: the MatMul library node's own loops,
-`pure`; the same after DaCe's `auto_optimize` (tiling, fusion, parallel maps); one dot
-product per element), each compiled once before timing:
+lowerings of the same product (the `dace` backend's MatMul library node left to DaCe's own
+loops, `pure`; the same after DaCe's `auto_optimize` (tiling, fusion, parallel maps); one
+dot product per element, bench/dace_variants.py), each compiled once before timing:
 
     python bench/throughput.py --backend dace --flavor debug --steps 3 --warmup 1 --repeats 2
 
@@ -133,6 +133,7 @@ def dace_variants(cache: Path) -> dict[str, Any]:
     from dace.transformation.auto.auto_optimize import auto_optimize
 
     from archipelago.island.backends import dace as backend
+    from archipelago.island.backends import dace_program
 
     built = {"dace (library node -> OpenBLAS)": backend.load(cache, backend.LIBRARY),
              "dace-loops": backend.load(cache, backend.LOOPS)}
@@ -140,8 +141,8 @@ def dace_variants(cache: Path) -> dict[str, Any]:
     DaceConfig.set("compiler", "use_cache", value=False)  # built afresh each run: nothing stale is timed
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, program, optimize in (("library node, pure", variants.library_node, False),
-                                        ("library node + auto_optimize", variants.library_node, True),
+        for name, program, optimize in (("library node, pure", dace_program.matmul_library, False),
+                                        ("library node + auto_optimize", dace_program.matmul_library, True),
                                         ("dot per element", variants.dot_products, False)):
             sdfg = copy.deepcopy(program.to_sdfg(simplify=True))  # the parser may hand out one SDFG twice
             sdfg.name = f"bench_{program.name}_{int(optimize)}"

@@ -93,12 +93,12 @@ def apply(model: nn.Module, cache_dir: Path) -> int:
     return convert(model, cache_dir, DaceLinear, DaceConv2d)
 
 
-def convert(model: nn.Module, cache_dir: Path, linear_class: type[nn.Linear], conv_class: type[nn.Conv2d]) -> int:
+def convert(model: nn.Module, cache_dir: Path, linear_class: type[DaceLinear], conv_class: type[DaceConv2d]) -> int:
     """Swap every nn.Linear and ungrouped nn.Conv2d of `model` to `linear_class` /
     `conv_class` (names, parameters and initialisation untouched); their program is built or
     loaded now, so a missing compiler fails at the start and not at the first step. Returns
     how many modules were converted."""
-    load(cache_dir, linear_class.program)  # type: ignore[attr-defined]
+    load(cache_dir, linear_class.program)
     converted = 0
     for module in model.modules():
         if type(module) is nn.Linear:
