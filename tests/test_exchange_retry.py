@@ -526,3 +526,40 @@ def test_decoupled_rounds_decide_overlap_and_staleness_from_the_signed_flags_ali
     assert h.stale and h.overlaps                           # the next rows are one outer step stale
     h.settle(overlapped=True, overlaps_next=True, applied=False)
     assert not h.stale                                      # no outer step applied in between: fresh
+
+
+def test_decoupled_second_phase_starts_once_the_first_phase_is_in_else_halfway():
+    # The reduce-scatter's rows are judged (and its second phase started) at the first inner
+    # step after they are in, wherever in the round that is, so both phases are hidden when
+    # together they fit in a round; a wire that cannot tell (no completion stamps: NCCL)
+    # judges halfway through the round, as before; a rank without rows has nothing to wait for.
+    from types import SimpleNamespace
+
+    from archipelago.federation.attempts import Pending
+    from archipelago.federation.decoupled_rounds import DecoupledRounds
+    from archipelago.federation.exchange import Gathered, SkippedWork
+    from archipelago.federation.island_ranks import IslandRanks
+
+    ft = FaultToleranceConfig(sync_steps=10, round_mode="decoupled")
+    host = SimpleNamespace(ft=ft, ranks=IslandRanks(1, None), per_fragment=10, local_step=0, pending=None)
+    rounds = DecoupledRounds(host)  # type: ignore[arg-type]
+
+    def due_at(gathered: Gathered | None, arrives_after: int | None) -> list[int]:
+        host.pending = Pending(fragment=0, gathered=gathered, midway=True)
+        due = []
+        for step in range(1, 11):
+            host.local_step = step
+            if gathered is not None and arrives_after == step - 1:
+                gathered.done_at.append(0.0)  # the transport's thread: the rows are in
+            if rounds.midway_due():
+                due.append(step)
+        return due
+
+    stamped = lambda: Gathered(SkippedWork(), Framing(), stamped=True)  # noqa: E731
+    assert due_at(stamped(), 2) == list(range(3, 11))   # in after step 2: judged at step 3
+    assert due_at(stamped(), 8) == [9, 10]             # in late: never blocks halfway
+    assert due_at(stamped(), None) == []               # never in: the round's end waits for it
+    assert due_at(Gathered(SkippedWork(), Framing()), None) == [5]  # no stamps: halfway, 10 // 2
+    assert due_at(None, None) == list(range(1, 11))    # nothing to wait for on this rank
+    host.pending.judged = object()
+    assert not rounds.midway_due()                     # judged once

@@ -84,13 +84,13 @@ def test_codecs_encode_the_same_bytes_on_gpu_and_cpu(name):
 
 
 def test_decoupled_reduce_scatter_with_exchange_buffers_on_the_gpu(tmp_path):
-    from test_rounds_e2e import _three_judged_halfway
+    from test_rounds_e2e import _three_judged_in_flight
 
     # Three islands training on the one GPU, int8, decoupled rounds: the pseudo-gradients are
     # CUDA tensors, encoded there and copied to host memory for gloo's all-to-all; the rows
-    # are judged halfway through the round where the second phase starts, the sums decoded
+    # are judged during the round where the second phase starts, the sums decoded
     # back onto the GPU, and every island ends with the same global weights.
-    fed, rounds = _three_judged_halfway(tmp_path / "run", "--training.device", "cuda")
+    fed, rounds = _three_judged_in_flight(tmp_path / "run", "--training.device", "cuda")
     for k in range(3):
         assert json.loads((tmp_path / "run" / f"island-{k}" / "summary.json").read_text())["device"] == "cuda"
     assert all(r["committed"] for island in rounds for r in island) and len(rounds[0]) >= 4

@@ -354,7 +354,8 @@ def test_decoupled_reduce_scatter_runs_its_second_phase_midway_and_trains_the_si
     from archipelago.quality_simulator import simulate
 
     # Three islands with int8 take the reduce-scatter: in decoupled rounds each island judges
-    # the rows and starts the second phase halfway through the round after the hand-off, and
+    # the rows and starts the second phase during the round after the hand-off (once the rows
+    # are in), and
     # the round's end waits only for the summed segments. The quality simulator models the
     # summers' second rounding (exchange.summed_as_received) and gives the same weights bit
     # for bit; without that rounding it does not (the all-gather would not match either).
@@ -383,4 +384,4 @@ def test_decoupled_reduce_scatter_runs_its_second_phase_midway_and_trains_the_si
     assert any(not torch.equal(plain[k], v) for k, v in sim.models[0].state_dict().items())
     steps = outer_records(island_records(tmp_path / "fed" / "island-0"))
     assert [e["committed"] for e in steps] == [True] * len(steps) and len(steps) >= 3
-    assert done.output.count("rows judged halfway through the round") >= 3 * 2  # every island, every overlapped one
+    assert done.output.count("rows judged at inner step") >= 3 * 2  # every island, every overlapped one

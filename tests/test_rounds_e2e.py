@@ -133,13 +133,13 @@ def _decoupled(run_dir: Path, islands: str, *extra: str) -> tuple[dict, list[lis
     return fed, [[r for r in records(run_dir / f"island-{k}") if r.get("event") == "outer_step"] for k in range(count)]
 
 
-def _three_judged_halfway(run_dir: Path, *extra: str) -> tuple[dict, list[list[dict]]]:
-    """Three islands, int8, decoupled: the reduce-scatter's rows judged halfway through the
-    round on every island, and the same global weights on every island at the end."""
+def _three_judged_in_flight(run_dir: Path, *extra: str) -> tuple[dict, list[list[dict]]]:
+    """Three islands, int8, decoupled: the reduce-scatter's rows judged during the round
+    (once they are in) on every island, and the same global weights on every island at the end."""
     fed, rounds = _decoupled(run_dir, "1,1,1", "--fault_tolerance.codec", "int8", *extra)
     assert fed["global_hash_agree"]
     for k in range(3):
-        assert "rows judged halfway through the round" in (run_dir / f"island-{k}" / "console.log").read_text()
+        assert "rows judged at inner step" in (run_dir / f"island-{k}" / "console.log").read_text()
     return fed, rounds
 
 
@@ -150,9 +150,10 @@ def test_decoupled_rounds_refuse_a_lying_island_on_every_island_alike(tmp_path):
     # travel while everyone trains on, and when the exchange is finished every island refuses
     # that row for the same reason; the liar takes the global weights and sends nothing in its
     # next exchange (it was trained from the refused row); no round is lost. With int8 three
-    # islands take the reduce-scatter: the rows are judged halfway through the round after
-    # the hand-off, where the second phase starts, and the summers leave the liar's segments out.
-    fed, rounds = _three_judged_halfway(tmp_path / "run", "--inject", "1:forge_tokens@4")
+    # islands take the reduce-scatter: the rows are judged during the round after the
+    # hand-off, once they are in, where the second phase starts, and the summers leave the
+    # liar's segments out.
+    fed, rounds = _three_judged_in_flight(tmp_path / "run", "--inject", "1:forge_tokens@4")
     events = [[r for r in records(tmp_path / "run" / f"island-{k}") if r.get("event") == "refused"]
               for k in range(3)]
     seen = [sorted((e["outer_step"], e["refused_island"], e["by"]) for e in island) for island in events]

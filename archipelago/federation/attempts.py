@@ -80,9 +80,9 @@ class Pending:
     overlapped: bool = False          # decoupled rounds: the island trains on while this exchange travels
     staleness: int = 0                # decoupled rounds: outer steps its rows' base weights are behind
     facts: list[tuple[float, float]] = field(default_factory=list)  # the members' agreement facts (decoupled)
-    midway: bool = False              # decoupled: judged and its second phase started halfway through the round
+    midway: bool = False              # decoupled: judged and its second phase started during the round
     judged: Judged | None = None      # the receivers' verdicts on its rows, once judged
-    midway_s: float = 0.0             # seconds the island blocked for that, halfway through the round
+    midway_s: float = 0.0             # seconds the island blocked for that, during the round
     members: list[str] = field(default_factory=list)  # the attempt's quorum, replica ids by replica rank
     repaired: Repaired | None = None  # a retry finished by the segment repair (exchange_repair = "segment")
     repaired_table: torch.Tensor | None = None  # ... and the table of the survivors' rows it judged

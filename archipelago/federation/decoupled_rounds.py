@@ -1,7 +1,8 @@
 """The outer loop's decoupled rounds (`fault_tolerance.round_mode = "decoupled"`,
 docs/rounds.md): at a round's end, finish the exchange that overlapped the round just
-trained, hand off the new pseudo-gradient and train on; halfway through a round, judge the
-rows of a two-phase exchange and start its second phase.
+trained, hand off the new pseudo-gradient and train on; once the rows of a two-phase
+exchange are in (or halfway through the round where the wire cannot tell), judge them and
+start its second phase.
 
 `Handoffs` (decoupled.py) holds the island's base weights and the decisions every island
 shares; this part drives them from the outer loop (diloco.OuterLoop, the `DecoupledHost`
@@ -152,12 +153,25 @@ class DecoupledRounds:
 
     def midway_due(self) -> bool:
         """A two-phase exchange (the reduce-scatter) in flight: judge its rows and start its
-        second phase now? Halfway through the round (in inner steps; under time pacing in
-        seconds, agreed over the island's ranks), so that each phase has half a round to
-        travel while the island trains (they move about the same bytes)."""
+        second phase now? As soon as the first phase's rows are in on every bridge rank of
+        the island (the transport's thread stamps that; over a multi-rank island one tiny
+        all-reduce per inner step while it waits), so the second phase has the rest of the
+        round and both are hidden when together they fit in one. Rows not in by the round's
+        end are waited for there. A wire that stamps nothing (NCCL's future completes when the
+        collective is enqueued) judges halfway through the round instead (in inner steps;
+        under time pacing in seconds), waiting there for the rows: each phase then has half a
+        round (they move about the same bytes)."""
         h = self.host
         p = h.pending
         if p is None or not p.midway or p.judged is not None:
+            return False
+        gathered = p.gathered
+        out = gathered is not None and not gathered.done_at  # not in yet on this rank
+        blind = gathered is not None and not gathered.stamped  # ... and nothing will say so
+        out_anywhere, blind_anywhere = h.ranks.max([float(out), float(blind)])
+        if not out_anywhere:
+            return True
+        if not blind_anywhere:
             return False
         if h.ft.round_pacing != "time":
             return h.local_step == max(1, h.per_fragment // 2)
@@ -165,7 +179,8 @@ class DecoupledRounds:
 
     def judge_midway(self) -> None:
         """Judge the rows of the exchange in flight (waiting for the first phase if it is not
-        in yet) and start its second phase; the round's end then waits only for that."""
+        in yet: halfway through a round on a wire that cannot tell) and start its second
+        phase; the round's end then waits only for that."""
         h = self.host
         p = h.pending
         assert p is not None
@@ -178,5 +193,5 @@ class DecoupledRounds:
                        h.ft.outer_aggregation == "trimmed_mean")
         p.midway_s = time.perf_counter() - began
         h.book.blocked()  # time pacing: the block is not an inner step's length
-        log.info("outer step %d: rows judged halfway through the round (%.2f s blocked); the second phase "
-                 "travels while the island trains", p.outer_step + 1, p.midway_s)
+        log.info("outer step %d: rows judged at inner step %d of the round (%.2f s blocked); the second phase "
+                 "travels while the island trains", p.outer_step + 1, h.local_step, p.midway_s)

@@ -172,6 +172,7 @@ class Gathered:
     own_sumsq: torch.Tensor | None = None
     started: float = 0.0   # perf_counter() when it was handed to the transport
     done_at: list[float] = field(default_factory=list)  # perf_counter() when the first phase's rows were in
+    stamped: bool = False  # the transport stamps `done_at` (gloo); else it stays empty (NCCL)
     second: SecondPhase | None = None  # reduce-scatter: the summed segments' all-gather, once started
 
 
@@ -374,14 +375,14 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
                         received, done_at)
         return Gathered(work, framing, [received], encode_s, sent=(participants - 1) * size,
                         received=(participants - 1) * size, segments=segments, rank=rank, started=started,
-                        done_at=stamps_list(done_at), own_sumsq=own_sumsq)
+                        done_at=stamps_list(done_at), stamped=done_at is not None, own_sumsq=own_sumsq)
     size = framing.row_bytes(codec.payload_bytes())
     row = framing.frame(tokens, weight, _encoded(codec, pseudo_gradient, weight), size).to(wire)
     encode_s = time.perf_counter() - began
     done_at, started = completion_stamps(wire), time.perf_counter()
     work, outputs = allgather(manager, row, participants, done_at)
     return Gathered(work, framing, outputs, encode_s, sent=row.numel(), received=row.numel() * (participants - 1),
-                    started=started, done_at=stamps_list(done_at))
+                    started=started, done_at=stamps_list(done_at), stamped=done_at is not None)
 
 
 def _own_sumsq(pieces: list[Codec], payloads: list[torch.Tensor]) -> torch.Tensor:
