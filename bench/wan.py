@@ -22,6 +22,9 @@ runs for the same wall-clock budget (--budget, `training.time_budget_s`) in each
      (f and g are not in the default set: --settings a,b,c,d,e,f,g, or --codec auto for f,g)
   h  decoupled rounds, int8 (docs/rounds.md): once a member measured an exchange above 5% of
      its round, each exchange overlaps the next round (not in the default set)
+  i  DiLoCo int8 with `exchange_repair = "segment"`: a member that dies in the exchange
+     costs the survivors only what they lack (docs/rounds.md; c restarts the exchange whole);
+     with --inject, c and i compare the two repairs over the shaped links (not in the default set)
 
 `--island-rates 100,100,5` shapes each island's link to its own rate; their count is the
 number of islands (three here: a thin-link island beside two fast ones). The table then
@@ -29,6 +32,13 @@ also gives each island's rows that entered the global weights (committed rounds 
 its own row was accepted with a weight) and its steady utilisation (without the first
 round and the end of the run). `--island-slowdowns 1,3` also slows island 1's inner steps
 3x (`island.slowdown`, an emulation): islands of unlike speeds over the shaped links.
+`--inject 3:die_in_exchange@3` makes island 3 SIGKILL itself with its row of outer step 3's
+exchange in flight (the fault grammar of `archipelago local --inject`); the survivors
+retry, and the table then also gives each survivor's retries, the seconds from the failed
+exchange to the end of the one that finished the round (`retry_s`), that round's whole
+wait (`sync_s`) and the bytes it sent in it, and whether the survivors' global weights
+agree at the end. `--heartbeat-timeout-ms` sets the lighthouse's (how soon a dead island
+leaves the quorum).
 
 Reported per setting (markdown table on stdout, ratio column first; JSON with --out):
 - bytes across the WAN per token trained: measured on the links, not taken from logs. The
@@ -67,6 +77,8 @@ Reproduce (measured on a 2-core CPU machine: about 7 minutes at the defaults, ab
     sudo .venv/bin/python bench/wan.py [--out runs/bench/wan.json]
     sudo .venv/bin/python bench/wan.py --rate-mbit 20 --settings a,b,e
     sudo .venv/bin/python bench/wan.py --budget 25 --settings b,d      # a quick look
+    sudo .venv/bin/python bench/wan.py --settings c,i --island-rates 10,10,10,10 \
+        --inject 3:die_in_exchange@3 --heartbeat-timeout-ms 1000 --budget 150   # the two repairs
 """
 
 from __future__ import annotations
@@ -158,6 +170,9 @@ SETTINGS = {s.key: s for s in (
     # measured it above overlap_threshold (5%) of its round; its rows enter one outer step late.
     Setting("h", "decoupled DiLoCo int8", args=("--fault_tolerance.codec", "int8",
                                                 "--fault_tolerance.round_mode", "decoupled")),
+    # A member dead in the exchange: the survivors send each other only what they lack.
+    Setting("i", "DiLoCo int8, segment repair", args=("--fault_tolerance.codec", "int8",
+                                                      "--fault_tolerance.exchange_repair", "segment")),
 )}
 
 
@@ -197,7 +212,8 @@ def run_federation(setting: Setting, args: argparse.Namespace, wan: Wan, run_dir
     key_file.chmod(0o600)
     lighthouse = start("lighthouse", in_namespace(LH_NS, wan.lh_addr, [
         python_bin(), "-m", "archipelago.launch.cli", "lighthouse", "--bind", f"{wan.lh_addr}:{LH_PORT}",
-        "--min-replicas", "1", "--join-timeout-ms", "60000", "--key-file", str(key_file)]), env,
+        "--min-replicas", "1", "--join-timeout-ms", "60000", "--key-file", str(key_file),
+        *(["--heartbeat-timeout-ms", str(args.heartbeat_timeout_ms)] if args.heartbeat_timeout_ms else [])]), env,
         run_dir / "lighthouse.log")
     wait_for_line(lighthouse, "lighthouse listening", 60)
     url = f"http://{wan.lh_addr}:{LH_PORT}"
@@ -205,7 +221,7 @@ def run_federation(setting: Setting, args: argparse.Namespace, wan: Wan, run_dir
     for k in range(wan.islands):
         addr = wan.island_addr(k)
         island_env = {**env, "LOCAL_ADDR": addr, "GLOO_SOCKET_IFNAME": WAN_IF, "TORCHFT_LIGHTHOUSE": url,
-                      "ARCHIPELAGO_FEDERATION_KEY_FILE": str(key_file)}
+                      "ARCHIPELAGO_FEDERATION_KEY_FILE": str(key_file), **fault_env(args, k)}
         cmd = [python_bin(), "-m", "archipelago.launch.cli", "train", "--nproc", "1",
                *train_args(args, run_dir / f"island-{k}", args.batch_size),
                "--fault_tolerance.enable", "--fault_tolerance.replica_id", str(k),
@@ -219,6 +235,19 @@ def run_federation(setting: Setting, args: argparse.Namespace, wan: Wan, run_dir
         islands.append(start(f"island-{k}", in_namespace(wan.island_ns(k), addr, cmd), island_env,
                              run_dir / f"island-{k}.log"))
     return islands, [lighthouse]
+
+
+def fault_env(args: argparse.Namespace, island: int) -> dict[str, str]:
+    """The injected faults of --inject for this island, as `archipelago local` hands them over."""
+    from archipelago.config.faults import ENV, env_value
+
+    mine = [f for f in args.injections if f.island == island]
+    return {ENV: env_value(mine)} if mine else {}
+
+
+def dying(args: argparse.Namespace) -> set[int]:
+    """Islands that kill themselves by design (--inject die_in_exchange)."""
+    return {f.island for f in args.injections if f.kind == "die_in_exchange" and f.island is not None}
 
 
 def slowdown_args(args: argparse.Namespace, island: int) -> list[str]:
@@ -258,14 +287,15 @@ def last_step(folder: Path) -> Any:
 
 
 def supervise(label: str, workers: list[Proc], timeout_s: float, sampler: Sampler,
-              folders: list[Path]) -> None:
+              folders: list[Path], dying: frozenset[str] = frozenset()) -> None:
     """Wait for the workers with a hard timeout; one failing stops the rest (they would wait
-    for it at the next exchange until their own timeouts)."""
+    for it at the next exchange until their own timeouts), except those named in `dying`
+    (killed by design: --inject)."""
     t0 = time.monotonic()
     next_status = t0 + STATUS_EVERY_S
     first = sampler.samples[0]
     while any(p.code is None for p in workers):
-        failed = [p for p in workers if p.code not in (None, 0)]
+        failed = [p for p in workers if p.code not in (None, 0) and p.name not in dying]
         if failed:
             raise RuntimeError(f"{failed[0].name} failed (exit code {failed[0].code}); log {failed[0].log}:\n"
                                f"{log_tail(failed[0].log)}")
@@ -278,7 +308,7 @@ def supervise(label: str, workers: list[Proc], timeout_s: float, sampler: Sample
             steps = " ".join(f"{f.name} step {last_step(f)}" for f in folders)
             print(f"  [{label}] {now - t0:4.0f} s: WAN {moved / 1e6:.1f} MB; {steps}", flush=True)
         time.sleep(0.5)
-    failed = [p for p in workers if p.code != 0]
+    failed = [p for p in workers if p.code != 0 and p.name not in dying]
     if failed:
         raise RuntimeError(f"{failed[0].name} failed (exit code {failed[0].code}); log {failed[0].log}:\n"
                            f"{log_tail(failed[0].log)}")
@@ -301,13 +331,14 @@ def run_setting(setting: Setting, args: argparse.Namespace, wan: Wan, root: Path
             else:
                 workers, helpers = run_federation(setting, args, wan, run_dir, token)
                 procs, folders = [*helpers, *workers], [run_dir / f"island-{k}" for k in range(wan.islands)]
-            supervise(setting.key, workers, args.timeout, sampler, folders)
+            supervise(setting.key, workers, args.timeout, sampler, folders,
+                      frozenset(f"island-{k}" for k in dying(args)))
     finally:
         stop_all(procs, token)
     traffic = sampler.totals()
     wall = time.monotonic() - t0
     result = (ddp_result(run_dir, sampler, step_time_s, wan.islands) if setting.ddp
-              else federation_result(run_dir, sampler, args.equal_steps, wan.islands))
+              else federation_result(run_dir, sampler, args.equal_steps, wan.islands, dying(args)))
     tokens = result["tokens"]
     result.update(setting=setting.key, name=setting.name, ok=True, wall_s=wall, run_dir=str(run_dir),
                   bytes_per_token=traffic["wan_bytes"] / tokens if tokens else None, **traffic)
@@ -337,11 +368,13 @@ def val_at(folder: Path, step: int) -> float | None:
     return None
 
 
-def federation_result(run_dir: Path, sampler: Sampler, equal_steps: int, count: int) -> dict[str, Any]:
+def federation_result(run_dir: Path, sampler: Sampler, equal_steps: int, count: int,
+                      dead: set[int] | None = None) -> dict[str, Any]:
+    """The run's figures over the islands that lived to its end (`dead`: killed by design)."""
     from archipelago.metrics.islands import island_records, outer_records, round_totals
 
     islands = []
-    for k in range(count):
+    for k in (k for k in range(count) if k not in (dead or set())):
         folder = run_dir / f"island-{k}"
         summary = read_summary(folder, required=True)
         outer = outer_records(island_records(folder))
@@ -380,7 +413,22 @@ def federation_result(run_dir: Path, sampler: Sampler, equal_steps: int, count: 
         "steady_bytes": steady,
         "steady_tokens": window_tokens,
         "steady_bytes_per_token": steady / window_tokens if steady is not None and window_tokens else None,
+        **(repair_result([i["outer"] for i in islands], sorted(dead)) if dead else {}),
     }
+
+
+def repair_result(outers: list[list[dict[str, Any]]], dead: list[int]) -> dict[str, Any]:
+    """After an island died in an exchange: each survivor's round that retried (its retries,
+    how many the segment repair finished, the seconds from the failed exchange to the end of
+    the last, the round's whole wait and the bytes it sent), and whether the survivors'
+    global weights agree at the end."""
+    retried = [next((r for r in outer if r.get("retries")), {}) for outer in outers]
+    hashes = {outer[-1].get("global_hash") for outer in outers if outer}
+    return {"dead": dead, "retried_outer_step": [r.get("outer_step") for r in retried],
+            "retries": [r.get("retries") for r in retried], "repaired": [r.get("repaired") for r in retried],
+            "retry_s": [r.get("retry_s") for r in retried], "retry_round_sync_s": [r.get("sync_s") for r in retried],
+            "retry_round_bytes_sent": [r.get("bytes_sent") for r in retried],
+            "survivors_agree": len(hashes) == 1 and None not in hashes}
 
 
 def steady_utilisation(outer: list[dict[str, Any]]) -> float | None:
@@ -497,6 +545,7 @@ def print_table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Non
               f"| {' / '.join(str(n) for n in r.get('entered', [])) or '-'} | {r['tokens']:,} | {val} "
               f"| {num(r.get('val_loss_equal_tokens'), '.4f')} | {relative(r.get('val_loss_equal_tokens'), fp32)} "
               f"| {r['rounds']} | {r['lighthouse_bytes'] / 1e3:,.0f} |")
+    print_repairs(results)
     if "a" in results and results["a"].get("ok"):
         print(f"\nDDP utilisation is an estimate: steps x {num(results['a']['no_network_step_s'], '.3f')} s "
               f"(no-network step time) / wall time; one DDP step took {num(results['a']['step_wall_s'], '.2f')} s.")
@@ -505,6 +554,25 @@ def print_table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Non
           "evaluation s); steady: from the end of the first round to the end of the last that trained. "
           "Equal tokens: every island's evaluation at the same step (--equal-steps); vs fp32: "
           "that loss relative to DiLoCo fp32's.")
+
+
+def print_repairs(results: dict[str, dict[str, Any]]) -> None:
+    """With an island killed in an exchange: how each setting's survivors finished that round."""
+    rows = {k: r for k, r in results.items() if r.get("ok") and r.get("dead")}
+    if not rows:
+        return
+    print("\n| retry seconds (mean over survivors) | setting | dead island | outer step | retries / repaired "
+          "| retry s per survivor | that round's sync s | bytes it sent per survivor (MB) | survivors agree |")
+    print("|---:|---|---|---|---|---|---|---|---|")
+    for key in sorted(rows):
+        r = rows[key]
+        seconds = [x for x in r["retry_s"] if x is not None]
+        mb = " / ".join("-" if b is None else f"{b / 1e6:.2f}" for b in r["retry_round_bytes_sent"])
+        print(f"| {num(statistics.fmean(seconds) if seconds else None, '.2f')} | {key} {r['name']} "
+              f"| {', '.join(map(str, r['dead']))} | {' / '.join(map(str, r['retried_outer_step']))} "
+              f"| {' / '.join(f'{a}/{b}' for a, b in zip(r['retries'], r['repaired']))} "
+              f"| {' / '.join(num(x, '.2f') for x in r['retry_s'])} "
+              f"| {' / '.join(num(x, '.2f') for x in r['retry_round_sync_s'])} | {mb} | {r['survivors_agree']} |")
 
 
 def relative(value: float | None, reference: float | None) -> str:
@@ -550,6 +618,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="anything after --extra goes to every `archipelago train` (e.g. --model.flavor ...)")
+    p.add_argument("--inject", action="append", default=[], metavar="ISLAND:KIND@AT",
+                   help="an injected fault for one island, as `archipelago local --inject` takes it (repeatable; "
+                        "e.g. 3:die_in_exchange@3: island 3 dies with its row of outer step 3 in flight)")
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=None,
+                   help="the lighthouse's heartbeat timeout: how soon a dead island leaves the quorum "
+                        "(default: `archipelago lighthouse`'s)")
     p.add_argument("--codec", choices=["auto"], default=None,
                    help='auto: codec = "auto" without and with streaming\'s overlap (the same as --settings f,g)')
     args = p.parse_args(argv)
@@ -589,11 +663,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--island-slowdowns: one factor >= 1 per island ({len(args.rates)} islands from the rates)")
     if args.slowdowns and "a" in args.keys:
         p.error("--island-slowdowns: DDP (a) has no per-island slowdown; leave it out of --settings")
+    args.injections = injections(p, args.inject, len(args.rates))
+    if args.injections and "a" in args.keys:
+        p.error("--inject: DDP (a) has no islands to inject into; leave it out of --settings")
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 2) // len(args.rates))
     if args.timeout is None:
         args.timeout = 2 * args.budget + 300
     return args
+
+
+def injections(p: argparse.ArgumentParser, texts: list[str], islands: int) -> list[Any]:
+    """--inject's faults (`archipelago local`'s grammar), each for an island that exists."""
+    from archipelago.config.errors import ConfigError
+    from archipelago.config.faults import OUTER_KINDS, TRAINER_KINDS, parse_fault
+
+    faults = []
+    for text in texts:
+        try:
+            fault = parse_fault(text, where="--inject", kinds=TRAINER_KINDS + OUTER_KINDS, island=True)
+        except ConfigError as exc:
+            p.error(str(exc))
+        if not 0 <= fault.island < islands:
+            p.error(f"--inject {text}: island {fault.island} of {islands} (islands 0-{islands - 1}, from the rates)")
+        faults.append(fault)
+    return faults
 
 
 def model_facts(config: Path, extra: list[str]) -> dict[str, Any]:
@@ -635,7 +729,8 @@ def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]
             results[key] = {"setting": key, "name": SETTINGS[key].name, "ok": False, "error": str(exc)}
     meta = {**facts, "batch_size": args.batch_size, "budget_s": args.budget, "rate_mbit": args.rate_mbit,
             "islands": len(args.rates), "rates": args.rates, "slowdowns": args.slowdowns,
-            "threads": args.threads, "extra": args.extra,
+            "threads": args.threads, "extra": args.extra, "inject": args.inject,
+            "heartbeat_timeout_ms": args.heartbeat_timeout_ms,
             **where_measured(),
             "delay_ms": args.delay_ms, "sync_steps": args.sync_steps, "link_mbit": link, "work_dir": str(root),
             "subnet": str(args.subnet), "no_network_step_s": step_time}

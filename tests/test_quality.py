@@ -309,6 +309,30 @@ def test_wan_bench_slows_only_the_islands_it_is_told_to(monkeypatch):
             wan.parse_args(bad)
 
 
+def test_wan_bench_kills_only_the_island_it_is_told_to_and_reads_the_survivors_repair(monkeypatch):
+    from archipelago.config.faults import ENV, faults_from_env
+
+    wan = _bench_module("wan", monkeypatch)
+    args = wan.parse_args(["--settings", "c,i", "--island-rates", "10,10,10,10", "--inject", "3:die_in_exchange@3"])
+    assert [wan.fault_env(args, k) for k in (0, 1, 2)] == [{}, {}, {}] and wan.dying(args) == {3}
+    monkeypatch.setenv(ENV, wan.fault_env(args, 3)[ENV])  # what island 3's trainer reads back
+    assert [str(f) for f in faults_from_env(("die_in_exchange",))] == ["die_in_exchange@3"]
+    assert "segment" in wan.SETTINGS["i"].args and "segment" not in wan.SETTINGS["c"].args
+    for bad in (["--inject", "5:die_in_exchange@3"], ["--inject", "die_in_exchange@3"], ["--inject", "3:boom@1"],
+                ["--settings", "a,c", "--inject", "1:die_in_exchange@3"]):  # an island that exists, never DDP
+        with pytest.raises(SystemExit):
+            wan.parse_args(bad)
+    # Two survivors' records: the round that retried, then the end, where their hashes agree.
+    a = [{"outer_step": 2, "global_hash": "x"}, {"outer_step": 3, "retries": 1, "repaired": 1, "retry_s": 2.5,
+                                                 "sync_s": 3.0, "bytes_sent": 4_000_000}, {"global_hash": "h"}]
+    b = [{"outer_step": 3, "retries": 1, "repaired": 1, "retry_s": 1.5, "sync_s": 2.0, "bytes_sent": 3_000_000},
+         {"global_hash": "h"}]
+    got = wan.repair_result([a, b], [3])
+    assert got["retried_outer_step"] == [3, 3] and got["retry_s"] == [2.5, 1.5] and got["survivors_agree"]
+    assert got["retry_round_bytes_sent"] == [4_000_000, 3_000_000] and got["repaired"] == [1, 1]
+    assert not wan.repair_result([a, [{"global_hash": "other"}]], [3])["survivors_agree"]
+
+
 @pytest.mark.slow  # over 30 s on 2 cores: make test-slow (CI runs it)
 @pytest.mark.timeout(300)
 def test_decoupled_rounds_on_the_platform_train_the_simulators_weights(tmp_path):
