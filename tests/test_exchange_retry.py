@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import re
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -563,3 +564,72 @@ def test_decoupled_second_phase_starts_once_the_first_phase_is_in_else_halfway()
     assert due_at(None, None) == list(range(1, 11))    # nothing to wait for on this rank
     host.pending.judged = object()
     assert not rounds.midway_due()                     # judged once
+
+
+class _StoreManager:
+    """What give_up.py reads of a torchft manager: the quorum's store, errors."""
+
+    def __init__(self, address: str) -> None:
+        self._archipelago_quorum_store = address
+        self.errors: list[Exception] = []
+
+    def errored(self) -> Exception | None:
+        return self.errors[0] if self.errors else None
+
+    def report_error(self, exc: Exception) -> None:
+        self.errors.append(exc)
+
+
+class _NeverDone:
+    def wait(self, timeout: Any = None) -> bool:
+        raise AssertionError("waited on a collective another member gave up")
+
+
+def test_a_member_stuck_in_an_exchange_others_gave_up_stops_waiting():
+    # Over slow links a survivor's gloo send can outlive the failed exchange's connections
+    # (docs/rounds.md; bench/dead_peer_shaped.py): it learns from the quorum's store instead.
+    import threading
+    import time
+
+    from torch.distributed import TCPStore
+
+    from archipelago.federation import give_up
+    from archipelago.federation.exchange import Gathered, SkippedWork
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{store.port}/torchft/7/0"
+    framing = Framing(None, quorum=7, step=3, fragment=0, island=1)
+    stuck, failed = _StoreManager(address), _StoreManager(address)
+    gathered = Gathered(_NeverDone(), framing, stamped=True)
+    threading.Timer(0.8, give_up.announce, (failed, framing)).start()  # a member saw the death
+    began = time.monotonic()
+    give_up.wait_for_rows(stuck, gathered, framing)
+    assert 0.7 < time.monotonic() - began < 0.8 + 2 * give_up.POLL_S + 2
+    assert isinstance(stuck.errors[0], give_up.ExchangeGivenUp) and isinstance(gathered.work, SkippedWork)
+    assert member_failure(_Errored(stuck.errors[0]))  # the usual retry follows
+    # The key is per exchange: the next outer step's, or another fragment's, is not given up.
+    assert not give_up.given_up(stuck, replace(framing, step=4))
+    assert not give_up.given_up(stuck, replace(framing, fragment=1))
+    # Rows that arrive are waited for as before; nobody gave up, nothing reported.
+    fresh = _StoreManager(address)
+    arrived = Gathered(SkippedWork(), framing, stamped=True)
+    threading.Timer(0.3, arrived.done_at.append, (0.0,)).start()
+    give_up.wait_for_rows(fresh, arrived, replace(framing, step=5))
+    assert not fresh.errors
+    # A quorum store that cannot be reached: its host, a member, is gone.
+    port = store.port
+    del store
+    gone = _StoreManager(f"127.0.0.1:{port}/torchft/7/0")
+    give_up.STORE_TIMEOUT_S, saved = 1.0, give_up.STORE_TIMEOUT_S
+    try:
+        assert give_up.given_up(gone, framing)
+    finally:
+        give_up.STORE_TIMEOUT_S = saved
+
+
+class _Errored:
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def errored(self) -> Exception:
+        return self.exc

@@ -20,6 +20,7 @@ import torch
 from archipelago.config.errors import ConfigError
 from archipelago.federation.codecs import PayloadError
 from archipelago.federation.exchange import ROUND_AGREE, Framing, Gathered, SkippedWork
+from archipelago.federation.give_up import announce
 from archipelago.federation.policy import EXCHANGE_COMPLETED, FRAME_OK, exchange_agreed
 from archipelago.federation.sums import SumRefused
 from archipelago.federation.trust import FrameRefused
@@ -56,6 +57,7 @@ def settle_exchange(manager: Any, framing: Framing, device: torch.device, exchan
         flags = agree_on_exchange(manager, framing, device, measured, overlapped, facts)
         failed = not exchange_agreed(flags, max(manager.num_participants(), 1))
     if failed:  # members blocked on this island fail now, not at process_group_timeout_ms
+        announce(manager, framing)  # ... also those whose transport would not tell them (give_up.py)
         abandon_group(manager, *exchanges)
     return failed
 

@@ -33,6 +33,7 @@ from archipelago.federation.exchange import (
     start_gather,
     wire_device,
 )
+from archipelago.federation.give_up import wait_for_rows
 from archipelago.federation.inner_state import InnerStateAverager, StateExchange
 from archipelago.federation.island_ranks import IslandRanks
 from archipelago.federation.judging import RowJudge
@@ -217,8 +218,8 @@ class ExchangeAttempts:
         """Wait for the rows and judge them (`p.judged`); in decoupled rounds every row of a
         stale exchange is discounted alike (decoupled.py)."""
         h = self.host
-        if p.gathered is not None:
-            p.gathered.work.wait()  # the network's share; opening and judging the rows is decode_s
+        if p.gathered is not None:  # the network's share; opening and judging the rows is decode_s
+            wait_for_rows(h.manager, p.gathered, p.framing)
         judging = p.waited = time.perf_counter()
         weights, tokens, refused = self._judge(p)
         divisor = sum(weights)

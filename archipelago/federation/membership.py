@@ -29,6 +29,7 @@ from torch.distributed import TCPStore
 from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.codecs import effective_codec
+from archipelago.federation.give_up import remember_store
 from archipelago.federation.policy import StateClaim, claimed_step
 from archipelago.federation.trust import (
     FederationKey,
@@ -231,6 +232,7 @@ class MembersOnly:
             expect_source(quorum.recover_src_manager_address)
         # The members by replica rank: a retry's segment repair maps the old quorum onto the new.
         self._manager._archipelago_replica_ids = list(getattr(quorum, "replica_ids", []) or [])
+        remember_store(self._manager, quorum)  # where a member that gives an exchange up says so
         if self._key is None:
             return quorum
         outsiders = [rid for rid in quorum.replica_ids if check_member_id(self._key, rid) is None]

@@ -1,0 +1,105 @@
+"""A member that gave an exchange up says so where the others look while they wait.
+
+Behind slow links a survivor's pending gloo send can outlive every connection of a failed
+exchange: the transport never fails it, so the survivor would wait out
+`process_group_timeout_ms` while the members that saw the death ask the lighthouse for a
+new quorum, and the lighthouse waits its join timeout for the one still heartbeating
+(docs/rounds.md, "When a member dies in the exchange"). So the members of a quorum share
+one more fact besides their rows: the quorum's TCPStore (where torchft's process group met,
+hosted by one member) holds a key per exchange that a member whose exchange failed sets
+(`announce`, from agreement.settle_exchange), and a member waiting for its exchange's rows
+polls it every POLL_S seconds (`wait_for_rows`). A store that cannot be reached counts as
+the same news: its host, a member, is gone. Either way the waiting member reports the
+exchange failed and lets go of it, as if its own collective had failed, and the usual retry
+follows.
+
+What it costs: one key lookup a POLL_S over the WAN while rows are still out (none when they
+arrive sooner), one store connection per quorum. What it trusts: only members reach the
+quorum's store (torchft's rendezvous needs it), and a member that lies by setting the key
+only fails an exchange, which it could do anyway by closing its connections. Wires that
+stamp no completion (NCCL) wait as before.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+from archipelago.federation.exchange import Framing, Gathered, SkippedWork
+
+POLL_S = 0.5               # how often a waiting member looks at the key
+STORE_TIMEOUT_S = 5.0      # connecting to, and asking, the quorum's store
+
+
+class ExchangeGivenUp(RuntimeError):
+    """Another member of the exchange gave it up (or the quorum's store is gone)."""
+
+
+def remember_store(manager: Any, quorum: Any) -> None:
+    """Note the quorum's store (as torchft's process group rendezvous uses it) on `manager`."""
+    rank = getattr(manager, "_group_rank", 0)
+    manager._archipelago_quorum_store = f"{quorum.store_address}/torchft/{quorum.quorum_id}/{rank}"
+
+
+def key(framing: Framing) -> str:
+    """The key of one exchange: the outer step and fragment its rows are signed for (the
+    quorum's id is in the store's prefix, so a retry, which always has a new quorum, starts
+    clean)."""
+    return f"archipelago/given_up/{framing.step}/{framing.fragment}"
+
+
+def announce(manager: Any, framing: Framing) -> None:
+    """This member gave the exchange up: say so in the quorum's store (best effort)."""
+    try:
+        store = _store(manager)
+        if store is not None:
+            store.set(key(framing), "1")
+    except Exception:  # noqa: BLE001 - the store's host may be the member that died
+        pass
+
+
+def given_up(manager: Any, framing: Framing) -> bool:
+    """Has a member of this exchange given it up, or is the quorum's store gone?"""
+    try:
+        store = _store(manager)
+        return store is not None and bool(store.check([key(framing)]))
+    except Exception:  # noqa: BLE001 - unreachable: its host, a member, is gone
+        return True
+
+
+def wait_for_rows(manager: Any, gathered: Gathered, framing: Framing | None) -> None:
+    """Wait for an exchange's rows; on a wire that stamps their arrival, look every POLL_S
+    whether another member gave the exchange up, and if so report it to the manager and
+    let go of the collective (its buffers stay with `gathered`) instead of waiting on."""
+    if not gathered.stamped or framing is None or manager.errored() is not None:
+        gathered.work.wait()
+        return
+    next_look = time.monotonic() + POLL_S
+    while not gathered.done_at:
+        time.sleep(0.005)
+        if time.monotonic() < next_look:
+            continue
+        if given_up(manager, framing):
+            manager.report_error(ExchangeGivenUp(
+                "another member gave this exchange up (its quorum's store says so, or is gone); "
+                "the transport had not failed it here"))
+            gathered.work = SkippedWork()
+            return
+        next_look = time.monotonic() + POLL_S
+    gathered.work.wait()
+
+
+def _store(manager: Any) -> Any:
+    """The quorum's store, connected once per quorum (None before any quorum)."""
+    address = getattr(manager, "_archipelago_quorum_store", None)
+    if not address:
+        return None
+    cached = getattr(manager, "_archipelago_store_client", None)
+    if cached is not None and cached[0] == address:
+        return cached[1]
+    from torchft.process_group import create_store_client
+
+    store = create_store_client(address, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    manager._archipelago_store_client = (address, store)
+    return store
