@@ -14,6 +14,8 @@ Measured on loopback (tests/test_exchange_retry.py, docs/rounds.md) every surviv
 within a second of the death. Over shaped links a survivor may instead wait for the whole
 --timeout (gloo's "Timed out waiting ... for send operation to complete"), even once every
 peer's connection to it is closed: its pending send is never failed by the transport.
+(The federation no longer waits for it: the members that saw the failure say so in the
+quorum's store, federation/give_up.py. This script measures gloo alone.)
 
     sudo .venv/bin/python bench/dead_peer_shaped.py [--lates -0.6 0 0.5] [--rate-mbit 10] [--out FILE]
 
