@@ -603,7 +603,7 @@ def test_a_member_stuck_in_an_exchange_others_gave_up_stops_waiting():
     gathered = Gathered(_NeverDone(), framing, stamped=True)
     threading.Timer(0.8, give_up.announce, (failed, framing)).start()  # a member saw the death
     began = time.monotonic()
-    give_up.wait_for_rows(stuck, gathered, framing)
+    give_up.wait_for_rows(stuck, gathered)
     assert 0.7 < time.monotonic() - began < 0.8 + 2 * give_up.POLL_S + 2
     assert isinstance(stuck.errors[0], give_up.ExchangeGivenUp) and isinstance(gathered.work, SkippedWork)
     assert member_failure(_Errored(stuck.errors[0]))  # the usual retry follows
@@ -612,10 +612,21 @@ def test_a_member_stuck_in_an_exchange_others_gave_up_stops_waiting():
     assert not give_up.given_up(stuck, replace(framing, fragment=1))
     # Rows that arrive are waited for as before; nobody gave up, nothing reported.
     fresh = _StoreManager(address)
-    arrived = Gathered(SkippedWork(), framing, stamped=True)
+    arrived = Gathered(SkippedWork(), replace(framing, step=5), stamped=True)
     threading.Timer(0.3, arrived.done_at.append, (0.0,)).start()
-    give_up.wait_for_rows(fresh, arrived, replace(framing, step=5))
+    give_up.wait_for_rows(fresh, arrived)
     assert not fresh.errors
+    # The second phase (the summed segments) waits the same way: given up, its sum is zeros
+    # and the round fails as if its own collective had.
+    from archipelago.federation.exchange import SecondPhase
+    from archipelago.federation.sums import _read_second_phase
+
+    summing = _StoreManager(address)
+    second = Gathered(SkippedWork(), framing, stamped=True)
+    second.second = SecondPhase([1.0], work=_NeverDone(), failed=False, stamped=True)
+    into = torch.ones(8)
+    _read_second_phase(second, None, into, summing, False)  # type: ignore[arg-type]
+    assert isinstance(summing.errors[0], give_up.ExchangeGivenUp) and not into.any()
     # A quorum store that cannot be reached: its host, a member, is gone.
     port = store.port
     del store

@@ -219,7 +219,7 @@ class ExchangeAttempts:
         stale exchange is discounted alike (decoupled.py)."""
         h = self.host
         if p.gathered is not None:  # the network's share; opening and judging the rows is decode_s
-            wait_for_rows(h.manager, p.gathered, p.framing)
+            wait_for_rows(h.manager, p.gathered)
         judging = p.waited = time.perf_counter()
         weights, tokens, refused = self._judge(p)
         divisor = sum(weights)

@@ -189,6 +189,7 @@ class SecondPhase:
     failed: bool = True    # nothing to read: the manager saw an error before or while starting it
     started: float = 0.0   # perf_counter() when it was handed to the transport
     done_at: list[float] = field(default_factory=list)  # ... when its rows were in (gloo stamps it)
+    stamped: bool = False  # the transport stamps `done_at`
     waited: float = 0.0    # ... when finish_gather's wait for them returned
 
     def seconds(self) -> float:

@@ -8,7 +8,8 @@ new quorum, and the lighthouse waits its join timeout for the one still heartbea
 one more fact besides their rows: the quorum's TCPStore (where torchft's process group met,
 hosted by one member) holds a key per exchange that a member whose exchange failed sets
 (`announce`, from agreement.settle_exchange), and a member waiting for its exchange's rows
-polls it every POLL_S seconds (`wait_for_rows`). A store that cannot be reached counts as
+polls it every POLL_S seconds (`wait_for`: the rows of the first phase, the summed
+segments of the second). A store that cannot be reached counts as
 the same news: its host, a member, is gone. Either way the waiting member reports the
 exchange failed and lets go of it, as if its own collective had failed, and the usual retry
 follows.
@@ -68,15 +69,21 @@ def given_up(manager: Any, framing: Framing) -> bool:
         return True
 
 
-def wait_for_rows(manager: Any, gathered: Gathered, framing: Framing | None) -> None:
-    """Wait for an exchange's rows; on a wire that stamps their arrival, look every POLL_S
-    whether another member gave the exchange up, and if so report it to the manager and
-    let go of the collective (its buffers stay with `gathered`) instead of waiting on."""
-    if not gathered.stamped or framing is None or manager.errored() is not None:
-        gathered.work.wait()
+def wait_for_rows(manager: Any, gathered: Gathered) -> None:
+    """Wait for an exchange's first phase (its rows), watching for a member's give-up."""
+    wait_for(manager, gathered, gathered.done_at, gathered.stamped, gathered.framing)
+
+
+def wait_for(manager: Any, holder: Any, done_at: list[float], stamped: bool, framing: Framing) -> None:
+    """Wait on `holder.work`, a collective of the exchange `framing` names; where the wire
+    stamps its completion into `done_at`, look every POLL_S whether another member gave the
+    exchange up, and if so report it to the manager and let go of the collective (its
+    buffers stay with the caller) instead of waiting on."""
+    if not stamped or manager.errored() is not None:
+        holder.work.wait()
         return
     next_look = time.monotonic() + POLL_S
-    while not gathered.done_at:
+    while not done_at:
         time.sleep(0.005)
         if time.monotonic() < next_look:
             continue
@@ -84,10 +91,10 @@ def wait_for_rows(manager: Any, gathered: Gathered, framing: Framing | None) -> 
             manager.report_error(ExchangeGivenUp(
                 "another member gave this exchange up (its quorum's store says so, or is gone); "
                 "the transport had not failed it here"))
-            gathered.work = SkippedWork()
+            holder.work = SkippedWork()
             return
         next_look = time.monotonic() + POLL_S
-    gathered.work.wait()
+    holder.work.wait()
 
 
 def _store(manager: Any) -> Any:

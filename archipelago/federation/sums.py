@@ -33,6 +33,7 @@ from archipelago.federation.exchange import (
     stamps_list,
     wire_device,
 )
+from archipelago.federation.give_up import wait_for
 from archipelago.federation.outer_core import aggregate
 from archipelago.federation.policy import FRAME_OK
 from archipelago.federation.trust import FrameRefused
@@ -105,6 +106,7 @@ def start_sums(gathered: Gathered, codec: Codec, weights: list[float], manager: 
     stamps, second.started = completion_stamps(wire), time.perf_counter()
     second.work, second.outputs = allgather(manager, row.to(wire), len(segments), stamps)
     second.pieces, second.sizes, second.failed, second.done_at = pieces, sizes, False, stamps_list(stamps)
+    second.stamped = stamps is not None
     gathered.sent += size
     gathered.received += size * (len(segments) - 1)
 
@@ -115,7 +117,7 @@ def _read_second_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, man
     second = gathered.second
     assert second is not None, "the second phase was started"
     if not second.failed:
-        second.work.wait()
+        wait_for(manager, second, second.done_at, second.stamped, gathered.framing)  # or a member's give-up
         second.waited = time.perf_counter()
     if second.failed or manager.errored() is not None:
         into.zero_()
