@@ -26,7 +26,6 @@ minutes per setting at the default 60 s timeout.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import ipaddress
 import json
 import os
@@ -40,9 +39,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import base_env, kill_token, python_bin, start, stop_all, where_measured, write_json  # noqa: E402
-from netns import PREFIX, Wan, in_namespace, preflight, setup, teardown  # noqa: E402
+from netns import LOCK_FILE, PREFIX, Wan, hold_lock, in_namespace, preflight, setup, teardown  # noqa: E402
 
-LOCK_FILE = Path("/run/arch-wan.lock")  # bench/wan.py's: the two share the namespaces' names
 STORE_PORT = 29600
 DIES, LATE_RANK, RANKS = 3, 2, 4
 
@@ -129,12 +127,8 @@ def main() -> int:
     if reason:
         print(f"bench/dead_peer_shaped.py: skipped: {reason}. Run it as root.")
         return 0
-    lock = open(LOCK_FILE, "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"bench/dead_peer_shaped.py: another run holds {LOCK_FILE} (bench/wan.py?); wait for it",
-              file=sys.stderr)
+    lock = hold_lock("bench/dead_peer_shaped.py")
+    if lock is None:
         return 1
     args.work_dir = args.work_dir or Path(f"/tmp/bench-dead-peer-{time.strftime('%Y%m%d-%H%M%S')}")
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -149,6 +143,8 @@ def main() -> int:
     finally:
         kill_token(token, prefix=True)
         teardown(PREFIX)
+        LOCK_FILE.unlink(missing_ok=True)
+        lock.close()
     print(f"\n4 ranks, links {args.rate_mbit:g} Mbit/s each way, {args.segment_mb:g} MB per pair, rank 3 killed "
           f"50 ms after posting, group timeout {args.timeout:g} s\n")
     print("| wait / timeout | rank 2 posts (s after the others) | rank | wait (s) | how it ended |")

@@ -12,15 +12,18 @@ finds and removes what a crashed earlier run left behind. Needs root, `ip` and `
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from harness import base_env, kill_token, python_bin, stop_process
 
@@ -34,6 +37,7 @@ WAN_IF = "wan0"  # the veth end inside each endpoint namespace (GLOO_SOCKET_IFNA
 ISLANDS = 2
 TBF_LATENCY_MS = 400  # queue depth of the shaper, as time at the link rate
 TOOLS = ("ip", "tc")
+LOCK_FILE = Path("/run/arch-wan.lock")  # one run at a time builds the namespaces above
 
 
 # ------------------------------------------------------------------ commands
@@ -178,6 +182,21 @@ def in_namespace(ns: str, addr: str, cmd: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------ set-up
+
+
+def hold_lock(program: str) -> IO[str] | None:
+    """LOCK_FILE, held for this run (close it and unlink LOCK_FILE at the end), or None
+    after saying which run holds it."""
+    LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(LOCK_FILE, "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        print(f"{program}: another run holds {LOCK_FILE}; wait for it (its namespaces are {PREFIX}*)",
+              file=sys.stderr)
+        return None
+    return lock
 
 
 def preflight() -> str | None:

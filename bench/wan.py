@@ -84,7 +84,6 @@ Reproduce (measured on a 2-core CPU machine: about 7 minutes at the defaults, ab
 from __future__ import annotations
 
 import argparse
-import fcntl
 import ipaddress
 import os
 import secrets
@@ -120,10 +119,12 @@ from harness import (  # noqa: E402
 )
 from netns import (  # noqa: E402
     LH_NS,
+    LOCK_FILE,
     PREFIX,
     WAN_IF,
     Sampler,
     Wan,
+    hold_lock,
     in_namespace,
     link_check,
     preflight,
@@ -134,7 +135,6 @@ from netns import (  # noqa: E402
 
 LH_PORT = 29510
 DDP_PORT = 29600
-LOCK_FILE = Path("/run/arch-wan.lock")
 STATUS_EVERY_S = 20.0
 
 
@@ -743,13 +743,8 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"bench/wan.py: skipped: {reason}. Run it as root, e.g. `sudo .venv/bin/python bench/wan.py`.")
         return 0
-    LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
-    lock = open(LOCK_FILE, "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"bench/wan.py: another run holds {LOCK_FILE}; wait for it (its namespaces are {PREFIX}*)",
-              file=sys.stderr)
+    lock = hold_lock("bench/wan.py")
+    if lock is None:
         return 1
     run_id = uuid.uuid4().hex[:8]
     wan = Wan(args.subnet, args.rate_mbit, args.delay_ms, tuple(args.rates))
