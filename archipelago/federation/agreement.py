@@ -57,8 +57,8 @@ def settle_exchange(manager: Any, framing: Framing, device: torch.device, exchan
         flags = agree_on_exchange(manager, framing, device, measured, overlapped, facts)
         failed = not exchange_agreed(flags, max(manager.num_participants(), 1))
     if failed:  # members blocked on this island fail now, not at process_group_timeout_ms
-        announce(manager, framing)  # ... also those whose transport would not tell them (give_up.py)
         abandon_group(manager, *exchanges)
+        announce(manager, framing)  # ... also those whose transport would not tell them (give_up.py)
     return failed
 
 

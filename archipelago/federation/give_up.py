@@ -23,6 +23,7 @@ stamp no completion (NCCL) wait as before.
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -51,11 +52,20 @@ def key(framing: Framing) -> str:
 
 
 def announce(manager: Any, framing: Framing) -> None:
-    """This member gave the exchange up: say so in the quorum's store (best effort)."""
+    """This member gave the exchange up: say so in the quorum's store, from a thread of its
+    own (best effort): connecting to a store whose host died may take STORE_TIMEOUT_S, which
+    must not delay this member's own retry."""
+    address = getattr(manager, "_archipelago_quorum_store", None)
+    if address:
+        threading.Thread(target=_announce, args=(address, key(framing)), name="archipelago-give-up",
+                         daemon=True).start()
+
+
+def _announce(address: str, name: str) -> None:
+    from torchft.process_group import create_store_client
+
     try:
-        store = _store(manager)
-        if store is not None:
-            store.set(key(framing), "1")
+        create_store_client(address, timeout=timedelta(seconds=STORE_TIMEOUT_S)).set(name, "1")
     except Exception:  # noqa: BLE001 - the store's host may be the member that died
         pass
 
