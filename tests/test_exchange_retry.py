@@ -603,7 +603,7 @@ def test_a_member_stuck_in_an_exchange_others_gave_up_stops_waiting():
     gathered = Gathered(_NeverDone(), framing, stamped=True)
     threading.Timer(0.8, give_up.announce, (failed, framing)).start()  # a member saw the death
     began = time.monotonic()
-    give_up.wait_for_rows(stuck, gathered)
+    give_up.wait_for(stuck, gathered, framing)
     assert 0.7 < time.monotonic() - began < 0.8 + 2 * give_up.POLL_S + 2
     assert isinstance(stuck.errors[0], give_up.ExchangeGivenUp) and isinstance(gathered.work, SkippedWork)
     assert member_failure(_Errored(stuck.errors[0]))  # the usual retry follows
@@ -614,7 +614,7 @@ def test_a_member_stuck_in_an_exchange_others_gave_up_stops_waiting():
     fresh = _StoreManager(address)
     arrived = Gathered(SkippedWork(), replace(framing, step=5), stamped=True)
     threading.Timer(0.3, arrived.done_at.append, (0.0,)).start()
-    give_up.wait_for_rows(fresh, arrived)
+    give_up.wait_for(fresh, arrived, arrived.framing)
     assert not fresh.errors
     # The second phase (the summed segments) waits the same way: given up, its sum is zeros
     # and the round fails as if its own collective had.

@@ -33,7 +33,7 @@ from archipelago.federation.exchange import (
     start_gather,
     wire_device,
 )
-from archipelago.federation.give_up import wait_for_rows
+from archipelago.federation.give_up import wait_for
 from archipelago.federation.inner_state import InnerStateAverager, StateExchange
 from archipelago.federation.island_ranks import IslandRanks
 from archipelago.federation.judging import RowJudge
@@ -219,7 +219,7 @@ class ExchangeAttempts:
         stale exchange is discounted alike (decoupled.py)."""
         h = self.host
         if p.gathered is not None:  # the network's share; opening and judging the rows is decode_s
-            wait_for_rows(h.manager, p.gathered)
+            wait_for(h.manager, p.gathered, p.gathered.framing)
         judging = p.waited = time.perf_counter()
         weights, tokens, refused = self._judge(p)
         divisor = sum(weights)

@@ -28,7 +28,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from archipelago.federation.exchange import Framing, Gathered, SkippedWork
+from archipelago.federation.exchange import Framing, Gathered, SecondPhase, SkippedWork
 
 POLL_S = 0.5               # how often a waiting member looks at the key
 STORE_TIMEOUT_S = 5.0      # connecting to, and asking, the quorum's store
@@ -62,10 +62,8 @@ def announce(manager: Any, framing: Framing) -> None:
 
 
 def _announce(address: str, name: str) -> None:
-    from torchft.process_group import create_store_client
-
     try:
-        create_store_client(address, timeout=timedelta(seconds=STORE_TIMEOUT_S)).set(name, "1")
+        _connect(address).set(name, "1")
     except Exception:  # noqa: BLE001 - the store's host may be the member that died
         pass
 
@@ -79,21 +77,17 @@ def given_up(manager: Any, framing: Framing) -> bool:
         return True
 
 
-def wait_for_rows(manager: Any, gathered: Gathered) -> None:
-    """Wait for an exchange's first phase (its rows), watching for a member's give-up."""
-    wait_for(manager, gathered, gathered.done_at, gathered.stamped, gathered.framing)
-
-
-def wait_for(manager: Any, holder: Any, done_at: list[float], stamped: bool, framing: Framing) -> None:
-    """Wait on `holder.work`, a collective of the exchange `framing` names; where the wire
-    stamps its completion into `done_at`, look every POLL_S whether another member gave the
-    exchange up, and if so report it to the manager and let go of the collective (its
-    buffers stay with the caller) instead of waiting on."""
-    if not stamped or manager.errored() is not None:
-        holder.work.wait()
+def wait_for(manager: Any, phase: Gathered | SecondPhase, framing: Framing) -> None:
+    """Wait on `phase.work`, the first phase (its rows) or the second (the summed segments)
+    of the exchange `framing` names; where the wire stamps its completion (`phase.stamped`),
+    look every POLL_S whether another member gave the exchange up, and if so report it to
+    the manager and let go of the collective (its buffers stay with the caller) instead of
+    waiting on."""
+    if not phase.stamped or manager.errored() is not None:
+        phase.work.wait()
         return
     next_look = time.monotonic() + POLL_S
-    while not done_at:
+    while not phase.done_at:
         time.sleep(0.005)
         if time.monotonic() < next_look:
             continue
@@ -101,10 +95,10 @@ def wait_for(manager: Any, holder: Any, done_at: list[float], stamped: bool, fra
             manager.report_error(ExchangeGivenUp(
                 "another member gave this exchange up (its quorum's store says so, or is gone); "
                 "the transport had not failed it here"))
-            holder.work = SkippedWork()
+            phase.work = SkippedWork()
             return
         next_look = time.monotonic() + POLL_S
-    holder.work.wait()
+    phase.work.wait()
 
 
 def _store(manager: Any) -> Any:
@@ -115,8 +109,13 @@ def _store(manager: Any) -> Any:
     cached = getattr(manager, "_archipelago_store_client", None)
     if cached is not None and cached[0] == address:
         return cached[1]
-    from torchft.process_group import create_store_client
-
-    store = create_store_client(address, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    store = _connect(address)
     manager._archipelago_store_client = (address, store)
     return store
+
+
+def _connect(address: str) -> Any:
+    """A client of the store at `address` (host:port/prefix, as torchft names it)."""
+    from torchft.process_group import create_store_client
+
+    return create_store_client(address, timeout=timedelta(seconds=STORE_TIMEOUT_S))

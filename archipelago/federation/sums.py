@@ -117,7 +117,7 @@ def _read_second_phase(gathered: Gathered, codec: Codec, into: torch.Tensor, man
     second = gathered.second
     assert second is not None, "the second phase was started"
     if not second.failed:
-        wait_for(manager, second, second.done_at, second.stamped, gathered.framing)  # or a member's give-up
+        wait_for(manager, second, gathered.framing)  # or a member's give-up
         second.waited = time.perf_counter()
     if second.failed or manager.errored() is not None:
         into.zero_()
