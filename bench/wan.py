@@ -133,6 +133,8 @@ from netns import (  # noqa: E402
     wan_bytes,
 )
 
+from archipelago.launch.local_options import inject_arg  # noqa: E402
+
 LH_PORT = 29510
 DDP_PORT = 29600
 STATUS_EVERY_S = 20.0
@@ -241,13 +243,13 @@ def fault_env(args: argparse.Namespace, island: int) -> dict[str, str]:
     """The injected faults of --inject for this island, as `archipelago local` hands them over."""
     from archipelago.config.faults import ENV, env_value
 
-    mine = [f for f in args.injections if f.island == island]
+    mine = [f for f in args.inject if f.island == island]
     return {ENV: env_value(mine)} if mine else {}
 
 
 def dying(args: argparse.Namespace) -> set[int]:
     """Islands that kill themselves by design (--inject die_in_exchange)."""
-    return {f.island for f in args.injections if f.kind == "die_in_exchange" and f.island is not None}
+    return {f.island for f in args.inject if f.kind == "die_in_exchange" and f.island is not None}
 
 
 def slowdown_args(args: argparse.Namespace, island: int) -> list[str]:
@@ -618,7 +620,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="anything after --extra goes to every `archipelago train` (e.g. --model.flavor ...)")
-    p.add_argument("--inject", action="append", default=[], metavar="ISLAND:KIND@AT",
+    p.add_argument("--inject", action="append", default=[], type=inject_arg, metavar="ISLAND:KIND@AT",
                    help="an injected fault for one island, as `archipelago local --inject` takes it (repeatable; "
                         "e.g. 3:die_in_exchange@3: island 3 dies with its row of outer step 3 in flight)")
     p.add_argument("--heartbeat-timeout-ms", type=int, default=None,
@@ -663,31 +665,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--island-slowdowns: one factor >= 1 per island ({len(args.rates)} islands from the rates)")
     if args.slowdowns and "a" in args.keys:
         p.error("--island-slowdowns: DDP (a) has no per-island slowdown; leave it out of --settings")
-    args.injections = injections(p, args.inject, len(args.rates))
-    if args.injections and "a" in args.keys:
+    for fault in args.inject:
+        if not 0 <= fault.island < len(args.rates):
+            p.error(f"--inject {fault}: there are only islands 0..{len(args.rates) - 1} (from the rates)")
+    if args.inject and "a" in args.keys:
         p.error("--inject: DDP (a) has no islands to inject into; leave it out of --settings")
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 2) // len(args.rates))
     if args.timeout is None:
         args.timeout = 2 * args.budget + 300
     return args
-
-
-def injections(p: argparse.ArgumentParser, texts: list[str], islands: int) -> list[Any]:
-    """--inject's faults (`archipelago local`'s grammar), each for an island that exists."""
-    from archipelago.config.errors import ConfigError
-    from archipelago.config.faults import OUTER_KINDS, TRAINER_KINDS, parse_fault
-
-    faults = []
-    for text in texts:
-        try:
-            fault = parse_fault(text, where="--inject", kinds=TRAINER_KINDS + OUTER_KINDS, island=True)
-        except ConfigError as exc:
-            p.error(str(exc))
-        if not 0 <= fault.island < islands:
-            p.error(f"--inject {text}: island {fault.island} of {islands} (islands 0-{islands - 1}, from the rates)")
-        faults.append(fault)
-    return faults
 
 
 def model_facts(config: Path, extra: list[str]) -> dict[str, Any]:
@@ -729,7 +716,7 @@ def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]
             results[key] = {"setting": key, "name": SETTINGS[key].name, "ok": False, "error": str(exc)}
     meta = {**facts, "batch_size": args.batch_size, "budget_s": args.budget, "rate_mbit": args.rate_mbit,
             "islands": len(args.rates), "rates": args.rates, "slowdowns": args.slowdowns,
-            "threads": args.threads, "extra": args.extra, "inject": args.inject,
+            "threads": args.threads, "extra": args.extra, "inject": [str(f) for f in args.inject],
             "heartbeat_timeout_ms": args.heartbeat_timeout_ms,
             **where_measured(),
             "delay_ms": args.delay_ms, "sync_steps": args.sync_steps, "link_mbit": link, "work_dir": str(root),

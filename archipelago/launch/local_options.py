@@ -103,8 +103,9 @@ def _island_options_arg(text: str) -> tuple[int, list[str]]:
     return int(island), shlex.split(options)
 
 
-def _inject_arg(text: str) -> Fault:
-    """`ISLAND:KIND@AT` with a trainer or outer-loop kind (config/faults.py)."""
+def inject_arg(text: str) -> Fault:
+    """`ISLAND:KIND@AT` with a trainer or outer-loop kind (config/faults.py); an argparse
+    type (also bench/wan.py's)."""
     try:
         return parse_fault(text, where="--inject", kinds=TRAINER_KINDS + OUTER_KINDS, island=True)
     except ConfigError as exc:
@@ -124,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slowdown", type=_slowdown_arg, metavar="F[,F...]",
                    help="emulated slowdown of each island (>= 1; 1,3: island 1's steps take 3x as long); "
                         "an experiment setting, passed as --island.slowdown")
-    p.add_argument("--inject", action="append", default=[], type=_inject_arg, metavar="ISLAND:KIND@AT",
+    p.add_argument("--inject", action="append", default=[], type=inject_arg, metavar="ISLAND:KIND@AT",
                    help="for tests and demos: ISLAND sends a poisoned pseudo-gradient in outer step AT (KIND nan or "
                         "scale1000) or lies about it (forge_tokens, forge_weight, unsigned), or dies with "
                         "its exchange of outer step AT in flight (die_in_exchange), or its trainer "
