@@ -416,20 +416,20 @@ def test_gloo_work_reports_its_completion_time():
 
     import torch.distributed as dist
 
-    from archipelago.federation.exchange import _stamp_completion
+    from archipelago.federation.exchange import stamp_completion
 
     pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
     outputs, done_at = [torch.zeros(4)], []
     before = time.perf_counter()
     work = pg.allgather([outputs], [torch.arange(4.0)])
-    _stamp_completion(work, done_at)
+    stamp_completion(work, done_at)
     work.wait()
     deadline = time.monotonic() + 10
     while not done_at and time.monotonic() < deadline:  # the callback runs on gloo's thread
         time.sleep(0.01)
     assert len(done_at) == 1 and before <= done_at[0] <= time.perf_counter()
     assert torch.equal(outputs[0], torch.arange(4.0))
-    _stamp_completion(object(), done_at)  # no future: nothing stamped, nothing raised
+    stamp_completion(object(), done_at)  # no future: nothing stamped, nothing raised
     assert len(done_at) == 1
 
 

@@ -573,6 +573,9 @@ class _StoreManager:
         self._archipelago_quorum_store = address
         self.errors: list[Exception] = []
 
+    def num_participants(self) -> int:
+        return 3
+
     def errored(self) -> Exception | None:
         return self.errors[0] if self.errors else None
 
@@ -580,9 +583,19 @@ class _StoreManager:
         self.errors.append(exc)
 
 
+class _NeverGathers:
+    """A process group whose all-gather never completes (a dead member's pending send)."""
+
+    def allgather(self, outputs: Any, inputs: Any, options: Any) -> _NeverDone:
+        return _NeverDone()
+
+
 class _NeverDone:
     def wait(self, timeout: Any = None) -> bool:
         raise AssertionError("waited on a collective another member gave up")
+
+    def get_future(self) -> torch.futures.Future:
+        return torch.futures.Future()  # never completes
 
 
 def test_a_member_stuck_in_an_exchange_others_gave_up_stops_waiting():
@@ -627,6 +640,15 @@ def test_a_member_stuck_in_an_exchange_others_gave_up_stops_waiting():
     into = torch.ones(8)
     _read_second_phase(second, None, into, summing, False)  # type: ignore[arg-type]
     assert isinstance(summing.errors[0], give_up.ExchangeGivenUp) and not into.any()
+    # The members' agreement flags wait the same way: no agreement, the round fails.
+    from archipelago.federation.agreement import agree_on_exchange
+
+    agreeing = _StoreManager(address)
+    agreeing._pg = _NeverGathers()
+    began = time.monotonic()
+    assert agree_on_exchange(agreeing, framing, torch.device("cpu")) is None
+    assert time.monotonic() - began < 2 * give_up.POLL_S + 2
+    assert isinstance(agreeing.errors[0], give_up.ExchangeGivenUp)
     # A quorum store that cannot be reached: its host, a member, is gone.
     port = store.port
     del store

@@ -19,8 +19,15 @@ import torch
 
 from archipelago.config.errors import ConfigError
 from archipelago.federation.codecs import PayloadError
-from archipelago.federation.exchange import ROUND_AGREE, Framing, Gathered, SkippedWork
-from archipelago.federation.give_up import announce
+from archipelago.federation.exchange import (
+    ROUND_AGREE,
+    Framing,
+    Gathered,
+    SkippedWork,
+    completion_stamps,
+    stamp_completion,
+)
+from archipelago.federation.give_up import Collective, announce, wait_for
 from archipelago.federation.policy import EXCHANGE_COMPLETED, FRAME_OK, exchange_agreed
 from archipelago.federation.sums import SumRefused
 from archipelago.federation.trust import FrameRefused
@@ -80,8 +87,6 @@ def agree_on_exchange(manager: Any, framing: Framing, device: torch.device, meas
     exchange's own collectives: a refusal of rows is a verdict every member reached alike,
     so all of them skipped the same collectives and meet here. The collective's error is
     reported to the manager, so that the round does not commit unless it is run again."""
-    from torch.distributed.distributed_c10d import AllgatherOptions
-
     participants = max(manager.num_participants(), 1)
     flag = torch.tensor([1], dtype=torch.uint8)
     size = framing.row_bytes(1)
@@ -89,7 +94,8 @@ def agree_on_exchange(manager: Any, framing: Framing, device: torch.device, meas
     row = replace(framing, forge=None).frame(claim, float(overlapped), flag, size, ROUND_AGREE).to(device)
     outputs = [torch.zeros_like(row) for _ in range(participants)]
     try:
-        manager._pg.allgather([outputs], [row], AllgatherOptions()).wait()
+        if not _gathered_flags(manager, outputs, row, framing, device):
+            return None  # another member gave the exchange up (reported to the manager)
     except Exception as exc:  # noqa: BLE001 - any transport failure: no agreement, the round is not committed
         if manager.errored() is None:
             manager.report_error(exc)
@@ -98,6 +104,19 @@ def agree_on_exchange(manager: Any, framing: Framing, device: torch.device, meas
     if facts is not None:
         facts.extend(fact for _, fact in opened)
     return [value for value, _ in opened]
+
+
+def _gathered_flags(manager: Any, outputs: list[torch.Tensor], row: torch.Tensor, framing: Framing,
+                    device: torch.device) -> bool:
+    """All-gather the flags into `outputs`; False when another member gave the exchange up
+    while this one waited (give_up.wait_for: a wire that does not fail a dead member's
+    pending transfer would otherwise hold this member until the group's timeout)."""
+    from torch.distributed.distributed_c10d import AllgatherOptions
+
+    flags = Collective(manager._pg.allgather([outputs], [row], AllgatherOptions()))
+    flags.stamped = completion_stamps(device) is not None and stamp_completion(flags.work, flags.done_at)
+    wait_for(manager, flags, framing)
+    return not isinstance(flags.work, SkippedWork)
 
 
 def release_works(gathered: Gathered | None) -> None:

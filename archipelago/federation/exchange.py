@@ -285,21 +285,22 @@ def start_managed(manager: Any, start: Any, outputs: Any, done_at: list[float] |
     try:
         work = start()
         if done_at is not None:
-            _stamp_completion(work, done_at)
+            stamp_completion(work, done_at)
         return _ManagedWork(manager, work, outputs)
     except Exception as exc:  # noqa: BLE001 - any transport failure only loses this round
         manager.report_error(exc)
         return SkippedWork()
 
 
-def _stamp_completion(work: Any, done_at: list[float]) -> None:
-    """Append the time `work` completes to `done_at` (nothing, where the transport's work
-    has no future: the caller then takes the time its wait returned). Never raises: a
-    timing aid must not cost the round."""
+def stamp_completion(work: Any, done_at: list[float]) -> bool:
+    """Append the time `work` completes to `done_at`; False (nothing will be stamped) where
+    the transport's work has no future: the caller then takes the time its wait returned.
+    Never raises: a timing aid must not cost the round."""
     try:
         work.get_future().add_done_callback(lambda _: done_at.append(time.perf_counter()))
+        return True
     except Exception:  # noqa: BLE001 - any transport without usable futures: no stamp
-        pass
+        return False
 
 
 def completion_stamps(wire: torch.device) -> list[float] | None:

@@ -9,7 +9,7 @@ one more fact besides their rows: the quorum's TCPStore (where torchft's process
 hosted by one member) holds a key per exchange that a member whose exchange failed sets
 (`announce`, from agreement.settle_exchange), and a member waiting for its exchange's rows
 polls it every POLL_S seconds (`wait_for`: the rows of the first phase, the summed
-segments of the second). A store that cannot be reached counts as
+segments of the second, the members' agreement flags). A store that cannot be reached counts as
 the same news: its host, a member, is gone. Either way the waiting member reports the
 exchange failed and lets go of it, as if its own collective had failed, and the usual retry
 follows.
@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
-from archipelago.federation.exchange import Framing, Gathered, SecondPhase, SkippedWork
+from archipelago.federation.exchange import Framing, SkippedWork
 
 POLL_S = 0.5               # how often a waiting member looks at the key
 STORE_TIMEOUT_S = 5.0      # connecting to, and asking, the quorum's store
@@ -36,6 +37,25 @@ STORE_TIMEOUT_S = 5.0      # connecting to, and asking, the quorum's store
 
 class ExchangeGivenUp(RuntimeError):
     """Another member of the exchange gave it up (or the quorum's store is gone)."""
+
+
+class Phase(Protocol):
+    """A collective of the exchange in flight, as `wait_for` sees it (exchange.Gathered,
+    exchange.SecondPhase, `Collective`)."""
+
+    work: Any
+    done_at: list[float]
+    stamped: bool
+
+
+@dataclass
+class Collective:
+    """Any other collective of the exchange (the agreement's flags): its work, and where the
+    transport's thread stamps its completion (`exchange.stamp_completion`)."""
+
+    work: Any
+    done_at: list[float] = field(default_factory=list)
+    stamped: bool = False
 
 
 def remember_store(manager: Any, quorum: Any) -> None:
@@ -77,9 +97,9 @@ def given_up(manager: Any, framing: Framing) -> bool:
         return True
 
 
-def wait_for(manager: Any, phase: Gathered | SecondPhase, framing: Framing) -> None:
-    """Wait on `phase.work`, the first phase (its rows) or the second (the summed segments)
-    of the exchange `framing` names; where the wire stamps its completion (`phase.stamped`),
+def wait_for(manager: Any, phase: Phase, framing: Framing) -> None:
+    """Wait on `phase.work`, the first phase (its rows), the second (the summed segments)
+    or the agreement of the exchange `framing` names; where the wire stamps its completion (`phase.stamped`),
     look every POLL_S whether another member gave the exchange up, and if so report it to
     the manager and let go of the collective (its buffers stay with the caller) instead of
     waiting on."""
