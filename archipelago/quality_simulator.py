@@ -36,7 +36,7 @@ from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.exchange import Framing, summed_as_received
 from archipelago.federation.fragments import split_fragments
 from archipelago.federation.inner_state import WIRE_DTYPES, state_keys
-from archipelago.federation.outer_core import OuterCore
+from archipelago.federation.outer_core import Carried, OuterCore
 from archipelago.island.optim import build_lr_scheduler, build_optimizer, set_schedule_position
 from archipelago.island.parallelize import compute_dtype
 from archipelago.tasks import Task, build_task
@@ -301,16 +301,19 @@ class _Outer:
                     island.optimizer.batch_ratio = max(1.0, sum(self.round_tokens) / own)  # type: ignore[attr-defined]
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (its tensors have no truth value)
 class _HandOff:
-    """A pseudo-gradient handed off and not yet entered (decoupled rounds)."""
+    """A pseudo-gradient handed off and not yet entered (decoupled rounds); a thin island's
+    upload until the member carrying it folds it into its own row (`carried`)."""
 
-    entry: int          # the round boundary at which it enters an outer step
+    entry: int          # the round boundary at which it enters an outer step (an upload: reaches its carrier)
     island: int
     values: torch.Tensor
-    tokens: int
+    tokens: float
     base_step: int      # the outer steps applied when the island took its base weights
     raw: torch.Tensor   # its pseudo-gradient before the codec (the island's own progress)
+    carried: list[_HandOff] = field(default_factory=list)  # thin islands' uploads folded into this row
+    own: bool = True    # False: a row sent only to carry uploads (the end of the run)
 
 
 class _Decoupled:
@@ -318,15 +321,22 @@ class _Decoupled:
 
     At every round boundary (each `sync_steps` ticks), in this order: each island whose cycle
     ends hands off its pseudo-gradient (its base weights - its weights), to enter `delays[i]`
-    boundaries later (1: the exchange overlaps the next round; more: a thin link, whose
-    island then also hands off only every `delays[i]` rounds); the contributions due enter
-    one outer step, each discounted by its staleness (the outer steps applied since its base);
-    the islands that handed off continue from the new global weights minus their own
-    pseudo-gradients still in flight (`OuterCore.rebased`: their own progress is not lost
-    while it travels; `eager` False drops it until it enters). With every
-    delay 0 this is the synchronous round, bit for bit. The quality simulator leaves out
-    that a thin island's download of the global weights also takes time (the scale
-    simulator charges it).
+    boundaries later (0: at once, as in a synchronous round; 1: the exchange overlaps the next
+    round); the contributions due enter one outer step, each discounted by its staleness (the
+    outer steps applied since its base); the islands that handed off continue from the new
+    global weights minus their own pseudo-gradients still in flight (`OuterCore.rebased`:
+    their own progress is not lost while it travels; `eager` False drops it until it
+    enters). With every delay 0 this is the synchronous round, bit for bit.
+
+    A thin island (delay d > 1) is no member of the exchange: every d rounds it uploads its
+    row (encoded with its own codec) to a member, the first island with delay 0 or 1, where it
+    arrives d rounds later (its link's time); that member folds every upload that has arrived
+    into its next row (`OuterCore.fold`, each upload discounted by its own staleness) before
+    encoding it, so the upload enters d rounds after it was handed off with a carrier that
+    waits for its exchange (delay 0), d + 1 with one whose exchange overlaps the next round.
+    At the end of the run uploads still travelling go in one last row of their carrier. The
+    quality simulator leaves out that a thin island's download of the global weights also
+    takes time (the scale simulator charges it).
     """
 
     def __init__(self, cfg: Config, islands: list[_Island], delays: Sequence[int], eager: bool = True) -> None:
@@ -336,6 +346,10 @@ class _Decoupled:
         if self.ft.average_optimizer_state or self.ft.adam_federation_batch:
             raise ValueError("decoupled rounds exchange pseudo-gradients only: set average_optimizer_state and "
                              "adam_federation_batch to false (compare against a synchronous run without them)")
+        members = [k for k, d in enumerate(self.delays) if d <= 1]
+        if not members:
+            raise ValueError("every island has a thin link (delay > 1): at least one member must carry their rows")
+        self.carrier = members[0]
         self.core = OuterCore(self.ft, [islands[0].flat(0)])
         self.codec = effective_codec(self.ft)
         if self.codec == "auto":
@@ -346,6 +360,7 @@ class _Decoupled:
         self.base_steps = [0] * len(islands)
         self.tokens = [0] * len(islands)
         self.in_flight: list[_HandOff] = []
+        self.uploads: list[_HandOff] = []  # thin islands' rows not yet folded into a member's
         self.local_step, self.boundary, self.step, self.bytes_sent = 0, 0, 0, 0
         self.staleness: list[int] = []  # of every contribution that entered
         self.dropped = 0                # contributions staler than max_staleness
@@ -362,24 +377,65 @@ class _Decoupled:
         self.boundary += 1
         handing = [k for k, d in enumerate(self.delays) if self.boundary % max(d, 1) == 0]
         for k in handing:
-            island = self.islands[k]
-            pseudo = self.core.pseudo_gradient(0, island.flat(0), base=self.bases[k])
-            values, sent = _wire(island, 0, pseudo, self.codec)
-            self.bytes_sent += sent
-            self.in_flight.append(_HandOff(self.boundary + self.delays[k], k, values, self.tokens[k],
-                                           self.base_steps[k], pseudo))
-            self.tokens[k] = 0
+            if self.delays[k] > 1:
+                self.upload(k)
+        for k in handing:  # waited for: enters now
+            if self.delays[k] == 0:
+                self.hand_off(k)
         self.enter_due()
+        for k in handing:  # overlaps the next round; its staleness is known once this step is
+            if self.delays[k] == 1:
+                self.hand_off(k)
         for k in handing:  # the new global weights, plus its own progress not in them yet
-            own = [h.raw for h in self.in_flight if h.island == k] if self.eager else []
-            weights = self.core.rebased(0, own)
+            weights = self.core.rebased(0, self.own_in_flight(k) if self.eager else [])
             self.islands[k].write(0, weights)
             self.bases[k] = weights.clone()
             self.base_steps[k] = self.step
 
+    def upload(self, k: int) -> None:
+        """A thin island's row, encoded with its own codec, on its way to its carrier."""
+        pseudo = self.core.pseudo_gradient(0, self.islands[k].flat(0), base=self.bases[k])
+        values, sent = _wire(self.islands[k], 0, pseudo, self.codec)
+        self.bytes_sent += sent
+        self.uploads.append(_HandOff(self.boundary + self.delays[k], k, values, self.tokens[k],
+                                     self.base_steps[k], pseudo))
+        self.tokens[k] = 0
+
+    def hand_off(self, k: int, own: bool = True) -> None:
+        """A member's row, with the uploads that reached it folded in, into the exchange."""
+        pseudo = (self.core.pseudo_gradient(0, self.islands[k].flat(0), base=self.bases[k]) if own
+                  else torch.zeros_like(self.core.globals[0].detach()))
+        tokens, base_step = (self.tokens[k], self.base_steps[k]) if own else (0, self.step)
+        arrived = [u for u in self.uploads if k == self.carrier and (not own or u.entry <= self.boundary)]
+        self.uploads = [u for u in self.uploads if u not in arrived]
+        row, folded = self.core.fold(pseudo, tokens, self.step - base_step, [self.carried(u) for u in arrived])
+        values, sent = _wire(self.islands[k], 0, row, self.codec)
+        self.bytes_sent += sent
+        entry = self.boundary + (min(self.delays[k], 1) if own else 1)
+        self.in_flight.append(_HandOff(entry, k, values, folded, base_step, pseudo, arrived, own))
+        if own:
+            self.tokens[k] = 0
+
+    def carried(self, upload: _HandOff) -> Carried:
+        """An upload as its carrier folds it in now (its staleness when the row enters)."""
+        return Carried(upload.values, upload.tokens, self.step - upload.base_step)
+
+    def carry_the_rest(self) -> None:
+        """Uploads still travelling at the end go in one last row of their carrier."""
+        if self.uploads:
+            self.hand_off(self.carrier, own=False)
+
+    def own_in_flight(self, k: int) -> list[torch.Tensor]:
+        """Island k's pseudo-gradients that have not entered yet (handed off, uploaded, carried)."""
+        rows = [h for h in self.in_flight if h.island == k and h.own] + [u for u in self.uploads if u.island == k]
+        rows += [c for h in self.in_flight for c in h.carried if c.island == k]
+        return [h.raw for h in rows]
+
     def finish(self) -> None:
-        """The end of the run (the platform's `OuterLoop.finish_rounds`): everything still
-        in flight enters one outer step, and every island takes the global weights."""
+        """The end of the run (the platform's `OuterLoop.finish_rounds`): the uploads still
+        travelling are carried in, everything in flight enters one outer step, and every
+        island takes the global weights."""
+        self.carry_the_rest()
         self.enter_due(everything=True)
         for island in self.islands:
             island.write(0, self.core.globals[0].detach().clone())
@@ -390,10 +446,9 @@ class _Decoupled:
         values, weights, divisor = [], [], 0.0
         for h in due:
             weight, undiscounted = self.core.weight(h.tokens, True, staleness=self.step - h.base_step)
+            self.count_entered(h, entered=weight > 0)
             if not weight:
-                self.dropped += 1
                 continue
-            self.staleness.append(self.step - h.base_step)
             values.append(h.values)
             weights.append(weight)
             divisor += undiscounted
@@ -403,6 +458,17 @@ class _Decoupled:
         total = _as_received(self.codec, self.islands[0], 0, self.core.merge(values, weights), members)
         if self.core.apply(0, total, divisor):
             self.step += 1
+
+    def count_entered(self, h: _HandOff, entered: bool) -> None:
+        """Record the staleness of each contribution in `h` (its own, those it carried), or
+        count it dropped."""
+        rows = ([h] if h.own else []) + h.carried
+        for row in rows:
+            staleness = self.step - row.base_step
+            if entered and self.core.discount(staleness) > 0 and (row.tokens > 0 or row is h):
+                self.staleness.append(staleness)
+            else:
+                self.dropped += 1
 
 
 def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval_windows: int = 256,

@@ -167,6 +167,7 @@ def drain(cfg: Any, rounds: Any, windows: int) -> dict[str, Any]:
     training), as a synchronous run's last round ends."""
     import archipelago.quality_simulator as simulation
 
+    rounds.carry_the_rest()
     in_flight = len(rounds.in_flight)
     before = len(rounds.staleness)
     while rounds.in_flight:

@@ -8,13 +8,15 @@ that does not beat the discount there is not carried to report seeds):
 A  two equal islands whose every exchange overlaps the next round (staleness 1), equal
    tokens; baseline in the same run: the synchronous round.
 T  a thin island: three islands, two members that wait for their cheap exchange (their
-   rows are fresh) and one whose row enters two rounds after its hand-off, every other
-   round, three outer steps after the weights it started from (staleness 3;
-   `handoff_delays` [0, 0, 2]), equal wall-clock (--steps ticks);
+   rows are fresh) and one whose row reaches a member two rounds after its hand-off, every
+   other round, and enters folded into that member's row, three outer steps after the
+   weights it started from (staleness 3; `handoff_delays` [0, 0, 2]), equal wall-clock
+   (--steps ticks);
    baselines: the two members alone, and all three synchronous (as if its link were fast).
 
-Variants, each applied to a row with staleness >= 1 as it enters an outer step (the
-platform's rule, `staleness_exponent`, applies to all of them):
+Variants, each applied to a row with staleness >= 1 as it enters an outer step, or, for a
+thin island's row, as its carrier folds it in (the platform's rule, `staleness_exponent`,
+applies to all of them):
 
 * `heloco`: per parameter tensor, the cosine c between the row and a reference direction:
   kept when c >= 0.2, its anti-aligned part shrunk when c < 0, turned partly towards the
@@ -146,21 +148,30 @@ def corrected_rounds(simulation: Any, s: dict[str, Any]) -> type:
                         self.islands[k].write(0, weights)
                         self.bases[k] = weights.clone()
 
+        def correct(self, h: Any) -> None:
+            """The variant applied to a row (an island's own, or an upload) entering late."""
+            if self.step - h.base_step < 1:
+                return
+            now = self.core.globals[0].detach()
+            if self.reference is not None and s.get("heloco", 0.0) == 0.0:
+                self.cosines.append(float(h.values.float() @ self.reference
+                                          / (h.values.float().norm() * self.reference.norm()).clamp_min(1e-30)))
+            if "heloco" in s and self.reference is not None:
+                h.values = heloco(h.values.float(), self.reference, self.sizes, self.counts).to(h.values.dtype)
+            if "project" in s:
+                h.values = project(h.values.float(), self.history[h.base_step] - now, self.sizes)
+            if s.get("rate"):
+                h.tokens = h.tokens / max(self.delays[h.island], 1)
+
+        def carried(self, upload: Any) -> Any:  # a thin island's row, as its carrier folds it in
+            self.correct(upload)
+            return super().carried(upload)
+
         def enter_due(self, everything: bool = False) -> None:
             now = self.core.globals[0].detach()
-            due = [h for h in self.in_flight if everything or h.entry == self.boundary]
-            for h in due:
-                if self.step - h.base_step < 1:
-                    continue
-                if self.reference is not None and s.get("heloco", 0.0) == 0.0:
-                    self.cosines.append(float(h.values.float() @ self.reference
-                                              / (h.values.float().norm() * self.reference.norm()).clamp_min(1e-30)))
-                if "heloco" in s and self.reference is not None:
-                    h.values = heloco(h.values.float(), self.reference, self.sizes, self.counts).to(h.values.dtype)
-                if "project" in s:
-                    h.values = project(h.values.float(), self.history[h.base_step] - now, self.sizes)
-                if s.get("rate"):
-                    h.tokens = h.tokens / max(self.delays[h.island], 1)
+            for h in self.in_flight:
+                if (everything or h.entry == self.boundary) and h.own and not h.carried:
+                    self.correct(h)
             before, step = now.clone(), self.step
             super().enter_due(everything)
             if self.step > step:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.outer_core import OuterCore, staleness_discount
+from archipelago.federation.outer_core import Carried, OuterCore, staleness_discount
 from archipelago.federation.policy import fragment_of
 
 
@@ -63,6 +63,30 @@ def test_nothing_entered_means_no_outer_step_and_momentum_untouched():
     assert torch.equal(core.outer[0].state[core.globals[0]]["momentum_buffer"], buffer)
 
 
+def test_a_carried_row_folded_into_a_members_enters_as_if_sent_alone():
+    # A thin island's row travels inside a member's (docs/rounds.md, thin links): every
+    # receiver weighs the folded row as any row, so what it adds to the sum and the divisor
+    # must be the two rows' own discounted shares, computed here by hand in float64.
+    ft = FaultToleranceConfig(staleness_exponent=0.5, max_staleness=4)
+    core = OuterCore(ft, [torch.zeros(3)])
+    own, thin, too_old = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([4.0, 0.0, -1.0]), torch.ones(3)
+    values, tokens = core.fold(own, 300, 1, [Carried(thin, 100, 3), Carried(too_old, 50, 5)])
+    assert tokens == 400  # the too-stale row's tokens stay out of the divisor
+    weight, divisor = core.weight(tokens, True, staleness=1)
+    assert divisor == 400
+    expected = (300 * 2 ** -0.5 * own.double() + 100 * 4 ** -0.5 * thin.double())
+    assert torch.allclose((weight * values).double(), expected, rtol=1e-6)
+    # Nothing to carry, or a carrying row too stale to enter itself: the member's row as it is.
+    assert core.fold(own, 300, 1, [Carried(too_old, 50, 5)]) == (own, 300.0)
+    assert core.fold(own, 300, 5, [Carried(thin, 100, 1)]) == (own, 300.0)
+    # A member that sends nothing of its own (it healed) still carries.
+    values, tokens = core.fold(torch.zeros(3), 0, 0, [Carried(thin, 100, 2)])
+    assert tokens == 100 and torch.allclose(core.weight(tokens, True)[0] * values, 100 * 3 ** -0.5 * thin)
+    for other in (replace(ft, outer_weighting="equal"), replace(ft, outer_aggregation="trimmed_mean")):
+        with pytest.raises(ValueError, match="carried islands need"):
+            OuterCore(other, [torch.zeros(3)]).fold(own, 300, 0, [Carried(thin, 100, 1)])
+
+
 def test_fragment_choice_and_decoupled_rebase():
     assert [fragment_of(step, 3) for step in range(5)] == [0, 1, 2, 0, 1]
     core = OuterCore(replace(FaultToleranceConfig(), fragment_update_alpha=0.25), [torch.tensor([4.0, 8.0])])
@@ -95,13 +119,14 @@ def test_decoupled_rounds_without_delay_are_the_synchronous_round_bit_for_bit(sh
         assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert undelayed.staleness == [0] * 8  # 4 rounds x 2 islands, none stale
     delayed = simulate(_tiny("decoupled"), islands=2, eval_windows=8, handoff_delays=[1, 2])
-    # Island 0 hands off every round and enters one round later; island 1 every second round,
-    # two rounds later. By hand over 4 boundaries: boundary 2 takes island 0's first (base
-    # step 0, nothing applied yet: 0); boundary 3 island 0's second (base 0 -> 1 step: 1);
-    # boundary 4 island 0's third and island 1's first (bases 1 and 0, 2 steps applied: 1, 2);
-    # the end of the run lets in what is still in flight, island 0's fourth (base 2, 3 steps
-    # applied: 1) and island 1's second (base 1: 2).
-    assert delayed.staleness == [0, 1, 1, 2, 1, 2]
+    # Island 0, a member, hands off every round and enters one round later; island 1, thin,
+    # uploads every second round to island 0, where its row arrives two rounds later and
+    # goes in island 0's next row. By hand over 4 boundaries: boundary 2 takes island 0's
+    # first (base step 0, nothing applied yet: 0); boundary 3 its second (base 0 -> 1 step:
+    # 1); boundary 4 its third (base 1 -> 2: 1); the end of the run lets in its fourth (base
+    # 2 -> 3: 1) with island 1's first folded in (uploaded at boundary 2 from step 0, arrived
+    # at 4: 3), and island 1's second (uploaded at 4 from step 1: 2) in a last row of island 0.
+    assert delayed.staleness == [0, 1, 1, 1, 3, 2]
     assert not torch.equal(delayed.models[0].state_dict()["norm.weight"],
                            synchronous.models[0].state_dict()["norm.weight"])
 

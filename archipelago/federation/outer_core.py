@@ -9,7 +9,8 @@ the same questions, so they cannot drift apart:
 * what weight an island's pseudo-gradient gets: its tokens (or 1), 0 when it sends no
   progress, discounted by its staleness (`contribution_weight`, `staleness_discount`);
 * how accepted contributions are combined (`aggregate`: a weighted sum in a fixed order, or
-  a trimmed mean);
+  a trimmed mean), and how a member folds the rows of thin islands it carries into its own
+  (`OuterCore.fold`);
 * how the global weights move (`OuterCore.apply`: the outer optimizer on sum / divisor)
   and what an island continues from (`OuterCore.island_weights`, `rebased`).
 
@@ -28,6 +29,7 @@ momentum applied per stale arrival is what makes naive asynchronous DiLoCo worse
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -77,6 +79,16 @@ def aggregate(values: Sequence[torch.Tensor], weights: Sequence[float], trimmed:
     return (stacked * kept).sum(dim=0) / kept.sum(dim=0) * sum(weights)
 
 
+@dataclass
+class Carried:
+    """A thin island's row as a member carries it into an exchange (`OuterCore.fold`): its
+    decoded values, its tokens, and its staleness when that exchange enters."""
+
+    values: torch.Tensor
+    tokens: float
+    staleness: int
+
+
 class OuterCore:
     """The global weights of every fragment (flat tensors on CPU) and their outer
     optimizers. No collective, no clock: drivers hand it contributions and apply its
@@ -110,6 +122,31 @@ class OuterCore:
     def merge(self, values: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         """The weighted sum of accepted pseudo-gradients (trimmed per `outer_aggregation`)."""
         return aggregate(values, weights, self.ft.outer_aggregation == "trimmed_mean")
+
+    def fold(self, own: torch.Tensor, own_tokens: float, staleness: int,
+             carried: Sequence[Carried]) -> tuple[torch.Tensor, float]:
+        """A member's row with the rows of the thin islands it carries folded in: (values,
+        tokens) such that every receiver, weighing the row as usual (`weight(tokens, True,
+        staleness=staleness)`), adds exactly the member's own discounted share plus each
+        carried row's, the latter discounted by its own staleness, and counts their tokens in
+        the divisor. A carried row staler than `max_staleness` is left out (its tokens too),
+        and so is everything a row too stale to enter would carry.
+        Needs token weighting and the plain mean: under `equal` weighting a folded row would
+        count as one island, and a trimmed mean trims per island."""
+        if self.ft.outer_weighting != "tokens" or self.ft.outer_aggregation != "mean":
+            raise ValueError("carried islands need outer_weighting = \"tokens\" and outer_aggregation = \"mean\": "
+                             "their rows travel inside a member's")
+        kept = [(c, self.discount(c.staleness)) for c in carried]
+        kept = [(c, factor) for c, factor in kept if factor > 0 and c.tokens > 0]
+        tokens = float(own_tokens) + sum(float(c.tokens) for c, _ in kept)
+        row_factor = self.discount(staleness)
+        if not kept or row_factor <= 0:  # nothing to carry, or a row too stale to enter carries nothing in
+            return own, float(own_tokens)
+        scale = row_factor * tokens  # what each receiver multiplies the folded values by
+        values = own.float() * (row_factor * float(own_tokens) / scale)
+        for c, factor in kept:
+            values += c.values.to(values.device).float() * (factor * float(c.tokens) / scale)
+        return values, tokens
 
     def pseudo_gradient(self, fragment: int, local: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
         """base - local in fp32 on `local`'s device; the base is the global fragment, or in
