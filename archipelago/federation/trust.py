@@ -324,11 +324,12 @@ def seal(key: FederationKey, header: FrameHeader, payload: bytes) -> bytes:
 
 
 def open_frame(key: FederationKey, frame: bytes, expect: FrameHeader, any_island: bool = False,
-               any_quorum: bool = False) -> tuple[FrameHeader, bytes]:
+               any_quorum: bool = False, any_step: bool = False) -> tuple[FrameHeader, bytes]:
     """The header and payload of `frame`, if it is intact and belongs where `expect` says
     (its tokens and weight are the sender's claims, returned, not compared). With
     `any_island` the frame may come from any island of the federation; with `any_quorum`
-    its quorum field is returned, not compared (a healing request's nonce)."""
+    its quorum field is returned, not compared (a healing request's nonce); with `any_step`
+    its step likewise (the outer step of a carrier's global weights)."""
     if len(frame) < HEADER_BYTES + TAG_BYTES:
         raise FrameRefused(f"a frame of {len(frame)} bytes is shorter than a header and a tag")
     island = claimed_island(frame)
@@ -342,8 +343,10 @@ def open_frame(key: FederationKey, frame: bytes, expect: FrameHeader, any_island
         raise FrameRefused("a frame of another federation")
     if size != len(payload) or hashlib.sha256(payload).digest() != digest:
         raise FrameRefused("a frame whose payload does not match its header")
-    wanted = (expect.step, expect.fragment, expect.kind) + (() if any_island else (expect.island,))
-    actual = (step, fragment, kind) + (() if any_island else (island,))
+    wanted = (expect.fragment, expect.kind) + (() if any_island else (expect.island,))
+    actual = (fragment, kind) + (() if any_island else (island,))
+    if not any_step:
+        wanted, actual = (expect.step, *wanted), (step, *actual)
     if not any_quorum:
         wanted, actual = (expect.quorum, *wanted), (quorum, *actual)
     if wanted != actual:
