@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.carry import CarrierBook, CarryRefused, open_weights, pack_row
+from archipelago.federation.carry import CarrierBook, CarryRefused, open_weights, pack_request, pack_row
 from archipelago.federation.codecs import build_codec
 from archipelago.federation.outer_core import Carried, OuterCore
 from archipelago.federation.policy import Allowance
@@ -32,7 +32,7 @@ def _codec():  # noqa: ANN202 - a Codec
 
 def test_a_thin_island_takes_only_its_own_fresh_answer_from_its_carrier():
     key, book, weights = _setup()
-    frame = book.serve(THIN, nonce=77, step=5, weights=weights)
+    frame = book.answer(pack_request(key, THIN, 77), step=5, weights=weights)
     step, got = open_weights(key, CARRIER, THIN, 77, NUMEL, frame)
     assert step == 5 and torch.equal(got, weights.bfloat16().float())
     for carrier, island, nonce, why in ((CARRIER, THIN, 78, "replay"), (OTHER, THIN, 77, "island 0"),
@@ -47,7 +47,12 @@ def test_a_thin_island_takes_only_its_own_fresh_answer_from_its_carrier():
     with pytest.raises(CarryRefused, match="not finite"):
         open_weights(key, CARRIER, THIN, 79, NUMEL, bad)
     with pytest.raises(CarryRefused, match="not a thin island"):
-        book.serve(OTHER, nonce=1, step=5, weights=weights)
+        book.answer(pack_request(key, OTHER, 1), step=5, weights=weights)
+    # The carrier answers each nonce once, and only requests signed with the federation's key.
+    with pytest.raises(CarryRefused, match="answered before"):
+        book.answer(pack_request(key, THIN, 77), step=6, weights=weights)
+    with pytest.raises(CarryRefused, match="signed without"):
+        book.answer(pack_request(FederationKey(os.urandom(32)), THIN, 80), step=6, weights=weights)
 
 
 def test_the_carrier_takes_one_row_per_download_at_the_step_it_served():

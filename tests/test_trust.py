@@ -450,7 +450,8 @@ def test_every_kind_of_signed_frame_has_its_own_number():
              "ROUND_ROW": exchange.ROUND_ROW, "ROUND_SEGMENT": exchange.ROUND_SEGMENT,
              "ROUND_SUM": exchange.ROUND_SUM, "ROUND_AGREE": exchange.ROUND_AGREE,
              "JOIN": membership.JOIN, "CLAIM": membership.CLAIM, "MOMENTS": inner_state.MOMENTS,
-             "CARRIED_ROW": carry.CARRIED_ROW, "GLOBAL_WEIGHTS": carry.GLOBAL_WEIGHTS}
+             "CARRIED_ROW": carry.CARRIED_ROW, "GLOBAL_WEIGHTS": carry.GLOBAL_WEIGHTS,
+             "CARRY_REQUEST": carry.CARRY_REQUEST}
     numbers: dict[int, list[str]] = {}
     for name, number in kinds.items():
         numbers.setdefault(number, []).append(name)

@@ -6,9 +6,11 @@ carrier, trains several rounds, and uploads its pseudo-gradient to the carrier, 
 it into its own row (`OuterCore.fold`). This module is what crosses between the two, and
 what each side checks of the other's bytes (the other island belongs to another owner):
 
+* `CARRY_REQUEST`: the thin island asks for the global weights, signed, with a fresh nonce
+  (the carrier answers each nonce once: a recorded request fetches nothing).
 * `GLOBAL_WEIGHTS`: the carrier's global weights (bf16) at outer step n, signed by the
-  carrier, bound to a nonce the thin island chose for this download (no recorded answer is
-  taken twice) and to the thin island it was served to.
+  carrier, bound to that nonce (no recorded answer is taken twice) and to the thin island
+  it was served to.
 * `CARRIED_ROW`: the thin island's encoded pseudo-gradient, signed by it, naming the
   download it trained from by that nonce. The carrier accepts it only for a download it
   served to that island (`CarrierBook`): the staleness discount follows the step the
@@ -34,6 +36,7 @@ from archipelago.federation.trust import FederationKey, FrameHeader, FrameRefuse
 
 CARRIED_ROW = 10     # frame kind: a thin island's encoded pseudo-gradient, uploaded to its carrier
 GLOBAL_WEIGHTS = 11  # frame kind: the carrier's global weights, downloaded by a thin island
+CARRY_REQUEST = 12   # frame kind: a thin island's request for them (empty payload)
 NONCE_LIMIT = 2 ** 63  # a nonce travels in the frame's quorum field (unsigned 64 bits)
 
 
@@ -50,6 +53,11 @@ class Upload:
     base_step: int
     tokens: float
     values: torch.Tensor
+
+
+def pack_request(key: FederationKey, island: int, nonce: int) -> bytes:
+    """Thin `island`'s signed request for the global weights, for the fresh `nonce`."""
+    return seal(key, FrameHeader(_nonce(nonce), 0, 0, island, CARRY_REQUEST), b"")
 
 
 def pack_weights(key: FederationKey, carrier: int, island: int, nonce: int, step: int,
@@ -94,13 +102,28 @@ class CarrierBook:
     def __init__(self, key: FederationKey, carrier: int, thin: set[int], remember: int = 8) -> None:
         self.key, self.carrier, self.thin, self.remember = key, carrier, set(thin), remember
         self.served: dict[int, OrderedDict[int, int]] = {island: OrderedDict() for island in self.thin}
+        self.answered: dict[int, set[int]] = {}  # every nonce answered, per island (8 bytes each)
+
+    def answer(self, request: bytes, step: int, weights: torch.Tensor) -> bytes:
+        """The signed answer to a thin island's request (`pack_request`): the global weights
+        at outer `step`; CarryRefused for a request not signed by a thin island this member
+        carries, or one whose nonce it answered before (a recorded request)."""
+        try:
+            header, _ = open_frame(self.key, request, FrameHeader(0, 0, 0, 0, CARRY_REQUEST),
+                                   any_island=True, any_quorum=True)
+        except FrameRefused as exc:
+            raise CarryRefused(f"request refused: {exc}") from exc
+        if header.quorum in self.answered.get(header.island, ()):
+            raise CarryRefused(f"request of island {header.island} refused: its nonce was answered before (a replay)")
+        return self.serve(header.island, header.quorum, step, weights)
 
     def serve(self, island: int, nonce: int, step: int, weights: torch.Tensor) -> bytes:
-        """The signed answer to `island`'s download request `nonce`, remembered."""
+        """The signed answer to `island`'s download request `nonce` (already checked), remembered."""
         if island not in self.thin:
             raise CarryRefused(f"island {island} is not a thin island this member carries")
+        self.answered.setdefault(island, set()).add(_nonce(nonce))
         book = self.served[island]
-        book[_nonce(nonce)] = step
+        book[nonce] = step
         while len(book) > self.remember:
             book.popitem(last=False)
         return pack_weights(self.key, self.carrier, island, nonce, step, weights)
