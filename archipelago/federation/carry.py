@@ -1,4 +1,4 @@
-"""A thin island carried by a member: the two messages between them, signed and judged.
+"""A thin island carried by a member: the messages between them, signed and judged.
 
 An island whose link cannot carry a round's exchange stays out of the members' exchange
 (docs/rounds.md, "Thin links"): it downloads the global weights from one member, its
@@ -18,8 +18,9 @@ what each side checks of the other's bytes (the other island belongs to another 
   most one row in, and rows are judged as any receiver judges one (claims against the
   island's allowance, a decodable payload, finite values, the norm bound).
 
-Not built yet: the HTTP legs on the member's healing server and the thin island's outer
-loop. Both sides need a federation key: without one nothing could tell the carrier's
+Not built yet: the legs over the network (the healing server's machinery reads no request
+bodies, so the carrier would fetch the thin island's row as healing fetches a state) and
+the thin island's outer loop. Both sides need a federation key: without one nothing could tell the carrier's
 weights from anyone's.
 """
 
