@@ -666,3 +666,40 @@ class _Errored:
 
     def errored(self) -> Exception:
         return self.exc
+
+
+class _NoFuture:
+    """A transport's work without a usable future: nothing will ever stamp its completion."""
+
+    waited = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.waited = True
+        return True
+
+    def get_future(self) -> Any:
+        raise RuntimeError("this work has no future")
+
+
+class _NoFutureGroup:
+    def allgather(self, outputs: Any, inputs: Any, options: Any) -> _NoFuture:
+        return _NoFuture()
+
+
+def test_a_work_without_a_future_is_waited_on_plainly_by_every_phase():
+    # Every phase decides `stamped` the same way (exchange.stamping): a work that will never
+    # be stamped is waited on plainly; polling an empty stamp list for it would spin until
+    # some member gave the exchange up.
+    from archipelago.federation import give_up
+    from archipelago.federation.exchange import allgather, completion_stamps, stamping, stamps_list
+
+    manager = _StoreManager("")
+    manager._pg = _NoFutureGroup()
+    stamps = completion_stamps(torch.device("cpu"))
+    assert stamping(stamps) and not stamping(None)
+    allgather(manager, torch.zeros(4), 2, stamps)  # the exchange's start (start_managed)
+    assert not stamping(stamps) and not manager.errors
+    raw = _NoFuture()
+    phase = give_up.Collective(raw, stamps_list(stamps), stamping(stamps))
+    give_up.wait_for(manager, phase, Framing(None, quorum=1, step=1, fragment=0, island=0))
+    assert raw.waited and not manager.errors

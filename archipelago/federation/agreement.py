@@ -26,6 +26,8 @@ from archipelago.federation.exchange import (
     SkippedWork,
     completion_stamps,
     stamp_completion,
+    stamping,
+    stamps_list,
 )
 from archipelago.federation.give_up import Collective, announce, wait_for
 from archipelago.federation.policy import EXCHANGE_COMPLETED, FRAME_OK, exchange_agreed
@@ -113,8 +115,11 @@ def _gathered_flags(manager: Any, outputs: list[torch.Tensor], row: torch.Tensor
     pending transfer would otherwise hold this member until the group's timeout)."""
     from torch.distributed.distributed_c10d import AllgatherOptions
 
-    flags = Collective(manager._pg.allgather([outputs], [row], AllgatherOptions()))
-    flags.stamped = completion_stamps(device) is not None and stamp_completion(flags.work, flags.done_at)
+    stamps = completion_stamps(device)
+    flags = Collective(manager._pg.allgather([outputs], [row], AllgatherOptions()), stamps_list(stamps))
+    if stamps is not None:
+        stamp_completion(flags.work, stamps)
+    flags.stamped = stamping(stamps)
     wait_for(manager, flags, framing)
     return not isinstance(flags.work, SkippedWork)
 

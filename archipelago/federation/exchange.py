@@ -292,23 +292,38 @@ def start_managed(manager: Any, start: Any, outputs: Any, done_at: list[float] |
         return SkippedWork()
 
 
+class Stamps(list):
+    """The completion times the transport's thread appends (perf_counter); `live` turns
+    False where the work has no future, so nothing will ever be appended."""
+
+    live = True
+
+
 def stamp_completion(work: Any, done_at: list[float]) -> bool:
-    """Append the time `work` completes to `done_at`; False (nothing will be stamped) where
-    the transport's work has no future: the caller then takes the time its wait returned.
-    Never raises: a timing aid must not cost the round."""
+    """Append the time `work` completes to `done_at`; False (nothing will be stamped, and
+    a `Stamps` says so from then on) where the transport's work has no future: the caller
+    then takes the time its wait returned. Never raises: a timing aid must not cost the round."""
     try:
         work.get_future().add_done_callback(lambda _: done_at.append(time.perf_counter()))
         return True
     except Exception:  # noqa: BLE001 - any transport without usable futures: no stamp
+        if isinstance(done_at, Stamps):
+            done_at.live = False
         return False
 
 
-def completion_stamps(wire: torch.device) -> list[float] | None:
+def completion_stamps(wire: torch.device) -> Stamps | None:
     """Where the exchange's completion time goes: gloo's work completes (on its own thread)
     when the rows are in; NCCL's future completes when the collective is enqueued (torch's
     `Work.get_future`), which says nothing about the link, so a GPU wire stamps nothing and
     the wait's return counts instead."""
-    return [] if wire.type == "cpu" else None
+    return Stamps() if wire.type == "cpu" else None
+
+
+def stamping(done_at: list[float] | None) -> bool:
+    """Will the transport's thread stamp `done_at` (from `completion_stamps`, after the
+    work started)? The one answer for every phase's `stamped` (give_up.wait_for polls only then)."""
+    return done_at is not None and getattr(done_at, "live", True)
 
 
 def stamps_list(done_at: list[float] | None) -> list[float]:
@@ -377,14 +392,14 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
                         received, done_at)
         return Gathered(work, framing, [received], encode_s, sent=(participants - 1) * size,
                         received=(participants - 1) * size, segments=segments, rank=rank, started=started,
-                        done_at=stamps_list(done_at), stamped=done_at is not None, own_sumsq=own_sumsq)
+                        done_at=stamps_list(done_at), stamped=stamping(done_at), own_sumsq=own_sumsq)
     size = framing.row_bytes(codec.payload_bytes())
     row = framing.frame(tokens, weight, _encoded(codec, pseudo_gradient, weight), size).to(wire)
     encode_s = time.perf_counter() - began
     done_at, started = completion_stamps(wire), time.perf_counter()
     work, outputs = allgather(manager, row, participants, done_at)
     return Gathered(work, framing, outputs, encode_s, sent=row.numel(), received=row.numel() * (participants - 1),
-                    started=started, done_at=stamps_list(done_at), stamped=done_at is not None)
+                    started=started, done_at=stamps_list(done_at), stamped=stamping(done_at))
 
 
 def _own_sumsq(pieces: list[Codec], payloads: list[torch.Tensor]) -> torch.Tensor:

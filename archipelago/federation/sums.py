@@ -30,6 +30,7 @@ from archipelago.federation.exchange import (
     SecondPhase,
     allgather,
     completion_stamps,
+    stamping,
     stamps_list,
     wire_device,
 )
@@ -106,7 +107,7 @@ def start_sums(gathered: Gathered, codec: Codec, weights: list[float], manager: 
     stamps, second.started = completion_stamps(wire), time.perf_counter()
     second.work, second.outputs = allgather(manager, row.to(wire), len(segments), stamps)
     second.pieces, second.sizes, second.failed, second.done_at = pieces, sizes, False, stamps_list(stamps)
-    second.stamped = stamps is not None
+    second.stamped = stamping(stamps)
     gathered.sent += size
     gathered.received += size * (len(segments) - 1)
 
