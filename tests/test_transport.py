@@ -547,7 +547,7 @@ def _closed(sock: socket.socket) -> bool:
 
 
 def _healing_threads() -> int:
-    return sum(t.name == "healing-server-conn" for t in threading.enumerate())
+    return sum(t.name == "archipelago-request" for t in threading.enumerate())
 
 
 @pytest.mark.timeout(60)
@@ -606,7 +606,7 @@ def test_the_server_handles_at_most_max_connections_requests_and_closes_the_rest
 
 @pytest.mark.timeout(60)
 def test_an_oversized_request_head_is_closed_and_the_oldest_idle_connection_makes_room(monkeypatch):
-    from archipelago.federation import transport as module
+    from archipelago.federation import http_serving as module
 
     monkeypatch.delenv("LOCAL_ADDR", raising=False)
     monkeypatch.setattr(module, "MAX_PENDING", 8)

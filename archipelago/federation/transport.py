@@ -25,7 +25,7 @@ bytes (`max_state_bytes`, `expect_state_like`) checked against Content-Length be
 body is read, and all of it (connect, headers, body) within the `timeout` of
 `recv_checkpoint`; only then is the signature checked and the state decoded. The
 server gives a thread only to a connection whose request head has arrived (within
-`request_timeout`), at most `max_connections` at a time (`_HealingServer`).
+`request_timeout`), at most `max_connections` at a time (`http_serving.RequestServer`).
 """
 
 from __future__ import annotations
@@ -36,18 +36,16 @@ import ipaddress
 import logging
 import os
 import secrets
-import selectors
-import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from torchft.checkpointing.transport import CheckpointTransport
 
+from archipelago.federation.http_serving import CHUNK, DeadlineConnection, RequestServer
 from archipelago.federation.state_format import (
     StateFormatError,
     decode_state,
@@ -63,16 +61,13 @@ from archipelago.federation.trust import (
     open_frame,
     seal,
 )
-from archipelago.netutil import listening_socket, local_address, url_host
+from archipelago.netutil import local_address, url_host
 
 log = logging.getLogger("archipelago.federation")
 
 FRAME_HEADER = "X-Archipelago-Frame"  # the signed request, in hex
 _MAX_NONCES = 4096  # nonces remembered against replayed requests
 HEAL_PATH = "/checkpoint/"  # what `SafeHTTPTransport.address()` advertises after HOST:PORT
-MAX_REQUEST_BYTES = 16 << 10  # a request head: ours is < 1 KiB (a GET and a hex frame)
-MAX_PENDING = 256  # connections whose request head is still arriving (a descriptor each)
-_CHUNK = 1 << 20  # bytes per read of an answer without Content-Length, per send of ours
 
 
 class HealingRefused(ValueError):
@@ -128,50 +123,6 @@ def _source_problem(parts: urllib.parse.SplitResult, port: int, expected: str | 
     return None
 
 
-class _DeadlineSocket(socket.socket):
-    """A connected socket whose every read and write ends by `deadline` (time.monotonic()).
-
-    A per-socket timeout bounds one recv only: a server that sends a byte a second never
-    trips it and held a healing island forever. Here each recv and send gets the time left
-    of the whole fetch, and none starts after it (one clock read per operation)."""
-
-    deadline = 0.0
-
-    def _arm(self) -> None:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the healing deadline passed")
-        self.settimeout(left)
-
-    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
-        self._arm()
-        return super().recv_into(buffer, nbytes, flags)
-
-    def recv(self, bufsize: int, flags: int = 0) -> bytes:
-        self._arm()
-        return super().recv(bufsize, flags)
-
-    def sendall(self, data: Any, flags: int = 0) -> None:
-        self._arm()
-        super().sendall(data, flags)
-
-
-class _DeadlineConnection(http.client.HTTPConnection):
-    """http.client to one host and port, connect, request, headers and body by `deadline`.
-
-    http.client has no file:, ftp: or data: handler and follows no redirect (urllib's
-    urlopen did both); the name lookup of a host name is the one step outside the deadline."""
-
-    def __init__(self, host: str, port: int, deadline: float) -> None:
-        super().__init__(host, port, timeout=max(deadline - time.monotonic(), 0.001))
-        self._deadline = deadline
-
-    def connect(self) -> None:
-        plain = socket.create_connection((self.host, self.port), max(self._deadline - time.monotonic(), 0.001))
-        self.sock = _DeadlineSocket(fileno=plain.detach())
-        self.sock.deadline = self._deadline
-
-
 def _read_capped(response: http.client.HTTPResponse, cap: int, url: str) -> bytes:
     """The body of `response`, refused (HealingRefused) past `cap` bytes: a declared
     Content-Length before any of the body is read, else after cap + 1 bytes."""
@@ -182,7 +133,7 @@ def _read_capped(response: http.client.HTTPResponse, cap: int, url: str) -> byte
         return response.read()  # exactly Content-Length bytes, in one buffer
     chunks, got = [], 0
     while got <= cap:
-        chunk = response.read(min(_CHUNK, cap + 1 - got))
+        chunk = response.read(min(CHUNK, cap + 1 - got))
         if not chunk:
             break
         chunks.append(chunk)
@@ -195,155 +146,6 @@ def _read_capped(response: http.client.HTTPResponse, cap: int, url: str) -> byte
 _CAP_FIX = (". A state of this federation is the size of this island's own; a larger one is another model or an "
             "attack. If this island's state is larger than the cap, the outer loop sets it from its own "
             "(SafeHTTPTransport.expect_state_like)")
-
-
-# ---- the healing server: a thread only for a request that has arrived -------------------
-
-
-class _HealingServer:
-    """The healing server's sockets. One thread accepts connections and reads each request
-    head without blocking (at most MAX_REQUEST_BYTES, within `request_timeout`), then gives
-    the complete request to a handler thread, at most `max_connections` at a time; over
-    that, the connection is closed unanswered (the member retries at its next quorum).
-
-    http.server's ThreadingHTTPServer started a thread per connection and waited for its
-    request line without a timeout: 10,000 idle connections were 10,000 threads, forever.
-    Here an idle or slow-drip connection costs a descriptor until its deadline, not a
-    thread; with MAX_PENDING of them waiting, the oldest is closed for the newest, so a
-    flood cannot hold a member's request (sent at once, read in milliseconds) out for long.
-    """
-
-    def __init__(self, host: str, handler: Callable[..., Any], request_timeout: float, max_connections: int) -> None:
-        self._listener = listening_socket(host)
-        self._listener.setblocking(False)
-        self.server_address = self._listener.getsockname()
-        self._handler, self.request_timeout = handler, request_timeout
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._pending: dict[socket.socket, tuple[float, Any, bytearray]] = {}  # oldest first
-        self._selector = selectors.DefaultSelector()
-        self._wake, self._waker = socket.socketpair()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._serve, name="healing-server", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        self._selector.register(self._listener, selectors.EVENT_READ)
-        self._selector.register(self._wake, selectors.EVENT_READ)
-        try:
-            while not self._stopping:
-                for key, _ in self._selector.select(self._until_next_deadline()):
-                    if key.fileobj is self._listener:
-                        self._accept()
-                    elif key.fileobj is not self._wake:
-                        self._read_head(key.fileobj)  # type: ignore[arg-type]
-                self._expire()
-        except Exception:  # a bug, not a peer: say so, this island serves no heal from now on
-            log.exception("healing server: stopped")
-        finally:
-            for conn in list(self._pending):
-                self._drop(conn)
-            self._selector.close()
-            for sock in (self._listener, self._wake, self._waker):
-                sock.close()
-
-    def _until_next_deadline(self) -> float | None:
-        if not self._pending:
-            return None
-        return max(next(iter(self._pending.values()))[0] - time.monotonic(), 0.0)
-
-    def _accept(self) -> None:
-        for _ in range(64):  # then the pending heads get their turn
-            try:
-                conn, address = self._listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as exc:  # out of descriptors: make room, or let the backlog wait
-                log.debug("healing server: accept failed: %s", exc)
-                if self._pending:
-                    self._drop(next(iter(self._pending)))
-                else:
-                    time.sleep(0.05)  # the listener stays readable: not a busy loop meanwhile
-                return
-            conn.setblocking(False)
-            if len(self._pending) >= MAX_PENDING:
-                self._drop(next(iter(self._pending)))
-            self._pending[conn] = (time.monotonic() + self.request_timeout, address, bytearray())
-            self._selector.register(conn, selectors.EVENT_READ)
-
-    def _read_head(self, conn: socket.socket) -> None:
-        if conn not in self._pending:  # dropped for a newer one earlier in this select's events
-            return
-        _, address, head = self._pending[conn]
-        try:
-            data = conn.recv(MAX_REQUEST_BYTES + 1 - len(head))
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._drop(conn)
-            return
-        head += data
-        if b"\n\n" in head or b"\n\r\n" in head:  # the blank line that ends the head
-            self._selector.unregister(conn)
-            del self._pending[conn]
-            self._dispatch(conn, address, bytes(head))
-        elif len(head) > MAX_REQUEST_BYTES:
-            log.debug("healing server: a request head of more than %d bytes from %s", MAX_REQUEST_BYTES, address)
-            self._drop(conn)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self._pending:
-            conn, (deadline, address, _) = next(iter(self._pending.items()))
-            if deadline > now:
-                return
-            log.debug("healing server: no request from %s within %.0f s", address, self.request_timeout)
-            self._drop(conn)
-
-    def _drop(self, conn: socket.socket) -> None:
-        self._pending.pop(conn, None)
-        try:
-            self._selector.unregister(conn)
-        except (KeyError, ValueError):
-            pass
-        conn.close()
-
-    def _dispatch(self, conn: socket.socket, address: Any, head: bytes) -> None:
-        if not self._slots.acquire(blocking=False):
-            log.debug("healing server: all handlers busy, closing a request from %s", address)
-            conn.close()
-            return
-        try:
-            threading.Thread(target=self._handle, args=(conn, address, head), name="healing-server-conn",
-                             daemon=True).start()
-        except RuntimeError:  # no thread to be had: as if all were busy
-            self._slots.release()
-            conn.close()
-
-    def _handle(self, conn: socket.socket, address: Any, head: bytes) -> None:
-        try:
-            conn.setblocking(True)
-            conn.settimeout(self.request_timeout)  # each send of the answer (a chunk) within it
-            self._handler((conn, head), address, self)
-        except Exception as exc:  # noqa: BLE001 - a peer that went away, or stopped reading
-            log.debug("healing server: the request from %s ended early: %s", address, exc)
-        finally:
-            try:
-                conn.shutdown(socket.SHUT_WR)  # the answer's end, before the close
-            except OSError:
-                pass
-            conn.close()
-            self._slots.release()
-
-    def close(self, wait: bool = True) -> None:
-        self._stopping = True
-        try:
-            self._waker.send(b"x")
-        except OSError:  # the loop has closed it: it is stopped
-            pass
-        if wait:
-            self._thread.join()
 
 
 # ---- the transport ----------------------------------------------------------------------
@@ -376,7 +178,7 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
         self._nonces: set[int] = set()
         self._ready = threading.Condition()
         self._step, self._body = -1, b""  # nothing is served until send_checkpoint
-        self._server = _HealingServer(self._host, self._handler_class(), request_timeout.total_seconds(),
+        self._server = RequestServer(self._host, self._handler_class(), request_timeout.total_seconds(),
                                       max_connections)
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
@@ -384,7 +186,7 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
 
         class Handler(BaseHTTPRequestHandler):
             def setup(self) -> None:
-                # _HealingServer read the request head: parse it from memory. Nothing else is
+                # RequestServer read the request head: parse it from memory. Nothing else is
                 # ever read from the connection, so a request body is never read.
                 self.connection, head = self.request
                 self.rfile = io.BytesIO(head)
@@ -408,8 +210,8 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
                 # A MiB per send, each within the socket's timeout (sendall's is for the whole
                 # call): a peer that stops reading frees its handler.
                 view = memoryview(body)
-                for start in range(0, len(view), _CHUNK):
-                    self.connection.sendall(view[start:start + _CHUNK])
+                for start in range(0, len(view), CHUNK):
+                    self.connection.sendall(view[start:start + CHUNK])
 
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
                 log.debug("healing server: " + format, *args)
@@ -565,7 +367,7 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
     def _fetch(self, host: str, port: int, step: int, headers: dict[str, str], deadline: float, url: str) -> bytes:
         """The body of GET /checkpoint/STEP/full at host:port, all of it by `deadline` (else
         TimeoutError), at most the cap; nothing of an answer other than 200 is read."""
-        connection = _DeadlineConnection(host, port, deadline)
+        connection = DeadlineConnection(host, port, deadline)
         try:
             connection.request("GET", f"{HEAL_PATH}{step}/full", headers=headers)
             response = connection.getresponse()

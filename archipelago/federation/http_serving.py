@@ -1,0 +1,236 @@
+"""The HTTP serving both healing (transport.py) and carrying (carry_link.py) stand on.
+
+A server that gives a thread only to a connection whose request head has arrived
+(`RequestServer`), and a client connection whose connect, request, headers and body all end
+by one deadline (`DeadlineConnection`). Every byte arriving here is a peer's, and hostile:
+a request head is read without blocking and capped, a body only where a handler reads one
+(`read_body`: a declared length within the handler's cap, all of it by a deadline).
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from archipelago.netutil import listening_socket
+
+log = logging.getLogger("archipelago.federation")
+
+MAX_REQUEST_BYTES = 16 << 10  # a request head: ours are < 1 KiB (a method, a path, a hex frame)
+MAX_PENDING = 256  # connections whose request head is still arriving (a descriptor each)
+CHUNK = 1 << 20  # bytes per read of an answer without Content-Length, per send of ours
+
+
+class DeadlineSocket(socket.socket):
+    """A connected socket whose every read and write ends by `deadline` (time.monotonic()).
+
+    A per-socket timeout bounds one recv only: a server that sends a byte a second never
+    trips it and held a healing island forever. Here each recv and send gets the time left
+    of the whole fetch, and none starts after it (one clock read per operation)."""
+
+    deadline = 0.0
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed")
+        self.settimeout(left)
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        self._arm()
+        return super().recv_into(buffer, nbytes, flags)
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        self._arm()
+        return super().recv(bufsize, flags)
+
+    def sendall(self, data: Any, flags: int = 0) -> None:
+        self._arm()
+        super().sendall(data, flags)
+
+
+class DeadlineConnection(http.client.HTTPConnection):
+    """http.client to one host and port, connect, request, headers and body by `deadline`.
+
+    http.client has no file:, ftp: or data: handler and follows no redirect (urllib's
+    urlopen did both); the name lookup of a host name is the one step outside the deadline."""
+
+    def __init__(self, host: str, port: int, deadline: float) -> None:
+        super().__init__(host, port, timeout=max(deadline - time.monotonic(), 0.001))
+        self._deadline = deadline
+
+    def connect(self) -> None:
+        plain = socket.create_connection((self.host, self.port), max(self._deadline - time.monotonic(), 0.001))
+        self.sock = DeadlineSocket(fileno=plain.detach())
+        self.sock.deadline = self._deadline
+
+
+class RequestServer:
+    """A server's sockets (the healing server's, the carry server's). One thread accepts
+    connections and reads each request head without blocking (at most MAX_REQUEST_BYTES,
+    within `request_timeout`), then gives the complete request to a handler thread, at most
+    `max_connections` at a time; over that, the connection is closed unanswered (the client
+    retries: a member at its next quorum).
+
+    http.server's ThreadingHTTPServer started a thread per connection and waited for its
+    request line without a timeout: 10,000 idle connections were 10,000 threads, forever.
+    Here an idle or slow-drip connection costs a descriptor until its deadline, not a
+    thread; with MAX_PENDING of them waiting, the oldest is closed for the newest, so a
+    flood cannot hold a member's request (sent at once, read in milliseconds) out for long.
+    """
+
+    def __init__(self, host: str, handler: Callable[..., Any], request_timeout: float, max_connections: int) -> None:
+        self._listener = listening_socket(host)
+        self._listener.setblocking(False)
+        self.server_address = self._listener.getsockname()
+        self._handler, self.request_timeout = handler, request_timeout
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._pending: dict[socket.socket, tuple[float, Any, bytearray]] = {}  # oldest first
+        self._selector = selectors.DefaultSelector()
+        self._wake, self._waker = socket.socketpair()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._serve, name="archipelago-request-server", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake, selectors.EVENT_READ)
+        try:
+            while not self._stopping:
+                for key, _ in self._selector.select(self._until_next_deadline()):
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj is not self._wake:
+                        self._read_head(key.fileobj)  # type: ignore[arg-type]
+                self._expire()
+        except Exception:  # a bug, not a peer: say so, this island serves no heal from now on
+            log.exception("request server: stopped")
+        finally:
+            for conn in list(self._pending):
+                self._drop(conn)
+            self._selector.close()
+            for sock in (self._listener, self._wake, self._waker):
+                sock.close()
+
+    def _until_next_deadline(self) -> float | None:
+        if not self._pending:
+            return None
+        return max(next(iter(self._pending.values()))[0] - time.monotonic(), 0.0)
+
+    def _accept(self) -> None:
+        for _ in range(64):  # then the pending heads get their turn
+            try:
+                conn, address = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:  # out of descriptors: make room, or let the backlog wait
+                log.debug("request server: accept failed: %s", exc)
+                if self._pending:
+                    self._drop(next(iter(self._pending)))
+                else:
+                    time.sleep(0.05)  # the listener stays readable: not a busy loop meanwhile
+                return
+            conn.setblocking(False)
+            if len(self._pending) >= MAX_PENDING:
+                self._drop(next(iter(self._pending)))
+            self._pending[conn] = (time.monotonic() + self.request_timeout, address, bytearray())
+            self._selector.register(conn, selectors.EVENT_READ)
+
+    def _read_head(self, conn: socket.socket) -> None:
+        if conn not in self._pending:  # dropped for a newer one earlier in this select's events
+            return
+        _, address, head = self._pending[conn]
+        try:
+            data = conn.recv(MAX_REQUEST_BYTES + 1 - len(head))
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        head += data
+        if b"\n\n" in head or b"\n\r\n" in head:  # the blank line that ends the head
+            self._selector.unregister(conn)
+            del self._pending[conn]
+            self._dispatch(conn, address, bytes(head))
+        elif len(head) > MAX_REQUEST_BYTES:
+            log.debug("request server: a request head of more than %d bytes from %s", MAX_REQUEST_BYTES, address)
+            self._drop(conn)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._pending:
+            conn, (deadline, address, _) = next(iter(self._pending.items()))
+            if deadline > now:
+                return
+            log.debug("request server: no request from %s within %.0f s", address, self.request_timeout)
+            self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._pending.pop(conn, None)
+        try:
+            self._selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def _dispatch(self, conn: socket.socket, address: Any, head: bytes) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.debug("request server: all handlers busy, closing a request from %s", address)
+            conn.close()
+            return
+        try:
+            threading.Thread(target=self._handle, args=(conn, address, head), name="archipelago-request",
+                             daemon=True).start()
+        except RuntimeError:  # no thread to be had: as if all were busy
+            self._slots.release()
+            conn.close()
+
+    def _handle(self, conn: socket.socket, address: Any, head: bytes) -> None:
+        try:
+            conn.setblocking(True)
+            conn.settimeout(self.request_timeout)  # each send of the answer (a chunk) within it
+            self._handler((conn, head), address, self)
+        except Exception as exc:  # noqa: BLE001 - a peer that went away, or stopped reading
+            log.debug("request server: the request from %s ended early: %s", address, exc)
+        finally:
+            try:
+                conn.shutdown(socket.SHUT_WR)  # the answer's end, before the close
+            except OSError:
+                pass
+            conn.close()
+            self._slots.release()
+
+    def close(self, wait: bool = True) -> None:
+        self._stopping = True
+        try:
+            self._waker.send(b"x")
+        except OSError:  # the loop has closed it: it is stopped
+            pass
+        if wait:
+            self._thread.join()
+
+
+def read_body(conn: socket.socket, started: bytes, length: int, deadline: float) -> bytes:
+    """A request body of `length` bytes (its declared Content-Length, already checked
+    against the handler's cap): the `started` bytes that came with the head, then the rest
+    from `conn`, all of it by `deadline` (time.monotonic(); TimeoutError after it), so a peer
+    that sends a byte now and then holds a handler no longer than that."""
+    body = bytearray(started[:length])
+    while len(body) < length:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request body did not arrive by its deadline")
+        conn.settimeout(left)
+        chunk = conn.recv(min(CHUNK, length - len(body)))
+        if not chunk:
+            raise ConnectionError(f"the request body ended after {len(body)} of {length} bytes")
+        body += chunk
+    return bytes(body)
