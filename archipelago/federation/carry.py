@@ -18,10 +18,9 @@ what each side checks of the other's bytes (the other island belongs to another 
   most one row in, and rows are judged as any receiver judges one (claims against the
   island's allowance, a decodable payload, finite values, the norm bound).
 
-Not built yet: the legs over the network (the healing server's machinery reads no request
-bodies, so the carrier would fetch the thin island's row as healing fetches a state) and
-the thin island's outer loop. Both sides need a federation key: without one nothing could tell the carrier's
-weights from anyone's.
+The legs over the network are federation/carry_link.py (the thin island downloads and
+uploads; the carrier only serves). Both sides need a federation key: without one nothing
+could tell the carrier's weights from anyone's.
 """
 
 from __future__ import annotations
