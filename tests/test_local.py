@@ -109,7 +109,7 @@ def test_two_islands_write_a_federation_summary(tmp_path: Path) -> None:
         log = (run_dir / f"island-{k}" / "console.log").read_text()
         assert "step 10 loss 2.500" in log
         assert f"[island-{k}] step 10 loss 2.500" in result.output
-    assert "global weights agree across islands at outer step 2, the last all islands committed: yes" \
+    assert "global weights agree across the members at outer step 2, the last all members committed: yes" \
         in result.output
 
 

@@ -295,13 +295,27 @@ class FaultToleranceConfig:
     topk_exchange: Literal["auto", "all_gather", "reduce_scatter"] = "auto"
     """topk codec: how payloads cross islands. `all_gather`: every island receives every other island's payload (G - 1 of them). `reduce_scatter`: island j receives everyone's segment j, sums it exactly and all-gathers that sum in a sparse fp32 form, so each island receives about one payload plus the summed chunk (at most about 4.1 bytes per value) whatever the number of islands (the same result, bit for bit); each island is then trusted with the sum of its segment, as with int8's reduce-scatter. `auto`: the reduce-scatter when its bound on received bytes is the smaller (from about 17 islands at the default fraction and bits); docs/codecs.md."""
     round_mode: Literal["synchronous", "decoupled"] = "synchronous"
-    """`synchronous`: every island of a round waits for the round's exchange before it trains on. `decoupled`: an island hands its pseudo-gradient off at a round's end and, once the members measured an exchange longer than `overlap_threshold` of a round, trains on while it travels (from the global weights minus its own pseudo-gradient; a reduce-scatter's second phase starts during that round, once its first phase is in); the exchange's outer step is applied at the next round's end, its rows discounted by their staleness (`staleness_exponent`, `max_staleness`). The platform needs num_fragments 1, fragment_sync_delay 0, fragment_update_alpha 0, a codec other than auto and no averaged moments; thin-link islands whose exchange spans several rounds run in `archipelago simulate` and the quality simulator only; docs/rounds.md."""
+    """`synchronous`: every island of a round waits for the round's exchange before it trains on. `decoupled`: an island hands its pseudo-gradient off at a round's end and, once the members measured an exchange longer than `overlap_threshold` of a round, trains on while it travels (from the global weights minus its own pseudo-gradient; a reduce-scatter's second phase starts during that round, once its first phase is in); the exchange's outer step is applied at the next round's end, its rows discounted by their staleness (`staleness_exponent`, `max_staleness`). The platform needs num_fragments 1, fragment_sync_delay 0, fragment_update_alpha 0, a codec other than auto and no averaged moments; a thin-link island whose exchange spans several rounds is carried by a member instead (`carrier`, `carries`); docs/rounds.md."""
     staleness_exponent: float = 0.5
     """Decoupled rounds: a contribution that enters s outer steps after the global weights it started from weighs (1 + s)^-exponent times its tokens; the sum is still divided by the undiscounted tokens (0: no discount)."""
     max_staleness: int = 4
     """Decoupled rounds: a contribution staler than this many outer steps is left out."""
     overlap_threshold: float = 0.05
     """Decoupled rounds: while every member's last exchange took at most this fraction of its round's compute seconds, the next exchange is waited for, as a synchronous round's is (its contributions enter fresh); once one took longer, the next overlaps the next round instead (its contributions one outer step stale). The first exchange is waited for; 0: every exchange overlaps. Staleness costs quality (docs/rounds.md); waiting costs the exchange's seconds."""
+    thin_islands: int = 0
+    """How many of the `group_size` islands are thin (carried, `carrier`): they read their own share of the data but join no quorum, so a new federation's members assemble without them."""
+    carrier: str = ""
+    """A thin island (a link too slow for the members' exchange): the URL of the member that carries it, http://HOST:PORT as that member's log prints it when it starts carrying (`carries`). A thin island joins no quorum: every `carry_rounds` rounds it uploads its pseudo-gradient there (encoded with `codec`, which must be the carrier's), which that member folds into its own row, and downloads the global weights (bf16); it needs a federation key. Empty: this island is a member. docs/rounds.md, "Thin links"."""
+    carrier_island: int = 0
+    """A thin island: the replica_id of the member at `carrier` (its answers must be signed by that island)."""
+    carry_rounds: int = 4
+    """A thin island: rounds of `sync_steps` inner steps between two uploads (the rounds its link needs for one)."""
+    carries: int = -1
+    """A member: the replica_id of the thin island it carries (-1: none; one per member). It serves that island at `carry_port` on LOCAL_ADDR (else loopback), folds each row it takes into its own next row (`OuterCore.fold`, discounted by the row's staleness) and needs sync_width 1, num_fragments 1, token weighting and a federation key."""
+    carry_port: int = 0
+    """A member that `carries`: the port its carry server listens on (0: a free one, printed in the log)."""
+    carried_tokens: int = 0
+    """A member that `carries`: the most tokens one upload of its thin island may claim (the thin island's tokens per inner step x sync_steps x carry_rounds). It bounds the uploads it takes, and the member declares that many more tokens per exchange at the join, so receivers allow its rows the carried tokens."""
 
 
 @dataclass

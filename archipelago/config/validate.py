@@ -122,6 +122,7 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
              f"fault_tolerance.sync_steps = {ft.sync_steps}: must be a multiple of "
              f"fault_tolerance.num_fragments ({ft.num_fragments})", p)
     _require(ft.sync_width >= 1, f"fault_tolerance.sync_width = {ft.sync_width}: must be >= 1", p)
+    _check_carrying(ft, p)
     _require(not (ft.rank0_synchronization_only and ft.sync_width != 1),
              f"fault_tolerance.rank0_synchronization_only = true means sync_width = 1, but "
              f"fault_tolerance.sync_width = {ft.sync_width}; drop one of them", p)
@@ -196,6 +197,40 @@ def fault_tolerance_problems(ft: FaultToleranceConfig) -> list[str]:
     problems: list[str] = []
     _check_fault_tolerance(Config(fault_tolerance=ft), problems)
     return problems
+
+
+def _check_carrying(ft: FaultToleranceConfig, p: list[str]) -> None:
+    """A thin island (`carrier`) and the member that carries it (`carries`)."""
+    _require(0 <= ft.thin_islands < max(ft.group_size, 1),
+             f"fault_tolerance.thin_islands = {ft.thin_islands}: must be below group_size ({ft.group_size}); "
+             "at least one island is a member", p)
+    if ft.carrier:
+        _require(ft.enable, "fault_tolerance.carrier is set: a thin island is in a federation, set "
+                 "fault_tolerance.enable = true", p)
+        _require(ft.carrier_island != ft.replica_id and ft.carries < 0,
+                 f"fault_tolerance.carrier is set, so island {ft.replica_id} is thin: carrier_island "
+                 f"({ft.carrier_island}) must be another island's replica_id, and a thin island carries none "
+                 "(carries = -1)", p)
+        _require(ft.carry_rounds >= 1, f"fault_tolerance.carry_rounds = {ft.carry_rounds}: must be >= 1", p)
+        _require(ft.round_pacing == "steps" and ft.codec != "auto",
+                 "a thin island (fault_tolerance.carrier) counts its rounds in inner steps and sends with a "
+                 "fixed codec: set round_pacing = \"steps\" and a codec other than \"auto\"", p)
+    if ft.carries >= 0:
+        problems = [
+            (ft.carries == ft.replica_id, f"carries = {ft.carries}: another island's replica_id"),
+            (ft.sync_width != 1, "sync_width = 1 (the upload is folded on the one bridge rank)"),
+            (ft.num_fragments != 1, "num_fragments = 1 (an upload is the whole model)"),
+            (ft.outer_weighting != "tokens", "outer_weighting = \"tokens\" (the fold adds token counts)"),
+            (ft.outer_aggregation != "mean", "outer_aggregation = \"mean\" (the fold is a weighted mean)"),
+            (ft.codec == "auto", "a codec other than \"auto\" (the thin island encodes with it)"),
+            (ft.average_optimizer_state or ft.adam_federation_batch,
+             "average_optimizer_state = false and adam_federation_batch = false (a thin island sends its "
+             "pseudo-gradient only)"),
+            (ft.carried_tokens <= 0, "carried_tokens > 0 (the most tokens one upload may claim)"),
+            (not 0 <= ft.carry_port < 65536, f"carry_port = {ft.carry_port}: a port number (0: a free one)"),
+        ]
+        wrong = [fix for bad, fix in problems if bad]
+        _require(not wrong, "fault_tolerance.carries needs " + "; ".join(wrong), p)
 
 
 def validate(cfg: Config) -> Config:

@@ -11,6 +11,7 @@ from torch import nn
 
 from archipelago.config import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.carrying import declared_tokens_per_step
 from archipelago.federation.decoupled import check_decoupled
 from archipelago.federation.diloco import OuterLoop
 from archipelago.federation.fragments import NamedParameters, named_parameters, split_fragments
@@ -41,12 +42,17 @@ def build_federation(ft: FaultToleranceConfig, steps: int, model: nn.Module | Na
                      world_size: int, tokens_per_step: int, hooks: IslandHooks,
                      optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None,
                      insecure: bool = False, compute: str = "") -> Federation:
-    """The trainer's side of the seam: `Alone` without fault tolerance, else a `Member`
-    that has joined the lighthouse (a collective over the island; see build_outer_loop).
+    """The trainer's side of the seam: `Alone` without fault tolerance, a `ThinIsland` with
+    a `carrier`, else a `Member` that has joined the lighthouse (a collective over the
+    island; see build_outer_loop).
     A member that serves healing beyond loopback needs `key`, or `insecure`. `compute`:
     what the island computes with (device, dtype, backend), declared at the join."""
     if not ft.enable:
         return Alone(steps)
+    if ft.carrier:  # a thin island: no quorum, its carrier only (thin.py)
+        from archipelago.federation.thin import ThinIsland
+
+        return ThinIsland(ft, steps, split_fragments(named_parameters(model), 1)[0], rank, world_size, key, hooks)
     refuse_exposed_without_key(key, insecure)
     outer = build_outer_loop(ft, model, model_name, rank, world_size, tokens_per_step, optimizer, key, compute)
     return Member(outer, ft, steps, tokens_per_step, world_size, hooks)
@@ -101,7 +107,8 @@ def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module | NamedParameter
                 if poison.kind == "die_in_exchange" else
                 "will send a poisoned pseudo-gradient in outer step %d (a test/demo of the guard)")
         log.warning("ARCHIPELAGO_FAULT %s@%d: this island " + what, poison.kind, poison.round, poison.round)
-    return OuterLoop(ft, fragments, rank, world_size, manager, fp, poisons=poisons, optimizer=optimizer, key=key)
+    return OuterLoop(ft, fragments, rank, world_size, manager, fp, poisons=poisons, optimizer=optimizer, key=key,
+                     tokens_per_step=tokens_per_step)
 
 
 def island_fingerprint(ft: FaultToleranceConfig, named: NamedParameters, model_name: str, world_size: int,
@@ -109,10 +116,12 @@ def island_fingerprint(ft: FaultToleranceConfig, named: NamedParameters, model_n
                        key: FederationKey | None, compute: str = "") -> dict[str, Any]:
     """What this island declares at the join (membership.fingerprint): its trainable
     parameters' names and shapes, its inner optimizer, settings and federation key, and
-    what it computes with (`compute`, declared, not compared).
+    what it computes with (`compute`, declared, not compared). A member that carries a thin
+    island declares the carried tokens too (carrying.declared_tokens_per_step).
     `archipelago doctor` computes the same from a run file, to compare with a peer's."""
     shapes = [(name, tuple(p.shape)) for name, p in named if p.requires_grad]
-    return fingerprint(model_name, shapes, ft, world_size, tokens_per_step, _optimizer_name(optimizer), key,
+    declared = declared_tokens_per_step(ft, tokens_per_step)
+    return fingerprint(model_name, shapes, ft, world_size, declared, _optimizer_name(optimizer), key,
                        _peak_lr(optimizer), compute)
 
 

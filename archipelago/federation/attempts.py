@@ -22,6 +22,7 @@ from torch import nn
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.agreement import settle_exchange
 from archipelago.federation.auto_codec import AutoCodec
+from archipelago.federation.carry import Upload
 from archipelago.federation.codecs import Codec
 from archipelago.federation.decoupled import OVERLAP_SCALE, Handoffs
 from archipelago.federation.exchange import (
@@ -80,6 +81,9 @@ class Pending:
     total: torch.Tensor | None = None  # the exchange's sum, apart from `buffer` when a retry may resend it
     overlapped: bool = False          # decoupled rounds: the island trains on while this exchange travels
     staleness: int = 0                # decoupled rounds: outer steps its rows' base weights are behind
+    own: torch.Tensor | None = None   # a carrier's own pseudo-gradient when `buffer` carries a thin island's too
+    carried: list[Upload] = field(default_factory=list)  # the thin island's uploads folded into `buffer`
+    carried_tokens: int = 0           # ... their tokens (in `tokens`, the row's claim)
     facts: list[tuple[float, float]] = field(default_factory=list)  # the members' agreement facts (decoupled)
     midway: bool = False              # decoupled: judged and its second phase started during the round
     judged: Judged | None = None      # the receivers' verdicts on its rows, once judged
@@ -88,6 +92,12 @@ class Pending:
     repaired: Repaired | None = None  # a retry finished by the segment repair (exchange_repair = "segment")
     repaired_table: torch.Tensor | None = None  # ... and the table of the survivors' rows it judged
     repaired_done: float = 0.0        # ... perf_counter when its sums were in
+
+    def own_values(self) -> torch.Tensor | None:
+        """This island's own pseudo-gradient in the row (bridge ranks): without what it carries."""
+        if self.own is not None:
+            return self.own
+        return self.buffer[:-2] if self.buffer is not None else None
 
 
 @dataclass

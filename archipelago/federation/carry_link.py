@@ -71,20 +71,30 @@ class CarryServer:
     `allowance`), staged until the outer loop takes them at its hand-off."""
 
     def __init__(self, book: CarrierBook, codec: Codec, allowance: Allowance, weighting: str = "tokens",
-                 host: str | None = None, request_timeout: float = 60.0, max_connections: int = 4) -> None:
+                 host: str | None = None, request_timeout: float = 60.0, max_connections: int = 4,
+                 port: int = 0) -> None:
         self.book, self.codec, self.allowance, self.weighting = book, codec, allowance, weighting
         self.request_timeout = request_timeout
         self._lock = threading.Lock()  # the book, the weights and the staged rows: handlers run on threads
         self._published: tuple[int, torch.Tensor] | None = None
         self._uploads: list[Upload] = []
         self._server = RequestServer(host or local_address(), self._handler_class(), request_timeout,
-                                     max_connections)
+                                     max_connections, port)
 
-    def publish(self, step: int, weights: torch.Tensor) -> None:
-        """The global weights at outer `step`, served from now on (a bf16 copy is kept)."""
+    def publish(self, step: int, weights: torch.Tensor, allowance: Allowance | None = None) -> None:
+        """The global weights at outer `step`, served from now on (a bf16 copy is kept), and
+        the allowance uploads are judged against from now on (its norm bound follows the
+        global weights' norm)."""
         copy = weights.detach().to("cpu", torch.bfloat16).clone()
         with self._lock:
             self._published = (step, copy)
+            self.allowance = allowance or self.allowance
+
+    def restage(self, uploads: list[Upload]) -> None:
+        """Rows taken but not carried in (the round that carried them failed): they go in
+        the next row, first."""
+        with self._lock:
+            self._uploads = list(uploads) + self._uploads
 
     def take_uploads(self) -> list[Upload]:
         """The rows taken since the last call, in arrival order."""

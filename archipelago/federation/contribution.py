@@ -27,12 +27,13 @@ from torch import nn
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.attempts import Pending
 from archipelago.federation.auto_codec import AutoCodec
+from archipelago.federation.carrying import Carrying
 from archipelago.federation.codecs import Codec
 from archipelago.federation.decoupled import Handoffs
 from archipelago.federation.guard import DIE_IN_EXCHANGE, FORGE_KINDS, Poison, PseudoGradientGuard
 from archipelago.federation.island_ranks import IslandRanks
 from archipelago.federation.layout import FlatLayout
-from archipelago.federation.outer_core import contribution_weight
+from archipelago.federation.outer_core import OuterCore, contribution_weight
 from archipelago.federation.policy import RoundPart, Verdict, skips_exchange
 from archipelago.federation.round_book import RoundBook
 
@@ -50,6 +51,10 @@ class ContributionHost(Protocol):
     book: RoundBook
     codec_name: str
     auto: AutoCodec
+    carrying: Carrying | None
+
+    @property
+    def core(self) -> OuterCore | None: ...
 
     @property
     def codecs(self) -> list[Codec]: ...
@@ -94,9 +99,26 @@ class Contributions:
         if buffer is not None:
             if not pending.weight:  # nothing of this island enters the average
                 buffer[:-2].zero_()
+            elif h.carrying is not None and pending.exchanged:  # a thin island's rows ride in this one
+                self._fold(buffer, pending)
             buffer[-2], buffer[-1] = float(pending.tokens), pending.weight
         pending.buffer = buffer
         return pending, corrupt.kind if corrupt is not None and corrupt.kind in FORGE_KINDS else None
+
+    def _fold(self, buffer: torch.Tensor, pending: Pending) -> None:
+        """Fold the thin island's uploads that arrived into this row (carrying.py); the
+        island's own pseudo-gradient is kept apart (its weights are rebased on it)."""
+        h = self.host
+        assert h.carrying is not None and h.core is not None
+        own = buffer[:-2].clone()
+        values, tokens, uploads = h.carrying.fold(h.core, own, pending.weight, pending.staleness, h.outer_step)
+        if not uploads:
+            return
+        buffer[:-2].copy_(values)
+        pending.own, pending.carried = own, uploads
+        pending.carried_tokens = int(round(tokens - pending.weight))
+        pending.tokens += pending.carried_tokens
+        pending.weight = tokens
 
     def drill_death(self, pending: Pending) -> None:
         """Test-only: an island asked to die in this outer step's exchange dies now, its row

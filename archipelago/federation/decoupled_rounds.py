@@ -95,7 +95,8 @@ class DecoupledRounds:
         p.overlapped = True
         two_phase = p.gathered is not None and p.gathered.segments is not None  # bridge ranks know it
         p.midway = h.ranks.max([float(two_phase)])[0] > 0
-        own = [p.buffer[:-2]] if p.buffer is not None and p.weight > 0 else []
+        values = p.own_values()
+        own = [values] if values is not None and p.weight > 0 else []
         new = h.core.rebased(p.fragment, own) if h.core is not None else None
         h.layouts[p.fragment].scatter(new)
         if new is not None:
@@ -142,11 +143,11 @@ class DecoupledRounds:
 
     def after_overlapped(self, p: Pending, own: torch.Tensor | None, committed: bool) -> None:
         """An overlapped exchange finished: its outer step is in the global weights, the
-        island's weights moved on. Lost, its row is sent again with the next one; refused by
-        the receivers, the island takes the global weights and its next row is void (it was
-        trained from the refused one)."""
+        island's weights moved on. Lost, its row (`own`: the island's own pseudo-gradient in
+        it) is sent again with the next one; refused by the receivers, the island takes the
+        global weights and its next row is void (it was trained from the refused one)."""
         if not committed and own is not None and p.weight > 0:
-            self.handoffs.lost(p.fragment, own[:-2])
+            self.handoffs.lost(p.fragment, own)
         if p.reset and p.weight > 0:
             self.take_global(p.fragment)
             self.handoffs.sends_nothing = True

@@ -50,6 +50,7 @@ from torch import nn
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.attempts import ExchangeAttempts, Pending
 from archipelago.federation.auto_codec import AutoCodec
+from archipelago.federation.carrying import Carrying
 from archipelago.federation.codecs import Codec, effective_codec
 from archipelago.federation.contribution import Contributions
 from archipelago.federation.decoupled_rounds import DecoupledRounds
@@ -80,7 +81,8 @@ class OuterLoop:
     def __init__(self, ft: FaultToleranceConfig, fragments: list[list[nn.Parameter]], rank: int,
                  world_size: int, manager: Any, fingerprint: dict[str, Any],
                  group: dist.ProcessGroup | None = None, poisons: list[Poison] | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, key: FederationKey | None = None,
+                 tokens_per_step: int = 0) -> None:
         self.ft, self.rank, self.world_size, self.group = ft, rank, world_size, group
         self.ranks = IslandRanks(world_size, group)  # the island's own small collectives
         self.key = key  # signs this island's rows and checks the others' (None: plain rows)
@@ -118,6 +120,9 @@ class OuterLoop:
         self.last_committed = False  # its last round committed ("current" in its state claim)
         self.contributions = Contributions(self, poisons)  # the round's pseudo-gradient, checked and weighted
         self.guard = self.contributions.guard
+        # fault_tolerance.carries: a thin island's rows ride in this island's (its bridge rank serves it)
+        self.carrying = (Carrying(ft, key, self.numel, tokens_per_step, float(fingerprint.get("inner_lr", 0.0)))
+                         if ft.carries >= 0 and self.is_bridge else None)
         self.book = RoundBook(ft, len(fragments), self.ranks.max)  # the round in progress, its record
         self.federation_tokens = 0        # tokens the whole federation trained (at the last outer step)
         self.tokens_ratio = float(ft.group_size)  # federation tokens per own token, last round
@@ -220,6 +225,8 @@ class OuterLoop:
         self.weights.take(chunks)
         if self.handoffs is not None:
             self.handoffs.start(self.globals)
+        if self.carrying is not None:  # a thin island may download them from now on
+            self.carrying.publish(self.outer_step, self.globals[0])
 
     def global_hash(self) -> str:
         """SHA-256 over the global weights in canonical order (a collective)."""
@@ -227,6 +234,8 @@ class OuterLoop:
         return hashlib.sha256("".join(d for d in digests if d).encode()).hexdigest()[:16]
 
     def shutdown(self) -> None:
+        if self.carrying is not None:
+            self.carrying.close()
         if self.manager is not None:
             self.manager.shutdown(wait=False)
 
@@ -299,7 +308,7 @@ class OuterLoop:
         self.pending = None
         blocked_since = time.perf_counter()
         p, tried = self.attempts.until_agreed(p)
-        own = p.buffer if p.overlapped else None  # decoupled: the island's pseudo-gradient in this exchange
+        own = p.own_values() if p.overlapped else None  # decoupled: the island's pseudo-gradient in this exchange
         if p.total is not None:  # the agreed sum replaces the pseudo-gradient (freed)
             p.buffer, p.total = p.total, None
         tried.exposed_s = time.perf_counter() - blocked_since + p.midway_s
@@ -316,6 +325,8 @@ class OuterLoop:
                     layout.scatter(self.globals[i].detach() if self.is_bridge else None)
             self.book.forget_fragments()
         self.outcome.count(p, result)
+        if self.carrying is not None:  # the thin island's next download; its rows again if lost
+            self.carrying.after_round(p.carried, result.committed, self.outer_step, self.globals[0])
         report = self.outcome.report(p, inner_step, result, tried, blocked_since)
         self.book.start_clock()
         return report

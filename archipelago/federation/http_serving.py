@@ -85,8 +85,9 @@ class RequestServer:
     flood cannot hold a member's request (sent at once, read in milliseconds) out for long.
     """
 
-    def __init__(self, host: str, handler: Callable[..., Any], request_timeout: float, max_connections: int) -> None:
-        self._listener = listening_socket(host)
+    def __init__(self, host: str, handler: Callable[..., Any], request_timeout: float, max_connections: int,
+                 port: int = 0) -> None:
+        self._listener = listening_socket(host, port)
         self._listener.setblocking(False)
         self.server_address = self._listener.getsockname()
         self._handler, self.request_timeout = handler, request_timeout

@@ -115,8 +115,8 @@ class RoundOutcome:
         h.outer_step += 1
         h.established = True
         h.federation_tokens += result.federation_tokens
-        if p.tokens:
-            h.tokens_ratio = result.federation_tokens / p.tokens
+        if p.tokens - p.carried_tokens:  # federation tokens per own token (a carrier's row claims more)
+            h.tokens_ratio = result.federation_tokens / (p.tokens - p.carried_tokens)
             self.scale_inner_batch()
 
     def report(self, p: Pending, inner_step: int, result: RoundResult, tried: Tried,

@@ -169,7 +169,8 @@ class Member(Alone):
     def join(self, step: int) -> None:
         self.hooks.event("join", step=step, ranks=self.ranks, island=self.ft.replica_id)
         self.outer.inner_step = step
-        self._report(self.outer.join(self.ft.group_size, self.ft.join_wait_ms / 1000))
+        members = self.ft.group_size - self.ft.thin_islands  # thin islands join no quorum
+        self._report(self.outer.join(members, self.ft.join_wait_ms / 1000))
         self._follow_schedule()
 
     def after_step(self, step: int, tokens: int, compute_s: float) -> None:

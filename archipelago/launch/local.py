@@ -373,7 +373,8 @@ class LocalFederation:
         headers = ["island", "ranks", "restarts", "outer steps", "final step", "loss", "val loss",
                    "global hash", "exit"]
         cell = format_cell
-        rows = [[str(r["id"]), cell(r["ranks"]), cell(r["restarts"]), cell(r["outer_steps_committed"]),
+        rows = [[str(r["id"]), cell(r["ranks"]), cell(r["restarts"]),
+                 f"thin: {r['uploads']} uploads" if r.get("carrier") else cell(r["outer_steps_committed"]),
                  cell(r["final_step"]), cell(r["final_loss"]), cell(r["final_val_loss"]),
                  (r["global_hash"] or "-")[:12], cell(r["exit_code"])] for r in summary["islands"]]
         self.out.note(f"federation finished in {summary['wall_s']:.1f}s; "
@@ -381,9 +382,9 @@ class LocalFederation:
         self.out.table(headers, rows)
         agree = "yes" if summary["global_hash_agree"] else "NO"
         step = summary["global_hash_outer_step"]
-        where = f"at outer step {step}, the last all islands committed" if step is not None else \
-            "(no outer step was committed by every island)"
-        self.out.note(f"global weights agree across islands {where}: {agree}")
+        where = f"at outer step {step}, the last all members committed" if step is not None else \
+            "(no outer step was committed by every member)"
+        self.out.note(f"global weights agree across the members {where}: {agree}")
         self.out.note(f"wrote {self.opts.run_dir / FEDERATION_FILE}")
 
     def _exit_code(self) -> int:

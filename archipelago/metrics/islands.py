@@ -23,7 +23,7 @@ FEDERATION_FILE = "federation.json"
 
 # Island events worth a line in the federation's story; per-step noise is left out.
 # "recovery" is what older runs called a heal.
-ISLAND_EVENTS = ("join", "leave", "heal", "recovery", "quorum", "resume", "refused")
+ISLAND_EVENTS = ("join", "leave", "heal", "recovery", "quorum", "resume", "refused", "upload")
 
 _ISLAND_DIR = re.compile(r"island-(\d+)$")
 
@@ -72,8 +72,12 @@ def summarize_island(records: list[dict[str, Any]]) -> dict[str, Any]:
     val_losses = [r["val_loss"] for r in steps if finite(r.get("val_loss"))]
     # Distinct numbers: a restarted island may log an outer step it already committed.
     committed = {r.get("outer_step") for r in outer if r.get("committed")}
+    joins = [r for r in records if r.get("event") == "join"]
     return {
         "outer_steps_committed": len(committed),
+        # A thin island (fault_tolerance.carrier) commits no outer step: its rows go up to its carrier.
+        "carrier": joins[-1].get("carrier") if joins and joins[-1].get("carrier") else None,
+        "uploads": sum(r.get("event") == "upload" for r in records),
         "final_step": max((r["step"] for r in steps), default=None),
         "final_loss": losses[-1] if losses else None,
         "final_val_loss": val_losses[-1] if val_losses else None,
@@ -143,13 +147,13 @@ def sort_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def last_common_outer_step(islands: list[dict[str, Any]], outer_steps: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The latest outer step that every island committed, or None.
+    """The latest outer step that every member committed (thin islands commit none), or None.
 
     Islands may legitimately end on different outer steps (one that finishes its inner
     steps later syncs once more alone), so their very last hashes can differ; the last
     step they all shared is where their global weights must be identical.
     """
-    everyone = sorted(island["id"] for island in islands)
+    everyone = sorted(island["id"] for island in islands if not island.get("carrier"))  # members
     shared = [entry for entry in outer_steps if entry["islands"] == everyone]
     return shared[-1] if everyone and shared else None
 

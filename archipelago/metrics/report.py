@@ -315,7 +315,7 @@ def _draw_markers(ax: Any, events: list[dict[str, Any]], t0: float) -> None:
 def _federation_markdown(name: str, federation: dict[str, Any], t0: float, png_name: str) -> str:
     agree = "yes" if federation.get("global_hash_agree") else "no"
     if federation.get("global_hash_outer_step") is not None:
-        agree += f" (outer step {federation['global_hash_outer_step']}, the last all islands committed)"
+        agree += f" (outer step {federation['global_hash_outer_step']}, the last all members committed)"
     lines = [f"# Federation report: {name}", "", f"![loss per island]({png_name})", ""]
     facts = [f"Islands: {len(federation['islands'])}", f"outer steps: {len(federation.get('outer_steps', []))}",
              f"final global weights agree: {agree}"]

@@ -1,0 +1,233 @@
+"""A thin island carried by a member, on the platform (federation/thin.py, carrying.py).
+
+First the thin island's loop against an in-process carrier (what it uploads, what it
+continues from, an upload that does not go through); then a federation of two members
+(real torchft managers, an in-process lighthouse) of which island 0 carries thin island 2:
+the global weights every member ends with are computed here by hand, with the thin
+island's row folded in at its staleness, and the thin island's weights after its download.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import spawn_ranks
+from test_rounds import INNER_LR, ROUND, TOKENS, _delta, _flat, _manager, _model, _set_flat
+
+from archipelago.config.schema import FaultToleranceConfig
+from archipelago.federation.carry import CarrierBook
+from archipelago.federation.carry_link import CarryServer
+from archipelago.federation.carrying import declared_tokens_per_step
+from archipelago.federation.codecs import build_codec
+from archipelago.federation.diloco import OuterLoop
+from archipelago.federation.membership import fingerprint
+from archipelago.federation.policy import Allowance
+from archipelago.federation.thin import ThinIsland
+from archipelago.federation.trust import FederationKey, new_secret
+
+CARRIER, MEMBER, THIN = 0, 1, 2
+CARRY_ROUNDS = 2
+THIN_TOKENS = 70  # per inner step
+
+
+class _Hooks:
+    """What the thin island asks of its trainer: the step, events."""
+
+    def __init__(self) -> None:
+        self.step, self.events = 0, []
+
+    def event(self, name: str, **fields: Any) -> None:
+        self.events.append((name, fields))
+
+
+def _thin_ft(url: str) -> FaultToleranceConfig:
+    return FaultToleranceConfig(enable=True, group_size=3, replica_id=THIN, sync_steps=ROUND, carrier=url,
+                                carrier_island=CARRIER, carry_rounds=CARRY_ROUNDS, join_wait_ms=20000,
+                                quorum_timeout_ms=20000)
+
+
+def _train(thin: ThinIsland, model: torch.nn.Module, hooks: _Hooks, carry: int) -> None:
+    """One carry's inner steps: the weights become their start plus the known delta."""
+    start = _flat(model)
+    for _ in range(ROUND * CARRY_ROUNDS):
+        hooks.step += 1
+        _set_flat(model, start + _delta(THIN, carry, start.numel()))
+        thin.after_step(hooks.step, THIN_TOKENS, 0.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_thin_island_uploads_its_progress_and_continues_from_the_global_weights_minus_it(monkeypatch):
+    monkeypatch.delenv("LOCAL_ADDR", raising=False)
+    key = FederationKey(bytes.fromhex(new_secret()))
+    model = _model()
+    numel = _flat(model).numel()
+    codec = build_codec(FaultToleranceConfig(), numel)
+    server = CarryServer(CarrierBook(key, CARRIER, {THIN}), codec, Allowance(1e6, math.inf))
+    try:
+        g0 = _flat(_model()) + 0.25
+        server.publish(3, g0)
+        hooks = _Hooks()
+        thin = ThinIsland(_thin_ft(server.address()), 100, list(model.parameters()), 0, 1, key, hooks)
+        thin.join(0)
+        base = g0.bfloat16().float()
+        assert torch.equal(_flat(model), base)  # it starts from the carrier's weights (bf16)
+        g1 = g0 - 0.5
+        server.publish(4, g1)
+        _train(thin, model, hooks, carry=1)
+        (upload,) = server.take_uploads()
+        pseudo = base - (base + _delta(THIN, 1, numel))
+        assert (upload.island, upload.base_step, upload.tokens) == (THIN, 3, ROUND * CARRY_ROUNDS * THIN_TOKENS)
+        assert torch.equal(upload.values, pseudo)
+        # It continues from the newest global weights minus its own progress, not in them yet.
+        continued = g1.bfloat16().float() - pseudo
+        assert torch.equal(_flat(model), continued) and thin.at_round_end
+        # An upload the carrier refuses (here: the carrier was restarted and forgot its
+        # downloads) loses nothing: the next row carries both carries' progress.
+        server.book.served[THIN].clear()
+        g2 = g1 + 0.125
+        server.publish(5, g2)
+        _train(thin, model, hooks, carry=2)
+        assert server.take_uploads() == [] and hooks.events[-1][0] == "refused"
+        second = continued - (continued + _delta(THIN, 2, numel))
+        assert torch.equal(_flat(model), g2.bfloat16().float() - second)
+        server.publish(6, g2)
+        _train(thin, model, hooks, carry=3)
+        (upload,) = server.take_uploads()
+        base = g2.bfloat16().float()
+        moved = base - second
+        assert upload.base_step == 5 and upload.tokens == 2 * ROUND * CARRY_ROUNDS * THIN_TOKENS
+        assert torch.equal(upload.values, base - (moved + _delta(THIN, 3, numel)))
+    finally:
+        server.close()
+
+
+def _member(proc: int, lighthouse: str, store_ports: list[int], secret: str, rounds: int, out: dict) -> None:
+    torch.set_num_threads(1)
+    key = FederationKey(bytes.fromhex(secret))
+    if proc == THIN:
+        return _thin(key, rounds, out)
+    manager = _manager(lighthouse, proc, 0, 1, store_ports[proc])
+    outer = None
+    try:
+        carries = dict(carries=THIN, carried_tokens=ROUND * CARRY_ROUNDS * THIN_TOKENS) if proc == CARRIER else {}
+        ft = FaultToleranceConfig(enable=True, group_size=2, min_replica_size=2, replica_id=proc, sync_steps=ROUND,
+                                  semi_sync_method="local_sgd", staleness_exponent=1.0, **carries)
+        model = _model()
+        fp = fingerprint("two-linears", [(n, tuple(p.shape)) for n, p in model.named_parameters()], ft, 1,
+                         tokens_per_step=declared_tokens_per_step(ft, TOKENS[proc]), inner_lr=INNER_LR, key=key)
+        outer = OuterLoop(ft, [list(model.parameters())], 0, 1, manager, fp, key=key, tokens_per_step=TOKENS[proc])
+        if outer.carrying is not None:
+            out["url"] = outer.carrying.server.address()
+        step = 0
+        for round_ in range(1, rounds + 1):
+            start = _flat(model)
+            for inner in range(ROUND):
+                step += 1
+                _set_flat(model, start + _delta(proc, round_, start.numel()))
+                if proc == CARRIER and round_ == 1 and inner == ROUND - 1:
+                    _wait_for(out, "joined")  # the thin island trains from the weights of outer step 0
+                if proc == CARRIER and round_ == 2 and inner == ROUND - 1:
+                    _wait_for(out, "carried")  # the thin island's row has arrived: folded in this round
+                report = outer.after_inner_step(step, TOKENS[proc])
+            assert report is not None
+            out[(proc, round_)] = (_flat(model), report.committed, report.federation_tokens, report.refused)
+            out[("done", proc, round_)] = True
+    finally:
+        if outer is not None:
+            outer.shutdown()
+        else:
+            manager.shutdown(wait=False)
+
+
+def _thin(key: FederationKey, rounds: int, out: dict) -> None:
+    url = _wait_for(out, "url")
+    model, hooks = _model(), _Hooks()
+    thin = ThinIsland(_thin_ft(url), 100, list(model.parameters()), 0, 1, key, hooks)
+    thin.join(0)  # the carrier's weights of outer step 0
+    out["joined"] = _flat(model)
+    _wait_for(out, ("done", CARRIER, 1))  # the members' first round is over: its row enters their second
+    _train(thin, model, hooks, carry=1)
+    out["thin"] = (_flat(model), [e for e, _ in hooks.events])
+    out["carried"] = True
+
+
+def _wait_for(out: dict, name: Any, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while name not in out:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name!r} never came")
+        time.sleep(0.02)
+    return out[name]
+
+
+@pytest.mark.timeout(240)
+def test_a_carried_thin_islands_row_enters_every_members_weights_at_its_staleness(monkeypatch):
+    from torch.distributed import TCPStore
+    from torchft.coordination import LighthouseServer
+
+    monkeypatch.delenv("LOCAL_ADDR", raising=False)
+    rounds = 3
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=5000)
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+    try:
+        with mp.Manager() as manager:
+            out = manager.dict()
+            spawn_ranks(_member, nprocs=3, args=(lighthouse.address(), [s.port for s in stores], new_secret(),
+                                                 rounds, out))
+            out = dict(out)
+    finally:
+        lighthouse.shutdown()
+    # By hand: plain averaging (local_sgd) weighted by tokens; in round 2 the carrier's row
+    # also carries the thin island's, trained from the weights of outer step 0 and entering
+    # after outer step 1 was applied: 1 step stale, discounted 1 / (1 + 1) (exponent 1).
+    g = _flat(_model())
+    thin_base = g.bfloat16().float()
+    thin_pseudo = thin_base - (thin_base + _delta(THIN, 1, g.numel()))
+    thin_tokens = ROUND * CARRY_ROUNDS * THIN_TOKENS
+    expected, federation_tokens = [], 0
+    for round_ in range(1, rounds + 1):
+        rows = [(ROUND * TOKENS[k], g - (g + _delta(k, round_, g.numel()))) for k in (CARRIER, MEMBER)]
+        total = sum(t * p for t, p in rows)
+        divisor = sum(t for t, _ in rows)
+        if round_ == 2:
+            total, divisor = total + thin_tokens / 2 * thin_pseudo, divisor + thin_tokens
+        g = g - total / divisor
+        federation_tokens += divisor
+        expected.append((g, federation_tokens))
+    for proc in (CARRIER, MEMBER):
+        for round_ in range(1, rounds + 1):
+            flat, committed, fed_tokens, refused = out[(proc, round_)]
+            assert committed and not refused, (proc, round_, refused)
+            assert fed_tokens == expected[round_ - 1][1]
+            torch.testing.assert_close(flat, expected[round_ - 1][0], rtol=0, atol=1e-6,
+                                       msg=f"island {proc}, round {round_}")
+    assert torch.equal(out["joined"], _flat(_model()).bfloat16().float())
+    weights, events = out["thin"]
+    g1 = expected[0][0]
+    torch.testing.assert_close(weights, g1.bfloat16().float() - thin_pseudo, rtol=0, atol=1e-6)
+    assert events == ["join", "upload"]
+
+
+def test_the_thin_and_carrier_settings_are_checked():
+    from archipelago.config import ConfigError
+    from archipelago.config.schema import Config
+    from archipelago.config.validate import validate
+
+    def problems(**ft: Any) -> str:
+        with pytest.raises(ConfigError) as err:
+            validate(Config(fault_tolerance=FaultToleranceConfig(enable=True, group_size=3, **ft)))
+        return str(err.value)
+
+    assert "carrier_island (0) must be another island" in problems(carrier="http://h:1", replica_id=0)
+    assert "set fault_tolerance.enable = true" in str(pytest.raises(
+        ConfigError, validate, Config(fault_tolerance=FaultToleranceConfig(carrier="http://h:1", replica_id=2,
+                                                                          carrier_island=0))).value)
+    assert "carried_tokens > 0" in problems(carries=2)
+    assert "sync_width = 1" in problems(carries=2, carried_tokens=10, sync_width=2)
+    assert "outer_weighting = \"tokens\"" in problems(carries=2, carried_tokens=10, outer_weighting="equal")
+    validate(Config(fault_tolerance=FaultToleranceConfig(enable=True, group_size=3, carries=2, carried_tokens=10)))
