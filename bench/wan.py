@@ -25,6 +25,10 @@ runs for the same wall-clock budget (--budget, `training.time_budget_s`) in each
   i  DiLoCo int8 with `exchange_repair = "segment"`: a member that dies in the exchange
      costs the survivors only what they lack (docs/rounds.md; c restarts the exchange whole);
      with --inject, c and i compare the two repairs over the shaped links (not in the default set)
+  t  h with the island on the slowest link thin (docs/rounds.md): carried by island 0, it joins
+     no quorum, uploads its int8 row every --carry-rounds rounds and downloads the global
+     weights in bf16; its "rows entered" are the rows island 0's committed rows carried in,
+     its utilisation 1 - its carries' seconds / its run's (not in the default set)
 
 `--island-rates 100,100,5` shapes each island's link to its own rate; their count is the
 number of islands (three here: a thin-link island beside two fast ones). The table then
@@ -175,7 +179,13 @@ SETTINGS = {s.key: s for s in (
     # A member dead in the exchange: the survivors send each other only what they lack.
     Setting("i", "DiLoCo int8, segment repair", args=("--fault_tolerance.codec", "int8",
                                                       "--fault_tolerance.exchange_repair", "segment")),
+    # The island on the slowest link is thin: carried by island 0 (docs/rounds.md), it uploads
+    # its row every --carry-rounds rounds and downloads the global weights; the members run h.
+    Setting("t", "decoupled DiLoCo int8, slowest island carried", args=(
+        "--fault_tolerance.codec", "int8", "--fault_tolerance.round_mode", "decoupled",
+        "--fault_tolerance.thin_islands", "1")),
 )}
+CARRY_PORT = 29520
 
 
 
@@ -233,10 +243,32 @@ def run_federation(setting: Setting, args: argparse.Namespace, wan: Wan, run_dir
                "--fault_tolerance.connect_timeout_ms", "60000",
                # Both islands initialise the same weights from the seed (checked at the join), so
                # none downloads them at the start, as DDP ranks need not either (DDP broadcasts them).
-               "--fault_tolerance.no_init_sync", *setting.args, *slowdown_args(args, k), *args.extra]
+               "--fault_tolerance.no_init_sync", *setting.args, *slowdown_args(args, k),
+               *carry_args(setting, args, wan, k), *args.extra]
         islands.append(start(f"island-{k}", in_namespace(wan.island_ns(k), addr, cmd), island_env,
                              run_dir / f"island-{k}.log"))
     return islands, [lighthouse]
+
+
+def thin_island(args: argparse.Namespace) -> int:
+    """The island setting t makes thin: the one on the slowest link (never island 0, its carrier)."""
+    return max(range(1, len(args.rates)), key=lambda k: (-args.rates[k], k))
+
+
+def carry_args(setting: Setting, args: argparse.Namespace, wan: Wan, island: int) -> list[str]:
+    """Setting t: island 0 carries the thin island, which sends its row to island 0's carry server."""
+    if setting.key != "t":
+        return []
+    thin = thin_island(args)
+    if island == 0:
+        carried = args.batch_size * args.seq_len * args.sync_steps * args.carry_rounds
+        return ["--fault_tolerance.carries", str(thin), "--fault_tolerance.carried_tokens", str(carried),
+                "--fault_tolerance.carry_port", str(CARRY_PORT)]
+    if island == thin:
+        return ["--fault_tolerance.carrier", f"http://{wan.island_addr(0)}:{CARRY_PORT}",
+                "--fault_tolerance.carrier_island", "0", "--fault_tolerance.carry_rounds", str(args.carry_rounds),
+                "--fault_tolerance.quorum_timeout_ms", str(exchange_timeout_ms(args))]
+    return []
 
 
 def fault_env(args: argparse.Namespace, island: int) -> dict[str, str]:
@@ -379,12 +411,22 @@ def federation_result(run_dir: Path, sampler: Sampler, equal_steps: int, count: 
     for k in (k for k in range(count) if k not in (dead or set())):
         folder = run_dir / f"island-{k}"
         summary = read_summary(folder, required=True)
-        outer = outer_records(island_records(folder))
+        records = island_records(folder)
+        outer = outer_records(records)
         totals = round_totals(outer)
         val, at_final = final_val(folder, summary)
+        # A thin island (setting t) has no rounds: its time not training is its carries' seconds.
+        carries = [r for r in records if r.get("event") == "carry"]
         islands.append({"summary": summary, "outer": outer, "totals": totals, "val": val, "val_final": at_final,
-                        "val_equal": val_at(folder, equal_steps)})
-    steady = steady_window(sampler, [i["outer"] for i in islands])
+                        "val_equal": val_at(folder, equal_steps), "thin": bool(carries),
+                        "carry_s": sum(float(r.get("carry_s") or 0) for r in carries)})
+    for i in islands:
+        if i["thin"]:
+            wall = float(i["summary"].get("wall_s") or 0)
+            i["totals"]["utilisation"] = 1 - i["carry_s"] / wall if wall > 0 else None
+    members = [i for i in islands if not i["thin"]]
+    carried = sum(int(r.get("carried") or 0) for r in members[0]["outer"] if r.get("committed")) if members else 0
+    steady = steady_window(sampler, [i["outer"] for i in members])
     window_tokens = sum(i["totals"]["tokens"] for i in islands)
     vals = [i["val"] for i in islands if i["val"] is not None]
     per_step = [i["totals"]["compute_s"] / i["totals"]["inner_steps"] for i in islands if i["totals"]["inner_steps"]]
@@ -399,7 +441,8 @@ def federation_result(run_dir: Path, sampler: Sampler, equal_steps: int, count: 
         "equal_tokens": sum(equal_steps * int(i["summary"]["tokens"]) // max(int(i["summary"]["steps"]), 1)
                             for i in islands),
         "utilisation": [i["totals"]["utilisation"] for i in islands],
-        "utilisation_steady": [steady_utilisation(i["outer"]) for i in islands],
+        "utilisation_steady": [i["totals"]["utilisation"] if i["thin"] else steady_utilisation(i["outer"])
+                               for i in islands],
         "rounds": max(len(i["outer"]) for i in islands) - 1,  # after the join round
         "inner_steps": [int(i["summary"]["steps"]) for i in islands],
         "compute_s_per_step": per_step,
@@ -409,8 +452,11 @@ def federation_result(run_dir: Path, sampler: Sampler, equal_steps: int, count: 
         "payload_bytes_sent": [sum(int(r.get("bytes_sent") or 0) for r in i["outer"]) for i in islands],
         # Rounds in which the island's own pseudo-gradient entered the global weights (its row
         # accepted with a weight and the round committed), out of its rounds after the join.
-        "entered": [sum(1 for r in i["outer"][1:] if r.get("committed") and (r.get("weight") or 0) > 0
+        # A thin island's: its rows its carrier's committed rows carried in (one carrier: island 0).
+        "entered": [carried if i["thin"] else
+                    sum(1 for r in i["outer"][1:] if r.get("committed") and (r.get("weight") or 0) > 0
                         and not r.get("own_refused")) for i in islands],
+        "thin_carry_s": [i["carry_s"] if i["thin"] else None for i in islands],
         "codec": islands[0]["outer"][-1].get("codec") if islands[0]["outer"] else None,
         "steady_bytes": steady,
         "steady_tokens": window_tokens,
@@ -606,6 +652,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="also add this one-way delay per shaped direction with netem (default off; needs netem)")
     p.add_argument("--sync-steps", type=int, default=20, help="DiLoCo inner steps per round")
+    p.add_argument("--carry-rounds", type=int, default=4,
+                   help="setting t: rounds between two uploads of the thin island (default 4)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per island per step")
     p.add_argument("--config", type=Path, default=REPO / "configs/llama3/debug.toml")
     p.add_argument("--subnet", default="10.77.0.0/24", help="private /24 used inside the namespaces only")
@@ -690,7 +738,7 @@ def model_facts(config: Path, extra: list[str]) -> dict[str, Any]:
 
 def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]:
     facts = model_facts(args.config, args.extra)
-    args.params = facts["params"]
+    args.params, args.seq_len = facts["params"], facts["seq_len"]
     root = args.work_dir or Path(f"/tmp/bench-wan-{time.strftime('%Y%m%d-%H%M%S')}-{run_id}")
     root.mkdir(parents=True, exist_ok=True)
     subprocess.run([python_bin(), "-m", "archipelago.launch.cli", "data", "prepare", "--config", str(args.config),

@@ -92,7 +92,7 @@ def test_a_thin_island_uploads_its_progress_and_continues_from_the_global_weight
         g2 = g1 + 0.125
         server.publish(5, g2)
         _train(thin, model, hooks, carry=2)
-        assert server.take_uploads() == [] and hooks.events[-1][0] == "refused"
+        assert server.take_uploads() == [] and [e for e, _ in hooks.events][-2:] == ["refused", "carry"]
         second = continued - (continued + _delta(THIN, 2, numel))
         assert torch.equal(_flat(model), g2.bfloat16().float() - second)
         server.publish(6, g2)
@@ -135,7 +135,8 @@ def _member(proc: int, lighthouse: str, store_ports: list[int], secret: str, rou
                     _wait_for(out, "carried")  # the thin island's row has arrived: folded in this round
                 report = outer.after_inner_step(step, TOKENS[proc])
             assert report is not None
-            out[(proc, round_)] = (_flat(model), report.committed, report.federation_tokens, report.refused)
+            out[(proc, round_)] = (_flat(model), report.committed, report.federation_tokens, report.refused,
+                                   report.carried, report.tokens)
             out[("done", proc, round_)] = True
     finally:
         if outer is not None:
@@ -201,8 +202,9 @@ def test_a_carried_thin_islands_row_enters_every_members_weights_at_its_stalenes
         expected.append((g, federation_tokens))
     for proc in (CARRIER, MEMBER):
         for round_ in range(1, rounds + 1):
-            flat, committed, fed_tokens, refused = out[(proc, round_)]
+            flat, committed, fed_tokens, refused, carried, tokens = out[(proc, round_)]
             assert committed and not refused, (proc, round_, refused)
+            assert carried == (proc == CARRIER and round_ == 2) and tokens == ROUND * TOKENS[proc]
             assert fed_tokens == expected[round_ - 1][1]
             torch.testing.assert_close(flat, expected[round_ - 1][0], rtol=0, atol=1e-6,
                                        msg=f"island {proc}, round {round_}")
@@ -210,7 +212,7 @@ def test_a_carried_thin_islands_row_enters_every_members_weights_at_its_stalenes
     weights, events = out["thin"]
     g1 = expected[0][0]
     torch.testing.assert_close(weights, g1.bfloat16().float() - thin_pseudo, rtol=0, atol=1e-6)
-    assert events == ["join", "upload"]
+    assert events == ["join", "upload", "carry"]
 
 
 def test_the_thin_and_carrier_settings_are_checked():

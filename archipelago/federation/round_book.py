@@ -51,6 +51,7 @@ class OuterReport:
     retry_s: float = 0.0          # seconds from the first failed exchange to the end of the last (mostly: the
                                   # lighthouse dropping the dead member after its heartbeat timeout)
     repaired: int = 0             # of those retries, how many the segment repair finished (exchange_repair)
+    carried: int = 0              # a thin island's rows this island's committed row carried in (carries)
     # Time pacing: the seconds from the round's start at each inner step's end, what
     # round_is_up decided on (this rank's clock), so that a recorded run can be replayed.
     pacing_elapsed_s: list[float] | None = None

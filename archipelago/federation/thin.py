@@ -103,7 +103,11 @@ class ThinIsland(Alone):
         """Upload the progress since the last download, take the newest global weights
         minus that progress (a collective over the island)."""
         local = self.layout.gather()
+        began = time.perf_counter()
         new = self._exchange(local, step, last) if local is not None else None
+        if local is not None:  # the seconds this island did not train (upload and download)
+            self.hooks.event("carry", step=step, island=self.ft.replica_id, uploads=self.uploaded,
+                             carry_s=round(time.perf_counter() - began, 3))
         if not last:
             changed = self.ranks.max([float(new is not None)])[0] > 0
             if changed:
