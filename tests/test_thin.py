@@ -61,7 +61,7 @@ def _train(thin: ThinIsland, model: torch.nn.Module, hooks: _Hooks, carry: int) 
 
 
 @pytest.mark.timeout(60)
-def test_a_thin_island_uploads_its_progress_and_continues_from_the_global_weights_minus_it(monkeypatch):
+def test_a_thin_island_uploads_its_progress_and_moves_with_the_global_weights(monkeypatch):
     monkeypatch.delenv("LOCAL_ADDR", raising=False)
     key = FederationKey(bytes.fromhex(new_secret()))
     model = _model()
@@ -78,31 +78,40 @@ def test_a_thin_island_uploads_its_progress_and_continues_from_the_global_weight
         assert torch.equal(_flat(model), base)  # it starts from the carrier's weights (bf16)
         g1 = g0 - 0.5
         server.publish(4, g1)
-        _train(thin, model, hooks, carry=1)
+        _train(thin, model, hooks, carry=1)  # the carry travels on a thread ...
+        sent = _flat(model)
+        extra = torch.full_like(sent, 1e-3)
+        _set_flat(model, sent + extra)  # ... while the island trains on
+        thin.finish_carry(hooks.step)
         (upload,) = server.take_uploads()
         pseudo = base - (base + _delta(THIN, 1, numel))
         assert (upload.island, upload.base_step, upload.tokens) == (THIN, 3, ROUND * CARRY_ROUNDS * THIN_TOKENS)
         assert torch.equal(upload.values, pseudo)
-        # It continues from the newest global weights minus its own progress, not in them yet.
-        continued = g1.bfloat16().float() - pseudo
-        assert torch.equal(_flat(model), continued) and thin.at_round_end
+        # Its weights move by what the global weights moved since the row's base: the
+        # progress since the upload stays, and the row in flight is not taken back.
+        shift = g1.bfloat16().float() - base
+        moved = (sent + extra) + shift
+        assert torch.equal(_flat(model), moved) and thin.at_round_end
         # An upload the carrier refuses (here: the carrier was restarted and forgot its
         # downloads) loses nothing: the next row carries both carries' progress.
         server.book.served[THIN].clear()
         g2 = g1 + 0.125
         server.publish(5, g2)
         _train(thin, model, hooks, carry=2)
+        local = _flat(model)
+        thin.finish_carry(hooks.step)
         assert server.take_uploads() == [] and [e for e, _ in hooks.events][-2:] == ["refused", "carry"]
-        second = continued - (continued + _delta(THIN, 2, numel))
-        assert torch.equal(_flat(model), g2.bfloat16().float() - second)
+        assert torch.equal(_flat(model), local + (g2.bfloat16().float() - (sent + shift)))
         server.publish(6, g2)
         _train(thin, model, hooks, carry=3)
+        local = _flat(model)
+        thin.finish_carry(hooks.step)
         (upload,) = server.take_uploads()
-        base = g2.bfloat16().float()
-        moved = base - second
         assert upload.base_step == 5 and upload.tokens == 2 * ROUND * CARRY_ROUNDS * THIN_TOKENS
-        assert torch.equal(upload.values, base - (moved + _delta(THIN, 3, numel)))
+        assert torch.equal(upload.values, g2.bfloat16().float() - local)
+        assert [f["uploads"] for e, f in hooks.events if e == "carry"] == [1, 1, 2]
     finally:
+        thin.shutdown()
         server.close()
 
 
@@ -153,7 +162,9 @@ def _thin(key: FederationKey, rounds: int, out: dict) -> None:
     out["joined"] = _flat(model)
     _wait_for(out, ("done", CARRIER, 1))  # the members' first round is over: its row enters their second
     _train(thin, model, hooks, carry=1)
-    out["thin"] = (_flat(model), [e for e, _ in hooks.events])
+    sent = _flat(model)
+    thin.finish_carry(hooks.step)
+    out["thin"] = (sent, _flat(model), [e for e, _ in hooks.events])
     out["carried"] = True
 
 
@@ -209,9 +220,9 @@ def test_a_carried_thin_islands_row_enters_every_members_weights_at_its_stalenes
             torch.testing.assert_close(flat, expected[round_ - 1][0], rtol=0, atol=1e-6,
                                        msg=f"island {proc}, round {round_}")
     assert torch.equal(out["joined"], _flat(_model()).bfloat16().float())
-    weights, events = out["thin"]
-    g1 = expected[0][0]
-    torch.testing.assert_close(weights, g1.bfloat16().float() - thin_pseudo, rtol=0, atol=1e-6)
+    sent, weights, events = out["thin"]
+    g1 = expected[0][0]  # what it downloaded: its weights moved by the global weights' move since its base
+    assert torch.equal(weights, sent + (g1.bfloat16().float() - thin_base))
     assert events == ["join", "upload", "carry"]
 
 

@@ -7,11 +7,15 @@ heartbeating would make the members' next quorum wait for it. It talks to its ca
 only (carry_link.py: it connects, the carrier serves), and what it sends enters the
 federation inside the carrier's row (`OuterCore.fold`).
 
-Its weights after a download are the global weights minus its own progress not in them
-yet (the row just uploaded, which the carrier folds in at its next round end), as a
-decoupled member continues from the global weights minus its own row in flight
-(`OuterCore.rebased`). An upload that did not go through is not lost: its progress stays
-in the next row, trained from the new download.
+The upload and the download travel on a thread while the island trains on, so a thin
+link costs it no compute (only the carry's gather and scatter, and a wait if a carry is
+still travelling when the next is due). When the download lands, the island's weights and
+its base move by what the global weights moved since the row's base: its progress since
+the upload stays its own, and its row in flight, not in those global weights yet (the
+carrier folds it in at its next round end), is not taken back (as a decoupled member
+continues from the global weights minus its own row in flight, `OuterCore.rebased`). An
+upload that did not go through is not lost: its progress stays in the next row, trained
+from the new download.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,6 +40,18 @@ from archipelago.federation.seam import Alone, IslandHooks
 from archipelago.federation.trust import FederationKey
 
 log = logging.getLogger("archipelago.federation")
+
+
+@dataclass
+class Sending:
+    """A carry in flight: the row's base weights, the island's weights when it was sent,
+    its tokens, the outer step its base was downloaded at, when it started."""
+
+    base: torch.Tensor
+    local: torch.Tensor
+    tokens: int
+    base_step: int  # the outer step of the download it trained from
+    started: float
 
 
 class ThinIsland(Alone):
@@ -57,6 +75,10 @@ class ThinIsland(Alone):
         self.download: Download | None = None  # the weights its next row is trained from (bridge rank)
         self.base: torch.Tensor | None = None  # its weights at that download (bridge rank)
         self.local_step, self.tokens, self.uploaded = 0, 0, 0
+        # The carry in flight: the upload and download run on a thread while the island trains.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archipelago-carry")
+        self.in_flight: Future[tuple[str | None, Download | None]] | None = None
+        self.sending: Sending | None = None
 
     @property
     def at_round_end(self) -> bool:
@@ -87,66 +109,106 @@ class ThinIsland(Alone):
         if self.local_step == self.every:
             self.local_step = 0
             self.carry(step)
+        elif self.ranks.max([float(self.in_flight is not None and self.in_flight.done())])[0] > 0:
+            self.finish_carry(step)
 
     def finish_rounds(self) -> None:
-        """The progress since the last upload goes up too (if the carrier still takes it)."""
+        """The carry in flight lands; the progress since the last upload goes up too (if
+        the carrier still takes it)."""
+        self.finish_carry(self.hooks.step)
         if self.tokens:
-            self.carry(self.hooks.step, last=True)
+            local = self.layout.gather()
+            if local is not None and self.base is not None:
+                base_step = self.download.step if self.download is not None else 0
+                refusal = self._upload(self.base - local.float(), self.tokens)
+                self._report(refusal, None, self.hooks.step, 0.0, self.tokens, base_step)
         self.local_step = 0
 
     def leave(self) -> None:
         self.hooks.event("leave", step=self.hooks.step, island=self.ft.replica_id, uploads=self.uploaded)
 
-    # ---- one carry: upload, download, continue --------------------------------------
+    def shutdown(self) -> None:
+        self.worker.shutdown(wait=False, cancel_futures=True)
 
-    def carry(self, step: int, last: bool = False) -> None:
-        """Upload the progress since the last download, take the newest global weights
-        minus that progress (a collective over the island)."""
+    # ---- one carry: upload and download travel while the island trains ---------------
+
+    def carry(self, step: int) -> None:
+        """Hand the progress since the last download to a thread that uploads it and
+        downloads the newest global weights, and train on (a collective over the island).
+        A carry still in flight from the last time is waited for first."""
+        self.finish_carry(step)
         local = self.layout.gather()
-        began = time.perf_counter()
-        new = self._exchange(local, step, last) if local is not None else None
-        if local is not None:  # the seconds this island did not train (upload and download)
-            self.hooks.event("carry", step=step, island=self.ft.replica_id, uploads=self.uploaded,
-                             carry_s=round(time.perf_counter() - began, 3))
-        if not last:
-            changed = self.ranks.max([float(new is not None)])[0] > 0
-            if changed:
-                self.layout.scatter(new)
+        if local is None or self.base is None:
+            return
+        pseudo, tokens = self.base - local.float(), self.tokens
+        base_step = self.download.step if self.download is not None else 0
+        self.sending = Sending(self.base, local.float().clone(), tokens, base_step, time.perf_counter())
+        self.base, self.tokens = self.sending.local, 0  # its progress is in flight
+        self.in_flight = self.worker.submit(self._travel, pseudo, tokens)
 
-    def _exchange(self, local: torch.Tensor, step: int, last: bool) -> torch.Tensor | None:
-        """The bridge rank's part: the upload, then (unless `last`) the download; the
-        island's new weights, or None to train on from its own."""
-        assert self.client is not None and self.codec is not None and self.base is not None
-        pseudo = self.base - local.float()
-        sent = self._upload(pseudo, step)
-        if last:
-            return None
-        got = self._download(0.0)
-        if got is None:  # train on from its own weights; the next row holds what this one did not send
-            if sent:
-                self.base = local.float().clone()
-            return None
-        self.download = got
-        new = got.weights - pseudo  # its own progress is not in the global weights yet
-        self.base = new.clone() if sent else got.weights.clone()
-        return new
+    def _travel(self, pseudo: torch.Tensor, tokens: int) -> tuple[str | None, Download | None]:
+        """On the thread: the upload (None, or why it was not taken), then the download."""
+        refusal = self._upload(pseudo, tokens)
+        return refusal, self._download(0.0)
 
-    def _upload(self, pseudo: torch.Tensor, step: int) -> bool:
+    def finish_carry(self, step: int) -> None:
+        """The carry in flight has landed (or is waited for): shift the island's weights by
+        what the global weights moved since the row's base (its own progress since stays),
+        or, if nothing came down, train on from its own."""
+        blocked = time.perf_counter()
+        landed = self.in_flight.result() if self.in_flight is not None else None
+        pending = self.ranks.max([float(landed is not None)])[0] > 0
+        if not pending:
+            return
+        local = self.layout.gather()
+        new = None
+        if landed is not None:
+            sending = self.sending
+            assert sending is not None and local is not None
+            refusal, got = landed
+            self.in_flight, self.sending = None, None
+            sent = refusal is None
+            if got is not None:
+                shift = got.weights - sending.base
+                new = local.float() + shift
+                self.base = sending.local + shift if sent else got.weights.clone()
+                self.download = got
+            elif not sent:
+                self.base = sending.base
+            if not sent:
+                self.tokens += sending.tokens
+            self._report(refusal, sending, step, time.perf_counter() - blocked)
+        if self.ranks.max([float(new is not None)])[0] > 0:
+            self.layout.scatter(new)
+
+    def _report(self, refusal: str | None, sending: Sending | None, step: int, blocked_s: float,
+                tokens: int = 0, base_step: int = 0) -> None:
+        if refusal is not None:
+            log.warning("thin island %d: upload not taken (%s); its progress goes with the next",
+                        self.ft.replica_id, refusal)
+            self.hooks.event("refused", step=step, island=self.ft.replica_id, by="carrier", reason=refusal)
+        else:
+            self.uploaded += 1
+            if sending is not None:
+                tokens, base_step = sending.tokens, sending.base_step
+            self.hooks.event("upload", step=step, island=self.ft.replica_id, tokens=tokens, base_step=base_step)
+        if sending is not None:  # the seconds it did not train: waiting for the carry, taking its result
+            self.hooks.event("carry", step=step, island=self.ft.replica_id, uploaded=refusal is None,
+                             uploads=self.uploaded, tokens=sending.tokens,
+                             travel_s=round(time.perf_counter() - sending.started, 3), carry_s=round(blocked_s, 3))
+
+    def _upload(self, pseudo: torch.Tensor, tokens: int) -> str | None:
+        """Send `pseudo`, trained from the last download; None when the carrier took it,
+        else why not."""
         assert self.client is not None and self.codec is not None
         if self.download is None:
-            return False
+            return "no download to train from (the last one failed)"
+        download, self.download = self.download, None  # each download carries one row
         try:
-            self.client.upload(self.download, self.tokens, self.codec, pseudo)
+            self.client.upload(download, tokens, self.codec, pseudo)
         except (CarryRefused, ConnectionError) as exc:
-            log.warning("thin island %d: upload at inner step %d not taken (%s); its progress goes with the next",
-                        self.ft.replica_id, step, exc)
-            self.hooks.event("refused", step=step, island=self.ft.replica_id, by="carrier", reason=str(exc))
-            return False
-        self.hooks.event("upload", step=step, island=self.ft.replica_id, tokens=self.tokens,
-                         base_step=self.download.step, norm=float(pseudo.norm()))
-        self.uploaded += 1
-        self.tokens, self.download = 0, None
-        return True
+            return str(exc)
+        return None
 
     def _download(self, wait_s: float) -> Download | None:
         """The carrier's global weights, retried for up to `wait_s` while it cannot be
