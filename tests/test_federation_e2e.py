@@ -348,3 +348,34 @@ def test_a_rogue_without_the_key_at_step_1e9_runs_nothing_gets_nothing_and_chang
         assert "unauthenticated" not in text and "refus" not in text, text[-2000:]
         heals = [r["outer_step"] for r in _records(tmp_path / "attacked" / f"island-{k}", "heal")]
         assert heals == [r["outer_step"] for r in _records(tmp_path / "clean" / f"island-{k}", "heal")]
+
+
+@pytest.mark.slow  # about 40 s on 2 cores: make test-slow (tests/test_thin.py checks the arithmetic in-process)
+@pytest.mark.timeout(400)
+def test_a_thin_island_carried_by_a_member_enters_the_federation(tmp_path, monkeypatch):
+    from test_island import _free_port
+
+    key_file = tmp_path / "fed.key"
+    key_file.write_text(run_cli_here(["secret", "new"]).output)
+    key_file.chmod(0o600)
+    monkeypatch.setenv("ARCHIPELAGO_FEDERATION_KEY_FILE", str(key_file))
+    port, run_dir = _free_port(), tmp_path / "thin"
+    carried = 8 * 64 * 4 * 2  # batch x seq_len x sync_steps x carry_rounds
+    done = run_cli(["local", "--islands", "1,1,1", "--no-table", *TINY, *ROUND, "--training.steps", "16",
+                    "--job.run_dir", str(run_dir), "--fault_tolerance.thin_islands", "1",
+                    "--island-options", f"0:--fault_tolerance.carries 2 --fault_tolerance.carried_tokens {carried} "
+                                        f"--fault_tolerance.carry_port {port}",
+                    "--island-options", f"2:--fault_tolerance.carrier http://127.0.0.1:{port} "
+                                        "--fault_tolerance.carrier_island 0 --fault_tolerance.carry_rounds 2"],
+                   timeout=360)
+    assert done.returncode == 0, done.output[-4000:]
+    fed = json.loads((run_dir / "federation.json").read_text())
+    assert fed["global_hash_agree"] and fed["global_hash_outer_step"] is not None
+    thin = fed["islands"][2]
+    assert thin["carrier"] == f"http://127.0.0.1:{port}" and thin["uploads"] == 2 and thin["final_step"] == 16
+    assert not _records(run_dir / "island-2", "outer_step")  # it joined no quorum
+    # Its rows entered through island 0's: every upload but perhaps the last (which may
+    # arrive after the members' last round) was carried into a committed outer step.
+    carried_in = sum(r.get("carried", 0) for r in _records(run_dir / "island-0", "outer_step") if r["committed"])
+    assert 1 <= carried_in <= 2
+    assert not any(r.get("carried") for r in _records(run_dir / "island-1", "outer_step"))
