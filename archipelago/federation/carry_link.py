@@ -22,7 +22,6 @@ the signature, the download it names and its values are checked (`CarrierBook.re
 from __future__ import annotations
 
 import http.client
-import io
 import logging
 import secrets
 import threading
@@ -30,7 +29,6 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
-from typing import Any
 
 import torch
 
@@ -43,7 +41,7 @@ from archipelago.federation.carry import (
     pack_row,
 )
 from archipelago.federation.codecs import Codec
-from archipelago.federation.http_serving import CHUNK, DeadlineConnection, RequestServer, read_body
+from archipelago.federation.http_serving import DeadlineConnection, HeadHandler, RequestServer, read_body
 from archipelago.federation.policy import Allowance
 from archipelago.federation.transport import FRAME_HEADER
 from archipelago.federation.trust import HEADER_BYTES, TAG_BYTES, FederationKey
@@ -140,12 +138,8 @@ class CarryServer:
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def setup(self) -> None:
-                # RequestServer read the head (and perhaps the start of a body): parse it from memory.
-                self.connection, head = self.request
-                self.rfile = io.BytesIO(head)
-                self.wfile = self.connection.makefile("wb")
+        class Handler(HeadHandler):
+            server_name = "carry server"
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 if self.path != WEIGHTS_PATH:
@@ -172,17 +166,7 @@ class CarryServer:
                 self._reply(*server.take_row(frame))
 
             def _reply(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/octet-stream" if status == 200 else "text/plain")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.flush()
-                view = memoryview(body)
-                for start in range(0, len(view), CHUNK):  # each MiB within the socket's timeout
-                    self.connection.sendall(view[start:start + CHUNK])
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
-                log.debug("carry server: " + format, *args)
+                self.reply(status, body, "application/octet-stream" if status == 200 else "text/plain")
 
         return Handler
 

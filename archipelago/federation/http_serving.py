@@ -10,12 +10,14 @@ a request head is read without blocking and capped, a body only where a handler 
 from __future__ import annotations
 
 import http.client
+import io
 import logging
 import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from archipelago.netutil import listening_socket
@@ -235,3 +237,31 @@ def read_body(conn: socket.socket, started: bytes, length: int, deadline: float)
             raise ConnectionError(f"the request body ended after {len(body)} of {length} bytes")
         body += chunk
     return bytes(body)
+
+
+class HeadHandler(BaseHTTPRequestHandler):
+    """http.server's handler for a request whose head RequestServer has read: parsed from
+    memory (`rfile` then holds whatever of a body came with the head; nothing more is read
+    unless the handler asks, `read_body`), answered a MiB per send (`reply`)."""
+
+    server_name = "request server"  # in debug logs
+
+    def setup(self) -> None:
+        self.connection, head = self.request
+        self.rfile = io.BytesIO(head)
+        self.wfile = self.connection.makefile("wb")
+
+    def reply(self, status: int, body: bytes, content_type: str = "application/octet-stream") -> None:
+        """Answer `status` with `body`, each MiB of it within the socket's timeout (sendall's
+        is for the whole call): a peer that stops reading frees its handler."""
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.flush()
+        view = memoryview(body)
+        for start in range(0, len(view), CHUNK):
+            self.connection.sendall(view[start:start + CHUNK])
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
+        log.debug(f"{self.server_name}: " + format, *args)

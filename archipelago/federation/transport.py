@@ -31,7 +31,6 @@ server gives a thread only to a connection whose request head has arrived (withi
 from __future__ import annotations
 
 import http.client
-import io
 import ipaddress
 import logging
 import os
@@ -45,7 +44,7 @@ from typing import Any
 
 from torchft.checkpointing.transport import CheckpointTransport
 
-from archipelago.federation.http_serving import CHUNK, DeadlineConnection, RequestServer
+from archipelago.federation.http_serving import CHUNK, DeadlineConnection, HeadHandler, RequestServer
 from archipelago.federation.state_format import (
     StateFormatError,
     decode_state,
@@ -184,13 +183,8 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         transport = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def setup(self) -> None:
-                # RequestServer read the request head: parse it from memory. Nothing else is
-                # ever read from the connection, so a request body is never read.
-                self.connection, head = self.request
-                self.rfile = io.BytesIO(head)
-                self.wfile = self.connection.makefile("wb")
+        class Handler(HeadHandler):  # never reads a request body
+            server_name = "healing server"
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 try:
@@ -202,19 +196,7 @@ class SafeHTTPTransport(CheckpointTransport[dict[str, Any]]):
                 if body is None:
                     self.send_error(404, "no such state here")
                     return
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.flush()
-                # A MiB per send, each within the socket's timeout (sendall's is for the whole
-                # call): a peer that stops reading frees its handler.
-                view = memoryview(body)
-                for start in range(0, len(view), CHUNK):
-                    self.connection.sendall(view[start:start + CHUNK])
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
-                log.debug("healing server: " + format, *args)
+                self.reply(200, body)
 
         return Handler
 
