@@ -767,7 +767,8 @@ def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]
             "threads": args.threads, "extra": args.extra, "inject": [str(f) for f in args.inject],
             "heartbeat_timeout_ms": args.heartbeat_timeout_ms,
             **where_measured(),
-            "delay_ms": args.delay_ms, "sync_steps": args.sync_steps, "link_mbit": link, "work_dir": str(root),
+            "delay_ms": args.delay_ms, "sync_steps": args.sync_steps, "carry_rounds": args.carry_rounds,
+            "link_mbit": link, "work_dir": str(root),
             "subnet": str(args.subnet), "no_network_step_s": step_time}
     return {**meta, "settings": results}
 
