@@ -244,3 +244,10 @@ def test_the_thin_and_carrier_settings_are_checked():
     assert "sync_width = 1" in problems(carries=2, carried_tokens=10, sync_width=2)
     assert "outer_weighting = \"tokens\"" in problems(carries=2, carried_tokens=10, outer_weighting="equal")
     validate(Config(fault_tolerance=FaultToleranceConfig(enable=True, group_size=3, carries=2, carried_tokens=10)))
+    # Neither side runs without the federation key: nothing would tell the other's bytes from anyone's.
+    from archipelago.federation.carrying import Carrying
+
+    with pytest.raises(ConfigError, match="needs a federation key"):
+        ThinIsland(_thin_ft("http://127.0.0.1:1"), 10, list(_model().parameters()), 0, 1, None, _Hooks())
+    with pytest.raises(ConfigError, match="needs a federation key"):
+        Carrying(FaultToleranceConfig(carries=2, carried_tokens=10), None, 10, 100, 0.1)

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from archipelago.config.errors import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.carry import CarrierBook, Upload
 from archipelago.federation.carry_link import CarryServer
@@ -43,8 +44,9 @@ class Carrying:
     def __init__(self, ft: FaultToleranceConfig, key: FederationKey | None, numel: int, tokens_per_step: int,
                  inner_lr: float) -> None:
         if key is None:
-            raise ValueError("fault_tolerance.carries needs a federation key: without one nothing tells the thin "
-                             "island's rows from anyone's. Set federation_security.key_file (archipelago keygen)")
+            raise ConfigError("fault_tolerance.carries needs a federation key: without one nothing tells the thin "
+                             "island's rows from anyone's. Set federation_security.key_file (`archipelago secret "
+                             "new` makes one)")
         self.ft, self.numel, self.inner_lr = ft, numel, inner_lr
         # The inner steps one upload may span, from its token bound and this island's batch.
         self.upload_steps = max(1, math.ceil(ft.carried_tokens / max(tokens_per_step, 1)))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from archipelago.config.errors import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.carry import CarryRefused
 from archipelago.federation.carry_link import CarryClient, Download
@@ -62,9 +63,9 @@ class ThinIsland(Alone):
                  group: dist.ProcessGroup | None = None) -> None:
         super().__init__(steps)
         if key is None:
-            raise FederationError("a thin island (fault_tolerance.carrier) needs a federation key: without one "
+            raise ConfigError("a thin island (fault_tolerance.carrier) needs a federation key: without one "
                                   "nothing tells its carrier's weights from anyone's. Set "
-                                  "federation_security.key_file (archipelago keygen)")
+                                  "federation_security.key_file (`archipelago secret new` makes one)")
         self.ft, self.hooks, self.every = ft, hooks, ft.sync_steps * ft.carry_rounds
         self.ranks = IslandRanks(world_size, group)
         self.layout = FlatLayout(params, 1, rank, world_size, group)
