@@ -126,3 +126,27 @@ def test_a_thin_island_refuses_a_carrier_of_another_model_and_names_an_unreachab
         _client(key, server).download()
     with pytest.raises(ValueError, match="expected http://HOST:PORT"):
         CarryClient(key, THIN, CARRIER, f"file://{host}:{port}/x", NUMEL)
+
+
+def test_a_thin_link_may_send_sparser_rows_and_a_codec_mismatch_is_named(monkeypatch):
+    from archipelago.federation.carrying import carry_codec
+
+    monkeypatch.delenv("LOCAL_ADDR", raising=False)
+    key = FederationKey(os.urandom(32))
+    sparse = FaultToleranceConfig(codec="int8", carry_codec="topk", topk_fraction=0.05)
+    server = CarryServer(CarrierBook(key, CARRIER, {THIN}), carry_codec(sparse, NUMEL), ALLOW, request_timeout=1.0)
+    try:
+        server.publish(1, torch.zeros(NUMEL))
+        client = _client(key, server)
+        row = torch.randn(NUMEL, generator=torch.Generator().manual_seed(3)) * 1e-2
+        thin_codec = carry_codec(sparse, NUMEL)
+        assert thin_codec.payload_bytes() < _codec().payload_bytes() / 4  # far fewer bytes than int8
+        client.upload(client.download(), 10, thin_codec, row)
+        (upload,) = server.take_uploads()
+        reference = carry_codec(sparse, NUMEL)  # a fresh encoder: no residue yet, as the thin island's first row
+        assert torch.equal(upload.values, reference.decode(reference.encode(row)))
+        assert int((upload.values != 0).sum()) <= 13 * 4  # 5% of each 256-value chunk, rounded up
+        with pytest.raises(CarryRefused, match="carry_codec"):  # a thin island that sends int8 rows to it
+            client.upload(client.download(), 10, _codec(), row)
+    finally:
+        server.close()

@@ -305,11 +305,13 @@ class FaultToleranceConfig:
     thin_islands: int = 0
     """How many of the `group_size` islands are thin (carried, `carrier`): they read their own share of the data but join no quorum, so a new federation's members assemble without them."""
     carrier: str = ""
-    """A thin island (a link too slow for the members' exchange): the URL of the member that carries it, http://HOST:PORT as that member's log prints it when it starts carrying (`carries`). A thin island joins no quorum: every `carry_rounds` rounds it uploads its pseudo-gradient there (encoded with `codec`, which must be the carrier's), which that member folds into its own row, and downloads the global weights (bf16); it needs a federation key. Empty: this island is a member. docs/rounds.md, "Thin links"."""
+    """A thin island (a link too slow for the members' exchange): the URL of the member that carries it, http://HOST:PORT as that member's log prints it when it starts carrying (`carries`). A thin island joins no quorum: every `carry_rounds` rounds it uploads its pseudo-gradient there (encoded with `carry_codec`), which that member folds into its own row, and downloads the global weights (bf16); it needs a federation key. Empty: this island is a member. docs/rounds.md, "Thin links"."""
     carrier_island: int = 0
     """A thin island: the replica_id of the member at `carrier` (its answers must be signed by that island)."""
     carry_rounds: int = 4
     """A thin island: rounds of `sync_steps` inner steps between two uploads (the rounds its link needs for one)."""
+    carry_codec: Literal["", "fp32", "bf16", "int8", "topk"] = ""
+    """How a thin island's uploads are encoded, on the thin island and on its carrier alike (the top-k settings are the `topk_*` keys): a thin link may send sparser rows than the members' exchange. Empty: `codec`."""
     carries: int = -1
     """A member: the replica_id of the thin island it carries (-1: none; one per member). It serves that island at `carry_port` on LOCAL_ADDR (else loopback), folds each row it takes into its own next row (`OuterCore.fold`, discounted by the row's staleness) and needs sync_width 1, num_fragments 1, token weighting and a federation key."""
     carry_port: int = 0

@@ -158,8 +158,9 @@ class CarryServer:
                     self._reply(411, b"an upload declares its Content-Length")
                     return
                 if not 0 < length <= cap:
-                    self._reply(413, f"an upload of {length} bytes: a row of this federation's carry codec "
-                                     f"takes at most {cap}".encode())
+                    self._reply(413, f"an upload of {length} bytes: a row of this carrier's carry codec "
+                                     f"takes at most {cap} (fault_tolerance.carry_codec and the topk_* keys must "
+                                     "be the same on the thin island and its carrier)".encode())
                     return
                 deadline = time.monotonic() + server.request_timeout
                 frame = read_body(self.connection, self.rfile.read(), length, deadline)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 
 import torch
 
@@ -20,12 +21,18 @@ from archipelago.config.errors import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.carry import CarrierBook, Upload
 from archipelago.federation.carry_link import CarryServer
-from archipelago.federation.codecs import build_codec
+from archipelago.federation.codecs import Codec, build_codec
 from archipelago.federation.outer_core import Carried, OuterCore
 from archipelago.federation.policy import Allowance, norm_allowance, steps_between_exchanges
 from archipelago.federation.trust import FederationKey
 
 log = logging.getLogger("archipelago.federation")
+
+
+def carry_codec(ft: FaultToleranceConfig, numel: int) -> Codec:
+    """The codec of a thin island's uploads (`carry_codec`, else `codec`): the thin island
+    encodes with it, its carrier decodes with it."""
+    return build_codec(replace(ft, codec=ft.carry_codec or ft.codec), numel)
 
 
 def declared_tokens_per_step(ft: FaultToleranceConfig, tokens_per_step: int) -> int:
@@ -51,7 +58,7 @@ class Carrying:
         # The inner steps one upload may span, from its token bound and this island's batch.
         self.upload_steps = max(1, math.ceil(ft.carried_tokens / max(tokens_per_step, 1)))
         book = CarrierBook(key, ft.replica_id, {ft.carries})
-        self.server = CarryServer(book, build_codec(ft, numel), Allowance(ft.carried_tokens, math.inf),
+        self.server = CarryServer(book, carry_codec(ft, numel), Allowance(ft.carried_tokens, math.inf),
                                   request_timeout=ft.quorum_timeout_ms / 1000, port=ft.carry_port)
         log.info("island %d carries thin island %d at %s (fault_tolerance.carrier there)", ft.replica_id,
                  ft.carries, self.server.address())

@@ -33,7 +33,7 @@ from archipelago.config.errors import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.carry import CarryRefused
 from archipelago.federation.carry_link import CarryClient, Download
-from archipelago.federation.codecs import build_codec
+from archipelago.federation.carrying import carry_codec
 from archipelago.federation.island_ranks import IslandRanks
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.outcome import FederationError
@@ -72,7 +72,7 @@ class ThinIsland(Alone):
         bridge = self.layout.is_bridge
         self.client = (CarryClient(key, ft.replica_id, ft.carrier_island, ft.carrier, self.layout.numel,
                                    ft.quorum_timeout_ms / 1000) if bridge else None)
-        self.codec = build_codec(ft, self.layout.numel) if bridge else None
+        self.codec = carry_codec(ft, self.layout.numel) if bridge else None
         self.download: Download | None = None  # the weights its next row is trained from (bridge rank)
         self.base: torch.Tensor | None = None  # its weights at that download (bridge rank)
         self.local_step, self.tokens, self.uploaded = 0, 0, 0
