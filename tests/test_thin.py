@@ -251,3 +251,34 @@ def test_the_thin_and_carrier_settings_are_checked():
         ThinIsland(_thin_ft("http://127.0.0.1:1"), 10, list(_model().parameters()), 0, 1, None, _Hooks())
     with pytest.raises(ConfigError, match="needs a federation key"):
         Carrying(FaultToleranceConfig(carries=2, carried_tokens=10), None, 10, 100, 0.1)
+
+
+def test_a_carriers_failed_round_carries_the_thin_rows_in_the_next_one_staler(monkeypatch):
+    from archipelago.federation.carry_link import CarryClient
+    from archipelago.federation.carrying import Carrying
+    from archipelago.federation.outer_core import Carried, OuterCore
+
+    monkeypatch.delenv("LOCAL_ADDR", raising=False)
+    key = FederationKey(bytes.fromhex(new_secret()))
+    numel = 64
+    ft = FaultToleranceConfig(replica_id=CARRIER, carries=THIN, carried_tokens=4096, staleness_exponent=1.0)
+    carrying = Carrying(ft, key, numel, tokens_per_step=100, inner_lr=INNER_LR)
+    try:
+        core = OuterCore(ft, [torch.zeros(numel)])
+        carrying.publish(3, core.globals[0])
+        client = CarryClient(key, THIN, CARRIER, carrying.server.address(), numel, timeout=10)
+        row = torch.full((numel,), 1e-3)
+        client.upload(client.download(), 640, build_codec(ft, numel), row)
+        own = torch.full((numel,), 2e-3)
+        values, tokens, uploads = carrying.fold(core, own, 200, 0, outer_step=4)  # 1 step stale
+        assert tokens == 840 and len(uploads) == 1
+        assert torch.equal(values, core.fold(own, 200, 0, [Carried(uploads[0].values, 640, 1)])[0])
+        carrying.after_round(uploads, committed=False, step=4, weights=core.globals[0])
+        values, tokens, again = carrying.fold(core, own, 200, 0, outer_step=5)  # the next round: 2 steps stale
+        assert again == uploads and tokens == 840
+        assert torch.equal(values, core.fold(own, 200, 0, [Carried(uploads[0].values, 640, 2)])[0])
+        carrying.after_round(again, committed=True, step=6, weights=core.globals[0] + 1)
+        assert carrying.fold(core, own, 200, 0, outer_step=6)[2] == []  # carried in: gone
+        assert client.download().step == 6  # the weights published after the committed round
+    finally:
+        carrying.close()
