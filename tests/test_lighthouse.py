@@ -702,3 +702,15 @@ def test_an_island_proves_its_token_again_to_a_restarted_lighthouse(caplog):
         if manager is not None:
             manager.shutdown(wait=False)
         gate.shutdown()
+
+
+def test_importing_the_federation_package_loads_no_torchft():
+    # torchft's Rust logger takes RUST_LOG when torchft is first imported: the lighthouse
+    # quiets it (member tokens are credentials) only if nothing imported torchft before.
+    import subprocess
+    import sys
+
+    code = ("import sys, archipelago.launch.lighthouse, archipelago.federation; "
+            "print(sorted(m for m in sys.modules if m.startswith('torchft')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

@@ -41,9 +41,8 @@ from archipelago.federation.carry import (
     pack_row,
 )
 from archipelago.federation.codecs import Codec
-from archipelago.federation.http_serving import DeadlineConnection, HeadHandler, RequestServer, read_body
+from archipelago.federation.http_serving import FRAME_HEADER, DeadlineConnection, HeadHandler, RequestServer, read_body
 from archipelago.federation.policy import Allowance
-from archipelago.federation.transport import FRAME_HEADER
 from archipelago.federation.trust import HEADER_BYTES, TAG_BYTES, FederationKey
 from archipelago.netutil import local_address, url_host
 

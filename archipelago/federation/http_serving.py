@@ -24,6 +24,8 @@ from archipelago.netutil import listening_socket
 
 log = logging.getLogger("archipelago.federation")
 
+FRAME_HEADER = "X-Archipelago-Frame"  # a signed request frame, in hex (healing's, a thin island's)
+
 MAX_REQUEST_BYTES = 16 << 10  # a request head: ours are < 1 KiB (a method, a path, a hex frame)
 MAX_PENDING = 256  # connections whose request head is still arriving (a descriptor each)
 CHUNK = 1 << 20  # bytes per read of an answer without Content-Length, per send of ours

@@ -44,7 +44,13 @@ from typing import Any
 
 from torchft.checkpointing.transport import CheckpointTransport
 
-from archipelago.federation.http_serving import CHUNK, DeadlineConnection, HeadHandler, RequestServer
+from archipelago.federation.http_serving import (  # noqa: F401 - FRAME_HEADER: part of this module's face
+    CHUNK,
+    FRAME_HEADER,
+    DeadlineConnection,
+    HeadHandler,
+    RequestServer,
+)
 from archipelago.federation.state_format import (
     StateFormatError,
     decode_state,
@@ -64,7 +70,6 @@ from archipelago.netutil import local_address, url_host
 
 log = logging.getLogger("archipelago.federation")
 
-FRAME_HEADER = "X-Archipelago-Frame"  # the signed request, in hex
 _MAX_NONCES = 4096  # nonces remembered against replayed requests
 HEAL_PATH = "/checkpoint/"  # what `SafeHTTPTransport.address()` advertises after HOST:PORT
 
