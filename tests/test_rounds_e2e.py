@@ -202,8 +202,11 @@ def test_time_paced_decoupled_rounds_keep_their_length_after_the_first_hand_off(
     # not, and the next round ended after one step).
     # A threshold above 0 (any exchange counts as long): the first exchange is waited for, the
     # second is the first handed off.
+    # 30 steps: at least four 2 s rounds after the join also where a step takes 0.2 s (15
+    # steps left three on a faster machine, whatever the code).
     fed, rounds = _decoupled(tmp_path / "run", "1,1", "--fault_tolerance.round_pacing", "time",
-                             "--fault_tolerance.round_seconds", "2", "--fault_tolerance.overlap_threshold", "1e-6")
+                             "--fault_tolerance.round_seconds", "2", "--fault_tolerance.overlap_threshold", "1e-6",
+                             "--training.steps", "30")
     assert fed["global_hash_agree"]
     # Each round's clock starts at its start: the seconds each step's end is from it
     # (pacing_elapsed_s) fall back to a step's length where a round ended, and a round's first
