@@ -417,13 +417,12 @@ def federation_result(run_dir: Path, sampler: Sampler, equal_steps: int, count: 
         val, at_final = final_val(folder, summary)
         # A thin island (setting t) has no rounds: its time not training is its carries' seconds.
         carries = [r for r in records if r.get("event") == "carry"]
+        carry_s = sum(float(r.get("carry_s") or 0) for r in carries)
+        if carries:
+            wall = float(summary.get("wall_s") or 0)
+            totals["utilisation"] = 1 - carry_s / wall if wall > 0 else None
         islands.append({"summary": summary, "outer": outer, "totals": totals, "val": val, "val_final": at_final,
-                        "val_equal": val_at(folder, equal_steps), "thin": bool(carries),
-                        "carry_s": sum(float(r.get("carry_s") or 0) for r in carries)})
-    for i in islands:
-        if i["thin"]:
-            wall = float(i["summary"].get("wall_s") or 0)
-            i["totals"]["utilisation"] = 1 - i["carry_s"] / wall if wall > 0 else None
+                        "val_equal": val_at(folder, equal_steps), "thin": bool(carries), "carry_s": carry_s})
     members = [i for i in islands if not i["thin"]]
     carried = sum(int(r.get("carried") or 0) for r in members[0]["outer"] if r.get("committed")) if members else 0
     steady = steady_window(sampler, [i["outer"] for i in members])

@@ -82,7 +82,7 @@ class CarryServer:
         """The global weights at outer `step`, served from now on (a bf16 copy is kept), and
         the allowance uploads are judged against from now on (its norm bound follows the
         global weights' norm)."""
-        copy = weights.detach().to("cpu", torch.bfloat16).clone()
+        copy = weights.detach().to("cpu", torch.bfloat16, copy=True)
         with self._lock:
             self._published = (step, copy)
             self.allowance = allowance or self.allowance

@@ -5,8 +5,8 @@ The thin island's rows enter the federation inside this member's (`OuterCore.fol
 receiver weighs the folded row as any row and adds exactly both islands' shares, each
 discounted by its own staleness, and both token counts. So the member declares the carried
 tokens at the join (`declared_tokens_per_step`): receivers bound each island's claims by
-its declaration. A round that fails after folding puts the uploads back (`restage`): the
-next row carries them, one step staler.
+its declaration. A round that fails after folding puts the uploads back (`after_round`):
+the next row carries them, one step staler.
 """
 
 from __future__ import annotations

@@ -320,10 +320,10 @@ def completion_stamps(wire: torch.device) -> Stamps | None:
     return Stamps() if wire.type == "cpu" else None
 
 
-def stamping(done_at: list[float] | None) -> bool:
+def stamping(done_at: Stamps | None) -> bool:
     """Will the transport's thread stamp `done_at` (from `completion_stamps`, after the
     work started)? The one answer for every phase's `stamped` (give_up.wait_for polls only then)."""
-    return done_at is not None and getattr(done_at, "live", True)
+    return done_at is not None and done_at.live
 
 
 def stamps_list(done_at: list[float] | None) -> list[float]:

@@ -64,8 +64,8 @@ class ThinIsland(Alone):
         super().__init__(steps)
         if key is None:
             raise ConfigError("a thin island (fault_tolerance.carrier) needs a federation key: without one "
-                                  "nothing tells its carrier's weights from anyone's. Set "
-                                  "federation_security.key_file (`archipelago secret new` makes one)")
+                              "nothing tells its carrier's weights from anyone's. Set "
+                              "federation_security.key_file (`archipelago secret new` makes one)")
         self.ft, self.hooks, self.every = ft, hooks, ft.sync_steps * ft.carry_rounds
         self.ranks = IslandRanks(world_size, group)
         self.layout = FlatLayout(params, 1, rank, world_size, group)
@@ -120,7 +120,7 @@ class ThinIsland(Alone):
         if self.tokens:
             local = self.layout.gather()
             if local is not None and self.base is not None:
-                base_step = self.download.step if self.download is not None else 0
+                base_step = self._base_step
                 refusal = self._upload(self.base - local.float(), self.tokens)
                 self._report(refusal, None, self.hooks.step, 0.0, self.tokens, base_step)
         self.local_step = 0
@@ -133,6 +133,11 @@ class ThinIsland(Alone):
 
     # ---- one carry: upload and download travel while the island trains ---------------
 
+    @property
+    def _base_step(self) -> int:
+        """The outer step of the download its next row trains from (0: none)."""
+        return self.download.step if self.download is not None else 0
+
     def carry(self, step: int) -> None:
         """Hand the progress since the last download to a thread that uploads it and
         downloads the newest global weights, and train on (a collective over the island).
@@ -142,8 +147,7 @@ class ThinIsland(Alone):
         if local is None or self.base is None:
             return
         pseudo, tokens = self.base - local.float(), self.tokens
-        base_step = self.download.step if self.download is not None else 0
-        self.sending = Sending(self.base, local.float().clone(), tokens, base_step, time.perf_counter())
+        self.sending = Sending(self.base, local.float().clone(), tokens, self._base_step, time.perf_counter())
         self.base, self.tokens = self.sending.local, 0  # its progress is in flight
         self.in_flight = self.worker.submit(self._travel, pseudo, tokens)
 
