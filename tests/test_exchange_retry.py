@@ -656,6 +656,14 @@ def test_a_member_stuck_in_an_exchange_others_gave_up_stops_waiting():
     give_up.STORE_TIMEOUT_S, saved = 1.0, give_up.STORE_TIMEOUT_S
     try:
         assert give_up.given_up(gone, framing)
+        # Announcing to that store hangs in its C++ client until the timeout; a process that
+        # ends meanwhile aborts (exit code 134) when the thread returns, so the shutdown
+        # waits for it (bounded).
+        give_up.announce(gone, framing)
+        announcing = list(gone._archipelago_announcing)
+        assert [t.is_alive() for t in announcing] == [True]
+        give_up.finish_announcing(gone)
+        assert not announcing[0].is_alive() and gone._archipelago_announcing == []
     finally:
         give_up.STORE_TIMEOUT_S = saved
 

@@ -56,6 +56,7 @@ from archipelago.federation.contribution import Contributions
 from archipelago.federation.decoupled_rounds import DecoupledRounds
 from archipelago.federation.global_weights import GlobalWeights
 from archipelago.federation.guard import Poison
+from archipelago.federation.give_up import finish_announcing
 from archipelago.federation.healing import Healing
 from archipelago.federation.inner_state import InnerStateAverager
 from archipelago.federation.island_ranks import IslandRanks
@@ -237,6 +238,7 @@ class OuterLoop:
         if self.carrying is not None:
             self.carrying.close()
         if self.manager is not None:
+            finish_announcing(self.manager)
             self.manager.shutdown(wait=False)
 
     # ---- the round -----------------------------------------------------------------

@@ -77,8 +77,23 @@ def announce(manager: Any, framing: Framing) -> None:
     must not delay this member's own retry."""
     address = getattr(manager, "_archipelago_quorum_store", None)
     if address:
-        threading.Thread(target=_announce, args=(address, key(framing)), name="archipelago-give-up",
-                         daemon=True).start()
+        thread = threading.Thread(target=_announce, args=(address, key(framing)), name="archipelago-give-up",
+                                  daemon=True)
+        thread.start()
+        announcing = [t for t in getattr(manager, "_archipelago_announcing", []) if t.is_alive()]
+        manager._archipelago_announcing = [*announcing, thread]
+
+
+def finish_announcing(manager: Any) -> None:
+    """Before the process ends: wait for the announcing threads still connecting. One left
+    inside the store's C++ client when the interpreter shuts down aborts the process (exit
+    code 134) as it returns, which would turn a finished run into a failed one. The client
+    tries twice with a random delay between, so a store that is gone holds a thread for up to
+    about three STORE_TIMEOUT_S: the most a shutdown right after a failed exchange waits."""
+    deadline = time.monotonic() + 3 * STORE_TIMEOUT_S + 1.0
+    for thread in getattr(manager, "_archipelago_announcing", []):
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    manager._archipelago_announcing = []
 
 
 def _announce(address: str, name: str) -> None:
