@@ -54,9 +54,9 @@ from archipelago.federation.carrying import Carrying
 from archipelago.federation.codecs import Codec, effective_codec
 from archipelago.federation.contribution import Contributions
 from archipelago.federation.decoupled_rounds import DecoupledRounds
+from archipelago.federation.give_up import finish_announcing
 from archipelago.federation.global_weights import GlobalWeights
 from archipelago.federation.guard import Poison
-from archipelago.federation.give_up import finish_announcing
 from archipelago.federation.healing import Healing
 from archipelago.federation.inner_state import InnerStateAverager
 from archipelago.federation.island_ranks import IslandRanks
