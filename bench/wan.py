@@ -482,11 +482,12 @@ def steady_utilisation(outer: list[dict[str, Any]]) -> float | None:
     """Compute seconds / wall seconds between the end of the first round after the join
     and the end of the last round that trained: without the first exchange (a decoupled
     round waits for it, to measure it) and the run's end (a decoupled island waits there for
-    the exchange still in flight); the rounds a long run is made of."""
+    the exchange still in flight); the rounds a long run is made of. Seconds spent evaluating
+    and checkpointing (`untimed_s`) are left out, as round_totals leaves them out."""
     rounds = [r for r in outer[1:] if r.get("inner_steps")]
     if len(rounds) < 3:
         return None
-    wall = float(rounds[-1]["time"] - rounds[0]["time"])
+    wall = float(rounds[-1]["time"] - rounds[0]["time"]) - sum(float(r.get("untimed_s") or 0.0) for r in rounds[1:])
     compute = sum(float(r["compute_s"]) for r in rounds[1:])
     return compute / wall if wall > 0 else None
 

@@ -282,3 +282,43 @@ def test_a_carriers_failed_round_carries_the_thin_rows_in_the_next_one_staler(mo
         assert client.download().step == 6  # the weights published after the committed round
     finally:
         carrying.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_time_paced_thin_island_carries_after_carry_rounds_rounds_of_seconds(monkeypatch):
+    # Under round_pacing = "time" a thin island carries after carry_rounds x round_seconds of
+    # inner steps, held to carry_rounds x min_inner_steps and x max_inner_steps like a member's
+    # rounds (policy.round_is_up): here the step bounds decide, so no clock is read by the test.
+    from dataclasses import replace
+
+    from archipelago.config.schema import Config
+    from archipelago.config.validate import validate
+
+    monkeypatch.delenv("LOCAL_ADDR", raising=False)
+    key = FederationKey(bytes.fromhex(new_secret()))
+    model = _model()
+    numel = _flat(model).numel()
+    server = CarryServer(CarrierBook(key, CARRIER, {THIN}), build_codec(FaultToleranceConfig(), numel),
+                         Allowance(1e6, math.inf))
+    thin = None
+    try:
+        server.publish(1, _flat(model))
+        for seconds, bounds, due_at in ((1e-6, dict(min_inner_steps=3), 3 * CARRY_ROUNDS),
+                                        (1e6, dict(max_inner_steps=4), 4 * CARRY_ROUNDS)):
+            ft = replace(_thin_ft(server.address()), round_pacing="time", round_seconds=seconds, **bounds)
+            validate(Config(fault_tolerance=ft))  # a thin island may be time-paced
+            hooks = _Hooks()
+            thin = ThinIsland(ft, 100, list(model.parameters()), 0, 1, key, hooks)
+            thin.join(0)
+            for step in range(1, due_at + 1):
+                assert thin.in_flight is None, f"carried after {step - 1} steps, not {due_at}"
+                hooks.step = step
+                thin.after_step(step, THIN_TOKENS, 0.0)
+            thin.finish_carry(hooks.step)
+            (upload,) = server.take_uploads()
+            assert upload.tokens == due_at * THIN_TOKENS
+            thin.shutdown()
+    finally:
+        if thin is not None:
+            thin.shutdown()
+        server.close()

@@ -309,7 +309,7 @@ class FaultToleranceConfig:
     carrier_island: int = 0
     """A thin island: the replica_id of the member at `carrier` (its answers must be signed by that island)."""
     carry_rounds: int = 4
-    """A thin island: rounds of `sync_steps` inner steps between two uploads (the rounds its link needs for one)."""
+    """A thin island: rounds between two uploads (the rounds its link needs for one), each of `sync_steps` inner steps, or under round_pacing = "time" of `round_seconds` of inner steps (within carry_rounds x min_inner_steps and x max_inner_steps)."""
     carry_codec: Literal["", "fp32", "bf16", "int8", "topk"] = ""
     """How a thin island's uploads are encoded, on the thin island and on its carrier alike (the top-k settings are the `topk_*` keys): a thin link may send sparser rows than the members' exchange. Empty: `codec`."""
     carries: int = -1
@@ -317,7 +317,7 @@ class FaultToleranceConfig:
     carry_port: int = 0
     """A member that `carries`: the port its carry server listens on (0: a free one, printed in the log)."""
     carried_tokens: int = 0
-    """A member that `carries`: the most tokens one upload of its thin island may claim (the thin island's tokens per inner step x sync_steps x carry_rounds). It bounds the uploads it takes, and the member declares that many more tokens per exchange at the join, so receivers allow its rows the carried tokens."""
+    """A member that `carries`: the most tokens one upload of its thin island may claim (the thin island's tokens per inner step x the inner steps of carry_rounds rounds: x sync_steps x carry_rounds, or under time pacing its steps in carry_rounds x round_seconds). It bounds the uploads it takes, and the member declares that many more tokens per exchange at the join, so receivers allow its rows the carried tokens."""
 
 
 @dataclass

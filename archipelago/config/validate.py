@@ -212,9 +212,8 @@ def _check_carrying(ft: FaultToleranceConfig, p: list[str]) -> None:
                  f"({ft.carrier_island}) must be another island's replica_id, and a thin island carries none "
                  "(carries = -1)", p)
         _require(ft.carry_rounds >= 1, f"fault_tolerance.carry_rounds = {ft.carry_rounds}: must be >= 1", p)
-        _require(ft.round_pacing == "steps" and ft.codec != "auto",
-                 "a thin island (fault_tolerance.carrier) counts its rounds in inner steps and sends with a "
-                 "fixed codec: set round_pacing = \"steps\" and a codec other than \"auto\"", p)
+        _require(ft.codec != "auto", "a thin island (fault_tolerance.carrier) sends with a fixed codec: set codec "
+                 "to one other than \"auto\"", p)
     if ft.carries >= 0:
         problems = [
             (ft.carries == ft.replica_id, f"carries = {ft.carries}: another island's replica_id"),

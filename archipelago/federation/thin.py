@@ -1,6 +1,7 @@
 """A thin island behind the seam (`fault_tolerance.carrier`): trains on its own, and every
-`carry_rounds` rounds uploads its progress to the member carrying it and downloads the
-global weights (docs/rounds.md, "Thin links").
+`carry_rounds` rounds (of `sync_steps` inner steps, or of `round_seconds` under time pacing)
+uploads its progress to the member carrying it and downloads the global weights
+(docs/rounds.md, "Thin links").
 
 A thin island is no torchft replica: a replica that sat out a round's quorum while
 heartbeating would make the members' next quorum wait for it. It talks to its carrier
@@ -37,6 +38,7 @@ from archipelago.federation.carrying import carry_codec
 from archipelago.federation.island_ranks import IslandRanks
 from archipelago.federation.layout import FlatLayout
 from archipelago.federation.outcome import FederationError
+from archipelago.federation.policy import round_is_up
 from archipelago.federation.seam import Alone, IslandHooks
 from archipelago.federation.trust import FederationKey
 
@@ -67,6 +69,10 @@ class ThinIsland(Alone):
                               "nothing tells its carrier's weights from anyone's. Set "
                               "federation_security.key_file (`archipelago secret new` makes one)")
         self.ft, self.hooks, self.every = ft, hooks, ft.sync_steps * ft.carry_rounds
+        # Time pacing: a carry every carry_rounds x round_seconds of inner steps, timed like
+        # the members' rounds (policy.round_is_up), from the join and from each carry.
+        self.time_paced = ft.round_pacing == "time"
+        self.clock = self.last_step_end = time.monotonic()
         self.ranks = IslandRanks(world_size, group)
         self.layout = FlatLayout(params, 1, rank, world_size, group)
         bridge = self.layout.is_bridge
@@ -101,17 +107,37 @@ class ThinIsland(Alone):
         self.layout.scatter(got.weights if got is not None else None)
         if got is not None:
             self.download, self.base = got, got.weights.clone()
-            log.info("thin island %d: took the global weights of outer step %d from island %d; uploads every %d "
-                     "inner steps", self.ft.replica_id, got.step, self.ft.carrier_island, self.every)
+            log.info("thin island %d: took the global weights of outer step %d from island %d; uploads every %s",
+                     self.ft.replica_id, got.step, self.ft.carrier_island, self._interval())
+        self.clock = self.last_step_end = time.monotonic()
 
     def after_step(self, step: int, tokens: int, compute_s: float) -> None:
         self.local_step += 1
         self.tokens += tokens
-        if self.local_step == self.every:
+        # One agreement over the island's ranks per step: is a carry due, has one landed?
+        due, landed = self.ranks.max([float(self._due()), float(self.in_flight is not None and self.in_flight.done())])
+        if due > 0:
             self.local_step = 0
             self.carry(step)
-        elif self.ranks.max([float(self.in_flight is not None and self.in_flight.done())])[0] > 0:
+            self.clock = time.monotonic()
+        elif landed > 0:
             self.finish_carry(step)
+
+    def _due(self) -> bool:
+        """This rank's view: the inner steps (or, time-paced, the seconds) of `carry_rounds`
+        rounds since the last carry are done."""
+        now = time.monotonic()
+        step_s, self.last_step_end = now - self.last_step_end, now
+        if not self.time_paced:
+            return self.local_step == self.every
+        ft = self.ft
+        return round_is_up(self.local_step, ft.min_inner_steps * ft.carry_rounds, ft.max_inner_steps * ft.carry_rounds,
+                           now - self.clock, step_s, ft.round_seconds * ft.carry_rounds)
+
+    def _interval(self) -> str:
+        if self.time_paced:
+            return f"{self.ft.round_seconds * self.ft.carry_rounds:g} s of inner steps"
+        return f"{self.every} inner steps"
 
     def finish_rounds(self) -> None:
         """The carry in flight lands; the progress since the last upload goes up too (if
