@@ -244,6 +244,21 @@ def test_the_thin_and_carrier_settings_are_checked():
     assert "sync_width = 1" in problems(carries=2, carried_tokens=10, sync_width=2)
     assert "outer_weighting = \"tokens\"" in problems(carries=2, carried_tokens=10, outer_weighting="equal")
     validate(Config(fault_tolerance=FaultToleranceConfig(enable=True, group_size=3, carries=2, carried_tokens=10)))
+    # Under time pacing members compare their batch's tokens per step (the federation's token
+    # budget); a carrier declares its thin island's on top, and still joins the members.
+    from archipelago.federation import island_fingerprint
+    from archipelago.federation.membership import mismatch
+
+    timed = dict(enable=True, group_size=3, round_pacing="time")
+    named = list(_model().named_parameters())
+    carrier, member = (island_fingerprint(FaultToleranceConfig(replica_id=k, **extra, **timed), named, "m", 1,
+                                          THIN_TOKENS, None, None)
+                       for k, extra in ((CARRIER, dict(carries=2, carried_tokens=64000)), (MEMBER, {})))
+    assert carrier["tokens_per_step"] > member["tokens_per_step"] == THIN_TOKENS
+    assert mismatch(carrier, member) is None
+    other = island_fingerprint(FaultToleranceConfig(replica_id=MEMBER, **timed), named, "m", 1, 2 * THIN_TOKENS,
+                               None, None)
+    assert "pacing" in str(mismatch(other, member))  # another batch: another token budget
     # Neither side runs without the federation key: nothing would tell the other's bytes from anyone's.
     from archipelago.federation.carrying import Carrying
 

@@ -122,7 +122,7 @@ def island_fingerprint(ft: FaultToleranceConfig, named: NamedParameters, model_n
     shapes = [(name, tuple(p.shape)) for name, p in named if p.requires_grad]
     declared = declared_tokens_per_step(ft, tokens_per_step)
     return fingerprint(model_name, shapes, ft, world_size, declared, _optimizer_name(optimizer), key,
-                       _peak_lr(optimizer), compute)
+                       _peak_lr(optimizer), compute, batch_tokens=tokens_per_step)
 
 
 def _optimizer_name(optimizer: torch.optim.Optimizer | None) -> str:

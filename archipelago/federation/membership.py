@@ -269,7 +269,7 @@ FINGERPRINT_KEYS = ("model", "params", "shapes", "sync_width", "num_fragments", 
 def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]],
                 ft: FaultToleranceConfig, ranks: int, tokens_per_step: int = 0,
                 inner_optimizer: str = "", key: FederationKey | None = None,
-                inner_lr: float = 0.0, compute: str = "") -> dict[str, Any]:
+                inner_lr: float = 0.0, compute: str = "", batch_tokens: int | None = None) -> dict[str, Any]:
     """A description of this island that peers compare at join time.
 
     `compute` (device, dtype and backend: `cpu float32, dace 1.0.2, generated loops`) is declared, not
@@ -280,8 +280,10 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
     median (policy.bounded_batches), a limit all islands must agree on.
 
     Under time pacing the round budget and the federation's token budget (training.steps
-    x this island's tokens per step x group_size) must agree: all islands end together
-    when the federation has trained that many tokens.
+    x this island's own tokens per step, `batch_tokens`, default `tokens_per_step`, x
+    group_size) must agree: all islands end together when the federation has trained that
+    many tokens. (A carrier declares more tokens per step than its batch: its thin
+    island's; the budget counts its batch.)
     """
     shapes = hashlib.sha256(json.dumps(named_shapes).encode()).hexdigest()[:16]
     outer = (f"{ft.outer_optimizer}(lr={ft.outer_lr}, momentum={ft.outer_momentum}, "
@@ -292,7 +294,7 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
     return {"island": ft.replica_id, "ranks": ranks, "model": model_name,
             "params": sum(math.prod(s) for _, s in named_shapes), "shapes": shapes,
             "sync_width": ft.sync_width, "num_fragments": ft.num_fragments,
-            "semi_sync_method": ft.semi_sync_method, "outer": outer, "pacing": _pacing(ft, tokens_per_step),
+            "semi_sync_method": ft.semi_sync_method, "outer": outer, "pacing": _pacing(ft, tokens_per_step if batch_tokens is None else batch_tokens),
             "codec": _codec(ft), "start": "from a peer" if ft.init_sync else "own weights",
             "inner_state": (f"averaged ({inner_optimizer}, {ft.moments_dtype})" if ft.average_optimizer_state
                             else "own")
