@@ -286,6 +286,7 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
     island's; the budget counts its batch.)
     """
     shapes = hashlib.sha256(json.dumps(named_shapes).encode()).hexdigest()[:16]
+    batch = tokens_per_step if batch_tokens is None else batch_tokens
     outer = (f"{ft.outer_optimizer}(lr={ft.outer_lr}, momentum={ft.outer_momentum}, "
              f"nesterov={ft.outer_nesterov}) alpha={ft.fragment_update_alpha}")
     if ft.outer_aggregation != "mean":
@@ -294,7 +295,7 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
     return {"island": ft.replica_id, "ranks": ranks, "model": model_name,
             "params": sum(math.prod(s) for _, s in named_shapes), "shapes": shapes,
             "sync_width": ft.sync_width, "num_fragments": ft.num_fragments,
-            "semi_sync_method": ft.semi_sync_method, "outer": outer, "pacing": _pacing(ft, tokens_per_step if batch_tokens is None else batch_tokens),
+            "semi_sync_method": ft.semi_sync_method, "outer": outer, "pacing": _pacing(ft, batch),
             "codec": _codec(ft), "start": "from a peer" if ft.init_sync else "own weights",
             "inner_state": (f"averaged ({inner_optimizer}, {ft.moments_dtype})" if ft.average_optimizer_state
                             else "own")
