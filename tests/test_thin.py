@@ -337,3 +337,61 @@ def test_a_time_paced_thin_island_carries_after_carry_rounds_rounds_of_seconds(m
         if thin is not None:
             thin.shutdown()
         server.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as intended
+def test_a_restarted_thin_island_sends_the_progress_it_checkpointed(monkeypatch, tmp_path):
+    # Its checkpoint (DCP, as the trainer saves `checkpoint_state()`) keeps the base of its
+    # next row and the tokens and steps since its last carry: restarted, it moves its
+    # checkpointed weights by what the global weights moved since that base, and its next
+    # upload carries that progress with its tokens.
+    import torch.distributed.checkpoint as dcp
+
+    monkeypatch.delenv("LOCAL_ADDR", raising=False)
+    key = FederationKey(bytes.fromhex(new_secret()))
+    model = _model()
+    numel = _flat(model).numel()
+    server = CarryServer(CarrierBook(key, CARRIER, {THIN}), build_codec(FaultToleranceConfig(), numel),
+                         Allowance(1e6, math.inf))
+    thin = restarted = None
+    try:
+        g0 = _flat(model) + 0.25
+        server.publish(3, g0)
+        hooks = _Hooks()
+        thin = ThinIsland(_thin_ft(server.address()), 100, list(model.parameters()), 0, 1, key, hooks)
+        thin.join(0)
+        _train(thin, model, hooks, carry=1)
+        thin.finish_carry(hooks.step)
+        assert len(server.take_uploads()) == 1
+        base = _flat(model)  # the row since then is measured from here: its carry landed at once
+        for _ in range(ROUND):  # part of the next carry's steps, then the checkpoint
+            hooks.step += 1
+            _set_flat(model, _flat(model) + 1e-3)
+            thin.after_step(hooks.step, THIN_TOKENS, 0.0)
+        assert torch.equal(thin.state_dict()["bridge0"], base) and thin.state_dict()["tokens"] == ROUND * THIN_TOKENS
+        dcp.save(thin.checkpoint_state(), checkpoint_id=tmp_path / "checkpoint", no_dist=True)
+        checkpointed = _flat(model)
+        thin.shutdown()
+        # The restart: the checkpointed weights and state, and meanwhile the federation moved on.
+        g1 = g0 - 0.5
+        server.publish(6, g1)
+        again = _model()
+        _set_flat(again, checkpointed.clone())  # (its parameters become views of what it is given)
+        restarted = ThinIsland(_thin_ft(server.address()), 100, list(again.parameters()), 0, 1, key, hooks)
+        dcp.load(restarted.checkpoint_state(), checkpoint_id=tmp_path / "checkpoint", no_dist=True)
+        restarted.join(hooks.step)
+        resumed = g1.bfloat16().float() + (checkpointed - base)
+        assert torch.equal(_flat(again), resumed)
+        for _ in range(ROUND * CARRY_ROUNDS - ROUND):  # the rest of the carry's steps
+            hooks.step += 1
+            restarted.after_step(hooks.step, THIN_TOKENS, 0.0)
+        restarted.finish_carry(hooks.step)
+        (upload,) = server.take_uploads()
+        assert upload.base_step == 6 and upload.tokens == ROUND * CARRY_ROUNDS * THIN_TOKENS
+        assert torch.equal(upload.values, g1.bfloat16().float() - resumed)
+    finally:
+        for island in (thin, restarted):
+            if island is not None:
+                island.shutdown()
+        server.close()

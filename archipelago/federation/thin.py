@@ -16,7 +16,9 @@ the upload stays its own, and its row in flight, not in those global weights yet
 carrier folds it in at its next round end), is not taken back (as a decoupled member
 continues from the global weights minus its own row in flight, `OuterCore.rebased`). An
 upload that did not go through is not lost: its progress stays in the next row, trained
-from the new download.
+from the new download. Its checkpoint keeps its base and the tokens since its last upload,
+so a restarted thin island moves its progress onto a fresh download instead of losing it
+(a carry in flight at the save counts as sent).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,7 +76,7 @@ class ThinIsland(Alone):
         # the members' rounds (policy.round_is_up), from the join and from each carry.
         self.time_paced = ft.round_pacing == "time"
         self.clock = self.last_step_end = time.monotonic()
-        self.ranks = IslandRanks(world_size, group)
+        self.ranks, self.rank = IslandRanks(world_size, group), rank
         self.layout = FlatLayout(params, 1, rank, world_size, group)
         bridge = self.layout.is_bridge
         self.client = (CarryClient(key, ft.replica_id, ft.carrier_island, ft.carrier, self.layout.numel,
@@ -86,6 +89,7 @@ class ThinIsland(Alone):
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archipelago-carry")
         self.in_flight: Future[tuple[str | None, Download | None]] | None = None
         self.sending: Sending | None = None
+        self.restored: dict[str, Any] | None = None  # from a checkpoint, until the join takes it
 
     @property
     def at_round_end(self) -> bool:
@@ -95,21 +99,53 @@ class ThinIsland(Alone):
         """Download the global weights (waiting up to join_wait_ms for a carrier that has
         none yet) and continue from them."""
         self.hooks.event("join", step=step, island=self.ft.replica_id, carrier=self.ft.carrier)
-        if step > 0:
-            log.warning("a thin island resumes from its carrier's weights: the progress since its last upload "
-                        "before the restart is not sent")
         got = self._download(self.ft.join_wait_ms / 1000) if self.client is not None else None
         failed = self.ranks.max([float(self.client is not None and got is None)])[0] > 0
         if failed:
             raise FederationError(f"no global weights from the carrier at {self.ft.carrier} within "
                                   f"fault_tolerance.join_wait_ms ({self.ft.join_wait_ms} ms): is the carrier "
                                   f"island {self.ft.carrier_island} running with carries = {self.ft.replica_id}?")
-        self.layout.scatter(got.weights if got is not None else None)
+        self.layout.scatter(self._resumed(got) if self.restored is not None else
+                            got.weights if got is not None else None)
         if got is not None:
             self.download, self.base = got, got.weights.clone()
             log.info("thin island %d: took the global weights of outer step %d from island %d; uploads every %s",
                      self.ft.replica_id, got.step, self.ft.carrier_island, self._interval())
         self.clock = self.last_step_end = time.monotonic()
+
+    def _resumed(self, got: Download | None) -> torch.Tensor | None:
+        """After a restart (a collective over the island): the checkpointed weights moved by
+        what the global weights moved since the checkpointed base, so the progress since the
+        last upload goes with the next row; its tokens and its steps towards the next carry
+        come back too."""
+        restored, self.restored = self.restored, None
+        assert restored is not None
+        self.tokens, self.local_step = int(restored["tokens"]), int(restored["local_step"])
+        local = self.layout.gather()
+        base = restored.get(f"bridge{self.rank}")
+        if got is None or local is None or base is None or not int(restored["has_base"]):
+            return got.weights if got is not None else None
+        log.info("thin island %d resumes: its progress since its last upload (%d tokens) moves onto the global "
+                 "weights of outer step %d", self.ft.replica_id, self.tokens, got.step)
+        return got.weights + (local.float() - base)
+
+    # ---- checkpoint (DCP Stateful) -------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"federation": self}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The tokens and inner steps since the last carry on every rank; on the bridge rank
+        the base its next row is measured from (zeros and has_base 0 before any download)."""
+        state: dict[str, Any] = {"tokens": self.tokens, "local_step": self.local_step,
+                                 "has_base": int(self.base is not None)}
+        if self.layout.is_bridge:
+            state[f"bridge{self.rank}"] = (self.base if self.base is not None
+                                           else torch.zeros(self.layout.numel, dtype=torch.float32))
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.restored = dict(state)
 
     def after_step(self, step: int, tokens: int, compute_s: float) -> None:
         self.local_step += 1
