@@ -137,6 +137,7 @@ from netns import (  # noqa: E402
     wan_bytes,
 )
 
+from archipelago.config.schema import FaultToleranceConfig  # noqa: E402
 from archipelago.launch.local_options import inject_arg  # noqa: E402
 
 LH_PORT = 29510
@@ -261,7 +262,7 @@ def carry_args(setting: Setting, args: argparse.Namespace, wan: Wan, island: int
         return []
     thin = thin_island(args)
     if island == 0:
-        carried = args.batch_size * args.seq_len * args.sync_steps * args.carry_rounds
+        carried = args.batch_size * args.seq_len * carry_steps(args) * args.carry_rounds
         return ["--fault_tolerance.carries", str(thin), "--fault_tolerance.carried_tokens", str(carried),
                 "--fault_tolerance.carry_port", str(CARRY_PORT)]
     if island == thin:
@@ -269,6 +270,19 @@ def carry_args(setting: Setting, args: argparse.Namespace, wan: Wan, island: int
                 "--fault_tolerance.carrier_island", "0", "--fault_tolerance.carry_rounds", str(args.carry_rounds),
                 "--fault_tolerance.quorum_timeout_ms", str(exchange_timeout_ms(args))]
     return []
+
+
+def carry_steps(args: argparse.Namespace) -> int:
+    """The most inner steps of the thin island in one of its rounds: sync_steps, or, time-paced
+    (`--extra --fault_tolerance.round_pacing time`), max_inner_steps (its steps follow its speed)."""
+    extra = list(args.extra)
+
+    def value(key: str, default: str) -> str:
+        return extra[extra.index(key) + 1] if key in extra[:-1] else default
+
+    if value("--fault_tolerance.round_pacing", "steps") != "time":
+        return args.sync_steps
+    return int(value("--fault_tolerance.max_inner_steps", str(FaultToleranceConfig().max_inner_steps)))
 
 
 def fault_env(args: argparse.Namespace, island: int) -> dict[str, str]:

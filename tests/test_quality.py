@@ -309,6 +309,26 @@ def test_wan_bench_slows_only_the_islands_it_is_told_to(monkeypatch):
             wan.parse_args(bad)
 
 
+def test_wan_bench_gives_the_carrier_the_thin_islands_most_tokens_per_upload(monkeypatch):
+    # Time-paced, the thin island's steps per carry follow its speed: the carrier's bound is
+    # its most steps (max_inner_steps) per round, not sync_steps, or a fast thin island's
+    # uploads would be refused over and over.
+    wan = _bench_module("wan", monkeypatch)
+
+    def carried(*extra: str) -> int:
+        args = wan.parse_args(["--settings", "t", "--island-rates", "100,100,5", "--carry-rounds", "3",
+                               "--extra", *extra])
+        args.seq_len = 128  # read from the resolved config when the bench runs
+        got = wan.carry_args(wan.SETTINGS["t"], args, None, 0)
+        return int(got[got.index("--fault_tolerance.carried_tokens") + 1])
+
+    per_step = 8 * 128  # the bench's batch x seq_len
+    assert carried() == per_step * 20 * 3  # sync_steps 20
+    assert carried("--fault_tolerance.round_pacing", "time") == per_step * 1000 * 3
+    assert carried("--fault_tolerance.round_pacing", "time", "--fault_tolerance.max_inner_steps", "50") == \
+        per_step * 50 * 3
+
+
 def test_wan_bench_kills_only_the_island_it_is_told_to_and_reads_the_survivors_repair(monkeypatch):
     from archipelago.config.faults import ENV, faults_from_env
 

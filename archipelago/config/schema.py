@@ -317,7 +317,7 @@ class FaultToleranceConfig:
     carry_port: int = 0
     """A member that `carries`: the port its carry server listens on (0: a free one, printed in the log)."""
     carried_tokens: int = 0
-    """A member that `carries`: the most tokens one upload of its thin island may claim (the thin island's tokens per inner step x the inner steps of carry_rounds rounds: x sync_steps x carry_rounds, or under time pacing its steps in carry_rounds x round_seconds). It bounds the uploads it takes, and the member declares that many more tokens per exchange at the join, so receivers allow its rows the carried tokens."""
+    """A member that `carries`: the most tokens one upload of its thin island may claim (the thin island's tokens per inner step x the inner steps of carry_rounds rounds: x sync_steps x carry_rounds; under time pacing, where its steps per carry follow its speed, x max_inner_steps x carry_rounds, the most it runs: an upload that claims more is refused, and the next one, which carries that progress too, would be again). It bounds the uploads it takes, and the member declares that many more tokens per exchange at the join, so receivers allow its rows the carried tokens."""
 
 
 @dataclass
