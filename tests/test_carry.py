@@ -78,7 +78,8 @@ def test_the_carrier_takes_one_row_per_download_at_the_step_it_served():
 
 
 @pytest.mark.parametrize("case,why", [
-    ("other key", "signed without"), ("not carried", "not a thin island"), ("tokens", "more than its declared"),
+    ("other key", "signed without"), ("not carried", "not a thin island"),
+    ("tokens", "raise carried_tokens on the carrier"),
     ("nan", "non-finite"), ("nan weight 0", "non-finite"), ("norm", "absolute bound"), ("malformed", "malformed"),
 ])
 def test_the_carrier_refuses_what_a_receiver_would(case: str, why: str):
