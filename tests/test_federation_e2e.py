@@ -379,3 +379,39 @@ def test_a_thin_island_carried_by_a_member_enters_the_federation(tmp_path, monke
     carried_in = sum(r.get("carried", 0) for r in _records(run_dir / "island-0", "outer_step") if r["committed"])
     assert 1 <= carried_in <= 2
     assert not any(r.get("carried") for r in _records(run_dir / "island-1", "outer_step"))
+
+
+@pytest.mark.slow  # about a minute on 2 cores: make test-slow
+@pytest.mark.timeout(400)
+def test_a_time_paced_thin_island_is_carried_by_a_time_paced_member(tmp_path, monkeypatch):
+    # Time-paced rounds (2 s): the carrier declares the thin island's tokens on top of its
+    # batch and still joins the members (the pacing compares batches), and the thin island
+    # carries after 2 rounds' seconds, each upload within carried_tokens (its most steps,
+    # max_inner_steps x carry_rounds).
+    from test_island import _free_port
+
+    key_file = tmp_path / "fed.key"
+    key_file.write_text(run_cli_here(["secret", "new"]).output)
+    key_file.chmod(0o600)
+    monkeypatch.setenv("ARCHIPELAGO_FEDERATION_KEY_FILE", str(key_file))
+    port, run_dir = _free_port(), tmp_path / "thin"
+    carried = 8 * 64 * 16 * 2  # batch x seq_len x max_inner_steps x carry_rounds
+    done = run_cli(["local", "--islands", "1,1,1", "--no-table", *TINY, *ROUND, "--training.steps", "32",
+                    "--fault_tolerance.round_pacing", "time", "--fault_tolerance.round_seconds", "2",
+                    "--fault_tolerance.max_inner_steps", "16",
+                    "--job.run_dir", str(run_dir), "--fault_tolerance.thin_islands", "1",
+                    "--island-options", f"0:--fault_tolerance.carries 2 --fault_tolerance.carried_tokens {carried} "
+                                        f"--fault_tolerance.carry_port {port}",
+                    "--island-options", f"2:--fault_tolerance.carrier http://127.0.0.1:{port} "
+                                        "--fault_tolerance.carrier_island 0 --fault_tolerance.carry_rounds 2"],
+                   timeout=360)
+    assert done.returncode == 0, done.output[-4000:]
+    fed = json.loads((run_dir / "federation.json").read_text())
+    assert fed["global_hash_agree"] and fed["global_hash_outer_step"] is not None
+    thin = fed["islands"][2]
+    assert thin["uploads"] >= 1 and thin["final_step"] == 32
+    uploads = _records(run_dir / "island-2", "upload")
+    assert uploads and all(0 < u["tokens"] <= carried for u in uploads)
+    assert not _records(run_dir / "island-2", "refused")
+    carried_in = sum(r.get("carried", 0) for r in _records(run_dir / "island-0", "outer_step") if r["committed"])
+    assert carried_in >= 1
