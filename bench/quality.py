@@ -16,7 +16,7 @@ platform's outer Nesterov SGD, lr 0.7, momentum 0.9, sync_steps 20), diloco-3 (3
 1.5x DDP's tokens, so compared with one island only), int8, topk (20% of 256, 2 bits),
 topk-5pct-1bit (the sparser top-k before), sparseloco (2% at 2 bits, error feedback decayed by
 0.95, 30-step rounds, own moments; -muon: with Muon inside, MuLoCo's inner optimizer;
--5pct-20: 5% in 20-step rounds), streaming int8 (2 fragments, tau 1) and
+-5pct-20: 5% in 20-step rounds, -5pct-20-muon with Muon inside), streaming int8 (2 fragments, tau 1) and
 streaming-int8-no-overlap (tau 0), sync_steps 5 / 50 / 100, and het-1:3 (a 2-rank and
 a 1-rank island, the 1-rank one emulated 3x slower, time-paced rounds as long as the
 diloco run's median round, token-weighted): the same token budget, unequal steps. Its
@@ -122,6 +122,8 @@ SETTINGS = {s.name: s for s in (
     Setting("sparseloco-muon", args=(*SPARSELOCO, "--optimizer.name", "muon")),
     Setting("sparseloco-5pct-20", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.05",
                                         "--fault_tolerance.sync_steps", "20")),
+    Setting("sparseloco-5pct-20-muon", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.05",
+                                             "--fault_tolerance.sync_steps", "20", "--optimizer.name", "muon")),
     Setting("streaming-int8", args=STREAM),
     Setting("streaming-int8-no-overlap", args=STREAM_NO_OVERLAP),
     Setting("sync-5", args=("--fault_tolerance.sync_steps", "5")),
