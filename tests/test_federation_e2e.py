@@ -350,9 +350,10 @@ def test_a_rogue_without_the_key_at_step_1e9_runs_nothing_gets_nothing_and_chang
         assert heals == [r["outer_step"] for r in _records(tmp_path / "clean" / f"island-{k}", "heal")]
 
 
-@pytest.mark.slow  # about 40 s on 2 cores: make test-slow (tests/test_thin.py checks the arithmetic in-process)
-@pytest.mark.timeout(400)
-def test_a_thin_island_carried_by_a_member_enters_the_federation(tmp_path, monkeypatch):
+def _thin_federation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, carried: int,
+                     *options: str) -> tuple[Path, int]:
+    """`archipelago local` with islands 0 and 1 members and island 2 thin, carried by island 0
+    every 2 rounds (with a federation key), run to its end: (its run directory, the port)."""
     from test_island import _free_port
 
     key_file = tmp_path / "fed.key"
@@ -360,8 +361,7 @@ def test_a_thin_island_carried_by_a_member_enters_the_federation(tmp_path, monke
     key_file.chmod(0o600)
     monkeypatch.setenv("ARCHIPELAGO_FEDERATION_KEY_FILE", str(key_file))
     port, run_dir = _free_port(), tmp_path / "thin"
-    carried = 8 * 64 * 4 * 2  # batch x seq_len x sync_steps x carry_rounds
-    done = run_cli(["local", "--islands", "1,1,1", "--no-table", *TINY, *ROUND, "--training.steps", "16",
+    done = run_cli(["local", "--islands", "1,1,1", "--no-table", *TINY, *ROUND, *options,
                     "--job.run_dir", str(run_dir), "--fault_tolerance.thin_islands", "1",
                     "--island-options", f"0:--fault_tolerance.carries 2 --fault_tolerance.carried_tokens {carried} "
                                         f"--fault_tolerance.carry_port {port}",
@@ -369,6 +369,14 @@ def test_a_thin_island_carried_by_a_member_enters_the_federation(tmp_path, monke
                                         "--fault_tolerance.carrier_island 0 --fault_tolerance.carry_rounds 2"],
                    timeout=360)
     assert done.returncode == 0, done.output[-4000:]
+    return run_dir, port
+
+
+@pytest.mark.slow  # about 40 s on 2 cores: make test-slow (tests/test_thin.py checks the arithmetic in-process)
+@pytest.mark.timeout(400)
+def test_a_thin_island_carried_by_a_member_enters_the_federation(tmp_path, monkeypatch):
+    carried = 8 * 64 * 4 * 2  # batch x seq_len x sync_steps x carry_rounds
+    run_dir, port = _thin_federation(tmp_path, monkeypatch, carried, "--training.steps", "16")
     fed = json.loads((run_dir / "federation.json").read_text())
     assert fed["global_hash_agree"] and fed["global_hash_outer_step"] is not None
     thin = fed["islands"][2]
@@ -388,24 +396,10 @@ def test_a_time_paced_thin_island_is_carried_by_a_time_paced_member(tmp_path, mo
     # batch and still joins the members (the pacing compares batches), and the thin island
     # carries after 2 rounds' seconds, each upload within carried_tokens (its most steps,
     # max_inner_steps x carry_rounds).
-    from test_island import _free_port
-
-    key_file = tmp_path / "fed.key"
-    key_file.write_text(run_cli_here(["secret", "new"]).output)
-    key_file.chmod(0o600)
-    monkeypatch.setenv("ARCHIPELAGO_FEDERATION_KEY_FILE", str(key_file))
-    port, run_dir = _free_port(), tmp_path / "thin"
     carried = 8 * 64 * 16 * 2  # batch x seq_len x max_inner_steps x carry_rounds
-    done = run_cli(["local", "--islands", "1,1,1", "--no-table", *TINY, *ROUND, "--training.steps", "32",
-                    "--fault_tolerance.round_pacing", "time", "--fault_tolerance.round_seconds", "2",
-                    "--fault_tolerance.max_inner_steps", "16",
-                    "--job.run_dir", str(run_dir), "--fault_tolerance.thin_islands", "1",
-                    "--island-options", f"0:--fault_tolerance.carries 2 --fault_tolerance.carried_tokens {carried} "
-                                        f"--fault_tolerance.carry_port {port}",
-                    "--island-options", f"2:--fault_tolerance.carrier http://127.0.0.1:{port} "
-                                        "--fault_tolerance.carrier_island 0 --fault_tolerance.carry_rounds 2"],
-                   timeout=360)
-    assert done.returncode == 0, done.output[-4000:]
+    run_dir, _ = _thin_federation(tmp_path, monkeypatch, carried, "--training.steps", "32",
+                                  "--fault_tolerance.round_pacing", "time", "--fault_tolerance.round_seconds", "2",
+                                  "--fault_tolerance.max_inner_steps", "16")
     fed = json.loads((run_dir / "federation.json").read_text())
     assert fed["global_hash_agree"] and fed["global_hash_outer_step"] is not None
     thin = fed["islands"][2]

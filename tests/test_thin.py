@@ -60,14 +60,19 @@ def _train(thin: ThinIsland, model: torch.nn.Module, hooks: _Hooks, carry: int) 
         thin.after_step(hooks.step, THIN_TOKENS, 0.0)
 
 
-@pytest.mark.timeout(60)
-def test_a_thin_island_uploads_its_progress_and_moves_with_the_global_weights(monkeypatch):
+def _served(monkeypatch: pytest.MonkeyPatch) -> tuple[FederationKey, torch.nn.Module, CarryServer]:
+    """A federation key, a model, and an in-process carry server (island CARRIER's) for THIN."""
     monkeypatch.delenv("LOCAL_ADDR", raising=False)
     key = FederationKey(bytes.fromhex(new_secret()))
     model = _model()
+    codec = build_codec(FaultToleranceConfig(), _flat(model).numel())
+    return key, model, CarryServer(CarrierBook(key, CARRIER, {THIN}), codec, Allowance(1e6, math.inf))
+
+
+@pytest.mark.timeout(60)
+def test_a_thin_island_uploads_its_progress_and_moves_with_the_global_weights(monkeypatch):
+    key, model, server = _served(monkeypatch)
     numel = _flat(model).numel()
-    codec = build_codec(FaultToleranceConfig(), numel)
-    server = CarryServer(CarrierBook(key, CARRIER, {THIN}), codec, Allowance(1e6, math.inf))
     try:
         g0 = _flat(_model()) + 0.25
         server.publish(3, g0)
@@ -309,12 +314,7 @@ def test_a_time_paced_thin_island_carries_after_carry_rounds_rounds_of_seconds(m
     from archipelago.config.schema import Config
     from archipelago.config.validate import validate
 
-    monkeypatch.delenv("LOCAL_ADDR", raising=False)
-    key = FederationKey(bytes.fromhex(new_secret()))
-    model = _model()
-    numel = _flat(model).numel()
-    server = CarryServer(CarrierBook(key, CARRIER, {THIN}), build_codec(FaultToleranceConfig(), numel),
-                         Allowance(1e6, math.inf))
+    key, model, server = _served(monkeypatch)
     thin = None
     try:
         server.publish(1, _flat(model))
@@ -348,12 +348,7 @@ def test_a_restarted_thin_island_sends_the_progress_it_checkpointed(monkeypatch,
     # upload carries that progress with its tokens.
     import torch.distributed.checkpoint as dcp
 
-    monkeypatch.delenv("LOCAL_ADDR", raising=False)
-    key = FederationKey(bytes.fromhex(new_secret()))
-    model = _model()
-    numel = _flat(model).numel()
-    server = CarryServer(CarrierBook(key, CARRIER, {THIN}), build_codec(FaultToleranceConfig(), numel),
-                         Allowance(1e6, math.inf))
+    key, model, server = _served(monkeypatch)
     thin = restarted = None
     try:
         g0 = _flat(model) + 0.25
