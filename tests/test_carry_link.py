@@ -16,8 +16,8 @@ from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.carry import CarrierBook, CarryRefused, pack_request
 from archipelago.federation.carry_link import ROW_PATH, WEIGHTS_PATH, CarryClient, CarryServer, row_frame_bytes
 from archipelago.federation.codecs import build_codec
+from archipelago.federation.http_serving import FRAME_HEADER
 from archipelago.federation.policy import Allowance
-from archipelago.federation.transport import FRAME_HEADER
 from archipelago.federation.trust import FederationKey
 
 NUMEL = 1000

@@ -25,7 +25,6 @@ could tell the carrier's weights from anyone's.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -151,16 +150,18 @@ class CarrierBook:
             raise CarryRefused(f"upload of island {island} refused: its payload is malformed ({exc})") from exc
         if not bool(torch.isfinite(values).all()):  # also under a claimed weight of 0, which judging lets pass
             raise CarryRefused(f"upload of island {island} refused: non-finite values")
-        if math.isfinite(header.tokens) and header.tokens > allowance.max_tokens:  # a setting to fix, say which
-            raise CarryRefused(f"upload of island {island} refused: it claims {header.tokens:g} tokens, more "
-                               f"than fault_tolerance.carried_tokens ({allowance.max_tokens:g}) of its carrier; if it "
-                               "trains that many in carry_rounds rounds (time-paced: up to its tokens per step x "
-                               "max_inner_steps x carry_rounds), raise carried_tokens on the carrier")
         row = Contribution(float(header.tokens), header.weight, norm=float(values.double().norm()))
         verdict = judge_contributions([row], [allowance], weighting, 0.0)[0]
         if not verdict.accepted:
-            raise CarryRefused(f"upload of island {island} refused: {verdict.reason}")
+            raise CarryRefused(f"upload of island {island} refused: {verdict.reason}"
+                               + (CARRIED_TOKENS_FIX if row.tokens > allowance.max_tokens else ""))
         return Upload(island, base_step, float(header.tokens), values)
+
+
+# What a refused token claim means on a carrier: its allowance is `carried_tokens`.
+CARRIED_TOKENS_FIX = ("; a carrier allows one upload fault_tolerance.carried_tokens: if the thin island trains that "
+                      "many in carry_rounds rounds (time-paced: up to its tokens per step x max_inner_steps x "
+                      "carry_rounds), raise carried_tokens on the carrier")
 
 
 def _nonce(nonce: int) -> int:

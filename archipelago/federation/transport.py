@@ -44,13 +44,7 @@ from typing import Any
 
 from torchft.checkpointing.transport import CheckpointTransport
 
-from archipelago.federation.http_serving import (  # noqa: F401 - FRAME_HEADER: part of this module's face
-    CHUNK,
-    FRAME_HEADER,
-    DeadlineConnection,
-    HeadHandler,
-    RequestServer,
-)
+from archipelago.federation.http_serving import CHUNK, FRAME_HEADER, DeadlineConnection, HeadHandler, RequestServer
 from archipelago.federation.state_format import (
     StateFormatError,
     decode_state,
