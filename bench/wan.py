@@ -137,7 +137,6 @@ from netns import (  # noqa: E402
     wan_bytes,
 )
 
-from archipelago.config.schema import FaultToleranceConfig  # noqa: E402
 from archipelago.launch.local_options import inject_arg  # noqa: E402
 
 LH_PORT = 29510
@@ -273,16 +272,10 @@ def carry_args(setting: Setting, args: argparse.Namespace, wan: Wan, island: int
 
 
 def carry_steps(args: argparse.Namespace) -> int:
-    """The most inner steps of the thin island in one of its rounds: sync_steps, or, time-paced
-    (`--extra --fault_tolerance.round_pacing time`), max_inner_steps (its steps follow its speed)."""
-    extra = list(args.extra)
-
-    def value(key: str, default: str) -> str:
-        return extra[extra.index(key) + 1] if key in extra[:-1] else default
-
-    if value("--fault_tolerance.round_pacing", "steps") != "time":
-        return args.sync_steps
-    return int(value("--fault_tolerance.max_inner_steps", str(FaultToleranceConfig().max_inner_steps)))
+    """The most inner steps of the thin island in one of its rounds: --sync-steps, or, time-paced
+    (the resolved config's round_pacing, e.g. `--extra --fault_tolerance.round_pacing time`), its
+    max_inner_steps (its steps follow its speed). Needs `resolve_facts(args)` first."""
+    return args.max_inner_steps if args.round_pacing == "time" else args.sync_steps
 
 
 def fault_env(args: argparse.Namespace, island: int) -> dict[str, str]:
@@ -747,12 +740,20 @@ def model_facts(config: Path, extra: list[str]) -> dict[str, Any]:
     cfg = load_config(["--config", str(config), *extra], prog="bench/wan.py")
     model = get_model_args(cfg.model.name, cfg.model.flavor, vocab_size=cfg.data.vocab_size)
     return {"params": model.num_params(), "model": f"{cfg.model.name} {cfg.model.flavor}",
-            "seq_len": cfg.data.seq_len}
+            "seq_len": cfg.data.seq_len, "round_pacing": cfg.fault_tolerance.round_pacing,
+            "max_inner_steps": cfg.fault_tolerance.max_inner_steps}
+
+
+def resolve_facts(args: argparse.Namespace) -> dict[str, Any]:
+    """The resolved config's facts (model_facts), and those the islands' arguments use kept on `args`."""
+    facts = model_facts(args.config, args.extra)
+    args.params, args.seq_len = facts["params"], facts["seq_len"]
+    args.round_pacing, args.max_inner_steps = facts["round_pacing"], facts["max_inner_steps"]
+    return facts
 
 
 def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]:
-    facts = model_facts(args.config, args.extra)
-    args.params, args.seq_len = facts["params"], facts["seq_len"]
+    facts = resolve_facts(args)
     root = args.work_dir or Path(f"/tmp/bench-wan-{time.strftime('%Y%m%d-%H%M%S')}-{run_id}")
     root.mkdir(parents=True, exist_ok=True)
     subprocess.run([python_bin(), "-m", "archipelago.launch.cli", "data", "prepare", "--config", str(args.config),

@@ -318,7 +318,7 @@ def test_wan_bench_gives_the_carrier_the_thin_islands_most_tokens_per_upload(mon
     def carried(*extra: str) -> int:
         args = wan.parse_args(["--settings", "t", "--island-rates", "100,100,5", "--carry-rounds", "3",
                                "--extra", *extra])
-        args.seq_len = 128  # read from the resolved config when the bench runs
+        wan.resolve_facts(args)  # seq_len and the pacing, from the resolved config (no training)
         got = wan.carry_args(wan.SETTINGS["t"], args, None, 0)
         return int(got[got.index("--fault_tolerance.carried_tokens") + 1])
 
