@@ -33,6 +33,12 @@ applies to all of them):
   covers (a thin row otherwise takes half of its round's step).
 * `cancel`: the sum is divided by the discounted weights (the discount then only shifts
   the shares between rows).
+* `arrival`: no row is late at all: an overlapped exchange's outer step is applied as soon
+  as it arrives, `arrival` inner steps into the next round, and every island that handed
+  off moves to the new global weights plus its progress since (what Streaming DiLoCo's
+  overlap does, with the progress kept whole); its next row then starts from that step
+  (staleness 0), and only its first `arrival` inner steps were trained from the island's
+  own weights.
 
     python bench/stale_corrections.py --workers 2          # 32 minutes on the 2-core machine
     python bench/stale_corrections.py --workers 2 --only A --steps 240 --names synchronous,discount,heloco \
@@ -66,6 +72,9 @@ RUNS: list[tuple[str, str, dict[str, Any]]] = [  # (case, name, settings)
     ("A", "project", {"exponent": 0, "project": 1.0}),
     ("A", "lookahead 0.5", {"exponent": 0, "lookahead": 0.5}),
     ("A", "outer_lr 1.3", {"exponent": 0, "outer_lr": 1.3}),
+    ("A", "arrival after 1 step", {"exponent": 0, "arrival": 1}),
+    ("A", "arrival after 2 steps", {"exponent": 0, "arrival": 2}),
+    ("A", "arrival after 3 steps", {"exponent": 0, "arrival": 3}),
     ("T", "members alone (synchronous)", {"mode": "synchronous", "islands": 2, "thin": False}),
     ("T", "all three synchronous", {"mode": "synchronous", "islands": 3, "thin": False}),
     ("T", "discount a=0.5", {"exponent": 0.5}),
@@ -147,6 +156,27 @@ def corrected_rounds(simulation: Any, s: dict[str, Any]) -> type:
                         weights = self.bases[k] - gamma * self.reference
                         self.islands[k].write(0, weights)
                         self.bases[k] = weights.clone()
+
+        def after_inner_step(self, tokens: Any) -> None:
+            if s.get("arrival") and self.local_step + 1 == s["arrival"]:
+                super().after_inner_step(tokens)
+                self.arrive()
+            else:
+                super().after_inner_step(tokens)
+
+        def arrive(self) -> None:
+            """`arrival`: the rows handed off at the last boundary enter now, and each island
+            that handed one off moves to the new global weights plus its progress since."""
+            handed = sorted({h.island for h in self.in_flight if h.entry == self.boundary + 1})
+            if not handed:
+                return
+            self.boundary += 1  # enter_due takes the rows due at a boundary
+            self.enter_due()
+            self.boundary -= 1
+            for k in handed:
+                new = self.core.rebased(0, self.own_in_flight(k))
+                self.islands[k].write(0, self.islands[k].flat(0) - self.bases[k] + new)
+                self.bases[k], self.base_steps[k] = new.clone(), self.step
 
         def correct(self, h: Any) -> None:
             """The variant applied to a row (an island's own, or an upload) entering late."""
