@@ -75,6 +75,7 @@ RUNS: list[tuple[str, str, dict[str, Any]]] = [  # (case, name, settings)
     ("A", "arrival after 1 step", {"exponent": 0, "arrival": 1}),
     ("A", "arrival after 2 steps", {"exponent": 0, "arrival": 2}),
     ("A", "arrival after 3 steps", {"exponent": 0, "arrival": 3}),
+    ("A", "arrival after 5 steps", {"exponent": 0, "arrival": 5}),
     ("T", "members alone (synchronous)", {"mode": "synchronous", "islands": 2, "thin": False}),
     ("T", "all three synchronous", {"mode": "synchronous", "islands": 3, "thin": False}),
     ("T", "discount a=0.5", {"exponent": 0.5}),
