@@ -31,6 +31,9 @@ do to a staleness-1 contribution, whose weight is (1 + 1)^-a of its undiscounted
 at staleness 1, C's thin island's at 2 or 3; the `dropped` column shows whether any was left
 out).
 
+`--arrival-steps N` makes every decoupled run apply each overlapped exchange N inner steps
+into the next round (the quality simulator's `arrival_steps`; its rows are then not stale).
+
 Decoupled rounds end with the last contributions still in flight, so `val_loss` (island 0,
 what it holds at the end, as the simulator evaluates) is also given drained:
 `val_loss_drained`, the global weights once those contributions have entered (an outer step
@@ -88,8 +91,13 @@ def sync_job(experiment: str, family: str, islands: int, lr: float, sim: dict[st
             "overrides": [f"{FT}round_mode=synchronous", f"{FT}outer_lr={fmt(lr)}"], "sim": sim}
 
 
+ARRIVAL = {"steps": 0}  # --arrival-steps: every decoupled run's (0: each exchange enters at the next round's end)
+
+
 def decoupled_job(experiment: str, family: str, islands: int, exponent: float,
                   sim: dict[str, Any]) -> dict[str, Any]:
+    if ARRIVAL["steps"]:
+        sim = {**sim, "arrival_steps": ARRIVAL["steps"]}
     return {"experiment": experiment, "family": family, "setting": f"{family} a={fmt(exponent)}", "islands": islands,
             "overrides": [f"{FT}round_mode=decoupled", f"{FT}staleness_exponent={fmt(exponent)}",
                           f"{FT}overlap_threshold=0"], "sim": sim}
@@ -335,6 +343,9 @@ def parse_args() -> argparse.Namespace:
                    help="decoupled: staleness_exponent values tuned (default 0 0.5 1)")
     p.add_argument("--outer-lrs", type=float, nargs="+", default=[1.0, 0.7, 0.5],
                    help="synchronous baselines: outer_lr values tuned (default 1 0.7 0.5)")
+    p.add_argument("--arrival-steps", type=int, default=0, help="decoupled runs: each overlapped exchange enters "
+                   "this many inner steps into the next round, the islands keeping their progress since "
+                   "(the quality simulator's arrival_steps; default 0: at the next round's end)")
     p.add_argument("--eval-windows", type=int, default=256, help="held-out windows every run evaluates (default 256)")
     p.add_argument("--workers", type=int, default=1, help="runs at a time (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
@@ -352,6 +363,7 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--only takes A, B and/or C, not {args.only}")
     args.wall_ticks = args.wall_ticks or args.steps
     args.log = args.log or args.out.with_suffix(".runs.jsonl")
+    ARRIVAL["steps"] = args.arrival_steps  # the workers get it in each job's `sim`
     return args
 
 
@@ -430,6 +442,7 @@ def main() -> None:
                  "extra": args.extra, "steps": args.steps, "wall_ticks": args.wall_ticks,
                  "eval_windows": args.eval_windows, "seeds": args.seeds, "tuning_seed": args.tuning_seed,
                  "exponents": args.exponents, "outer_lrs": args.outer_lrs, "only": args.only,
+                 "arrival_steps": args.arrival_steps,
                  "common_overrides": list(COMMON), "max_staleness": "default (4)"})
     write_json(args.out, {"meta": meta, "choices": choices, "comparisons": table,
                           "runs": sorted(rows, key=lambda r: (r["phase"], r["experiment"], r["setting"], r["seed"]))})

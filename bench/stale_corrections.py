@@ -33,12 +33,12 @@ applies to all of them):
   covers (a thin row otherwise takes half of its round's step).
 * `cancel`: the sum is divided by the discounted weights (the discount then only shifts
   the shares between rows).
-* `arrival`: no row is late at all: an overlapped exchange's outer step is applied as soon
-  as it arrives, `arrival` inner steps into the next round, and every island that handed
-  off moves to the new global weights plus its progress since (what Streaming DiLoCo's
-  overlap does, with the progress kept whole); its next row then starts from that step
-  (staleness 0), and only its first `arrival` inner steps were trained from the island's
-  own weights.
+* `arrival`: no row is late at all (the quality simulator's `arrival_steps`): an overlapped
+  exchange's outer step is applied as soon as it arrives, `arrival` inner steps into the
+  next round, and every island that handed off moves to the new global weights plus its
+  progress since (what Streaming DiLoCo's overlap does, with the progress kept whole); its
+  next row then starts from that step (staleness 0), and only its first `arrival` inner
+  steps were trained from the island's own weights.
 
     python bench/stale_corrections.py --workers 2          # 32 minutes on the 2-core machine
     python bench/stale_corrections.py --workers 2 --only A --steps 240 --names synchronous,discount,heloco \
@@ -158,27 +158,6 @@ def corrected_rounds(simulation: Any, s: dict[str, Any]) -> type:
                         self.islands[k].write(0, weights)
                         self.bases[k] = weights.clone()
 
-        def after_inner_step(self, tokens: Any) -> None:
-            if s.get("arrival") and self.local_step + 1 == s["arrival"]:
-                super().after_inner_step(tokens)
-                self.arrive()
-            else:
-                super().after_inner_step(tokens)
-
-        def arrive(self) -> None:
-            """`arrival`: the rows handed off at the last boundary enter now, and each island
-            that handed one off moves to the new global weights plus its progress since."""
-            handed = sorted({h.island for h in self.in_flight if h.entry == self.boundary + 1})
-            if not handed:
-                return
-            self.boundary += 1  # enter_due takes the rows due at a boundary
-            self.enter_due()
-            self.boundary -= 1
-            for k in handed:
-                new = self.core.rebased(0, self.own_in_flight(k))
-                self.islands[k].write(0, self.islands[k].flat(0) - self.bases[k] + new)
-                self.bases[k], self.base_steps[k] = new.clone(), self.step
-
         def correct(self, h: Any) -> None:
             """The variant applied to a row (an island's own, or an upload) entering late."""
             if self.step - h.base_step < 1:
@@ -231,6 +210,8 @@ def run_one(case: str, name: str, s: dict[str, Any], steps: int, seed: int, thre
     sim: dict[str, Any] = {}
     if case == "T":
         sim = {"wall_ticks": steps, **(THIN if s.get("thin", True) else {})}
+    if s.get("arrival"):
+        sim["arrival_steps"] = s["arrival"]
     islands = s.get("islands", 3 if case == "T" else 2)
     Corrected = corrected_rounds(simulation, s)
     began, original = time.perf_counter(), simulation._Decoupled

@@ -131,6 +131,53 @@ def test_decoupled_rounds_without_delay_are_the_synchronous_round_bit_for_bit(sh
                            synchronous.models[0].state_dict()["norm.weight"])
 
 
+class _Stub:
+    """An island of the quality simulator without a model: one flat tensor of weights."""
+
+    def __init__(self, weights: torch.Tensor) -> None:
+        self.fragments = [[torch.nn.Parameter(weights.clone())]]
+        self.codecs: list = []
+
+    def flat(self, fragment: int) -> torch.Tensor:
+        return self.fragments[fragment][0].detach().clone()
+
+    def write(self, fragment: int, flat: torch.Tensor) -> None:
+        self.fragments[fragment][0].data.copy_(flat)
+
+
+def test_an_exchange_applied_on_arrival_moves_each_island_to_the_global_weights_plus_its_progress():
+    from archipelago.quality_simulator import _Decoupled
+
+    cfg = _tiny("decoupled")
+    cfg = replace(cfg, fault_tolerance=replace(cfg.fault_tolerance, codec="fp32"))
+    g0 = torch.tensor([1.0, 2.0, 3.0])
+    islands = [_Stub(g0), _Stub(g0)]
+    rounds = _Decoupled(cfg, islands, [1, 1], arrival=1)  # sync_steps 3: rows enter 1 step into the next round
+
+    def delta(k: int, step: int) -> torch.Tensor:  # island k's progress at an inner step (exact in fp32)
+        return torch.tensor([k + 1.0, float(step), -float(k * step)])
+
+    def step(n: int) -> list[torch.Tensor]:
+        for k, island in enumerate(islands):
+            island.write(0, island.flat(0) + delta(k, n))
+        rounds.after_inner_step([4, 4])
+        return [island.flat(0) for island in islands]
+
+    seen = {n: step(n) for n in range(1, 10)}
+    progress = [[sum(delta(k, n) for n in range(a, a + 3)) for k in range(2)] for a in (1, 4, 7)]
+    g1 = g0 + (progress[0][0] + progress[0][1]) / 2  # equal tokens: the mean of both rows
+    g2 = g1 + (progress[1][0] + progress[1][1]) / 2
+    for k in range(2):  # one step after each hand-off: the new global weights plus that step
+        assert torch.equal(seen[4][k], g1 + delta(k, 4))
+        assert torch.equal(seen[7][k], g2 + delta(k, 7))
+        assert torch.equal(seen[9][k], g2 + progress[2][k])  # the third row is handed off, in flight
+    assert rounds.staleness == [0] * 4  # every row started from the outer step before it
+    rounds.finish()
+    assert torch.equal(rounds.core.globals[0].detach(), g2 + (progress[2][0] + progress[2][1]) / 2)
+    with pytest.raises(ValueError, match="arrival_steps 3"):  # a round's end is arrival 0
+        _Decoupled(cfg, [_Stub(g0), _Stub(g0)], [1, 1], arrival=3)
+
+
 def test_the_platform_names_every_setting_decoupled_rounds_cannot_run_with():
     from archipelago.config import ConfigError
     from archipelago.federation.decoupled import check_decoupled
