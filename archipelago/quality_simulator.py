@@ -326,9 +326,9 @@ class _Decoupled:
     outer steps applied since its base); the islands that handed off continue from the new
     global weights minus their own pseudo-gradients still in flight (`OuterCore.rebased`:
     their own progress is not lost while it travels; `eager` False drops it until it
-    enters). With every delay 0 this is the synchronous round, bit for bit. With `arrival` N > 0
-    an overlapping exchange (delay 1) enters N inner steps into the next round instead (when
-    it has arrived), and the islands whose rows entered move to the new global weights plus
+    enters). With every delay 0 this is the synchronous round, bit for bit. With
+    `arrival_steps` N > 0 an overlapping exchange (delay 1) enters N inner steps into the next
+    round instead, and the islands whose rows entered move to the new global weights plus
     their progress since the hand-off: their next rows start from that outer step.
 
     A thin island (delay d > 1) is no member of the exchange: every d rounds it uploads its
@@ -342,12 +342,11 @@ class _Decoupled:
     takes time (the scale simulator charges it).
     """
 
-    def __init__(self, cfg: Config, islands: list[_Island], delays: Sequence[int], eager: bool = True,
-                 arrival: int = 0) -> None:
+    def __init__(self, cfg: Config, islands: list[_Island], delays: Sequence[int], eager: bool = True) -> None:
         self.ft, self.islands, self.delays, self.eager = cfg.fault_tolerance, islands, list(delays), eager
-        if not 0 <= arrival < self.ft.sync_steps:
-            raise ValueError(f"arrival_steps {arrival}: from 0 (the next round's end) to sync_steps - 1")
-        self.arrival = arrival
+        self.arrival = self.ft.arrival_steps
+        if not 0 <= self.arrival < self.ft.sync_steps:
+            raise ValueError(f"arrival_steps {self.arrival}: from 0 (the next round's end) to sync_steps - 1")
         if len(islands[0].fragments) != 1:
             raise ValueError("decoupled rounds synchronise the whole model at once: num_fragments = 1")
         if self.ft.average_optimizer_state or self.ft.adam_federation_batch:
@@ -383,7 +382,7 @@ class _Decoupled:
             self.round_boundary()
 
     def arrive(self) -> None:
-        """`arrival` inner steps into a round: the members' rows handed off at its start enter
+        """`arrival_steps` inner steps into a round: the members' rows handed off at its start enter
         now, and each island whose own row entered moves to the new global weights plus its
         progress since the hand-off (its next row starts from this outer step)."""
         due = [h for h in self.in_flight if h.entry == self.boundary + 1]
@@ -498,8 +497,7 @@ class _Decoupled:
 def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval_windows: int = 256,
              eval_every: int | None = None, log: Callable[[str], None] | None = None, ranks: int = 1,
              slow_period: int = 0, link_ticks: Sequence[int] | None = None,
-             wall_ticks: int = 0, handoff_delays: Sequence[int] | None = None, drain: bool = True,
-             arrival_steps: int = 0) -> SimResult:
+             wall_ticks: int = 0, handoff_delays: Sequence[int] | None = None, drain: bool = True) -> SimResult:
     """Train `islands` islands of `cfg` for `cfg.training.steps` inner steps each.
 
     With `fault_tolerance.enable` they meet in outer steps; without it (one island) this
@@ -522,8 +520,6 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
     T instead of a token budget (equal wall-clock), every schedule following the ticks.
     `drain` (decoupled rounds): the contributions still in flight at the end enter before
     the last evaluation, as the platform's islands let them in (False: left out).
-    `arrival_steps` N > 0 (decoupled rounds): an overlapping exchange enters N inner steps
-    into the next round, not at its end (`_Decoupled`; the platform does not do this yet).
     """
     device = torch.device(device)
     t = cfg.training
@@ -548,7 +544,7 @@ def simulate(cfg: Config, islands: int, device: str | torch.device = "cpu", eval
         delays, pause = decoupled_delays(links, ft.sync_steps, ft.overlap_threshold)
         if handoff_delays is not None:
             delays, pause = list(handoff_delays), 0
-        outer = _Decoupled(cfg, crew, delays, arrival=arrival_steps)
+        outer = _Decoupled(cfg, crew, delays)
     elif ft.enable:
         outer = _Outer(cfg, crew)
     tokens_per_step = t.batch_size * task.tokens_per_sample

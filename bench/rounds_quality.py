@@ -32,7 +32,7 @@ at staleness 1, C's thin island's at 2 or 3; the `dropped` column shows whether 
 out).
 
 `--arrival-steps N` makes every decoupled run apply each overlapped exchange N inner steps
-into the next round (the quality simulator's `arrival_steps`; its rows are then not stale).
+into the next round (`fault_tolerance.arrival_steps`; its rows are then not stale).
 
 Decoupled rounds end with the last contributions still in flight, so `val_loss` (island 0,
 what it holds at the end, as the simulator evaluates) is also given drained:
@@ -96,11 +96,10 @@ ARRIVAL = {"steps": 0}  # --arrival-steps: every decoupled run's (0: each exchan
 
 def decoupled_job(experiment: str, family: str, islands: int, exponent: float,
                   sim: dict[str, Any]) -> dict[str, Any]:
-    if ARRIVAL["steps"]:
-        sim = {**sim, "arrival_steps": ARRIVAL["steps"]}
+    arrival = [f"{FT}arrival_steps={ARRIVAL['steps']}"] if ARRIVAL["steps"] else []
     return {"experiment": experiment, "family": family, "setting": f"{family} a={fmt(exponent)}", "islands": islands,
             "overrides": [f"{FT}round_mode=decoupled", f"{FT}staleness_exponent={fmt(exponent)}",
-                          f"{FT}overlap_threshold=0"], "sim": sim}
+                          f"{FT}overlap_threshold=0", *arrival], "sim": sim}
 
 
 def jobs_a(lrs: list[float], exponents: list[float]) -> list[dict[str, Any]]:
@@ -345,7 +344,7 @@ def parse_args() -> argparse.Namespace:
                    help="synchronous baselines: outer_lr values tuned (default 1 0.7 0.5)")
     p.add_argument("--arrival-steps", type=int, default=0, help="decoupled runs: each overlapped exchange enters "
                    "this many inner steps into the next round, the islands keeping their progress since "
-                   "(the quality simulator's arrival_steps; default 0: at the next round's end)")
+                   "(fault_tolerance.arrival_steps; default 0: at the next round's end)")
     p.add_argument("--eval-windows", type=int, default=256, help="held-out windows every run evaluates (default 256)")
     p.add_argument("--workers", type=int, default=1, help="runs at a time (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
@@ -363,7 +362,7 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--only takes A, B and/or C, not {args.only}")
     args.wall_ticks = args.wall_ticks or args.steps
     args.log = args.log or args.out.with_suffix(".runs.jsonl")
-    ARRIVAL["steps"] = args.arrival_steps  # the workers get it in each job's `sim`
+    ARRIVAL["steps"] = args.arrival_steps  # the workers get it in each decoupled job's overrides
     return args
 
 

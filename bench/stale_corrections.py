@@ -33,7 +33,7 @@ applies to all of them):
   covers (a thin row otherwise takes half of its round's step).
 * `cancel`: the sum is divided by the discounted weights (the discount then only shifts
   the shares between rows).
-* `arrival`: no row is late at all (the quality simulator's `arrival_steps`): an overlapped
+* `arrival`: no row is late at all (`fault_tolerance.arrival_steps`): an overlapped
   exchange's outer step is applied as soon as it arrives, `arrival` inner steps into the
   next round, and every island that handed off moves to the new global weights plus its
   progress since (what Streaming DiLoCo's overlap does, with the progress kept whole); its
@@ -204,14 +204,12 @@ def run_one(case: str, name: str, s: dict[str, Any], steps: int, seed: int, thre
     over = [f"{FT}round_mode={mode}"]
     if mode == "decoupled":
         over += [f"{FT}staleness_exponent={s['exponent']}", f"{FT}overlap_threshold=0",
-                 f"{FT}outer_lr={s.get('outer_lr', 1.0)}"]
+                 f"{FT}outer_lr={s.get('outer_lr', 1.0)}", f"{FT}arrival_steps={s.get('arrival', 0)}"]
     cfg = load_config(["--config", str(REPO / "configs/llama3/federation.toml"), *COMMON, *over,
                        "--training.steps", str(steps), "--training.seed", str(seed)])
     sim: dict[str, Any] = {}
     if case == "T":
         sim = {"wall_ticks": steps, **(THIN if s.get("thin", True) else {})}
-    if s.get("arrival"):
-        sim["arrival_steps"] = s["arrival"]
     islands = s.get("islands", 3 if case == "T" else 2)
     Corrected = corrected_rounds(simulation, s)
     began, original = time.perf_counter(), simulation._Decoupled

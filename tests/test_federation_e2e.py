@@ -105,21 +105,24 @@ def test_auto_moments_follow_the_link_on_every_rank_of_a_two_rank_island(tmp_pat
 
 @pytest.mark.slow  # over 30 s on 2 cores: make test-slow (CI runs it)
 @pytest.mark.timeout(600)
-def test_decoupled_rounds_on_a_two_rank_island_train_the_simulators_weights(tmp_path):
+@pytest.mark.parametrize("arrival", [0, 1], ids=["at-the-round-end", "one-step-in"])
+def test_decoupled_rounds_on_a_two_rank_island_train_the_simulators_weights(tmp_path, arrival):
     from archipelago.config import load_config
     from archipelago.quality_simulator import simulate
 
     # Decoupled rounds whose every exchange overlaps the next round, with an FSDP island of
     # two ranks beside a one-rank island: the rebase and the decisions cross the 2-rank
-    # island's shards; the run ends with the last exchange let in, on the global weights.
-    decoupled = ["--fault_tolerance.round_mode", "decoupled", "--fault_tolerance.overlap_threshold", "0"]
+    # island's shards (also when the exchange is applied during the next round,
+    # arrival_steps); the run ends with the last exchange let in, on the global weights.
+    decoupled = ["--fault_tolerance.round_mode", "decoupled", "--fault_tolerance.overlap_threshold", "0",
+                 "--fault_tolerance.arrival_steps", str(arrival)]
     mixed = _federation(tmp_path, "mixed", "2,1", *decoupled, "--training.steps", "12")
     assert mixed["global_hash_agree"], mixed["islands"]
     assert [i["ranks"] for i in mixed["islands"]] == [2, 1]
     a, c = _final_weights(tmp_path / "mixed" / "island-0"), _final_weights(tmp_path / "mixed" / "island-1")
     cfg = load_config([*TINY, *ROUND, "--training.steps", "12", *decoupled, "--fault_tolerance.enable"])
     sim = simulate(cfg, islands=2, eval_windows=8, handoff_delays=[1, 1])
-    assert sim.staleness == [0, 0, 1, 1, 1, 1]
+    assert sim.staleness == ([0, 0, 1, 1, 1, 1] if not arrival else [0] * 6)
     even = sim.models[0].state_dict()
     assert len(a) > 10 and a.keys() == c.keys() and {n.split("model.", 1)[1] for n in a} == even.keys()
     for name in a:

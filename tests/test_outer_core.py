@@ -149,10 +149,10 @@ def test_an_exchange_applied_on_arrival_moves_each_island_to_the_global_weights_
     from archipelago.quality_simulator import _Decoupled
 
     cfg = _tiny("decoupled")
-    cfg = replace(cfg, fault_tolerance=replace(cfg.fault_tolerance, codec="fp32"))
+    cfg = replace(cfg, fault_tolerance=replace(cfg.fault_tolerance, codec="fp32", arrival_steps=1))
     g0 = torch.tensor([1.0, 2.0, 3.0])
     islands = [_Stub(g0), _Stub(g0)]
-    rounds = _Decoupled(cfg, islands, [1, 1], arrival=1)  # sync_steps 3: rows enter 1 step into the next round
+    rounds = _Decoupled(cfg, islands, [1, 1])  # sync_steps 3: rows enter 1 step into the next round
 
     def delta(k: int, step: int) -> torch.Tensor:  # island k's progress at an inner step (exact in fp32)
         return torch.tensor([k + 1.0, float(step), -float(k * step)])
@@ -174,8 +174,9 @@ def test_an_exchange_applied_on_arrival_moves_each_island_to_the_global_weights_
     assert rounds.staleness == [0] * 4  # every row started from the outer step before it
     rounds.finish()
     assert torch.equal(rounds.core.globals[0].detach(), g2 + (progress[2][0] + progress[2][1]) / 2)
-    with pytest.raises(ValueError, match="arrival_steps 3"):  # a round's end is arrival 0
-        _Decoupled(cfg, [_Stub(g0), _Stub(g0)], [1, 1], arrival=3)
+    late = replace(cfg, fault_tolerance=replace(cfg.fault_tolerance, arrival_steps=3))
+    with pytest.raises(ValueError, match="arrival_steps 3"):  # a round's end is arrival_steps 0
+        _Decoupled(late, [_Stub(g0), _Stub(g0)], [1, 1])
 
 
 def test_the_platform_names_every_setting_decoupled_rounds_cannot_run_with():
@@ -193,3 +194,21 @@ def test_the_platform_names_every_setting_decoupled_rounds_cannot_run_with():
                 "a codec other than \"auto\""):
         assert fix in message, message
     assert "fragment_update_alpha" not in message and "adam_federation_batch" not in message  # only what is wrong
+
+
+def test_arrival_steps_must_fall_inside_the_next_round_of_a_decoupled_federation():
+    from archipelago.config.validate import fault_tolerance_problems
+    from archipelago.federation.membership import fingerprint, mismatch
+
+    decoupled = FaultToleranceConfig(enable=True, round_mode="decoupled", sync_steps=10)
+    assert not fault_tolerance_problems(replace(decoupled, arrival_steps=9))
+    late = fault_tolerance_problems(replace(decoupled, arrival_steps=10))
+    assert any("arrival_steps = 10" in p and "sync_steps - 1 = 9" in p for p in late), late
+    timed = replace(decoupled, round_pacing="time", round_seconds=30.0, min_inner_steps=3, arrival_steps=3)
+    assert any("raise min_inner_steps" in p for p in fault_tolerance_problems(timed))
+    assert not fault_tolerance_problems(replace(timed, min_inner_steps=4))
+    synchronous = fault_tolerance_problems(replace(decoupled, round_mode="synchronous", arrival_steps=2))
+    assert any("only decoupled rounds" in p for p in synchronous), synchronous
+    # Every island must apply the exchanges alike (the rows' staleness follows): the join compares it.
+    prints = [fingerprint("llama3", [("w", (2, 2))], replace(decoupled, arrival_steps=n), 1, 512) for n in (0, 2)]
+    assert mismatch(prints[0], prints[1]) is not None and "applied 2 steps in" in prints[1]["pacing"]

@@ -189,6 +189,15 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
     _require(math.isfinite(ft.overlap_threshold) and ft.overlap_threshold >= 0,
              f"fault_tolerance.overlap_threshold = {ft.overlap_threshold}: must be >= 0 (a fraction of the round; "
              "0: every exchange overlaps the next round)", p)
+    _require(ft.arrival_steps == 0 or ft.round_mode == "decoupled",
+             f"fault_tolerance.arrival_steps = {ft.arrival_steps}: only decoupled rounds apply an exchange during "
+             "the next round; set round_mode = \"decoupled\" or arrival_steps = 0", p)
+    steps_in_round = ft.sync_steps if ft.round_pacing == "steps" else ft.min_inner_steps
+    _require(0 <= ft.arrival_steps < max(steps_in_round, 1),
+             f"fault_tolerance.arrival_steps = {ft.arrival_steps}: must be 0 (at the next round's end) up to "
+             + (f"sync_steps - 1 = {ft.sync_steps - 1}" if ft.round_pacing == "steps" else
+                f"min_inner_steps - 1 = {ft.min_inner_steps - 1} (raise min_inner_steps: a time-paced round "
+                "must not end before its exchange is applied)"), p)
 
 
 def fault_tolerance_problems(ft: FaultToleranceConfig) -> list[str]:

@@ -15,8 +15,11 @@ Everything every island must see alike comes from the members' signed agreement 
 * whether the next exchange overlaps: some member measured its last exchange above
   `overlap_threshold` of its round's compute seconds (0: always overlap);
 * the staleness of an exchange's rows: 1 when the previous exchange was overlapped by some
-  member and applied an outer step (its rows were taken from weights that step had not
-  reached), else 0. An island that joined or healed sends nothing in that exchange.
+  member and applied an outer step at this round's end (its rows were taken from weights
+  that step had not reached), else 0; with `arrival_steps` the overlapped exchange is applied
+  that many inner steps into the next round, every island moves to the new global weights
+  plus its progress since, and the rows are not stale. An island that joined or healed sends
+  nothing in that exchange.
 
 This object holds no collective: OuterLoop drives it on its bridge ranks (the tensors are
 their chunks of the flat layout) and on every rank (the decisions).
@@ -37,8 +40,9 @@ OVERLAP_SCALE = 1e6  # a measured fraction travels in the agreement frame's inte
 class Handoffs:
     """One island's decoupled-round state."""
 
-    def __init__(self, threshold: float) -> None:
+    def __init__(self, threshold: float, arrival_steps: int = 0) -> None:
         self.threshold = threshold
+        self.arrival_steps = arrival_steps   # > 0: an overlapped exchange is applied that far into the next round
         self.base: list[torch.Tensor] = []   # per fragment: the weights its next pseudo-gradient starts from
         self.carry: list[torch.Tensor | None] = []  # per fragment: a lost exchange's pseudo-gradient, resent
         self.overlaps = threshold <= 0       # the next exchange overlaps the next round
@@ -80,8 +84,10 @@ class Handoffs:
 
     def settle(self, overlapped: bool, overlaps_next: bool, applied: bool) -> None:
         """What every island of the round decided (`decide`, combined over its ranks), and
-        whether the exchange applied an outer step."""
-        self.stale = overlapped and applied
+        whether the exchange applied an outer step. Applied during the next round
+        (`arrival_steps`), every island then moves to its global weights, so the next rows are
+        not stale."""
+        self.stale = overlapped and applied and not self.arrival_steps
         self.overlapped, self.overlaps = overlapped, overlaps_next
 
 

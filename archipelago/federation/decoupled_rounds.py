@@ -1,8 +1,8 @@
 """The outer loop's decoupled rounds (`fault_tolerance.round_mode = "decoupled"`,
 docs/rounds.md): at a round's end, finish the exchange that overlapped the round just
-trained, hand off the new pseudo-gradient and train on; once the rows of a two-phase
-exchange are in (or halfway through the round where the wire cannot tell), judge them and
-start its second phase.
+trained (or, with `arrival_steps`, that many inner steps into it), hand off the new
+pseudo-gradient and train on; once the rows of a two-phase exchange are in (or halfway
+through the round where the wire cannot tell), judge them and start its second phase.
 
 `Handoffs` (decoupled.py) holds the island's base weights and the decisions every island
 shares; this part drives them from the outer loop (diloco.OuterLoop, the `DecoupledHost`
@@ -58,7 +58,7 @@ class DecoupledHost(Protocol):
 
     def prepare(self, joining: bool = False, need: int = 1) -> bool: ...
 
-    def perform(self, inner_step: int) -> OuterReport: ...
+    def perform(self, inner_step: int, mid_round: bool = False) -> OuterReport: ...
 
 
 class DecoupledRounds:
@@ -66,8 +66,10 @@ class DecoupledRounds:
 
     def __init__(self, host: DecoupledHost) -> None:
         self.host = host
-        self.handoffs = Handoffs(host.ft.overlap_threshold)
+        self.handoffs = Handoffs(host.ft.overlap_threshold, host.ft.arrival_steps)
         self.early_reports: list[OuterReport] = []  # a round end that finished two exchanges: the first
+        self.applied = False      # the last exchange settled applied an outer step (every rank alike)
+        self.took_global = False  # ... and its overlapped island took the global weights (healed or refused)
 
     def round_end(self, inner_step: int) -> OuterReport | None:
         """Finish the exchange that overlapped this round (its outer step), hand off this
@@ -101,6 +103,33 @@ class DecoupledRounds:
         h.layouts[p.fragment].scatter(new)
         if new is not None:
             self.handoffs.rebase(p.fragment, new)
+
+    def arrival_due(self) -> bool:
+        """`arrival_steps` inner steps into a round whose exchange overlaps it: apply it now?
+        (Every rank counts the same steps: no collective.)"""
+        h = self.host
+        p = h.pending
+        return bool(h.ft.arrival_steps) and p is not None and p.overlapped and h.local_step == h.ft.arrival_steps
+
+    def arrive(self, inner_step: int) -> None:
+        """Apply the overlapped exchange now (waiting for it if it is not in yet) and move the
+        island to the new global weights plus its progress since the hand-off, so its next row
+        starts from this outer step. Its report goes out with the round's (`early_reports`)."""
+        h = self.host
+        assert h.pending is not None
+        fragment = h.pending.fragment
+        self.applied = self.took_global = False
+        self.early_reports.append(h.perform(inner_step, mid_round=True))
+        if self.applied and not self.took_global:
+            local = h.layouts[fragment].gather()  # a collective over the island's ranks
+            new = base = None
+            if local is not None and h.core is not None:  # bridge ranks
+                base = h.core.rebased(fragment, [])  # the new global weights: the next row's base
+                new = local.to(base.device) - self.handoffs.base[fragment] + base
+            h.layouts[fragment].scatter(new)
+            if base is not None:
+                self.handoffs.rebase(fragment, base)  # the next row: all progress since the hand-off
+        h.book.blocked()  # time pacing: the wait is not an inner step's length
 
     def finish(self, inner_step: int) -> OuterReport | None:
         """At the end of the run (every island at the same round end): the exchange still in
@@ -140,6 +169,7 @@ class DecoupledRounds:
         overlapped, overlaps = self.handoffs.decide(p.facts) if h.is_bridge else (False, False)
         shared = h.ranks.max([float(overlapped), float(overlaps)])
         self.handoffs.settle(shared[0] > 0, shared[1] > 0, applied)
+        self.applied = applied
 
     def after_overlapped(self, p: Pending, own: torch.Tensor | None, committed: bool) -> None:
         """An overlapped exchange finished: its outer step is in the global weights, the
@@ -151,6 +181,7 @@ class DecoupledRounds:
         if p.reset and p.weight > 0:
             self.take_global(p.fragment)
             self.handoffs.sends_nothing = True
+            self.took_global = True
 
     def midway_due(self) -> bool:
         """A two-phase exchange (the reduce-scatter) in flight: judge its rows and start its

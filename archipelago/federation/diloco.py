@@ -176,6 +176,8 @@ class OuterLoop:
         self.book.count_step(tokens, compute_s)
         if self.decoupled is not None and self.decoupled.midway_due():
             self.decoupled.judge_midway()
+        if self.decoupled is not None and self.decoupled.arrival_due():  # never a round's end (validate)
+            self.decoupled.arrive(inner_step)
         if self.ft.round_pacing == "time":
             if not self.book.time_is_up(self.local_step):
                 return None
@@ -303,8 +305,9 @@ class OuterLoop:
         """The island's view: the element-wise max of its ranks' views."""
         return Membership.from_values(self.ranks.max(mine.to_values()))
 
-    def perform(self, inner_step: int) -> OuterReport:
-        """Finish the exchange, vote, and step (or restore) the fragment's global weights."""
+    def perform(self, inner_step: int, mid_round: bool = False) -> OuterReport:
+        """Finish the exchange, vote, and step (or restore) the fragment's global weights.
+        `mid_round` (decoupled rounds' `arrival_steps`): the round goes on, its clock too."""
         p = self.pending
         assert p is not None, "perform() without prepare()"
         self.pending = None
@@ -330,7 +333,8 @@ class OuterLoop:
         if self.carrying is not None:  # the thin island's next download; its rows again if lost
             self.carrying.after_round(p.carried, result.committed, self.outer_step, self.globals[0])
         report = self.outcome.report(p, inner_step, result, tried, blocked_since)
-        self.book.start_clock()
+        if not mid_round:
+            self.book.start_clock()
         return report
 
     # ---- checkpoint (DCP Stateful) -------------------------------------------------

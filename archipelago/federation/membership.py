@@ -324,7 +324,7 @@ def _pacing(ft: FaultToleranceConfig, tokens_per_step: int) -> str:
     # Decoupled rounds: every island must decide overlap and staleness alike (decoupled.py).
     mode = ("" if ft.round_mode == "synchronous" else
             f", decoupled(overlap above {ft.overlap_threshold:g}, staleness^-{ft.staleness_exponent:g} "
-            f"up to {ft.max_staleness})")
+            f"up to {ft.max_staleness}{f', applied {ft.arrival_steps} steps in' if ft.arrival_steps else ''})")
     if ft.round_pacing == "steps":
         return f"steps({ft.sync_steps}) {ft.outer_weighting}{mode}"
     return (f"time({ft.round_seconds:g}s, {ft.min_inner_steps}-{ft.max_inner_steps} steps, "
