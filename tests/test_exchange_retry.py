@@ -457,12 +457,14 @@ def test_archipelago_local_survivors_commit_the_round_a_member_died_in(tmp_path,
 
 @pytest.mark.timeout(300)
 @pytest.mark.slow  # 25 s on 2 cores: make test-slow
-def test_decoupled_rounds_survive_a_member_that_dies_with_its_row_in_flight(tmp_path):
+@pytest.mark.parametrize("arrival", [0, 2], ids=["at-the-round-end", "two-steps-in"])
+def test_decoupled_rounds_survive_a_member_that_dies_with_its_row_in_flight(tmp_path, arrival):
     # Every exchange overlaps the next round; island 2 dies right after handing its row off.
-    # The survivors learn it at their next round end, run that exchange again without it, and
-    # commit it with equal global weights; the last exchange enters at the end of the run.
+    # The survivors learn it when they finish that exchange (at their next round end, or two
+    # steps into the round with arrival_steps), run it again without it, and commit it with
+    # equal global weights; the last exchange enters at the end of the run.
     done, rounds = _drill(tmp_path / "run", 2, "--fault_tolerance.round_mode", "decoupled",
-                          "--fault_tolerance.overlap_threshold", "0")
+                          "--fault_tolerance.overlap_threshold", "0", "--fault_tolerance.arrival_steps", str(arrival))
     fed = json.loads((tmp_path / "run" / "federation.json").read_text())
     assert [i["exit_code"] for i in fed["islands"]] == [0, 0, 128 + signal.SIGKILL], done.output[-4000:]
     # The join round, its empty hand-off, then the exchanges of rounds 1-3, each finished a round later.
@@ -473,6 +475,8 @@ def test_decoupled_rounds_survive_a_member_that_dies_with_its_row_in_flight(tmp_
     assert all(r["committed"] for island in rounds for r in island)  # no round lost
     assert [r["global_hash"] for r in rounds[0]] == [r["global_hash"] for r in rounds[1]]
     assert sum(r["overlap_s"] > 0 for r in rounds[0]) >= 3  # the exchanges overlapped inner steps
+    # Finished at a round's end (steps 4, 8, 12) or two steps into the next round (2, 6, 10).
+    assert {r["step"] % 4 for r in rounds[0][2:-1]} == {arrival}
 
 
 @pytest.mark.timeout(300)
