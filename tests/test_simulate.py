@@ -292,6 +292,23 @@ def test_decoupled_islands_never_wait_and_each_contribution_is_one_step_stale():
     assert sorted(report.staleness) == [0, 0] + [1] * (2 * 179)
 
 
+@pytest.mark.parametrize("exchange_steps", [2, 0.5], ids=["not-in-yet", "in-by-then"])
+def test_decoupled_exchanges_applied_during_the_next_round_are_fresh_and_cost_the_wait(exchange_steps):
+    exchange = _fp32_exchange_s(2)
+    step_s = exchange / exchange_steps  # the exchange lasts `exchange_steps` inner steps
+    report = simulate(scenario_from_dict(_scenario([{"count": 2, "step_s": step_s}], sync_steps=20,
+                                                   round_mode="decoupled", overlap_threshold=0.0,
+                                                   arrival_steps=1)))
+    # By hand: a hand-off every 20 steps; each exchange is applied one step into the next
+    # round, so every contribution starts from the outer step before it (none stale), and
+    # where the exchange lasts longer than that step (`not-in-yet`: two steps) each island
+    # idles one step per round, so every contribution but the first holds 19 steps.
+    rounds = math.floor(3600 / (20 * step_s))
+    assert report.committed == rounds and sorted(report.staleness) == [0] * (2 * rounds)
+    idle = max(0.0, exchange - step_s)
+    assert report.islands[0].compute_s == pytest.approx(20 * step_s + (rounds - 1) * (20 * step_s - idle))
+
+
 def test_decoupled_rounds_wait_for_a_short_exchange_as_a_synchronous_round_does():
     raw = _scenario([{"count": 2, "step_s": 1.0}], sync_steps=20, round_mode="decoupled", overlap_threshold=0.05)
     exchange = _fp32_exchange_s(2)

@@ -54,6 +54,9 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=None, help="failure times' seed (default: the scenario's)")
     p.add_argument("--round-mode", choices=("synchronous", "decoupled"), default=None,
                    help="replace the scenario's fault_tolerance.round_mode (docs/rounds.md)")
+    p.add_argument("--arrival-steps", type=int, default=None, metavar="N",
+                   help="replace the scenario's fault_tolerance.arrival_steps: decoupled rounds apply each "
+                        "overlapped exchange N inner steps into the next round (docs/rounds.md)")
     p.add_argument("--exchange-retries", type=int, default=None, metavar="N",
                    help="replace the scenario's fault_tolerance.exchange_retries: deaths a round's exchange survives")
     p.add_argument("--repair", choices=("restart", "segment"), default=None,
@@ -69,7 +72,8 @@ def cli(argv: list[str]) -> int:
     settings = replace(scenario.settings, **{k: v for k, v in (("hours", args.hours), ("seed", args.seed),
                                                                ("repair", args.repair)) if v is not None})
     ft = replace(scenario.ft, **{k: v for k, v in (("round_mode", args.round_mode),
-                                                   ("exchange_retries", args.exchange_retries)) if v is not None})
+                                                   ("exchange_retries", args.exchange_retries),
+                                                   ("arrival_steps", args.arrival_steps)) if v is not None})
     scenario = replace(scenario, settings=settings, ft=ft)
     _validate(scenario, args.scenario)
     runs = []

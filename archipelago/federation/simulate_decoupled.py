@@ -20,6 +20,10 @@ simulator (archipelago/quality_simulator.py `_Decoupled`) trains them:
    members' exchange: every C rounds it uploads its row (the codec's payload) to a member,
    which carries it into the next round's exchange, and downloads the global weights in
    bf16; C is the smallest number of rounds its link needs for both. It trains throughout.
+   With `arrival_steps` N, each member applies that outer step N of its inner steps into
+   the next round instead of at its end, idling there until the exchange ends if it has
+   not, and trains on from it: its next contribution holds the idle seconds less, and
+   starts from that outer step (not stale).
 4. A contribution's staleness is the number of outer steps applied between the global
    weights it started from (its previous hand-off, or the start of its heal) and the one it
    enters; one staler than `max_staleness` is left out (`OuterCore`'s rule: outer_core.py).
@@ -149,6 +153,8 @@ class DecoupledSimulation(Simulation):
                     for k in members:
                         since[k] = base[k] = max(since[k], end)
                     t = end
+                elif self.ft.arrival_steps:
+                    self._arrive(t, end, lost, members, since, base)
             t += self.period
         return self._report(contributions, sorted(step_ends), rounds, lost_rounds, horizon)
 
@@ -162,6 +168,17 @@ class DecoupledSimulation(Simulation):
             self.stats[k].received += 2 * self.s.settings.params
         since[k], base[k] = t, t
         return c
+
+    def _arrive(self, t: float, end: float, lost: bool, members: list[int], since: list[float],
+                base: list[float]) -> None:
+        """`arrival_steps`: each member applies the exchange handed off at `t` that many of its
+        inner steps later, idle until `end` if it is still travelling (its next contribution
+        holds those seconds less), and trains on from its outer step (unless it was lost)."""
+        for k in members:
+            arrival = t + self.ft.arrival_steps * self.islands[k].step_s
+            since[k] += max(0.0, end - arrival)
+            if not lost:
+                base[k] = end
 
     def _run_exchange(self, start: float, members: list[int]) -> tuple[float, set[int], bool]:
         """The members' exchange from `start` (Simulation._exchange over their own links):
