@@ -206,12 +206,14 @@ def _records(island_dir: Path, event: str) -> list[dict]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["synchronous", pytest.param("decoupled", marks=pytest.mark.slow)])  # make test-slow
+@pytest.mark.parametrize("mode", ["synchronous", pytest.param("decoupled", marks=pytest.mark.slow),
+                                  pytest.param("arrival", marks=pytest.mark.slow)])  # make test-slow
 def test_killed_island_heals_from_a_live_peer_and_all_end_equal(islands, tmp_path, monkeypatch, mode):
     # With a federation key: the restarted island signs its request, the peer its answer.
     # Decoupled: every exchange overlaps the next round; the restarted island resumes from a
     # checkpoint written while an exchange was in flight, joins, heals, and sends nothing in
-    # its first exchange, which it starts with the survivor's next one.
+    # its first exchange, which it starts with the survivor's next one. Arrival: the same,
+    # each exchange applied two steps into the next round (arrival_steps).
     key_file = tmp_path / "fed.key"
     key_file.write_text(run_cli_here(["secret", "new"]).output)
     key_file.chmod(0o600)  # a key others can read is refused
@@ -220,8 +222,9 @@ def test_killed_island_heals_from_a_live_peer_and_all_end_equal(islands, tmp_pat
     # after the crash here, 15 s before the survivor's end); seq_len 128 makes the steps
     # slow enough for that.
     steps = ["--training.steps", "32", "--data.seq_len", "128"]
-    if mode == "decoupled":
-        steps += ["--fault_tolerance.round_mode", "decoupled", "--fault_tolerance.overlap_threshold", "0"]
+    if mode != "synchronous":
+        steps += ["--fault_tolerance.round_mode", "decoupled", "--fault_tolerance.overlap_threshold", "0",
+                  "--fault_tolerance.arrival_steps", "2" if mode == "arrival" else "0"]
     survivor = islands.start(tmp_path, 0, 2, *steps)
     victim = islands.start(tmp_path, 1, 1, *steps, fault="crash@14")  # mid-round (rounds end at 4k)
     assert victim.wait(timeout=300) != 0
