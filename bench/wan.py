@@ -25,6 +25,9 @@ runs for the same wall-clock budget (--budget, `training.time_budget_s`) in each
   i  DiLoCo int8 with `exchange_repair = "segment"`: a member that dies in the exchange
      costs the survivors only what they lack (docs/rounds.md; c restarts the exchange whole);
      with --inject, c and i compare the two repairs over the shaped links (not in the default set)
+  r  h with each overlapped exchange applied --arrival-steps inner steps into the next round
+     (`arrival_steps`): the islands move to its outer step plus their progress since, so no
+     row enters stale; an exchange not in by then is waited for there (not in the default set)
   t  h with the island on the slowest link thin (docs/rounds.md): carried by island 0, it joins
      no quorum, uploads its int8 row every --carry-rounds rounds and downloads the global
      weights in bf16; its "rows entered" are the rows island 0's committed rows carried in,
@@ -176,6 +179,10 @@ SETTINGS = {s.key: s for s in (
     # measured it above overlap_threshold (5%) of its round; its rows enter one outer step late.
     Setting("h", "decoupled DiLoCo int8", args=("--fault_tolerance.codec", "int8",
                                                 "--fault_tolerance.round_mode", "decoupled")),
+    # ... with each exchange applied --arrival-steps into the next round (arrival_steps): the
+    # islands move to its outer step plus their progress since, so no row is stale.
+    Setting("r", "decoupled DiLoCo int8, applied on arrival", args=("--fault_tolerance.codec", "int8",
+                                                                    "--fault_tolerance.round_mode", "decoupled")),
     # A member dead in the exchange: the survivors send each other only what they lack.
     Setting("i", "DiLoCo int8, segment repair", args=("--fault_tolerance.codec", "int8",
                                                       "--fault_tolerance.exchange_repair", "segment")),
@@ -244,7 +251,7 @@ def run_federation(setting: Setting, args: argparse.Namespace, wan: Wan, run_dir
                # Both islands initialise the same weights from the seed (checked at the join), so
                # none downloads them at the start, as DDP ranks need not either (DDP broadcasts them).
                "--fault_tolerance.no_init_sync", *setting.args, *slowdown_args(args, k),
-               *carry_args(setting, args, wan, k), *args.extra]
+               *carry_args(setting, args, wan, k), *arrival_args(setting, args), *args.extra]
         islands.append(start(f"island-{k}", in_namespace(wan.island_ns(k), addr, cmd), island_env,
                              run_dir / f"island-{k}.log"))
     return islands, [lighthouse]
@@ -253,6 +260,11 @@ def run_federation(setting: Setting, args: argparse.Namespace, wan: Wan, run_dir
 def thin_island(args: argparse.Namespace) -> int:
     """The island setting t makes thin: the one on the slowest link (never island 0, its carrier)."""
     return max(range(1, len(args.rates)), key=lambda k: (-args.rates[k], k))
+
+
+def arrival_args(setting: Setting, args: argparse.Namespace) -> list[str]:
+    """Setting r: each overlapped exchange is applied --arrival-steps inner steps into the next round."""
+    return ["--fault_tolerance.arrival_steps", str(args.arrival_steps)] if setting.key == "r" else []
 
 
 def carry_args(setting: Setting, args: argparse.Namespace, wan: Wan, island: int) -> list[str]:
@@ -644,7 +656,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", default=DEFAULT_SETTINGS,
                    help="comma-separated subset of a (DDP), b (fp32), c (int8), d (top-k), e (streaming int8), "
-                        "f (codec auto), g (streaming, codec auto)")
+                        "f (codec auto), g (streaming, codec auto), h (decoupled int8), r (h applied on arrival), "
+                        "i (segment repair), t (h with a thin island carried)")
     p.add_argument("--budget", type=float, default=90.0, help="wall-clock seconds of training per setting")
     p.add_argument("--equal-steps", type=int, default=120,
                    help="inner steps at which every setting evaluates, to compare validation loss at equal "
@@ -659,6 +672,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="also add this one-way delay per shaped direction with netem (default off; needs netem)")
     p.add_argument("--sync-steps", type=int, default=20, help="DiLoCo inner steps per round")
+    p.add_argument("--arrival-steps", type=int, default=5,
+                   help="setting r: inner steps into the next round at which each overlapped exchange is "
+                        "applied (fault_tolerance.arrival_steps; default 5)")
     p.add_argument("--carry-rounds", type=int, default=4,
                    help="setting t: rounds between two uploads of the thin island (default 4)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per island per step")
@@ -783,6 +799,7 @@ def benchmark(args: argparse.Namespace, wan: Wan, run_id: str) -> dict[str, Any]
             "heartbeat_timeout_ms": args.heartbeat_timeout_ms,
             **where_measured(),
             "delay_ms": args.delay_ms, "sync_steps": args.sync_steps, "carry_rounds": args.carry_rounds,
+            "arrival_steps": args.arrival_steps,
             "link_mbit": link, "work_dir": str(root),
             "subnet": str(args.subnet), "no_network_step_s": step_time}
     return {**meta, "settings": results}

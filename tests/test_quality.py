@@ -303,6 +303,9 @@ def test_wan_bench_slows_only_the_islands_it_is_told_to(monkeypatch):
     assert [wan.slowdown_args(args, k) for k in (0, 1)] == [[], ["--island.slowdown", "3"]]
     plain = wan.parse_args(["--settings", "c"])
     assert wan.slowdown_args(plain, 1) == []
+    arriving = wan.parse_args(["--settings", "h,r", "--arrival-steps", "7"])  # only r applies on arrival
+    assert [wan.arrival_args(wan.SETTINGS[k], arriving) for k in ("h", "r")] == \
+        [[], ["--fault_tolerance.arrival_steps", "7"]]
     for bad in (["--island-slowdowns", "1,3,3"], ["--island-slowdowns", "1,0.5"], ["--island-slowdowns", "1,x"],
                 ["--settings", "a,c", "--island-slowdowns", "1,3"]):  # one per island, >= 1, never DDP
         with pytest.raises(SystemExit):
