@@ -212,3 +212,23 @@ def test_arrival_steps_must_fall_inside_the_next_round_of_a_decoupled_federation
     # Every island must apply the exchanges alike (the rows' staleness follows): the join compares it.
     prints = [fingerprint("llama3", [("w", (2, 2))], replace(decoupled, arrival_steps=n), 1, 512) for n in (0, 2)]
     assert mismatch(prints[0], prints[1]) is not None and "applied 2 steps in" in prints[1]["pacing"]
+
+
+def test_an_exchange_not_in_by_arrival_steps_names_the_setting_that_covers_it(caplog):
+    from types import SimpleNamespace
+
+    from archipelago.federation.decoupled_rounds import DecoupledRounds
+    from archipelago.federation.round_book import OuterReport
+
+    caplog.set_level("INFO", logger="archipelago.federation")
+    host = SimpleNamespace(ft=FaultToleranceConfig(round_mode="decoupled", sync_steps=20, arrival_steps=4))
+    rounds = DecoupledRounds(host)  # type: ignore[arg-type]
+    step = OuterReport(step=24, outer_step=3, committed=True, inner_steps=20, compute_s=10.0)  # 0.5 s a step
+    rounds.advise(step)  # nothing waited for
+    assert not caplog.records
+    step.exposed_s = 1.2  # 2.4 steps: 3 more would have covered it
+    rounds.advise(step)
+    assert caplog.records[-1].levelname == "WARNING"
+    assert "waited 1.20 s for it (about 3 steps)" in caplog.text and "arrival_steps = 7 would" in caplog.text
+    rounds.advise(step)  # once warned, then only logged
+    assert caplog.records[-1].levelname == "INFO"

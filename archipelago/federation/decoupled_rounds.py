@@ -12,6 +12,7 @@ here), which runs the exchanges themselves.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any, Protocol
 
@@ -70,6 +71,7 @@ class DecoupledRounds:
         self.early_reports: list[OuterReport] = []  # a round end that finished two exchanges: the first
         self.applied = False      # the last exchange settled applied an outer step (every rank alike)
         self.took_global = False  # ... and its overlapped island took the global weights (healed or refused)
+        self.advised = False      # arrival_steps was too short once already (warned)
 
     def round_end(self, inner_step: int) -> OuterReport | None:
         """Finish the exchange that overlapped this round (its outer step), hand off this
@@ -119,7 +121,9 @@ class DecoupledRounds:
         assert h.pending is not None
         fragment = h.pending.fragment
         self.applied = self.took_global = False
-        self.early_reports.append(h.perform(inner_step, mid_round=True))
+        report = h.perform(inner_step, mid_round=True)
+        self.early_reports.append(report)
+        self.advise(report)
         if self.applied and not self.took_global:
             local = h.layouts[fragment].gather()  # a collective over the island's ranks
             new = base = None
@@ -130,6 +134,20 @@ class DecoupledRounds:
             if base is not None:
                 self.handoffs.rebase(fragment, base)  # the next row: all progress since the hand-off
         h.book.blocked()  # time pacing: the wait is not an inner step's length
+
+    def advise(self, report: OuterReport) -> None:
+        """An exchange not in by `arrival_steps` kept the island waiting: say by how much, and
+        the setting that would have covered it (the quality measured stays within 1% up to
+        about a third of a round: docs/rounds.md)."""
+        step_s = report.compute_s / report.inner_steps if report.inner_steps else 0.0
+        if step_s <= 0 or report.exposed_s < step_s:
+            return
+        cover = self.host.ft.arrival_steps + math.ceil(report.exposed_s / step_s)
+        say, self.advised = (log.info if self.advised else log.warning), True  # warned once, then logged
+        say("outer step %d: its exchange was not in %d inner steps into the round; the island waited "
+                    "%.2f s for it (about %d steps). fault_tolerance.arrival_steps = %d would have covered it",
+                    report.outer_step, self.host.ft.arrival_steps, report.exposed_s,
+                    math.ceil(report.exposed_s / step_s), cover)
 
     def finish(self, inner_step: int) -> OuterReport | None:
         """At the end of the run (every island at the same round end): the exchange still in
