@@ -145,9 +145,9 @@ class DecoupledRounds:
         cover = self.host.ft.arrival_steps + math.ceil(report.exposed_s / step_s)
         say, self.advised = (log.info if self.advised else log.warning), True  # warned once, then logged
         say("outer step %d: its exchange was not in %d inner steps into the round; the island waited "
-                    "%.2f s for it (about %d steps). fault_tolerance.arrival_steps = %d would have covered it",
-                    report.outer_step, self.host.ft.arrival_steps, report.exposed_s,
-                    math.ceil(report.exposed_s / step_s), cover)
+            "%.2f s for it (about %d steps). fault_tolerance.arrival_steps = %d would have covered it",
+            report.outer_step, self.host.ft.arrival_steps, report.exposed_s, math.ceil(report.exposed_s / step_s),
+            cover)
 
     def finish(self, inner_step: int) -> OuterReport | None:
         """At the end of the run (every island at the same round end): the exchange still in
