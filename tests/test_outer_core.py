@@ -146,13 +146,13 @@ class _Stub:
 
 
 def test_an_exchange_applied_on_arrival_moves_each_island_to_the_global_weights_plus_its_progress():
-    from archipelago.quality_simulator import _Decoupled
+    from archipelago.simulated_rounds import Decoupled
 
     cfg = _tiny("decoupled")
     cfg = replace(cfg, fault_tolerance=replace(cfg.fault_tolerance, codec="fp32", arrival_steps=1))
     g0 = torch.tensor([1.0, 2.0, 3.0])
     islands = [_Stub(g0), _Stub(g0)]
-    rounds = _Decoupled(cfg, islands, [1, 1])  # sync_steps 3: rows enter 1 step into the next round
+    rounds = Decoupled(cfg, islands, [1, 1])  # sync_steps 3: rows enter 1 step into the next round
 
     def delta(k: int, step: int) -> torch.Tensor:  # island k's progress at an inner step (exact in fp32)
         return torch.tensor([k + 1.0, float(step), -float(k * step)])
@@ -176,7 +176,7 @@ def test_an_exchange_applied_on_arrival_moves_each_island_to_the_global_weights_
     assert torch.equal(rounds.core.globals[0].detach(), g2 + (progress[2][0] + progress[2][1]) / 2)
     late = replace(cfg, fault_tolerance=replace(cfg.fault_tolerance, arrival_steps=3))
     with pytest.raises(ValueError, match="arrival_steps 3"):  # a round's end is arrival_steps 0
-        _Decoupled(late, [_Stub(g0), _Stub(g0)], [1, 1])
+        Decoupled(late, [_Stub(g0), _Stub(g0)], [1, 1])
 
 
 def test_the_platform_names_every_setting_decoupled_rounds_cannot_run_with():

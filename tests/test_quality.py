@@ -425,14 +425,14 @@ def test_decoupled_reduce_scatter_runs_its_second_phase_midway_and_trains_the_si
         assert real.keys() == model.state_dict().keys() and len(real) > 10
         for name, value in model.state_dict().items():
             assert torch.equal(real[name], value), (island, name)
-    import archipelago.quality_simulator as simulation
+    import archipelago.simulated_rounds as rounds
 
-    once = simulation._as_received
+    once = rounds.as_received
     try:  # the same simulation with one rounding only: the test can tell the two apart
-        simulation._as_received = lambda codec, island, fragment, total, participants: total
+        rounds.as_received = lambda codec, island, fragment, total, participants: total
         plain = simulate(cfg, islands=3, eval_windows=8, handoff_delays=[1, 1, 1]).models[0].state_dict()
     finally:
-        simulation._as_received = once
+        rounds.as_received = once
     assert any(not torch.equal(plain[k], v) for k, v in sim.models[0].state_dict().items())
     steps = outer_records(island_records(tmp_path / "fed" / "island-0"))
     assert [e["committed"] for e in steps] == [True] * len(steps) and len(steps) >= 3

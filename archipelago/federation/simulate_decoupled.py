@@ -3,7 +3,7 @@
 The synchronous round (simulate.py) makes every island wait for the round's exchange, which
 lasts as long as the slowest link, and a failure inside it costs the round (or, with
 `exchange_retries`, a detection and a new exchange). In decoupled rounds, as the quality
-simulator (archipelago/quality_simulator.py `_Decoupled`) trains them:
+simulator (archipelago/simulated_rounds.py `Decoupled`) trains them:
 
 1. Rounds start every R seconds (`round_seconds` under time pacing; `sync_steps` inner
    steps of the median island under step pacing). At each start every island that is up
