@@ -10,18 +10,32 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from archipelago.config import Config
-from archipelago.federation.codecs import build_codec, effective_codec
+from archipelago.federation.codecs import Codec, build_codec, effective_codec
 from archipelago.federation.exchange import Framing, summed_as_received
 from archipelago.federation.inner_state import WIRE_DTYPES
 from archipelago.federation.outer_core import Carried, OuterCore
 
-if TYPE_CHECKING:
-    from archipelago.quality_simulator import _Island as Island
+
+class Island(Protocol):
+    """What the outer loops read and write of a simulated island (quality_simulator._Island)."""
+
+    fragments: list[list[torch.nn.Parameter]]
+    fragment_tokens: list[int]
+    codecs: list[Codec]
+    optimizer: Any
+
+    def flat(self, fragment: int) -> torch.Tensor: ...
+
+    def write(self, fragment: int, flat: torch.Tensor) -> None: ...
+
+    def moments(self, fragment: int) -> list[torch.Tensor]: ...
+
+    def write_moments(self, fragment: int, flats: list[torch.Tensor]) -> None: ...
 
 
 def decoded_row(island: Island, fragment: int, pseudo: torch.Tensor, codec_name: str) -> tuple[torch.Tensor, int]:
@@ -47,7 +61,7 @@ def as_received(codec_name: str, island: Island, fragment: int, total: torch.Ten
 class Outer:
     """The outer loop between the simulated islands (OuterLoop's semantics, in lockstep)."""
 
-    def __init__(self, cfg: Config, islands: list[Island]) -> None:
+    def __init__(self, cfg: Config, islands: Sequence[Island]) -> None:
         self.ft, self.islands = cfg.fault_tolerance, islands
         n = len(islands[0].fragments)
         self.core = OuterCore(self.ft, [islands[0].flat(f) for f in range(n)])
@@ -119,7 +133,7 @@ class Outer:
         if self.ft.adam_federation_batch:  # the federation's tokens per own token, as the platform's
             for island, own in zip(self.islands, self.round_tokens):
                 if own:
-                    island.optimizer.batch_ratio = max(1.0, sum(self.round_tokens) / own)  # type: ignore[attr-defined]
+                    island.optimizer.batch_ratio = max(1.0, sum(self.round_tokens) / own)
 
 
 @dataclass(eq=False)  # compared by identity (its tensors have no truth value)
@@ -163,7 +177,7 @@ class Decoupled:
     takes time (the scale simulator charges it).
     """
 
-    def __init__(self, cfg: Config, islands: list[Island], delays: Sequence[int], eager: bool = True) -> None:
+    def __init__(self, cfg: Config, islands: Sequence[Island], delays: Sequence[int], eager: bool = True) -> None:
         self.ft, self.islands, self.delays, self.eager = cfg.fault_tolerance, islands, list(delays), eager
         self.arrival = self.ft.arrival_steps
         if not 0 <= self.arrival < self.ft.sync_steps:
