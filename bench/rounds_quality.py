@@ -91,36 +91,36 @@ def sync_job(experiment: str, family: str, islands: int, lr: float, sim: dict[st
             "overrides": [f"{FT}round_mode=synchronous", f"{FT}outer_lr={fmt(lr)}"], "sim": sim}
 
 
-ARRIVAL = {"steps": 0}  # --arrival-steps: every decoupled run's (0: each exchange enters at the next round's end)
-
-
 def decoupled_job(experiment: str, family: str, islands: int, exponent: float,
-                  sim: dict[str, Any]) -> dict[str, Any]:
-    arrival = [f"{FT}arrival_steps={ARRIVAL['steps']}"] if ARRIVAL["steps"] else []
+                  sim: dict[str, Any], arrival: int = 0) -> dict[str, Any]:
+    """`arrival` (--arrival-steps): each overlapped exchange applied that far into the next
+    round (0: at its end)."""
+    applied = [f"{FT}arrival_steps={arrival}"] if arrival else []
     return {"experiment": experiment, "family": family, "setting": f"{family} a={fmt(exponent)}", "islands": islands,
             "overrides": [f"{FT}round_mode=decoupled", f"{FT}staleness_exponent={fmt(exponent)}",
-                          f"{FT}overlap_threshold=0", *arrival], "sim": sim}
+                          f"{FT}overlap_threshold=0", *applied], "sim": sim}
 
 
-def jobs_a(lrs: list[float], exponents: list[float]) -> list[dict[str, Any]]:
+def jobs_a(lrs: list[float], exponents: list[float], arrival: int = 0) -> list[dict[str, Any]]:
     return ([sync_job("A", "sync", 2, lr, {}) for lr in lrs]
-            + [decoupled_job("A", "decoupled", 2, a, {}) for a in exponents])
+            + [decoupled_job("A", "decoupled", 2, a, {}, arrival) for a in exponents])
 
 
-def jobs_b(lr: float, exponent: float, wall: int) -> list[dict[str, Any]]:
+def jobs_b(lr: float, exponent: float, wall: int, arrival: int = 0) -> list[dict[str, Any]]:
     jobs = []
     for period in SPEEDS:
         sim = {"slow_period": period, "link_ticks": [3, 3], "wall_ticks": wall}
         jobs += [sync_job(f"B 1:{period}", f"sync 1:{period}", 2, lr, sim),
-                 decoupled_job(f"B 1:{period}", f"decoupled 1:{period}", 2, exponent, sim)]
+                 decoupled_job(f"B 1:{period}", f"decoupled 1:{period}", 2, exponent, sim, arrival)]
     return jobs
 
 
-def jobs_c(lrs3: list[float], lrs2: list[float], exponents: list[float], wall: int) -> list[dict[str, Any]]:
+def jobs_c(lrs3: list[float], lrs2: list[float], exponents: list[float], wall: int,
+           arrival: int = 0) -> list[dict[str, Any]]:
     thin = {"link_ticks": THIN_LINKS, "wall_ticks": wall}
     return ([sync_job("C", "sync-3", 3, lr, thin) for lr in lrs3]
             + [sync_job("C", "sync-2", 2, lr, {"link_ticks": [1, 1], "wall_ticks": wall}) for lr in lrs2]
-            + [decoupled_job("C", "decoupled-3", 3, a, thin) for a in exponents])
+            + [decoupled_job("C", "decoupled-3", 3, a, thin, arrival) for a in exponents])
 
 
 def key(job: dict[str, Any]) -> str:
@@ -362,7 +362,6 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--only takes A, B and/or C, not {args.only}")
     args.wall_ticks = args.wall_ticks or args.steps
     args.log = args.log or args.out.with_suffix(".runs.jsonl")
-    ARRIVAL["steps"] = args.arrival_steps  # the workers get it in each decoupled job's overrides
     return args
 
 
@@ -378,8 +377,9 @@ def main() -> None:
     try:
         # Stage 1: A's tuning (B's settings come from it). Stage 2: A's report and C's
         # tuning. Stage 3: C's report and B.
-        tune_a, tune_c = jobs_a(args.outer_lrs, args.exponents), jobs_c(args.outer_lrs, args.outer_lrs,
-                                                                        args.exponents, args.wall_ticks)
+        arrival = args.arrival_steps
+        tune_a = jobs_a(args.outer_lrs, args.exponents, arrival)
+        tune_c = jobs_c(args.outer_lrs, args.outer_lrs, args.exponents, args.wall_ticks, arrival)
         stage: list[tuple[dict[str, Any], int, str]] = []
         if want_a:
             rows = runner.run(tune_a, args.tuning_seed, "tuning")
@@ -389,7 +389,7 @@ def main() -> None:
         if "A" in args.only:
             ca = choices["A"]
             stage += [(job, seed, "report") for seed in args.seeds
-                      for job in jobs_a([ca["outer_lr"]], [ca["staleness_exponent"]])]
+                      for job in jobs_a([ca["outer_lr"]], [ca["staleness_exponent"]], arrival)]
         if want_c:
             stage += [(job, args.tuning_seed, "tuning") for job in tune_c]
         rows = runner.run_many(stage)
@@ -403,11 +403,11 @@ def main() -> None:
             cc = choices["C"]
             stage += [(job, seed, "report") for seed in args.seeds
                       for job in jobs_c([cc["sync-3 outer_lr"]], [cc["sync-2 outer_lr"]],
-                                        [cc["staleness_exponent"]], args.wall_ticks)]
+                                        [cc["staleness_exponent"]], args.wall_ticks, arrival)]
         if want_b:
             ca = choices["A"]
             stage += [(job, seed, "report") for seed in args.seeds
-                      for job in jobs_b(ca["outer_lr"], ca["staleness_exponent"], args.wall_ticks)]
+                      for job in jobs_b(ca["outer_lr"], ca["staleness_exponent"], args.wall_ticks, arrival)]
         runner.run_many(stage)
     finally:
         runner.close()

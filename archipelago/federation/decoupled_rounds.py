@@ -142,12 +142,12 @@ class DecoupledRounds:
         step_s = report.compute_s / report.inner_steps if report.inner_steps else 0.0
         if step_s <= 0 or report.exposed_s < step_s:
             return
-        cover = self.host.ft.arrival_steps + math.ceil(report.exposed_s / step_s)
+        waited = math.ceil(report.exposed_s / step_s)  # in inner steps
         say, self.advised = (log.info if self.advised else log.warning), True  # warned once, then logged
         say("outer step %d: its exchange was not in %d inner steps into the round; the island waited "
             "%.2f s for it (about %d steps). fault_tolerance.arrival_steps = %d would have covered it",
-            report.outer_step, self.host.ft.arrival_steps, report.exposed_s, math.ceil(report.exposed_s / step_s),
-            cover)
+            report.outer_step, self.host.ft.arrival_steps, report.exposed_s, waited,
+            self.host.ft.arrival_steps + waited)
 
     def finish(self, inner_step: int) -> OuterReport | None:
         """At the end of the run (every island at the same round end): the exchange still in
