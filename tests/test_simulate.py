@@ -160,6 +160,21 @@ def test_the_cli_prints_a_table_per_island_count(tmp_path, capsys):
     assert [r["islands"] for r in runs] == [3, 5] and all(r["hours"] == 2 for r in runs)
 
 
+def test_the_cli_applies_decoupled_exchanges_on_arrival_and_refuses_a_step_outside_the_round(capsys):
+    from archipelago.launch.cli import main
+
+    continents = [s for s in SCENARIOS if s.name == "continents.toml"][0]  # 100-step rounds
+    common = [str(continents), "--round-mode", "decoupled", "--islands", "3", "--hours", "6"]
+    assert main(["simulate", *common]) == 0
+    late = capsys.readouterr().out
+    assert main(["simulate", *common, "--arrival-steps", "60"]) == 0
+    applied = capsys.readouterr().out
+    assert "contributions entered 0.00 outer steps stale" in applied and "0.00 outer steps" not in late
+    assert main(["simulate", *common, "--arrival-steps", "100"]) != 0  # the scenario's problems, with their fix
+    assert "arrival_steps = 100: must be 0 (at the next round's end) up to sync_steps - 1 = 99" in \
+        capsys.readouterr().err
+
+
 def _write_run(root: Path, records: dict[int, list[dict]], events: list[dict], pacing: dict) -> Path:
     """A run directory as `archipelago local` leaves one, with just what the replay reads."""
     import json
