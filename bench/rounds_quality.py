@@ -248,8 +248,10 @@ def best(rows: list[dict[str, Any]], experiment: str, family: str) -> dict[str, 
 
 
 def chosen(row: dict[str, Any]) -> float:
-    """The tuned value of a tuning run: its outer_lr (sync) or staleness_exponent (decoupled)."""
-    return float(row["overrides"][-1].split("=")[1])
+    """The tuned value of a tuning run: its outer_lr (sync) or staleness_exponent (decoupled).
+    Looked up by name: other overrides (arrival_steps) may follow the tuned one."""
+    name = f"{FT}outer_lr=" if row["family"].startswith("sync") else f"{FT}staleness_exponent="
+    return next(float(o[len(name):]) for o in row["overrides"] if o.startswith(name))
 
 
 # ------------------------------------------------------------------ report
