@@ -1,14 +1,6 @@
 """Crash-safe, verifiable checkpoints on top of torch.distributed.checkpoint (DCP).
 
-Layout of ``folder``::
-
-    folder/
-      latest                  # text: name of the newest committed step dir
-      step-00000100/
-        .metadata             # written by DCP (coordinator rank)
-        __0_0.distcp ...      # written by DCP, one or more per rank
-        COMPLETE.json         # written LAST by rank 0: commit marker + manifest
-
+The folder's layout is layout.py's; the collectives among an island's ranks are ranks.py's.
 A step directory without COMPLETE.json was interrupted mid-save and is never
 loaded. COMPLETE.json lists size and SHA-256 of every file DCP wrote, so silent
 corruption (bit rot, truncated copies) is detected and the previous checkpoint
@@ -40,12 +32,8 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import re
-import shutil
 import time
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -53,6 +41,27 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from archipelago.checkpoint.layout import (
+    COMPLETE_NAME,
+    LATEST_NAME,
+    is_committed,
+    list_files,
+    parse_step_dir,
+    read_latest_marker,
+    read_manifest,
+    remove_checkpoint_dir,
+    scan_steps,
+    step_dir_name,
+)
+from archipelago.checkpoint.ranks import (
+    barrier,
+    dist_active,
+    failure_in,
+    gather,
+    on_rank0,
+    quiet_single_process,
+    short_error,
+)
 from archipelago.checkpoint.signing import (
     KEY_FILE_ENV,
     CheckpointKeyError,
@@ -65,81 +74,14 @@ from archipelago.fsutil import sha256_file, write_text_atomic
 
 log = logging.getLogger("archipelago.checkpoint")
 
-COMPLETE_NAME = "COMPLETE.json"
-_MAX_MANIFEST_BYTES = 64 << 20  # ~300k files; a bigger COMPLETE.json is not ours
 _SCRATCH = "scratch: "  # marks a rank's ScratchError among the problems ranks exchange as text
-LATEST_NAME = "latest"
-_STEP_DIR_RE = re.compile(r"^step-(\d+)$")
+__all__ = ["CheckpointManager", "CheckpointUnusable", "parse_step_dir", "step_dir_name"]
 
 T = TypeVar("T")
 
 
 class CheckpointUnusable(RuntimeError):
     """Checkpoints exist but none can be used; training from scratch would bury that work."""
-
-
-def step_dir_name(step: int) -> str:
-    """Directory name for `step`; zero-padded so names sort like steps."""
-    return f"step-{step:08d}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    """Step number encoded in a directory name, or None if it is not one."""
-    match = _STEP_DIR_RE.match(name)
-    return int(match.group(1)) if match else None
-
-
-def _dist_active() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _barrier() -> None:
-    if _dist_active():
-        dist.barrier()
-
-
-def _broadcast_from_rank0(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank (identity without a process group)."""
-    if not _dist_active():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-@contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """Silence DCP's "assuming ... single process" UserWarning when that is intended."""
-    with warnings.catch_warnings():
-        if not _dist_active():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def _short_error(exc: BaseException) -> str:
-    """One line for a warning: DCP's CheckpointException embeds whole tracebacks."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
-
-
-def _gather(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order (a collective; [obj] without a process group)."""
-    if not _dist_active():
-        return [obj]
-    objs: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(objs, obj)
-    return objs
-
-
-def _failure(exc: BaseException, kind: type[Exception]) -> Exception | None:
-    """The first `kind` error in `exc` or, for DCP's CheckpointException, in any rank's failure."""
-    if isinstance(exc, kind):
-        return exc
-    failures = getattr(exc, "failures", None) if isinstance(exc, CheckpointException) else None
-    for inner, _trace in (failures or {}).values():
-        if isinstance(inner, kind):
-            return inner
-    return None
 
 
 class CheckpointManager:
@@ -224,7 +166,7 @@ class CheckpointManager:
         marker = self._read_latest_marker()
         if marker is not None and (self.folder / marker / COMPLETE_NAME).is_file():
             return parse_step_dir(marker)
-        complete = [step for step, path in self._scan() if _is_committed(path)]
+        complete = [step for step, path in self._scan() if is_committed(path)]
         return max(complete) if complete else None
 
     def latest_path(self) -> Path | None:
@@ -246,11 +188,11 @@ class CheckpointManager:
         path = self.step_path(step)
         started = time.monotonic()
         self._on_rank0(lambda: self._prepare_dir(path), f"preparing {path}")
-        with _quiet_single_process():
-            dcp.save(state, checkpoint_id=path, no_dist=not _dist_active())
+        with quiet_single_process():
+            dcp.save(state, checkpoint_id=path, no_dist=not dist_active())
         # Every rank's shard must be on disk before any rank hashes them.
-        _barrier()
-        names = self._on_rank0(lambda: self._list_files(path), f"listing {path}") or []
+        barrier()
+        names = self._on_rank0(lambda: list_files(path), f"listing {path}") or []
         files = self._hash_files(path, names, with_hash=self.verify)
         nbytes = self._on_rank0(lambda: self._commit(step, path, files), f"committing {path}")
         self.last_saved_step = step
@@ -266,7 +208,7 @@ class CheckpointManager:
         # mix stale shards with new ones, so it is removed first.
         if path.exists():
             log.warning("checkpoint dir %s already exists: replacing it", path)
-            _remove_checkpoint_dir(path)
+            remove_checkpoint_dir(path)
         path.mkdir(parents=True, exist_ok=True)
 
     def _commit(self, step: int, path: Path, files: dict[str, dict[str, Any]]) -> int:
@@ -277,12 +219,6 @@ class CheckpointManager:
         write_text_atomic(self.folder / LATEST_NAME, path.name + "\n")
         self._prune(step)
         return sum(int(entry["size"]) for entry in files.values())
-
-    @staticmethod
-    def _list_files(path: Path) -> list[str]:
-        """The files DCP wrote into `path`, as sorted relative names."""
-        return sorted(p.relative_to(path).as_posix() for p in path.rglob("*")
-                      if p.is_file() and p.name != COMPLETE_NAME and not p.name.endswith(".tmp"))
 
     def _hash_files(self, path: Path, names: list[str], with_hash: bool) -> dict[str, dict[str, Any]]:
         """Size and (`with_hash`) SHA-256 of each file, by all ranks in parallel (a collective).
@@ -298,7 +234,7 @@ class CheckpointManager:
             present = file.is_file()
             share[name] = {"size": file.stat().st_size if present else None,
                            "sha256": sha256_file(file) if present and with_hash else None}
-        return {name: entry for part in _gather(share) for name, entry in part.items()}
+        return {name: entry for part in gather(share) for name, entry in part.items()}
 
     def _prune(self, current_step: int) -> None:
         """Keep the newest `keep` committed checkpoints up to `current_step`.
@@ -309,15 +245,15 @@ class CheckpointManager:
         """
         entries = self._scan()
         committed = sorted(
-            (s for s, p in entries if _is_committed(p) and s <= current_step), reverse=True
+            (s for s, p in entries if is_committed(p) and s <= current_step), reverse=True
         )
         keep = set(committed if self.keep <= 0 else committed[: self.keep])
         for step, path in entries:
-            stale_complete = _is_committed(path) and step <= current_step and step not in keep
-            stale_partial = not _is_committed(path) and step < current_step
+            stale_complete = is_committed(path) and step <= current_step and step not in keep
+            stale_partial = not is_committed(path) and step < current_step
             if stale_complete or stale_partial:
                 log.info("pruning checkpoint %s", path)
-                _remove_checkpoint_dir(path)
+                remove_checkpoint_dir(path)
 
     # ------------------------------------------------------------------- load
 
@@ -338,7 +274,7 @@ class CheckpointManager:
         """
         self._check_process_group()
         candidates = self._candidates() if self.rank == 0 else []
-        committed = self._on_rank0(lambda: [str(p) for p in candidates if _is_committed(p)],
+        committed = self._on_rank0(lambda: [str(p) for p in candidates if is_committed(p)],
                                    "listing checkpoints")
         failed: list[str] = []
         while True:
@@ -375,7 +311,7 @@ class CheckpointManager:
         finally:
             if reader is not None:
                 reader.close()
-        outcomes = _gather(problem)
+        outcomes = gather(problem)
         scratch = next((p for p in outcomes if p and p.startswith(_SCRATCH)), None)
         if scratch is not None:
             raise ScratchError(scratch[len(_SCRATCH):])
@@ -398,7 +334,7 @@ class CheckpointManager:
             reader = VerifiedCopyReader(path, files, scratch_root(self.scratch_dir))
         except Exception as exc:
             error = f"rank {self.rank}: {exc}"
-        errors = [e for e in _gather(error) if e]
+        errors = [e for e in gather(error) if e]
         if errors:
             if reader is not None:
                 reader.close()
@@ -408,24 +344,24 @@ class CheckpointManager:
     def _load(self, path: Path, state: dict[str, Any], reader: VerifiedCopyReader | None) -> str | None:
         """Load through `reader` (or from `path` directly); None, or why it failed."""
         try:
-            with _quiet_single_process():
+            with quiet_single_process():
                 if reader is None:
-                    dcp.load(state, checkpoint_id=path, no_dist=not _dist_active())
+                    dcp.load(state, checkpoint_id=path, no_dist=not dist_active())
                 else:
-                    dcp.load(state, storage_reader=reader, no_dist=not _dist_active())
+                    dcp.load(state, storage_reader=reader, no_dist=not dist_active())
             return None
         # CheckpointException derives from BaseException (not Exception) in
         # torch 2.x, so it must be named explicitly.
         except (Exception, CheckpointException) as exc:
             log.debug("full load error for %s", path, exc_info=exc)
             own = reader.failure if reader is not None else None
-            scratch = own if isinstance(own, ScratchError) else _failure(exc, ScratchError)
+            scratch = own if isinstance(own, ScratchError) else failure_in(exc, ScratchError)
             if scratch is not None:
                 return f"{_SCRATCH}{scratch}"
-            corrupt = own if isinstance(own, CorruptCheckpointFile) else _failure(exc, CorruptCheckpointFile)
+            corrupt = own if isinstance(own, CorruptCheckpointFile) else failure_in(exc, CorruptCheckpointFile)
             if corrupt is not None:
                 return f"corrupt checkpoint {path}: {corrupt}: skipped, using the previous one"
-            return f"could not load checkpoint {path}: {_short_error(exc)}: skipped, using the previous one"
+            return f"could not load checkpoint {path}: {short_error(exc)}: skipped, using the previous one"
 
     def _candidates(self) -> list[Path]:
         ordered: list[Path] = []
@@ -472,7 +408,7 @@ class CheckpointManager:
             return None
         path = candidates.pop(0)
         try:
-            manifest = _read_manifest(path)
+            manifest = read_manifest(path)
         except FileNotFoundError:
             return path.name, {}, f"incomplete checkpoint {path} (no {COMPLETE_NAME}): skipped"
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -523,29 +459,18 @@ class CheckpointManager:
     # ---------------------------------------------------------------- helpers
 
     def _scan(self) -> list[tuple[int, Path]]:
-        if not self.folder.is_dir():
-            return []
-        found = []
-        for child in self.folder.iterdir():
-            step = parse_step_dir(child.name)
-            if step is not None and child.is_dir():
-                found.append((step, child))
-        return sorted(found)
+        return scan_steps(self.folder)
 
     def _read_latest_marker(self) -> str | None:
-        try:
-            text = (self.folder / LATEST_NAME).read_text(encoding="utf-8").strip()
-        except OSError:
-            return None
-        return text or None
+        return read_latest_marker(self.folder)
 
     def _check_process_group(self) -> None:
-        if self.world_size > 1 and not _dist_active():
+        if self.world_size > 1 and not dist_active():
             raise RuntimeError(
                 f"CheckpointManager(world_size={self.world_size}) needs a torch.distributed "
                 "process group: call dist.init_process_group() before save/load_latest"
             )
-        if _dist_active() and (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
+        if dist_active() and (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
             raise RuntimeError(
                 f"CheckpointManager(rank={self.rank}, world_size={self.world_size}) does not match "
                 f"the process group (rank {dist.get_rank()} of {dist.get_world_size()}): "
@@ -553,51 +478,4 @@ class CheckpointManager:
             )
 
     def _on_rank0(self, fn: Callable[[], T], what: str) -> T | None:
-        """Run `fn` on rank 0 only and share its result (or failure) with all ranks.
-
-        Without this, an exception on rank 0 (disk full, permissions) would
-        leave the other ranks blocked forever in the next collective.
-        """
-        result: T | None = None
-        failure: Exception | None = None
-        if self.rank == 0:
-            try:
-                result = fn()
-            except Exception as exc:
-                failure = exc
-        error = None if failure is None else f"{type(failure).__name__}: {failure}"
-        result, error = _broadcast_from_rank0((result, error))
-        if failure is not None:
-            raise failure
-        if error is not None:
-            raise RuntimeError(f"rank 0 failed while {what}: {error}")
-        return result
-
-
-def _is_committed(path: Path) -> bool:
-    return (path / COMPLETE_NAME).is_file()
-
-
-def _remove_checkpoint_dir(path: Path) -> None:
-    # Drop the commit marker first: if we crash halfway through rmtree, the
-    # remains read as "incomplete" (skipped quietly) rather than "corrupt".
-    try:
-        (path / COMPLETE_NAME).unlink(missing_ok=True)
-        shutil.rmtree(path)
-    except OSError as exc:
-        log.warning("could not remove %s (%s): delete it by hand to reclaim space", path, exc)
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    """`path`'s COMPLETE.json, read from one open, with the fields the loader relies on."""
-    with open(path / COMPLETE_NAME, "rb") as f:
-        raw = f.read(_MAX_MANIFEST_BYTES + 1)
-    if len(raw) > _MAX_MANIFEST_BYTES:
-        raise ValueError(f"larger than {_MAX_MANIFEST_BYTES} bytes")
-    manifest = json.loads(raw.decode("utf-8"))
-    files = manifest["files"]
-    if not isinstance(files, dict) or not all(isinstance(e, dict) for e in files.values()):
-        raise TypeError("'files' is not a mapping of file entries")
-    if manifest["step"] != parse_step_dir(path.name):  # a renamed dir would resume as another step
-        raise ValueError(f"it is the manifest of step {manifest['step']}")
-    return dict(manifest)
+        return on_rank0(self.rank, fn, what)
