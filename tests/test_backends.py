@@ -182,13 +182,13 @@ def test_islands_declare_their_compute_and_unlike_ones_still_match():
 
 def test_the_doctor_says_whether_the_backend_runs_here(monkeypatch):
     from archipelago.island.backends import dace
-    from archipelago.launch import doctor
+    from archipelago.launch import doctor_checks
 
-    eager = doctor.check_backend(load_config(TINY))
+    eager = doctor_checks.check_backend(load_config(TINY))
     assert (eager.status, eager.detail) == ("ok", f"training.backend = eager: {describe_backend('eager')}")
     cfg = load_config([*TINY, "--training.backend", "dace"])
     monkeypatch.setattr(dace, "available", lambda: "no dace here: pip install --no-deps -r requirements-dace.txt")
-    missing = doctor.check_backend(cfg)
+    missing = doctor_checks.check_backend(cfg)
     assert missing.status == "FAIL" and "requirements-dace.txt" in missing.fix
 
 
