@@ -13,7 +13,9 @@ script, on the same machine:
    (fp32): with sync_width 2 each bridge rank holds half of the model's chunk;
 3. with `--decoupled`, each codec of 1. again in decoupled rounds whose every exchange
    overlaps the next round (`fault_tolerance.round_mode`: the base weights and an
-   exchange's sum apart from the pseudo-gradient are held beside the rest).
+   exchange's sum apart from the pseudo-gradient are held beside the rest); with
+   `--arrival-steps N` also applied N inner steps into the next round (`arrival_steps`: the
+   island's weights are gathered and moved to the new global weights there).
 
 Reported (table, ratio first, and JSON): extra bytes / (model bytes / sync_width), the
 extra MB, the model's fp32 MB. Peak RSS is the kernel's high-water mark of the whole
@@ -78,12 +80,14 @@ DECOUPLED = ["--fault_tolerance.round_mode", "decoupled", "--fault_tolerance.ove
 
 
 def federation(args: argparse.Namespace, root: Path, ranks: int, codec: str, width: int,
-               decoupled: bool = False) -> tuple[int, int]:
+               decoupled: bool = False, arrival: int = 0) -> tuple[int, int]:
     """(peak bytes of island 0's rank 0, the model's parameter count)."""
-    run_dir = root / f"fed-{ranks}x2-{codec}-width{width}{'-decoupled' if decoupled else ''}"
+    mode = (f"-decoupled-arrival{arrival}" if arrival else "-decoupled") if decoupled else ""
+    run_dir = root / f"fed-{ranks}x2-{codec}-width{width}{mode}"
+    arrive = ["--fault_tolerance.arrival_steps", str(arrival)] if arrival else []
     run([*CLI, "local", "--islands", f"{ranks},{ranks}", "--no-table", *common(args),
          "--fault_tolerance.sync_steps", str(args.sync_steps), "--fault_tolerance.codec", codec,
-         "--fault_tolerance.sync_width", str(width), *(DECOUPLED if decoupled else []),
+         "--fault_tolerance.sync_width", str(width), *(DECOUPLED + arrive if decoupled else []),
          "--job.run_dir", str(run_dir)], root, run_dir.name, args.timeout)
     summary = read_summary(run_dir / "island-0", required=True)
     return peak(run_dir / "island-0"), int(summary["params"])
@@ -106,6 +110,10 @@ def measure(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
         if args.decoupled:
             fed, params = federation(args, root, 1, codec, 1, decoupled=True)
             rows.append(row("islands of 1 rank, decoupled", 1, codec, 1, fed, base1, params))
+        if args.decoupled and args.arrival_steps:
+            fed, params = federation(args, root, 1, codec, 1, decoupled=True, arrival=args.arrival_steps)
+            rows.append(row(f"islands of 1 rank, decoupled, applied {args.arrival_steps} steps in", 1, codec, 1,
+                            fed, base1, params))
     if not args.no_two_ranks:
         base2 = alone(args, root, 2)
         for width in (1, 2):
@@ -139,6 +147,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decoupled", action="store_true",
                    help="also each codec's federation of 1-rank islands in decoupled rounds, every exchange "
                         "overlapping the next round (they hold one more model chunk: the base weights)")
+    p.add_argument("--arrival-steps", type=int, default=0, metavar="N",
+                   help="with --decoupled: also each codec's decoupled federation with every exchange applied N "
+                        "inner steps into the next round (fault_tolerance.arrival_steps; below --sync-steps)")
     p.add_argument("--timeout", type=float, default=900, help="hard limit per run, seconds")
     p.add_argument("--work-dir", type=Path, default=None, help="run directories (default: a new /tmp folder)")
     p.add_argument("--out", type=Path, default=REPO / "runs/bench/exchange-memory.json", help="JSON results")
@@ -151,7 +162,8 @@ def main() -> None:
     rows = measure(args, root)
     print_table(rows)
     write_json(args.out, {"rows": rows, "flavor": args.flavor, "steps": args.steps, "sync_steps": args.sync_steps,
-                          "batch_size": args.batch_size, "work_dir": str(root), **where_measured()})
+                          "batch_size": args.batch_size, "arrival_steps": args.arrival_steps, "work_dir": str(root),
+                          **where_measured()})
 
 
 if __name__ == "__main__":

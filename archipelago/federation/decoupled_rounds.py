@@ -129,7 +129,9 @@ class DecoupledRounds:
             new = base = None
             if local is not None and h.core is not None:  # bridge ranks
                 base = h.core.rebased(fragment, [])  # the new global weights: the next row's base
-                new = local.to(base.device) - self.handoffs.base[fragment] + base
+                # In place on the gathered copy: (local - old base) + new base, with no
+                # model-sized temporaries beside the copy and the new base.
+                new = local.to(base.device).sub_(self.handoffs.base[fragment]).add_(base)
             h.layouts[fragment].scatter(new)
             if base is not None:
                 self.handoffs.rebase(fragment, base)  # the next row: all progress since the hand-off
