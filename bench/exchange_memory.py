@@ -112,7 +112,7 @@ def measure(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
             rows.append(row("islands of 1 rank, decoupled", 1, codec, 1, fed, base1, params))
         if args.decoupled and args.arrival_steps:
             fed, params = federation(args, root, 1, codec, 1, decoupled=True, arrival=args.arrival_steps)
-            rows.append(row(f"islands of 1 rank, decoupled, applied {args.arrival_steps} steps in", 1, codec, 1,
+            rows.append(row(f"islands of 1 rank, decoupled, arrival_steps {args.arrival_steps}", 1, codec, 1,
                             fed, base1, params))
     if not args.no_two_ranks:
         base2 = alone(args, root, 2)
