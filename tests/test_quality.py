@@ -297,6 +297,17 @@ def test_wan_bench_codec_auto_runs_auto_without_and_with_streaming(monkeypatch):
         wan.parse_args(["--codec", "auto", "--sync-steps", "6"])
 
 
+def test_rounds_quality_bench_reports_with_the_tuned_values_whatever_follows_them(monkeypatch):
+    # The report seeds run with what the tuning runs chose; an override after the tuned one
+    # (--arrival-steps) must not pass for it (it once did: the exponent became 2).
+    rq = _bench_module("rounds_quality", monkeypatch)
+    sync, decoupled = rq.jobs_a([0.7], [0.5], arrival=2)
+    assert decoupled["overrides"][-1] == "--fault_tolerance.arrival_steps=2"
+    assert (rq.chosen(sync), rq.chosen(decoupled)) == (0.7, 0.5)
+    plain = rq.jobs_a([1.0], [0.0])
+    assert [rq.chosen(job) for job in plain] == [1.0, 0.0]
+
+
 def test_wan_bench_slows_only_the_islands_it_is_told_to(monkeypatch):
     wan = _bench_module("wan", monkeypatch)
     args = wan.parse_args(["--settings", "c,h", "--island-rates", "5,5", "--island-slowdowns", "1,3"])
