@@ -110,7 +110,7 @@ def measure(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
         if args.decoupled:
             fed, params = federation(args, root, 1, codec, 1, decoupled=True)
             rows.append(row("islands of 1 rank, decoupled", 1, codec, 1, fed, base1, params))
-        if args.decoupled and args.arrival_steps:
+        if args.arrival_steps:  # only with --decoupled (parse_args)
             fed, params = federation(args, root, 1, codec, 1, decoupled=True, arrival=args.arrival_steps)
             rows.append(row(f"islands of 1 rank, decoupled, arrival_steps {args.arrival_steps}", 1, codec, 1,
                             fed, base1, params))
@@ -153,7 +153,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900, help="hard limit per run, seconds")
     p.add_argument("--work-dir", type=Path, default=None, help="run directories (default: a new /tmp folder)")
     p.add_argument("--out", type=Path, default=REPO / "runs/bench/exchange-memory.json", help="JSON results")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.arrival_steps and not (args.decoupled and 0 < args.arrival_steps < args.sync_steps):
+        p.error(f"--arrival-steps {args.arrival_steps}: give it with --decoupled, from 1 to --sync-steps - 1 "
+                f"({args.sync_steps - 1})")
+    return args
 
 
 def main() -> None:

@@ -721,6 +721,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if {"e", "g"} & set(args.keys) and (args.sync_steps % STREAM_FRAGMENTS or STREAM_DELAY >= per_fragment):
         p.error(f"--sync-steps {args.sync_steps}: streaming (e, g) needs a multiple of {STREAM_FRAGMENTS} above "
                 f"{STREAM_FRAGMENTS * STREAM_DELAY} (e.g. 20)")
+    if "r" in args.keys and not 1 <= args.arrival_steps < args.sync_steps:  # refused before any namespace is set up
+        p.error(f"--arrival-steps {args.arrival_steps}: setting r applies each exchange 1 to --sync-steps - 1 "
+                f"({args.sync_steps - 1}) inner steps into the next round")
     try:
         args.rates = ([float(r) for r in args.island_rates.split(",")] if args.island_rates
                       else [args.rate_mbit] * 2)

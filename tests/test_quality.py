@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -308,6 +309,16 @@ def test_rounds_quality_bench_reports_with_the_tuned_values_whatever_follows_the
     assert [rq.chosen(job) for job in plain] == [1.0, 0.0]
 
 
+def test_exchange_memory_bench_refuses_an_arrival_it_would_not_run(monkeypatch):
+    memory = _bench_module("exchange_memory", monkeypatch)
+    for argv in (["--arrival-steps", "1"], ["--decoupled", "--arrival-steps", "5"]):  # no --decoupled; >= sync 5
+        monkeypatch.setattr(sys, "argv", ["exchange_memory.py", *argv])
+        with pytest.raises(SystemExit):
+            memory.parse_args()
+    monkeypatch.setattr(sys, "argv", ["exchange_memory.py", "--decoupled", "--arrival-steps", "4"])
+    assert memory.parse_args().arrival_steps == 4
+
+
 def test_wan_bench_slows_only_the_islands_it_is_told_to(monkeypatch):
     wan = _bench_module("wan", monkeypatch)
     args = wan.parse_args(["--settings", "c,h", "--island-rates", "5,5", "--island-slowdowns", "1,3"])
@@ -317,6 +328,10 @@ def test_wan_bench_slows_only_the_islands_it_is_told_to(monkeypatch):
     arriving = wan.parse_args(["--settings", "h,r", "--arrival-steps", "7"])  # only r applies on arrival
     assert [wan.arrival_args(wan.SETTINGS[k], arriving) for k in ("h", "r")] == \
         [[], ["--fault_tolerance.arrival_steps", "7"]]
+    for steps in ("0", "20"):  # r applies within the next round: 1 to --sync-steps - 1 (20 by default)
+        with pytest.raises(SystemExit):
+            wan.parse_args(["--settings", "r", "--arrival-steps", steps])
+    assert wan.parse_args(["--settings", "h", "--arrival-steps", "20"]).arrival_steps == 20  # r not run: unused
     for bad in (["--island-slowdowns", "1,3,3"], ["--island-slowdowns", "1,0.5"], ["--island-slowdowns", "1,x"],
                 ["--settings", "a,c", "--island-slowdowns", "1,3"]):  # one per island, >= 1, never DDP
         with pytest.raises(SystemExit):
