@@ -16,7 +16,8 @@ platform's outer Nesterov SGD, lr 0.7, momentum 0.9, sync_steps 20), diloco-3 (3
 1.5x DDP's tokens, so compared with one island only), int8, topk (20% of 256, 2 bits),
 topk-5pct-1bit (the sparser top-k before), sparseloco (2% at 2 bits, error feedback decayed by
 0.95, 30-step rounds, own moments; -muon: with Muon inside, MuLoCo's inner optimizer;
--5pct-20: 5% in 20-step rounds, -5pct-20-muon with Muon inside), streaming int8 (2 fragments, tau 1) and
+-5pct-20: 5% in 20-step rounds, -5pct-20-muon with Muon inside; their ratios are over single-muon and
+ddp-muon, the baselines with Muon inside, where the run has them), streaming int8 (2 fragments, tau 1) and
 streaming-int8-no-overlap (tau 0), sync_steps 5 / 50 / 100, and het-1:3 (a 2-rank and
 a 1-rank island, the 1-rank one emulated 3x slower, time-paced rounds as long as the
 diloco run's median round, token-weighted): the same token budget, unequal steps. Its
@@ -75,7 +76,7 @@ from archipelago.metrics.report import final_validation  # noqa: E402
 
 EVAL_WINDOWS = 256
 # Settings that train other token counts than DDP (2 islands' worth): no val-loss ratio to it.
-NOT_DDP_TOKENS = ("single", "single-fast", "diloco-3")
+NOT_DDP_TOKENS = ("single", "single-muon", "single-fast", "diloco-3")
 STREAM = ("--fault_tolerance.codec", "int8", "--fault_tolerance.num_fragments", "2",
           "--fault_tolerance.fragment_sync_delay", "1")
 # The same fragments without the one-step overlap, which is what costs (docs/quality.md section 11).
@@ -88,6 +89,9 @@ OWN_MOMENTS = ("--fault_tolerance.sync_steps", "20", "--fault_tolerance.no_avera
 SPARSELOCO = ("--fault_tolerance.codec", "topk", "--fault_tolerance.topk_fraction", "0.02",
               "--fault_tolerance.topk_bits", "2", "--fault_tolerance.topk_error_decay", "0.95",
               "--fault_tolerance.sync_steps", "30", "--fault_tolerance.no_average_optimizer_state")
+
+# MuLoCo's inner optimizer: Muon for the hidden matrices, AdamW for the rest (optimizer.name).
+MUON = ("--optimizer.name", "muon")
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,10 @@ class Setting:
 SETTINGS = {s.name: s for s in (
     Setting("single", islands=""),
     Setting("ddp", islands="", ranks=2, batch_factor=2, args=("--parallelism.data_parallel", "ddp")),
+    # The baselines with Muon inside, for the federations with Muon inside: Muon's gain is not
+    # the federation's when DDP and one island can have it too.
+    Setting("single-muon", islands="", args=MUON),
+    Setting("ddp-muon", islands="", ranks=2, batch_factor=2, args=("--parallelism.data_parallel", "ddp", *MUON)),
     Setting("diloco"),
     Setting("reference-outer", args=(*OWN_MOMENTS, "--fault_tolerance.outer_lr", "0.7",
                                      "--fault_tolerance.outer_momentum", "0.9")),
@@ -119,11 +127,11 @@ SETTINGS = {s.name: s for s in (
     Setting("topk-5pct-1bit", args=("--fault_tolerance.codec", "topk", "--fault_tolerance.topk_fraction", "0.05",
                                     "--fault_tolerance.topk_bits", "1")),
     Setting("sparseloco", args=SPARSELOCO),
-    Setting("sparseloco-muon", args=(*SPARSELOCO, "--optimizer.name", "muon")),
+    Setting("sparseloco-muon", args=(*SPARSELOCO, *MUON)),
     Setting("sparseloco-5pct-20", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.05",
                                         "--fault_tolerance.sync_steps", "20")),
     Setting("sparseloco-5pct-20-muon", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.05",
-                                             "--fault_tolerance.sync_steps", "20", "--optimizer.name", "muon")),
+                                             "--fault_tolerance.sync_steps", "20", *MUON)),
     Setting("streaming-int8", args=STREAM),
     Setting("streaming-int8-no-overlap", args=STREAM_NO_OVERLAP),
     Setting("sync-5", args=("--fault_tolerance.sync_steps", "5")),
@@ -187,7 +195,7 @@ def ranks_here(args: argparse.Namespace, s: Setting) -> int:
         import torch
 
         if torch.cuda.device_count() < s.ranks:
-            if s.name != "ddp":
+            if not s.name.startswith("ddp"):
                 raise SystemExit(f"{s.name} needs {s.ranks} GPUs (one per rank); this machine has "
                                  f"{torch.cuda.device_count()}: leave it out of --settings")
             return 1
@@ -270,6 +278,16 @@ def median_round_s(run_dir: Path) -> float | None:
 
 # ------------------------------------------------------------------ summary
 
+def baselines(name: str, measured: set[str]) -> tuple[str, str]:
+    """The one-island and DDP settings a setting's ratios are over: a federation with Muon
+    inside against the baselines with Muon inside where this run measured them (Muon's own
+    gain is not the federation's), else against AdamW's; het-1:3 against the fast island."""
+    single = "single-fast" if name == "het-1:3" else "single"
+    if name.endswith("-muon") and not name.startswith(("single", "ddp")):
+        return (f"{single}-muon" if f"{single}-muon" in measured else single,
+                "ddp-muon" if "ddp-muon" in measured else "ddp")
+    return single, "ddp"
+
 
 def summarize(runs: list[Run]) -> list[dict[str, Any]]:
     by: dict[str, list[Run]] = {}
@@ -284,13 +302,14 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
 
     table = []
     for name, group in by.items():
-        single = "single-fast" if name == "het-1:3" else "single"
+        single, ddp = baselines(name, {r.setting for r in runs})
         losses = [r.val_loss for r in group]
         table.append({
             "setting": name, "tokens": int(statistics.fmean(r.tokens for r in group)),
             "val_loss": statistics.fmean(losses), "val_loss_spread": max(losses) - min(losses),
-            "val_loss_ratio_vs_ddp": None if name in NOT_DDP_TOKENS else paired(group, "ddp", lambda r: r.val_loss),
+            "val_loss_ratio_vs_ddp": None if name in NOT_DDP_TOKENS else paired(group, ddp, lambda r: r.val_loss),
             "val_loss_ratio_vs_single": paired(group, single, lambda r: r.val_loss),
+            "baselines": {"ddp": ddp, "single": single},
             "bytes_per_token_ratio_vs_ddp": bytes_ratio(group, paired(group, "ddp", bytes_per_token)),
             "seeds": [r.seed for r in group], "val_losses": losses,
             "inner_steps": [r.steps for r in group], "bytes_sent": [r.bytes_sent for r in group],
@@ -339,7 +358,15 @@ def print_table(table: list[dict[str, Any]], args: argparse.Namespace) -> None:
         print(f"| {num(t['val_loss_ratio_vs_ddp'], '.4f')} | {num(t['val_loss_ratio_vs_single'], '.4f')} "
               f"| {bytes_cell(t['bytes_per_token_ratio_vs_ddp'])} | {t['val_loss']:.4f} "
               f"| {t['val_loss_spread']:.4f} | {t['tokens']:,} | {'/'.join(map(str, t['inner_steps'][0]))} "
-              f"| {t['setting']} |")
+              f"| {t['setting']}{against(t)} |")
+
+
+def against(row: dict[str, Any]) -> str:
+    """' (against ddp-muon, single-muon)' where a row's ratios are not over the AdamW baselines."""
+    named = row.get("baselines", {})
+    if named.get("ddp", "ddp") == "ddp" and named.get("single", "single") in ("single", "single-fast"):
+        return ""
+    return f" (against {named['ddp']}, {named['single']})"
 
 
 def plot(table: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -353,7 +380,7 @@ def plot(table: list[dict[str, Any]], path: Path, title: str) -> None:
         points = [p for p in zip(*t["curves"])]  # one tuple of [tokens, loss] per evaluation, over seeds
         xs = [statistics.fmean(q[0] for q in pts) for pts in points]
         ys = [statistics.fmean(q[1] for q in pts) for pts in points]
-        style = "--" if t["setting"] in ("single", "single-fast", "ddp") else "-"
+        style = "--" if t["setting"].startswith(("single", "ddp")) else "-"
         ax.plot(xs[1:], ys[1:], style, marker="o", markersize=3, label=t["setting"])  # step 0 is the same for all
     ax.set_xlabel("tokens trained (all islands)")
     ax.set_ylabel("validation loss (mean over seeds)")

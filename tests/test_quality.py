@@ -287,6 +287,29 @@ def test_quality_bench_gives_every_row_its_bytes_against_ddp_and_a_preset_fills_
     assert args.lr == {"ddp": "5e-3", "diloco": "5e-3", "single": "3e-3"} and "sparseloco" in args.settings
 
 
+def test_quality_bench_sets_a_federation_with_muon_against_the_baselines_with_muon_where_measured(monkeypatch):
+    # Muon's own gain is not the federation's: with ddp-muon and single-muon in the run, a
+    # -muon federation's ratios are over them; without, over AdamW's (and the row says which).
+    quality = _bench_module("quality", monkeypatch)
+    runs = [quality.Run("sparseloco-muon", 0, 3.8, 204_800, 20_000, [100, 100], 1000),
+            quality.Run("ddp", 0, 4.0, 204_800, 800_000, [100], 1000),
+            quality.Run("single", 0, 4.4, 102_400, 0, [100], 1000)]
+    table = {t["setting"]: t for t in quality.summarize(runs)}
+    assert table["sparseloco-muon"]["val_loss_ratio_vs_ddp"] == pytest.approx(3.8 / 4.0)
+    assert quality.against(table["sparseloco-muon"]) == ""
+    runs += [quality.Run("ddp-muon", 0, 3.6, 204_800, 800_000, [100], 1000),
+             quality.Run("single-muon", 0, 3.9, 102_400, 0, [100], 1000)]
+    table = {t["setting"]: t for t in quality.summarize(runs)}
+    row = table["sparseloco-muon"]
+    assert row["val_loss_ratio_vs_ddp"] == pytest.approx(3.8 / 3.6)
+    assert row["val_loss_ratio_vs_single"] == pytest.approx(3.8 / 3.9)
+    assert row["bytes_per_token_ratio_vs_ddp"] == pytest.approx(20_000 / 800_000)
+    assert quality.against(row) == " (against ddp-muon, single-muon)"
+    assert table["ddp-muon"]["val_loss_ratio_vs_ddp"] == pytest.approx(3.6 / 4.0)  # the baselines against AdamW's
+    assert table["single-muon"]["val_loss_ratio_vs_ddp"] is None
+    assert "--optimizer.name" in quality.SETTINGS["ddp-muon"].args and quality.SETTINGS["ddp-muon"].ranks == 2
+
+
 def test_wan_bench_codec_auto_runs_auto_without_and_with_streaming(monkeypatch):
     wan = _bench_module("wan", monkeypatch)
     assert wan.parse_args(["--codec", "auto"]).keys == ["f", "g"]
