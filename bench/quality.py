@@ -17,7 +17,9 @@ platform's outer Nesterov SGD, lr 0.7, momentum 0.9, sync_steps 20), diloco-3 (3
 topk-5pct-1bit (the sparser top-k before), sparseloco (2% at 2 bits, error feedback decayed by
 0.95, 30-step rounds, own moments; -muon: with Muon inside, MuLoCo's inner optimizer;
 -5pct-20: 5% in 20-step rounds, -5pct-20-muon with Muon inside; their ratios are over single-muon and
-ddp-muon, the baselines with Muon inside, where the run has them), streaming int8 (2 fragments, tau 1) and
+ddp-muon, the baselines with Muon inside, where the run has them; -1pct-50: 1% of chunks of 1,024 in
+50-step rounds, about 10,000x fewer bytes than DDP), four islands (diloco-4, sparseloco-5pct-20-4)
+against DDP of four ranks (ddp-4), streaming int8 (2 fragments, tau 1) and
 streaming-int8-no-overlap (tau 0), sync_steps 5 / 50 / 100, and het-1:3 (a 2-rank and
 a 1-rank island, the 1-rank one emulated 3x slower, time-paced rounds as long as the
 diloco run's median round, token-weighted): the same token budget, unequal steps. Its
@@ -75,8 +77,6 @@ from harness import (  # noqa: E402
 from archipelago.metrics.report import final_validation  # noqa: E402
 
 EVAL_WINDOWS = 256
-# Settings that train other token counts than DDP (2 islands' worth): no val-loss ratio to it.
-NOT_DDP_TOKENS = ("single", "single-muon", "single-fast", "diloco-3")
 STREAM = ("--fault_tolerance.codec", "int8", "--fault_tolerance.num_fragments", "2",
           "--fault_tolerance.fragment_sync_delay", "1")
 # The same fragments without the one-step overlap, which is what costs (docs/quality.md section 11).
@@ -92,6 +92,9 @@ SPARSELOCO = ("--fault_tolerance.codec", "topk", "--fault_tolerance.topk_fractio
 
 # MuLoCo's inner optimizer: Muon for the hidden matrices, AdamW for the rest (optimizer.name).
 MUON = ("--optimizer.name", "muon")
+# Muon's own gain is not the federation's: a federation with Muon inside is compared with the
+# baselines with Muon inside where the run has them, else with AdamW's.
+AGAINST_MUON = {"singles": ("single-muon", "single"), "ddps": ("ddp-muon", "ddp")}
 
 
 @dataclass(frozen=True)
@@ -104,14 +107,18 @@ class Setting:
     slowdown: str = ""           # --slowdown of `archipelago local`
     island_options: str = ""     # --island-options of `archipelago local` (ISLAND:OPTIONS)
     time_paced: bool = False
+    # The baselines its ratios are over, the first this run measured: one island at equal
+    # wall-clock, and DDP at equal tokens (none where no DDP trains this setting's tokens).
+    singles: tuple[str, ...] = ("single",)
+    ddps: tuple[str, ...] = ("ddp",)
 
 
 SETTINGS = {s.name: s for s in (
-    Setting("single", islands=""),
+    Setting("single", islands="", ddps=()),
     Setting("ddp", islands="", ranks=2, batch_factor=2, args=("--parallelism.data_parallel", "ddp")),
     # The baselines with Muon inside, for the federations with Muon inside: Muon's gain is not
     # the federation's when DDP and one island can have it too.
-    Setting("single-muon", islands="", args=MUON),
+    Setting("single-muon", islands="", args=MUON, ddps=()),
     Setting("ddp-muon", islands="", ranks=2, batch_factor=2, args=("--parallelism.data_parallel", "ddp", *MUON)),
     Setting("diloco"),
     Setting("reference-outer", args=(*OWN_MOMENTS, "--fault_tolerance.outer_lr", "0.7",
@@ -119,19 +126,30 @@ SETTINGS = {s.name: s for s in (
     Setting("own-moments", args=OWN_MOMENTS),
     Setting("adam-federation-batch", args=("--fault_tolerance.adam_federation_batch",)),
     Setting("adam-own-batch", args=("--fault_tolerance.no_adam_federation_batch",)),
-    Setting("diloco-3", islands="1,1,1"),
-    Setting("het-1:3", islands="2,1", slowdown="1,3", time_paced=True),
-    Setting("single-fast", islands="", ranks=2),
+    Setting("diloco-3", islands="1,1,1", ddps=()),
+    Setting("het-1:3", islands="2,1", slowdown="1,3", time_paced=True, singles=("single-fast",)),
+    Setting("single-fast", islands="", ranks=2, ddps=()),
     Setting("int8", args=("--fault_tolerance.codec", "int8")),
     Setting("topk", args=("--fault_tolerance.codec", "topk")),
     Setting("topk-5pct-1bit", args=("--fault_tolerance.codec", "topk", "--fault_tolerance.topk_fraction", "0.05",
                                     "--fault_tolerance.topk_bits", "1")),
     Setting("sparseloco", args=SPARSELOCO),
-    Setting("sparseloco-muon", args=(*SPARSELOCO, *MUON)),
+    Setting("sparseloco-muon", args=(*SPARSELOCO, *MUON), **AGAINST_MUON),
     Setting("sparseloco-5pct-20", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.05",
                                         "--fault_tolerance.sync_steps", "20")),
     Setting("sparseloco-5pct-20-muon", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.05",
-                                             "--fault_tolerance.sync_steps", "20", *MUON)),
+                                             "--fault_tolerance.sync_steps", "20", *MUON), **AGAINST_MUON),
+    # About 10,000x fewer bytes than DDP: 1% of each chunk of 1,024 (k = 10; wider chunks
+    # spread the two bf16 scales over more values) in 50-step rounds.
+    Setting("sparseloco-1pct-50", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.01",
+                                        "--fault_tolerance.topk_chunk_size", "1024",
+                                        "--fault_tolerance.sync_steps", "50")),
+    # Four islands, against DDP of four ranks (the same tokens).
+    Setting("ddp-4", islands="", ranks=4, batch_factor=4, args=("--parallelism.data_parallel", "ddp"),
+            ddps=("ddp-4",)),
+    Setting("diloco-4", islands="1,1,1,1", ddps=("ddp-4",)),
+    Setting("sparseloco-5pct-20-4", islands="1,1,1,1", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.05",
+                                                            "--fault_tolerance.sync_steps", "20"), ddps=("ddp-4",)),
     Setting("streaming-int8", args=STREAM),
     Setting("streaming-int8-no-overlap", args=STREAM_NO_OVERLAP),
     Setting("sync-5", args=("--fault_tolerance.sync_steps", "5")),
@@ -278,15 +296,12 @@ def median_round_s(run_dir: Path) -> float | None:
 
 # ------------------------------------------------------------------ summary
 
-def baselines(name: str, measured: set[str]) -> tuple[str, str]:
-    """The one-island and DDP settings a setting's ratios are over: a federation with Muon
-    inside against the baselines with Muon inside where this run measured them (Muon's own
-    gain is not the federation's), else against AdamW's; het-1:3 against the fast island."""
-    single = "single-fast" if name == "het-1:3" else "single"
-    if name.endswith("-muon") and not name.startswith(("single", "ddp")):
-        return (f"{single}-muon" if f"{single}-muon" in measured else single,
-                "ddp-muon" if "ddp-muon" in measured else "ddp")
-    return single, "ddp"
+def baselines(name: str, measured: set[str]) -> tuple[str | None, str | None]:
+    """The one-island and DDP settings a setting's ratios are over: the first of its
+    candidates (Setting.singles, Setting.ddps) that this run measured."""
+    s = SETTINGS[name]
+    return (next((b for b in s.singles if b in measured), None),
+            next((b for b in s.ddps if b in measured), None))
 
 
 def summarize(runs: list[Run]) -> list[dict[str, Any]]:
@@ -295,7 +310,7 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
         by.setdefault(r.setting, []).append(r)
     base = {(r.setting, r.seed): r for r in runs}
 
-    def paired(runs_: list[Run], ref: str, value) -> float | None:  # noqa: ANN001 - a getter
+    def paired(runs_: list[Run], ref: str | None, value) -> float | None:  # noqa: ANN001 - a getter
         pairs = [value(r) / value(base[(ref, r.seed)]) for r in runs_
                  if (ref, r.seed) in base and value(base[(ref, r.seed)])]
         return statistics.fmean(pairs) if pairs else None
@@ -307,10 +322,10 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
         table.append({
             "setting": name, "tokens": int(statistics.fmean(r.tokens for r in group)),
             "val_loss": statistics.fmean(losses), "val_loss_spread": max(losses) - min(losses),
-            "val_loss_ratio_vs_ddp": None if name in NOT_DDP_TOKENS else paired(group, ddp, lambda r: r.val_loss),
+            "val_loss_ratio_vs_ddp": paired(group, ddp, lambda r: r.val_loss),
             "val_loss_ratio_vs_single": paired(group, single, lambda r: r.val_loss),
             "baselines": {"ddp": ddp, "single": single},
-            "bytes_per_token_ratio_vs_ddp": bytes_ratio(group, paired(group, "ddp", bytes_per_token)),
+            "bytes_per_token_ratio_vs_ddp": bytes_ratio(group, paired(group, ddp, bytes_per_token)),
             "seeds": [r.seed for r in group], "val_losses": losses,
             "inner_steps": [r.steps for r in group], "bytes_sent": [r.bytes_sent for r in group],
             "curves": [r.curve for r in group],
@@ -362,11 +377,13 @@ def print_table(table: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 def against(row: dict[str, Any]) -> str:
-    """' (against ddp-muon, single-muon)' where a row's ratios are not over the AdamW baselines."""
+    """' (against ddp-muon, single-muon)' where a row's ratios are over other baselines than
+    its settings' usual ones (AdamW's DDP and one island)."""
     named = row.get("baselines", {})
-    if named.get("ddp", "ddp") == "ddp" and named.get("single", "single") in ("single", "single-fast"):
+    usual = {"ddp": (None, "ddp"), "single": (None, "single", "single-fast")}
+    if all(named.get(k) in allowed for k, allowed in usual.items()):
         return ""
-    return f" (against {named['ddp']}, {named['single']})"
+    return " (against " + ", ".join(b for b in (named.get("ddp"), named.get("single")) if b) + ")"
 
 
 def plot(table: list[dict[str, Any]], path: Path, title: str) -> None:

@@ -287,7 +287,7 @@ def test_quality_bench_gives_every_row_its_bytes_against_ddp_and_a_preset_fills_
     assert args.lr == {"ddp": "5e-3", "diloco": "5e-3", "single": "3e-3"} and "sparseloco" in args.settings
 
 
-def test_quality_bench_sets_a_federation_with_muon_against_the_baselines_with_muon_where_measured(monkeypatch):
+def test_quality_bench_compares_muon_with_muon_and_four_islands_with_four_ranks(monkeypatch):
     # Muon's own gain is not the federation's: with ddp-muon and single-muon in the run, a
     # -muon federation's ratios are over them; without, over AdamW's (and the row says which).
     quality = _bench_module("quality", monkeypatch)
@@ -308,6 +308,14 @@ def test_quality_bench_sets_a_federation_with_muon_against_the_baselines_with_mu
     assert table["ddp-muon"]["val_loss_ratio_vs_ddp"] == pytest.approx(3.6 / 4.0)  # the baselines against AdamW's
     assert table["single-muon"]["val_loss_ratio_vs_ddp"] is None
     assert "--optimizer.name" in quality.SETTINGS["ddp-muon"].args and quality.SETTINGS["ddp-muon"].ranks == 2
+    # Four islands against DDP of four ranks only (two ranks train half their tokens).
+    four = [quality.Run("sparseloco-5pct-20-4", 0, 3.7, 409_600, 40_000, [100] * 4, 1000),
+            quality.Run("ddp", 0, 4.0, 204_800, 800_000, [100], 1000)]
+    assert {t["setting"]: t for t in quality.summarize(four)}["sparseloco-5pct-20-4"]["val_loss_ratio_vs_ddp"] is None
+    four.append(quality.Run("ddp-4", 0, 3.5, 409_600, 1_600_000, [100], 1000))
+    row = {t["setting"]: t for t in quality.summarize(four)}["sparseloco-5pct-20-4"]
+    assert row["val_loss_ratio_vs_ddp"] == pytest.approx(3.7 / 3.5)
+    assert row["bytes_per_token_ratio_vs_ddp"] == pytest.approx(40_000 / 1_600_000)
 
 
 def test_wan_bench_codec_auto_runs_auto_without_and_with_streaming(monkeypatch):
