@@ -339,8 +339,10 @@ def bytes_per_token(r: Run) -> float:
 
 def ddp_bytes_per_token(r: Run) -> float:
     """What DDP sends per token on the run's batches: one fp32 gradient all-reduce of every
-    parameter per rank and step, a rank's step being one island step's tokens."""
-    steps = sum(r.steps)
+    parameter per rank and step, a rank's step being one island step's tokens (or one of a
+    one-island run's ranks' steps)."""
+    setting = SETTINGS[r.setting]
+    steps = sum(r.steps) * (1 if setting.islands else setting.ranks)
     return 4 * r.params * steps / r.tokens if r.params and r.tokens and steps else 0.0
 
 
