@@ -227,6 +227,8 @@ def command(args: argparse.Namespace, s: Setting, seed: int, run_dir: Path, step
               "--job.run_dir", str(run_dir), *s.args]
     if s.name in args.lr:  # each setting at the peak learning rate tuned for it
         common += ["--optimizer.lr", args.lr[s.name]]
+    if s.name in args.outer_lr and s.islands:  # and a federation at its tuned outer rate
+        common += ["--fault_tolerance.outer_lr", args.outer_lr[s.name]]
     if not s.islands:
         return [*cli, "train", "--nproc", str(ranks_here(args, s)), *common]
     cmd = [*cli, "local", "--islands", s.islands, "--no-table", *common]
@@ -425,6 +427,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def per_setting(p: argparse.ArgumentParser, flag: str, items: list[str]) -> dict[str, str]:
+    """SETTING=VALUE items as {setting: value}; a usage error names the bad ones."""
+    pairs = [item.partition("=") for item in items]
+    bad = [item for item, (name, eq, value) in zip(items, pairs) if not eq or name not in SETTINGS or not value]
+    if bad:
+        p.error(f"{flag} {' '.join(bad)}: expected SETTING=VALUE with SETTING one of {', '.join(SETTINGS)}")
+    return {name: value for name, _, value in pairs}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=list(PRESETS), default=None,
@@ -444,6 +455,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", nargs="+", default=[], metavar="SETTING=LR",
                    help="a setting's peak learning rate instead of the config's (each setting at its own "
                         "tuned rate: --lr ddp=5e-3 diloco=5e-3 single=3e-3)")
+    p.add_argument("--outer-lr", nargs="+", default=[], metavar="SETTING=LR",
+                   help="a federation's outer learning rate instead of the config's (--outer-lr sparseloco=1.5)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
     p.add_argument("--work-dir", type=Path, default=None, help="run directories (default: a new /tmp folder)")
     p.add_argument("--resume", action="store_true",
@@ -454,11 +467,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if preset.preset:
         p.set_defaults(**PRESETS[preset.preset])
     args = p.parse_args(argv)
-    rates = [item.partition("=") for item in args.lr]
-    bad = [item for item, (name, eq, value) in zip(args.lr, rates) if not eq or name not in SETTINGS or not value]
-    if bad:
-        p.error(f"--lr {' '.join(bad)}: expected SETTING=LR with SETTING one of {', '.join(SETTINGS)}")
-    args.lr = {name: value for name, _, value in rates}
+    args.lr = per_setting(p, "--lr", args.lr)
+    args.outer_lr = per_setting(p, "--outer-lr", args.outer_lr)
     if "het-1:3" in args.settings and "single-fast" not in args.settings:
         args.settings.append("single-fast")  # het-1:3's baseline at equal wall-clock
     return args
@@ -514,7 +524,8 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = where_measured(flavor=args.flavor, steps=args.steps, batch_size=args.batch_size, seeds=args.seeds,
                               device=args.device, config=str(args.config), eval_windows=args.eval_windows,
-                              eval_offset=args.eval_offset, lr=args.lr or None)
+                              eval_offset=args.eval_offset, lr=args.lr or None,
+                              outer_lr=args.outer_lr or None)
         args.out.write_text(json.dumps({"meta": meta, "settings": table}, indent=2))
         print(f"wrote {args.out}")
     if args.plot:

@@ -285,6 +285,13 @@ def test_quality_bench_gives_every_row_its_bytes_against_ddp_and_a_preset_fills_
     args = quality.parse_args(["--preset", "compute-optimal", "--seeds", "2"])
     assert (args.flavor, args.steps, args.eval_offset, args.seeds) == ("tiny", 4300, 512, [2])
     assert args.lr == {"ddp": "5e-3", "diloco": "5e-3", "single": "3e-3"} and "sparseloco" in args.settings
+    args = quality.parse_args(["--lr", "sparseloco=3e-3", "--outer-lr", "sparseloco=1.5", "ddp=2"])
+    sparse = quality.command(args, quality.SETTINGS["sparseloco"], 0, Path("run"), 100, None)
+    assert sparse[sparse.index("--optimizer.lr") + 1] == "3e-3"
+    assert sparse[sparse.index("--fault_tolerance.outer_lr") + 1] == "1.5"
+    assert "--fault_tolerance.outer_lr" not in quality.command(args, quality.SETTINGS["ddp"], 0, Path("run"), 100, None)
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--outer-lr", "nonesuch=1.5"])
 
 
 def test_quality_bench_compares_muon_with_muon_and_four_islands_with_four_ranks(monkeypatch):
