@@ -421,8 +421,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "compute-optimal": {
         "config": REPO / "configs/llama3/compute-optimal.toml", "flavor": "tiny", "steps": 4300, "batch_size": 16,
         "eval_windows": 512, "eval_offset": 512, "seeds": [0, 1, 2],
-        "settings": ["single", "ddp", "diloco", "sparseloco"],
-        "lr": ["ddp=5e-3", "diloco=5e-3", "single=3e-3"],
+        "settings": ["single", "ddp", "diloco", "sparseloco-5pct-20"],
+        "lr": ["ddp=5e-3", "diloco=5e-3", "single=3e-3", "sparseloco-5pct-20=3e-3"],
+        "outer_lr": ["sparseloco-5pct-20=2.0"],
     },
 }
 

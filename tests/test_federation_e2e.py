@@ -205,6 +205,13 @@ def _records(island_dir: Path, event: str) -> list[dict]:
     return [r for r in records(island_dir) if r.get("event") == event]
 
 
+def _alone(island_dir: Path) -> list[dict]:
+    """The outer steps an island committed with no other island in the round."""
+    if not (island_dir / "metrics.jsonl").exists():
+        return []
+    return [r for r in _records(island_dir, "outer_step") if r["committed"] and r["participants"] == 1]
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["synchronous", pytest.param("decoupled", marks=pytest.mark.slow),
                                   pytest.param("arrival", marks=pytest.mark.slow)])  # make test-slow
@@ -218,34 +225,37 @@ def test_killed_island_heals_from_a_live_peer_and_all_end_equal(islands, tmp_pat
     key_file.write_text(run_cli_here(["secret", "new"]).output)
     key_file.chmod(0o600)  # a key others can read is refused
     monkeypatch.setenv("ARCHIPELAGO_FEDERATION_KEY_FILE", str(key_file))
-    # Long enough that the survivor is still training when the victim is back (about 8 s
-    # after the crash here, 15 s before the survivor's end); seq_len 128 makes the steps
+    # Long enough that the survivor is still training when the victim is back (about 10 s
+    # after the crash here, 20 s before the survivor's end); seq_len 128 makes the steps
     # slow enough for that.
-    steps = ["--training.steps", "32", "--data.seq_len", "128"]
+    steps = ["--training.steps", "40", "--data.seq_len", "128"]
     if mode != "synchronous":
         steps += ["--fault_tolerance.round_mode", "decoupled", "--fault_tolerance.overlap_threshold", "0",
                   "--fault_tolerance.arrival_steps", "2" if mode == "arrival" else "0"]
     survivor = islands.start(tmp_path, 0, 2, *steps)
     victim = islands.start(tmp_path, 1, 1, *steps, fault="crash@14")  # mid-round (rounds end at 4k)
     assert victim.wait(timeout=300) != 0
+    # Restart once the survivor has gone on alone: a restart racing the lighthouse's dropping
+    # of the dead island can join the survivor's very next round (it did on a loaded machine).
+    deadline = time.monotonic() + 300
+    while not _alone(tmp_path / "island-0") and survivor.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
     restarted = islands.start(tmp_path, 1, 1, *steps)
     assert restarted.wait(timeout=400) == 0, (tmp_path / "island-1.log").read_text()[-3000:]
     assert survivor.wait(timeout=400) == 0, (tmp_path / "island-0.log").read_text()[-3000:]
-    alone = [r for r in _records(tmp_path / "island-0", "outer_step")
-             if r["committed"] and r["participants"] == 1]
-    assert alone, "the survivor never committed an outer step on its own"
+    assert _alone(tmp_path / "island-0"), "the survivor never committed an outer step on its own"
     healed = [r for r in _records(tmp_path / "island-1", "outer_step") if r["healed"]]
     assert healed and healed[0]["committed"], "the restarted island did not heal from its peer"
     leave = [_records(tmp_path / f"island-{k}", "leave")[-1] for k in range(2)]
     assert leave[0]["global_hash"] == leave[1]["global_hash"], leave
-    assert leave[0]["step"] == leave[1]["step"] == 32
+    assert leave[0]["step"] == leave[1]["step"] == 40
     from archipelago.federation.trust import load_key
 
     federation = f"key {load_key(str(key_file)).federation_id.hex()[:12]}"
     assert all(federation in (tmp_path / f"island-{k}.log").read_text() for k in range(2))
     # The restarted island resumed from its own checkpoint, whose manifest the key signs.
     assert [r["step"] for r in _records(tmp_path / "island-1", "resume")] == [12]
-    manifest = json.loads((tmp_path / "island-1" / "checkpoints" / "step-00000032" / "COMPLETE.json").read_text())
+    manifest = json.loads((tmp_path / "island-1" / "checkpoints" / "step-00000040" / "COMPLETE.json").read_text())
     assert len(manifest["hmac"]) == 64
 
 
