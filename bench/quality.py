@@ -90,6 +90,8 @@ SPARSELOCO = ("--fault_tolerance.codec", "topk", "--fault_tolerance.topk_fractio
               "--fault_tolerance.topk_bits", "2", "--fault_tolerance.topk_error_decay", "0.95",
               "--fault_tolerance.sync_steps", "30", "--fault_tolerance.no_average_optimizer_state")
 
+# One island of several ranks, all-reducing gradients every step.
+DDP = ("--parallelism.data_parallel", "ddp")
 # MuLoCo's inner optimizer: Muon for the hidden matrices, AdamW for the rest (optimizer.name).
 MUON = ("--optimizer.name", "muon")
 # Muon's own gain is not the federation's: a federation with Muon inside is compared with the
@@ -115,11 +117,11 @@ class Setting:
 
 SETTINGS = {s.name: s for s in (
     Setting("single", islands="", ddps=()),
-    Setting("ddp", islands="", ranks=2, batch_factor=2, args=("--parallelism.data_parallel", "ddp")),
+    Setting("ddp", islands="", ranks=2, batch_factor=2, args=DDP),
     # The baselines with Muon inside, for the federations with Muon inside: Muon's gain is not
     # the federation's when DDP and one island can have it too.
     Setting("single-muon", islands="", args=MUON, ddps=()),
-    Setting("ddp-muon", islands="", ranks=2, batch_factor=2, args=("--parallelism.data_parallel", "ddp", *MUON)),
+    Setting("ddp-muon", islands="", ranks=2, batch_factor=2, args=(*DDP, *MUON)),
     Setting("diloco"),
     Setting("reference-outer", args=(*OWN_MOMENTS, "--fault_tolerance.outer_lr", "0.7",
                                      "--fault_tolerance.outer_momentum", "0.9")),
@@ -145,7 +147,7 @@ SETTINGS = {s.name: s for s in (
                                         "--fault_tolerance.topk_chunk_size", "1024",
                                         "--fault_tolerance.sync_steps", "50")),
     # Four islands, against DDP of four ranks (the same tokens).
-    Setting("ddp-4", islands="", ranks=4, batch_factor=4, args=("--parallelism.data_parallel", "ddp"),
+    Setting("ddp-4", islands="", ranks=4, batch_factor=4, args=DDP,
             ddps=("ddp-4",)),
     Setting("diloco-4", islands="1,1,1,1", ddps=("ddp-4",)),
     Setting("sparseloco-5pct-20-4", islands="1,1,1,1", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.05",
@@ -206,14 +208,15 @@ def base_args(args: argparse.Namespace, seed: int, steps: int, batch: int, every
 
 
 def ranks_here(args: argparse.Namespace, s: Setting) -> int:
-    """The ranks a one-island setting runs with. On a machine with fewer GPUs than DDP's 2
-    ranks (NCCL takes one GPU per rank) DDP runs as one rank with the whole batch: the same
-    mean gradient of the same 16 sequences, up to summation order; its bytes stay 2 ranks'."""
+    """The ranks a one-island setting runs with. On a machine with fewer GPUs than a DDP
+    setting's ranks (NCCL takes one GPU per rank) DDP runs as one rank with the whole batch:
+    the same mean gradient of the same sequences, up to summation order; its bytes stay its
+    ranks'."""
     if s.ranks > 1 and args.device.startswith("cuda"):
         import torch
 
         if torch.cuda.device_count() < s.ranks:
-            if not s.name.startswith("ddp"):
+            if DDP[0] not in s.args:  # only a DDP setting's ranks can run as one
                 raise SystemExit(f"{s.name} needs {s.ranks} GPUs (one per rank); this machine has "
                                  f"{torch.cuda.device_count()}: leave it out of --settings")
             return 1
@@ -319,7 +322,7 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
 
     table = []
     for name, group in by.items():
-        single, ddp = baselines(name, {r.setting for r in runs})
+        single, ddp = baselines(name, set(by))
         losses = [r.val_loss for r in group]
         table.append({
             "setting": name, "tokens": int(statistics.fmean(r.tokens for r in group)),

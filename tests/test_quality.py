@@ -308,8 +308,7 @@ def test_quality_bench_compares_muon_with_muon_and_four_islands_with_four_ranks(
     alone = {t["setting"]: t for t in quality.summarize([muon_ddp])}
     assert alone["ddp-muon"]["bytes_per_token_ratio_vs_ddp"] == pytest.approx(1.0)  # counted for its two ranks
     assert quality.against(table["sparseloco-muon"]) == ""
-    runs += [quality.Run("ddp-muon", 0, 3.6, 204_800, 800_000, [100], 1000),
-             quality.Run("single-muon", 0, 3.9, 102_400, 0, [100], 1000)]
+    runs += [muon_ddp, quality.Run("single-muon", 0, 3.9, 102_400, 0, [100], 1000)]
     table = {t["setting"]: t for t in quality.summarize(runs)}
     row = table["sparseloco-muon"]
     assert row["val_loss_ratio_vs_ddp"] == pytest.approx(3.8 / 3.6)
