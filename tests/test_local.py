@@ -301,7 +301,7 @@ def test_live_table_renders() -> None:
 def test_hashes_are_compared_at_the_last_outer_step_every_island_committed(tmp_path: Path) -> None:
     def outer(n: int, digest: str, committed: bool = True) -> dict:
         return {"event": "outer_step", "time": float(n), "step": 5 * n, "outer_step": n, "committed": committed,
-                "participants": 2, "healed": False, "global_hash": digest}
+                "participants": 2, "healed": False, "global_hash": digest, "codec": f"auto:{digest}"}
 
     logs = {0: [outer(1, "a"), outer(2, "b")],
             1: [outer(1, "a"), outer(2, "b"), outer(3, "c")]}  # island 1 synced once more, alone
@@ -312,6 +312,7 @@ def test_hashes_are_compared_at_the_last_outer_step_every_island_committed(tmp_p
     assert [i["global_hash"] for i in fed["islands"]] == ["b", "c"]
     assert fed["global_hash_agree"] is True and fed["global_hash_outer_step"] == 2
     assert [e["islands"] for e in fed["outer_steps"]] == [[0, 1], [0, 1], [1]]
+    assert [e["codec"] for e in fed["outer_steps"]] == ["auto:a", "auto:b", "auto:c"]  # what crossed in each
     with open(tmp_path / "island-1" / "metrics.jsonl", "a") as f:  # island 1 re-logs step 2 differently
         f.write(json.dumps(outer(2, "x")) + "\n")
     fed = load_federation(tmp_path)

@@ -106,8 +106,9 @@ def round_totals(outer: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def merge_outer_steps(records: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One entry per outer step number: who committed it, who healed, and whether the
-    committing islands reported the same global-weights hash for it."""
+    """One entry per outer step number: who committed it, who healed, whether the
+    committing islands reported the same global-weights hash for it, and what crossed in
+    it (`codec`, as the first committing island recorded it: `auto:int8`, `fp32`, ...)."""
     merged: dict[int, dict[str, Any]] = {}
     hashes: dict[int, set[str]] = {}
     for island, island_records_ in records.items():
@@ -121,6 +122,8 @@ def merge_outer_steps(records: dict[int, list[dict[str, Any]]]) -> list[dict[str
             if record.get("committed"):
                 _add(entry["islands"], island)
                 hashes.setdefault(number, set()).add(str(record.get("global_hash")))
+                if record.get("codec") and "codec" not in entry:
+                    entry["codec"] = str(record["codec"])
             if record.get("healed"):
                 _add(entry["healed"], island)
     for number, entry in merged.items():

@@ -353,13 +353,15 @@ def _island_table(islands: list[dict[str, Any]]) -> list[str]:
 def _outer_step_table(outer_steps: list[dict[str, Any]]) -> list[str]:
     if not outer_steps:
         return ["## Outer steps", "", "No outer step was logged."]
-    lines = ["## Outer steps", "", "| outer step | participants | committed by islands | healed | same hash |",
-             "| ---: | ---: | --- | --- | --- |"]
+    lines = ["## Outer steps", "",
+             "| outer step | participants | committed by islands | healed | same hash | codec |",
+             "| ---: | ---: | --- | --- | --- | --- |"]
     for entry in outer_steps:
         committed = ", ".join(map(str, entry.get("islands", []))) or "none"
         healed = ", ".join(map(str, entry.get("healed", []))) or "-"
         same = {True: "yes", False: "NO"}.get(bool(entry["hash_agree"]), "n/a") if "hash_agree" in entry else "n/a"
-        lines.append(f"| {entry['outer_step']} | {entry.get('participants')} | {committed} | {healed} | {same} |")
+        lines.append(f"| {entry['outer_step']} | {entry.get('participants')} | {committed} | {healed} | {same} | "
+                     f"{entry.get('codec', '-')} |")
     return lines
 
 
