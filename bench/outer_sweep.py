@@ -112,8 +112,10 @@ def build_jobs(args: argparse.Namespace) -> list[dict]:
 # (`--grid sim.NAME=VALUE`): the outer momentum growing linearly from 0 to
 # `outer_momentum` over `momentum_warmup_rounds` rounds; the first `sync_warmup_rounds` K
 # rounds lasting 1, 2, 4, ... inner steps; every outer step also setting every island's
-# BatchNorm running statistics to their mean (`average_running_stats` 1).
-EXPERIMENTS = ("momentum_warmup_rounds", "sync_warmup_rounds", "average_running_stats")
+# BatchNorm running statistics to their mean (`average_running_stats` 1); each coordinate of
+# a sparse exchange averaged over the islands that sent it instead of over all of them
+# (`contributor_mean` 1: a value only one of two islands chose enters whole, not halved).
+EXPERIMENTS = ("momentum_warmup_rounds", "sync_warmup_rounds", "average_running_stats", "contributor_mean")
 
 
 def experimental_outer(simulation, experiments: dict[str, int]) -> type:
@@ -123,12 +125,15 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
     momentum_warmup = experiments.get("momentum_warmup_rounds", 0)
     sync_warmup = experiments.get("sync_warmup_rounds", 0)
     average_stats = bool(experiments.get("average_running_stats", 0))
+    contributor_mean = bool(experiments.get("contributor_mean", 0))
 
     class Experimental(simulation._Outer):
         def __init__(self, cfg, islands) -> None:
             super().__init__(cfg, islands)
             if sync_warmup and (self.ft.num_fragments > 1 or self.ft.fragment_sync_delay):
                 raise ValueError("sync_warmup_rounds: one fragment without fragment_sync_delay only")
+            if contributor_mean:
+                self.core.merge = contributor_merge  # type: ignore[method-assign]
 
         def round_length(self) -> int:
             if self.step < sync_warmup:
@@ -150,6 +155,17 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
                         s[k].copy_(mean)
 
     return Experimental
+
+
+def contributor_merge(values: list, weights: list[float]):  # noqa: ANN201 - a tensor
+    """`contributor_mean`: the weighted sum of the rows, each coordinate scaled by all the
+    weights over the weights of the islands whose row is nonzero there, so that the outer
+    step's division by all the weights leaves each coordinate's mean over its senders."""
+    import torch
+
+    total = sum(w * v for w, v in zip(weights, values))
+    cover = sum(w * (v != 0).float() for w, v in zip(weights, values))
+    return torch.where(cover > 0, total * (sum(weights) / cover.clamp_min(1e-30)), total)
 
 
 def run_job(job: dict, config: str, device: str, threads: int, eval_windows: int) -> dict:

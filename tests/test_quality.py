@@ -228,6 +228,19 @@ def test_the_simulators_slow_island_steps_a_third_as_often_and_weighs_by_its_tok
         torch.testing.assert_close(value.detach(), expected, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_outer_sweeps_contributor_mean_averages_each_coordinate_over_the_islands_that_sent_it():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("outer_sweep", ROOT / "bench" / "outer_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    a, b = torch.tensor([2.0, 0.0, 4.0, 0.0]), torch.tensor([6.0, 3.0, 0.0, 0.0])
+    merged = sweep.contributor_merge([a, b], [1.0, 3.0])
+    # The outer step divides by all weights (4): coordinate 0 is the weighted mean of both,
+    # 1 and 2 the one sender's value whole, 3 nothing.
+    torch.testing.assert_close(merged / 4.0, torch.tensor([(2.0 + 18.0) / 4.0, 3.0, 4.0, 0.0]))
+
+
 def test_outer_sweep_counts_bytes_per_token_against_ddp_by_hand():
     # DDP of 2 ranks all-reduces 4-byte gradients of 1,000 parameters each step: a ring sends
     # 2 x (2 - 1) x 4,000 bytes per step, over the step's 2,048 tokens. A federation that
