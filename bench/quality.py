@@ -91,6 +91,14 @@ SPARSELOCO = ("--fault_tolerance.codec", "topk", "--fault_tolerance.topk_fractio
               "--fault_tolerance.topk_bits", "2", "--fault_tolerance.topk_error_decay", "0.95",
               "--fault_tolerance.sync_steps", "30", "--fault_tolerance.no_average_optimizer_state")
 
+
+def sparse_rounds(fraction: str, sync_steps: str, *more: str) -> tuple[str, ...]:
+    """SPARSELOCO's rounds with another density and round length (the later option wins),
+    and any further options."""
+    return (*SPARSELOCO, "--fault_tolerance.topk_fraction", fraction, "--fault_tolerance.sync_steps", sync_steps,
+            *more)
+
+
 # One island of several ranks, all-reducing gradients every step.
 DDP = ("--parallelism.data_parallel", "ddp")
 # MuLoCo's inner optimizer: Muon for the hidden matrices, AdamW for the rest (optimizer.name).
@@ -138,25 +146,19 @@ SETTINGS = {s.name: s for s in (
                                     "--fault_tolerance.topk_bits", "1")),
     Setting("sparseloco", args=SPARSELOCO),
     Setting("sparseloco-muon", args=(*SPARSELOCO, *MUON), **AGAINST_MUON),
-    Setting("sparseloco-5pct-20", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.05",
-                                        "--fault_tolerance.sync_steps", "20")),
-    Setting("sparseloco-5pct-20-muon", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.05",
-                                             "--fault_tolerance.sync_steps", "20", *MUON), **AGAINST_MUON),
+    Setting("sparseloco-5pct-20", args=sparse_rounds("0.05", "20")),
+    Setting("sparseloco-5pct-20-muon", args=sparse_rounds("0.05", "20", *MUON), **AGAINST_MUON),
     # About 10,000x fewer bytes than DDP: 1% of each chunk of 1,024 (k = 10; wider chunks
     # spread the two bf16 scales over more values) in 50-step rounds.
-    Setting("sparseloco-1pct-50", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.01",
-                                        "--fault_tolerance.topk_chunk_size", "1024",
-                                        "--fault_tolerance.sync_steps", "50")),
+    Setting("sparseloco-1pct-50", args=sparse_rounds("0.01", "50", "--fault_tolerance.topk_chunk_size", "1024")),
     # Four islands, against DDP of four ranks (the same tokens).
     Setting("ddp-4", islands="", ranks=4, batch_factor=4, args=DDP,
             ddps=("ddp-4",)),
     Setting("diloco-4", islands="1,1,1,1", ddps=("ddp-4",)),
-    Setting("sparseloco-5pct-20-4", islands="1,1,1,1", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.05",
-                                                            "--fault_tolerance.sync_steps", "20"), ddps=("ddp-4",)),
+    Setting("sparseloco-5pct-20-4", islands="1,1,1,1", args=sparse_rounds("0.05", "20"), ddps=("ddp-4",)),
     # Four islands at about 300x fewer bytes: with four islands the 5% rounds end 2% behind
     # DDP at any outer rate; 20% of each chunk closes most of it (docs/quality.md).
-    Setting("sparseloco-20pct-20-4", islands="1,1,1,1", args=(*SPARSELOCO, "--fault_tolerance.topk_fraction", "0.2",
-                                                             "--fault_tolerance.sync_steps", "20"), ddps=("ddp-4",)),
+    Setting("sparseloco-20pct-20-4", islands="1,1,1,1", args=sparse_rounds("0.2", "20"), ddps=("ddp-4",)),
     Setting("streaming-int8", args=STREAM),
     Setting("streaming-int8-no-overlap", args=STREAM_NO_OVERLAP),
     Setting("sync-5", args=("--fault_tolerance.sync_steps", "5")),
