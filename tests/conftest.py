@@ -81,6 +81,24 @@ def kill_started_processes(token: str) -> None:
     kill_until_gone(lambda: pids_with_token(token))
 
 
+@contextlib.contextmanager
+def islands_threads(ranks: int):
+    """This process's intra-op threads set to what `archipelago local` gives each of `ranks`
+    ranks (OMP_NUM_THREADS when set, else cores / ranks), restored after. The simulator
+    trains the platform's weights bit for bit only at the platform's thread count: the CPU's
+    matrix and convolution kernels split a product's sum into per-thread chunks, so another
+    count may round differently (on a 2-core AVX-512 Xeon the simulator at 2 threads missed
+    the 1-thread islands' weights in the last bits; an older machine's kernels had hidden it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // ranks)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_cli(args: list[str], timeout: float = 240, env: dict[str, str] | None = None) -> Finished:
     """Run `archipelago ARGS`; on timeout, and always at the end, kill every process it started."""
     token = uuid.uuid4().hex

@@ -232,9 +232,15 @@ def test_a_dace_island_and_an_eager_island_train_heal_and_agree(tmp_path):
     fed = json.loads((run / "federation.json").read_text())
     assert [i["restarts"] for i in fed["islands"]] == [1, 0], fed["islands"]
     assert all(i["final_step"] == 40 for i in fed["islands"]), fed["islands"]
-    assert fed["global_hash_agree"] and fed["islands"][0]["global_hash"] == fed["islands"][1]["global_hash"]
     healed = [r for r in fed["outer_steps"] if 0 in r["healed"] and r["outer_step"] > 1]
     assert healed and healed[0]["islands"] == [0, 1], fed["outer_steps"]  # from the DaCe island, mid-run
+    # Both islands committed rounds after the heal with equal global hashes. One island may end
+    # with a round of its own (on CI's loaded machine one did: the last shared round agreed and
+    # the final hashes differed), so at most one lone round may follow the last shared one.
+    shared = fed["global_hash_outer_step"]
+    assert fed["global_hash_agree"] and shared > healed[0]["outer_step"], fed["outer_steps"]
+    after = [r for r in fed["outer_steps"] if r["outer_step"] > shared]
+    assert len(after) <= 1 and all(len(r["islands"]) == 1 for r in after), fed["outer_steps"]
     log1 = (run / "island-1" / "train.log").read_text()
     assert "module(s) compute through it" in log1
     assert "island 1: cpu float32, dace 1.0.2" in (run / "island-0" / "train.log").read_text()

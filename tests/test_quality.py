@@ -13,13 +13,12 @@
 from __future__ import annotations
 
 import copy
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, run_cli
+from conftest import ROOT, TINY, islands_threads, run_cli
 from test_federation_e2e import _final_weights
 
 FEDERATION = ["--config", str(ROOT / "configs/llama3/federation.toml")]
@@ -49,21 +48,22 @@ def test_simulator_trains_the_same_weights_as_a_real_federation(tmp_path):
     assert done.returncode == 0, done.output[-3000:]
     real = _model_weights(tmp_path / "fed" / "island-0")
     cfg = load_config([*TINY, *QUICK, *outer, "--fault_tolerance.enable"])
-    simulated = simulate(cfg, islands=2, eval_windows=32).models[0].state_dict()  # few: only weights count
-    assert real.keys() == simulated.keys() and len(real) > 10
-    start = _model_weights_at_start()
-    assert all(not torch.equal(real[k], v) for k, v in start.items())  # the comparison can fail
-    for name, value in simulated.items():
-        assert torch.equal(real[name], value), name
-    cfg.fault_tolerance.moments_dtype = "fp32"  # the moments' rounding to bf16 changed the weights
-    exact = simulate(cfg, islands=2, eval_windows=32).models[0].state_dict()
-    assert any(not torch.equal(real[name], value) for name, value in exact.items())
-    cfg.fault_tolerance.adam_federation_batch = False  # the federation's batch in AdamW changed the weights
-    plain = simulate(cfg, islands=2, eval_windows=32).models[0].state_dict()
-    assert any(not torch.equal(exact[name], value) for name, value in plain.items())
-    cfg.fault_tolerance.average_optimizer_state = False  # the moments' averaging changed the weights
-    own = simulate(cfg, islands=2, eval_windows=32).models[0].state_dict()
-    assert any(not torch.equal(plain[name], value) for name, value in own.items())
+    with islands_threads(2):
+        simulated = simulate(cfg, islands=2, eval_windows=32).models[0].state_dict()  # few: only weights count
+        assert real.keys() == simulated.keys() and len(real) > 10
+        start = _model_weights_at_start()
+        assert all(not torch.equal(real[k], v) for k, v in start.items())  # the comparison can fail
+        for name, value in simulated.items():
+            assert torch.equal(real[name], value), name
+        cfg.fault_tolerance.moments_dtype = "fp32"  # the moments' rounding to bf16 changed the weights
+        exact = simulate(cfg, islands=2, eval_windows=32).models[0].state_dict()
+        assert any(not torch.equal(real[name], value) for name, value in exact.items())
+        cfg.fault_tolerance.adam_federation_batch = False  # the federation's batch in AdamW changed the weights
+        plain = simulate(cfg, islands=2, eval_windows=32).models[0].state_dict()
+        assert any(not torch.equal(exact[name], value) for name, value in plain.items())
+        cfg.fault_tolerance.average_optimizer_state = False  # the moments' averaging changed the weights
+        own = simulate(cfg, islands=2, eval_windows=32).models[0].state_dict()
+        assert any(not torch.equal(plain[name], value) for name, value in own.items())
 
 
 @pytest.mark.slow  # about 30 s each on 2 cores: make test-slow
@@ -86,8 +86,9 @@ def test_the_simulator_trains_the_shipped_combinations_bit_for_bit(tmp_path, com
     done = run_cli(["local", "--islands", "1,1", "--no-table", *TINY, *QUICK, *outer,
                     "--job.run_dir", str(tmp_path / "fed")], timeout=280)
     assert done.returncode == 0, done.output[-3000:]
-    simulated = simulate(load_config([*TINY, *QUICK, *outer, "--fault_tolerance.enable"]), islands=2,
-                         eval_windows=8).models
+    with islands_threads(2):
+        simulated = simulate(load_config([*TINY, *QUICK, *outer, "--fault_tolerance.enable"]), islands=2,
+                             eval_windows=8).models
     start = _model_weights_at_start()
     for island, model in zip(("island-0", "island-1"), simulated):
         real = _model_weights(tmp_path / "fed" / island)
@@ -141,14 +142,8 @@ def test_simulator_trains_a_resnet_federation_as_the_real_one_batchnorm_statisti
                    timeout=300)
     assert done.returncode == 0, done.output[-3000:]
     cfg = load_config([*resnet, "--fault_tolerance.enable"])
-    # With the islands' thread count (cores / ranks): oneDNN sums a convolution's weight
-    # gradient over the batch in per-thread chunks, so other counts round differently.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
-    try:
+    with islands_threads(2):  # oneDNN sums a convolution's weight gradient in per-thread chunks
         simulated = simulate(cfg, islands=2, eval_windows=32).models
-    finally:
-        torch.set_num_threads(threads)
     for island, model in zip(("island-0", "island-1"), simulated):
         real, state = _model_weights(tmp_path / "fed" / island), model.state_dict()
         assert real.keys() == state.keys() and any("running_var" in k for k in real)
@@ -459,7 +454,8 @@ def test_decoupled_rounds_on_the_platform_train_the_simulators_weights(tmp_path,
                     "--job.run_dir", str(tmp_path / "fed")], timeout=240)
     assert done.returncode == 0, done.output[-3000:]
     cfg = load_config([*TINY, *QUICK, *outer, "--fault_tolerance.enable"])
-    sim = simulate(cfg, islands=2, eval_windows=8, handoff_delays=[1, 1])
+    with islands_threads(2):
+        sim = simulate(cfg, islands=2, eval_windows=8, handoff_delays=[1, 1])
     # the discount was applied (the comparison can fail on it), or no row was stale
     assert sim.staleness == ([0, 0, 1, 1, 1, 1] if not arrival else [0] * 6)
     start = _model_weights_at_start()
@@ -470,8 +466,9 @@ def test_decoupled_rounds_on_the_platform_train_the_simulators_weights(tmp_path,
         for name, value in model.state_dict().items():
             assert torch.equal(real[name], value), (island, name)
     changed = ["--fault_tolerance.arrival_steps", "0"] if arrival else ["--fault_tolerance.staleness_exponent", "0"]
-    other = simulate(load_config([*TINY, *QUICK, *outer, "--fault_tolerance.enable", *changed]), islands=2,
-                     eval_windows=8, handoff_delays=[1, 1]).models[0].state_dict()
+    with islands_threads(2):
+        other = simulate(load_config([*TINY, *QUICK, *outer, "--fault_tolerance.enable", *changed]), islands=2,
+                         eval_windows=8, handoff_delays=[1, 1]).models[0].state_dict()
     assert any(not torch.equal(other[k], v) for k, v in sim.models[0].state_dict().items())
     steps = outer_records(island_records(tmp_path / "fed" / "island-0"))
     assert [e["committed"] for e in steps] == [True] * len(steps) and len(steps) >= 4
@@ -498,7 +495,8 @@ def test_decoupled_reduce_scatter_runs_its_second_phase_midway_and_trains_the_si
                     "--job.run_dir", str(tmp_path / "fed")], timeout=280)
     assert done.returncode == 0, done.output[-3000:]
     cfg = load_config([*TINY, *QUICK, *outer, "--fault_tolerance.enable"])
-    sim = simulate(cfg, islands=3, eval_windows=8, handoff_delays=[1, 1, 1])
+    with islands_threads(3):
+        sim = simulate(cfg, islands=3, eval_windows=8, handoff_delays=[1, 1, 1])
     assert sim.staleness == [0, 0, 0, 1, 1, 1, 1, 1, 1]
     for island, model in zip(("island-0", "island-1", "island-2"), sim.models):
         real = _model_weights(tmp_path / "fed" / island)
@@ -510,7 +508,8 @@ def test_decoupled_reduce_scatter_runs_its_second_phase_midway_and_trains_the_si
     once = rounds.as_received
     try:  # the same simulation with one rounding only: the test can tell the two apart
         rounds.as_received = lambda codec, island, fragment, total, participants: total
-        plain = simulate(cfg, islands=3, eval_windows=8, handoff_delays=[1, 1, 1]).models[0].state_dict()
+        with islands_threads(3):
+            plain = simulate(cfg, islands=3, eval_windows=8, handoff_delays=[1, 1, 1]).models[0].state_dict()
     finally:
         rounds.as_received = once
     assert any(not torch.equal(plain[k], v) for k, v in sim.models[0].state_dict().items())
