@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 
 from archipelago.config import faults
-from archipelago.launch.processes import kill_until_gone, pids_with_env
+from archipelago.launch.processes import kill_until_gone, pids_with_env, rank_threads
 from archipelago.metrics.jsonl import iter_records, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,15 +84,15 @@ def kill_started_processes(token: str) -> None:
 @contextlib.contextmanager
 def islands_threads(ranks: int):
     """This process's intra-op threads set to what `archipelago local` gives each of `ranks`
-    ranks (OMP_NUM_THREADS when set, else cores / ranks), restored after. The simulator
-    trains the platform's weights bit for bit only at the platform's thread count: the CPU's
-    matrix and convolution kernels split a product's sum into per-thread chunks, so another
-    count may round differently (on a 2-core AVX-512 Xeon the simulator at 2 threads missed
+    ranks (processes.rank_threads), restored after. The simulator trains the platform's
+    weights bit for bit only at the platform's thread count: the CPU's matrix and
+    convolution kernels split a product's sum into per-thread chunks, so another count may
+    round differently (on a 2-core AVX-512 Xeon the simulator at 2 threads missed
     the 1-thread islands' weights in the last bits; an older machine's kernels had hidden it)."""
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // ranks)))
+    torch.set_num_threads(int(rank_threads(ranks)))
     try:
         yield
     finally:

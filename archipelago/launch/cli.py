@@ -23,6 +23,7 @@ from typing import Any
 from archipelago.config import Config, ConfigError, config_to_dict, load_config, validate_for_island
 from archipelago.island.batches import check_rank_slowdown, rank_batches
 from archipelago.launch.args import pop_option
+from archipelago.launch.processes import rank_threads
 from archipelago.netutil import bound_tcp_store, local_address, url_host
 
 USAGE = """\
@@ -150,7 +151,7 @@ def _spawn_torchrun(nproc: int, argv: list[str], cfg: Config, command: str = "tr
     (Path(run_dir) / FAILURE_FILE).unlink(missing_ok=True)
     # torchrun would set 1 with a warning; say it ourselves: cores / ranks threads each.
     # The ranks inherit this process's environment.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ["OMP_NUM_THREADS"] = rank_threads(nproc)
     log.info("starting %d ranks under torchrun%s", nproc, f"; run directory {run_dir}" if command == "train" else "")
     code = _run_elastic_agent([*_rendezvous_args(), f"--nproc-per-node={nproc}", "-m", "archipelago.launch.cli",
                                command, *argv, f"--job.run_dir={run_dir}"])

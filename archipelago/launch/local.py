@@ -26,7 +26,7 @@ from archipelago.config.faults import RANK_ENV as FAULT_RANK_ENV
 from archipelago.config.faults import env_value as fault_env_value
 from archipelago.launch.local_display import LIVE_HEADERS, STATUS_EVERY_S, MetricsTail, Output, format_cell, rich_table
 from archipelago.launch.local_options import Options, parse_args
-from archipelago.launch.processes import kill_until_gone, pids_with_env, signal_pids
+from archipelago.launch.processes import kill_until_gone, pids_with_env, rank_threads, signal_pids
 from archipelago.metrics.islands import FEDERATION_FILE, federation_summary
 from archipelago.metrics.progress import format_count
 from archipelago.metrics.summary import write_json_atomic
@@ -71,8 +71,7 @@ def island_env(token: str, lighthouse: str, total_ranks: int,
     env.pop(FAULT_RANK_ENV, None)
     env.update({TOKEN_ENV: token, "TORCHFT_LIGHTHOUSE": lighthouse,
                 "PYTHONUNBUFFERED": "1"})  # lines must reach us as they are written, not per 8 KiB
-    # All islands share this machine's cores; torchrun would default every rank to 1 thread.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // total_ranks)))
+    env["OMP_NUM_THREADS"] = rank_threads(total_ranks, env)  # all islands share this machine's cores
     return env
 
 

@@ -11,10 +11,18 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 PROC = Path("/proc")
+
+
+def rank_threads(ranks: int, env: Mapping[str, str] = os.environ) -> str:
+    """OMP_NUM_THREADS for each of `ranks` ranks sharing this machine's cores: `env`'s own
+    when it sets one, else cores / ranks, at least 1 (torchrun would give every rank 1)."""
+    if "OMP_NUM_THREADS" in env:
+        return env["OMP_NUM_THREADS"]
+    return str(max(1, (os.cpu_count() or 1) // ranks))
 
 
 def process_env(pid: int) -> dict[str, str] | None:
