@@ -3,8 +3,10 @@ every island checks the reduce-scatter's summed segments."""
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
+import weakref
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from archipelago.federation.exchange import (
     Framing,
     inspect_gather,
     start_gather,
+    take_handed,
 )
 from archipelago.federation.outer_core import aggregate
 from archipelago.federation.policy import FRAME_OK
@@ -148,23 +151,40 @@ def _codec(name: str, exchange_: str = "reduce_scatter") -> Codec:
     return TopKCodec(NUMEL, 0.25, 2, 16, exchange_)
 
 
+class _Recording(_Island):
+    """An island's manager that also remembers, weakly, every tensor it was handed to send."""
+
+    def __init__(self, bus: _Bus, rank: int, count: int) -> None:
+        super().__init__(bus, rank, count)
+        self.sent: list[weakref.ref] = []
+
+    def allgather(self, outputs, inputs, options=None):
+        self.sent.append(weakref.ref(inputs[0]))
+        return super().allgather(outputs, inputs, options)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, options=None):
+        self.sent.append(weakref.ref(input))
+        return super().alltoall_base(output, input, output_split_sizes, input_split_sizes, options)
+
+
 def _federate(codecs: list[Codec], chunks: list[torch.Tensor], key: FederationKey | None = None,
-              trimmed: bool = False) -> list[dict]:
+              trimmed: bool = False, manager_type: type[_Island] = _Island) -> list[dict]:
     """One exchange among len(chunks) islands (thread `island-k` is replica rank k); each
-    island's buffer `into`, its manager's errors and the weights it decided."""
+    island's buffer `into`, its manager and its errors, and the weights it decided."""
     count = len(chunks)
     bus, results = _Bus(count), [dict[str, object]() for _ in range(count)]
 
     def island(rank: int) -> None:
         try:
-            manager, weight = _Island(bus, rank, count), _weights(count)[rank]
+            manager, weight = manager_type(bus, rank, count), _weights(count)[rank]
             framing = Framing(key, quorum=3, step=1, fragment=0, island=rank)
             gathered = start_gather(manager, codecs[rank], chunks[rank], int(weight), weight, framing)
             table = inspect_gather(gathered, codecs[rank], manager, count)
             weights = [float(r[WEIGHT]) if r[FRAME] == FRAME_OK and not r[NONFINITE] else 0.0 for r in table]
             into = torch.full((NUMEL + 2,), 7.0)
             finish_gather(gathered, codecs[rank], into, weights, sum(weights), manager, trimmed)
-            results[rank].update(into=into, errors=manager.errors, weights=weights, gathered=gathered)
+            results[rank].update(into=into, errors=manager.errors, weights=weights, gathered=gathered,
+                                 manager=manager)
         except Exception as exc:  # noqa: BLE001 - reported by the test's thread
             results[rank]["raised"] = exc
 
@@ -211,6 +231,30 @@ def test_the_transports_completion_times_reach_the_exchange(monkeypatch):
         second = gathered.second
         assert second is not None and len(second.done_at) == 1  # the summed segments' all-gather
         assert 0 <= second.seconds() < 60 and second.waited >= second.done_at[0]
+
+
+def test_what_the_exchange_sends_outlives_its_released_works():
+    # gloo may still send from a failed collective's input on the live pairs after its work
+    # finished with the error and was let go (agreement.release_works drops it, so that the
+    # group's connections close at the abort). Freed under it, a survivor aborted (writev ...
+    # Bad address, exit 134 in CI's segment-repair drill). So the manager keeps every tensor
+    # the exchange sends (its segments, its table, its summed segment) until the island's
+    # attempts take them: kept with a failed attempt, dropped after an agreed one.
+    from archipelago.federation.agreement import release_works
+
+    for result in _federate([_codec("int8") for _ in range(3)], _chunks(3), manager_type=_Recording):
+        manager, gathered = result.pop("manager"), result.pop("gathered")
+        release_works(gathered)
+        del gathered
+        gc.collect()
+        sent = manager.sent
+        assert len(sent) == 3 and all(ref() is not None for ref in sent)  # phase 1, the tables, phase 2
+        handed = take_handed(manager)
+        assert {id(ref()) for ref in sent} <= {id(t) for t in handed}
+        assert take_handed(manager) == []  # taken: the next collectives start a new list
+        del handed
+        gc.collect()
+        assert all(ref() is None for ref in sent)  # nothing else held them
 
 
 def _on_liar() -> bool:

@@ -255,6 +255,7 @@ def _island(island: int, group: int, lighthouse: str, store_port: int, retries: 
             out[(island, round_)] = (_flat(model), report.committed, report.participants, report.retries,
                                      report.global_hash)
             out[(island, round_, "abandoned")] = len(outer.attempts.abandoned)  # failed attempts' buffers held
+            out[(island, round_, "handed")] = sum(len(held[-1]) for held in outer.attempts.abandoned)  # their tensors
             out[(island, round_, "repaired")] = report.repaired
     finally:
         manager.shutdown(wait=False)
@@ -338,6 +339,9 @@ def test_without_retries_the_round_a_member_died_in_is_lost_on_every_survivor():
         # The lost exchange's buffers outlive its round (gloo may still write from them until
         # the next quorum aborts the old group) and go once the next exchange went through.
         assert [out[(island, r, "abandoned")] for r in (1, 2, 3)] == [0, 1, 0]
+        # ... every tensor its collectives were handed among them (its rows sent, the flags).
+        handed = [out[(island, r, "handed")] for r in (1, 2, 3)]
+        assert handed[0] == handed[2] == 0 and handed[1] >= 2, handed
 
 
 @pytest.mark.timeout(240)
@@ -426,6 +430,18 @@ def _rounds(island_dir: Path) -> list[dict]:
     return [r for r in records(island_dir) if r.get("event") == "outer_step"]
 
 
+def _exits(run_dir: Path, done: Any) -> tuple[list[int], str]:
+    """The islands' exit codes from federation.json, and what to print when they are not as
+    expected: the end of the run's output and of each failed survivor's own console log
+    (the run's output is cut to its last lines, which may not show that island)."""
+    fed = json.loads((run_dir / "federation.json").read_text())
+    codes = [i["exit_code"] for i in fed["islands"]]
+    logs = [f"--- island-{k} console.log ---\n" + "\n".join(
+                (run_dir / f"island-{k}" / "console.log").read_text(errors="replace").splitlines()[-60:])
+            for k, code in enumerate(codes) if code and k != 2 and (run_dir / f"island-{k}" / "console.log").exists()]
+    return codes, "\n".join([done.output[-4000:], *logs])
+
+
 def _drill(run_dir: Path, retries: int, *extra: str, islands: str = "1,1,1") -> tuple[Any, list[list[dict]]]:
     done = run_cli(["local", "--islands", islands, "--no-table", "--heartbeat-timeout-ms", "500", *extra,
                     "--inject", f"2:die_in_exchange@{DIES_AT}", *TINY, "--training.val_every", "0",
@@ -440,8 +456,8 @@ def _drill(run_dir: Path, retries: int, *extra: str, islands: str = "1,1,1") -> 
 @pytest.mark.parametrize("retries", [2, pytest.param(0, marks=pytest.mark.slow)])
 def test_archipelago_local_survivors_commit_the_round_a_member_died_in(tmp_path, retries):
     done, rounds = _drill(tmp_path / "run", retries)
-    fed = json.loads((tmp_path / "run" / "federation.json").read_text())
-    assert [i["exit_code"] for i in fed["islands"]] == [0, 0, 128 + signal.SIGKILL], done.output[-4000:]
+    codes, why = _exits(tmp_path / "run", done)
+    assert codes == [0, 0, 128 + signal.SIGKILL], why
     assert re.search(rf"die_in_exchange@{DIES_AT}: this island dies now", done.output), done.output[-4000:]
     assert all(len(r) == 4 for r in rounds), rounds  # the join round and three rounds of 4 steps
     died, before = [r[DIES_AT - 1] for r in rounds], rounds[0][DIES_AT - 2]
@@ -465,8 +481,8 @@ def test_decoupled_rounds_survive_a_member_that_dies_with_its_row_in_flight(tmp_
     # equal global weights; the last exchange enters at the end of the run.
     done, rounds = _drill(tmp_path / "run", 2, "--fault_tolerance.round_mode", "decoupled",
                           "--fault_tolerance.overlap_threshold", "0", "--fault_tolerance.arrival_steps", str(arrival))
-    fed = json.loads((tmp_path / "run" / "federation.json").read_text())
-    assert [i["exit_code"] for i in fed["islands"]] == [0, 0, 128 + signal.SIGKILL], done.output[-4000:]
+    codes, why = _exits(tmp_path / "run", done)
+    assert codes == [0, 0, 128 + signal.SIGKILL], why
     # The join round, its empty hand-off, then the exchanges of rounds 1-3, each finished a round later.
     assert all(len(r) == 5 for r in rounds), rounds
     died = [r[DIES_AT - 1] for r in rounds]
@@ -495,8 +511,8 @@ def test_the_segment_repair_through_archipelago_local(tmp_path, rounds_of):
     done, rounds = _drill(tmp_path / "run", 2, *rounds_of, "--fault_tolerance.codec", "int8",
                           "--fault_tolerance.exchange_repair", "segment", "--federation_security.key_file",
                           str(tmp_path / "fed.key"), islands="1,1,1,1")
-    fed = json.loads((tmp_path / "run" / "federation.json").read_text())
-    assert [i["exit_code"] for i in fed["islands"]] == [0, 0, 128 + signal.SIGKILL, 0], done.output[-4000:]
+    codes, why = _exits(tmp_path / "run", done)
+    assert codes == [0, 0, 128 + signal.SIGKILL, 0], why
     died = [r[DIES_AT - 1] for r in rounds]
     assert all(r["committed"] and r["participants"] == 3 and r["retries"] == 1 and r["repaired"] == 1
                for r in died), died

@@ -25,6 +25,7 @@ from archipelago.federation.exchange import (
     Gathered,
     SkippedWork,
     completion_stamps,
+    hand_over,
     stamp_completion,
     stamping,
     stamps_list,
@@ -116,6 +117,7 @@ def _gathered_flags(manager: Any, outputs: list[torch.Tensor], row: torch.Tensor
     from torch.distributed.distributed_c10d import AllgatherOptions
 
     stamps = completion_stamps(device)
+    hand_over(manager, row, *outputs)  # they outlive a failed all-gather (exchange.hand_over)
     flags = Collective(manager._pg.allgather([outputs], [row], AllgatherOptions()), stamps_list(stamps))
     if stamps is not None:
         stamp_completion(flags.work, stamps)

@@ -32,6 +32,7 @@ from archipelago.federation.exchange import (
     inspect_gather,
     seconds_until_in,
     start_gather,
+    take_handed,
     wire_device,
 )
 from archipelago.federation.give_up import wait_for
@@ -158,15 +159,17 @@ class ExchangeAttempts:
 
     def __init__(self, host: AttemptsHost) -> None:
         self.host = host
-        # The buffers of failed attempts (their work, rows and moments), kept until an
-        # exchange goes through again. A collective that failed on one pair (the dead
-        # member's) may still be writing to the others from these buffers on gloo's
-        # transport thread until torchft's next quorum aborts the old group; freeing them
-        # under it made a survivor abort ("writev ... Bad address", a terminate in gloo's
-        # thread). Each new quorum aborts the group before it, so the last ABANDONED_HELD
-        # failures are all that can still be written from: at most that many exchanges'
-        # buffers, until the next agreed one.
-        self.abandoned: list[tuple[Gathered | None, StateExchange | None, Repaired | None]] = []
+        # The buffers of failed attempts, kept until an exchange goes through again: their
+        # rows, moments and repair, and every tensor their collectives were handed
+        # (exchange.hand_over: the rows sent, the tables, the sums, the agreement's flags,
+        # the repair's parts). A collective that failed on one pair (the dead member's) may
+        # still be writing to the others from these buffers on gloo's transport thread
+        # until torchft's next quorum aborts the old group; freeing them under it made a
+        # survivor abort ("writev ... Bad address", a terminate in gloo's thread). Each new
+        # quorum aborts the group before it, so the last ABANDONED_HELD failures are all
+        # that can still be written from: at most that many exchanges' buffers, until the
+        # next agreed one.
+        self.abandoned: list[tuple[Gathered | None, StateExchange | None, Repaired | None, list[torch.Tensor]]] = []
 
     def start(self, p: Pending, m: Membership, forge: str | None = None) -> None:
         """Hand the pending pseudo-gradient (and moments) to the exchange of quorum `m`, in
@@ -212,6 +215,7 @@ class ExchangeAttempts:
             agreed = not self._failed(p)
             if agreed:  # every group the failed attempts used has been aborted by now
                 self.abandoned.clear()
+                take_handed(self.host.manager)  # and this exchange's collectives all completed
             failed_at = failed_at or (0.0 if agreed else time.perf_counter())
             if not retries_exchange(agreed, tried.retries, self.host.ft.exchange_retries):
                 if not agreed:
@@ -441,7 +445,8 @@ class ExchangeAttempts:
 
     def _hold(self, p: Pending) -> None:
         """Keep a failed attempt's buffers alive (see `abandoned`)."""
-        self.abandoned = [*self.abandoned, (p.gathered, p.state, p.repaired)][-ABANDONED_HELD:]
+        held = (p.gathered, p.state, p.repaired, take_handed(self.host.manager))
+        self.abandoned = [*self.abandoned, held][-ABANDONED_HELD:]
 
     def _give_back(self, p: Pending) -> None:
         """A round abandoned for a new plan: top-k's residue it took goes back to the codec."""

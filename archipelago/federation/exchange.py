@@ -272,16 +272,56 @@ def _segment_payloads(codec: Codec, pieces: list[Codec], segments: list[tuple[in
     return [piece.encode(x[start:end]) for piece, (start, end) in zip(pieces, segments)]
 
 
-def start_managed(manager: Any, start: Any, outputs: Any, done_at: list[float] | None = None) -> Any:
+HANDED = "_archipelago_handed"  # the manager's list of tensors handed to the transport (hand_over)
+
+
+def hand_over(manager: Any, *tensors: torch.Tensor) -> None:
+    """Note `tensors` (a collective's inputs and outputs) as handed to the cross-island
+    transport. A collective that failed on one pair (a dead member's) may go on reading
+    and writing them on gloo's transport thread for the live pairs until the group is
+    aborted, after the work itself has finished with its error and been let go
+    (agreement.release_works); a tensor freed under it aborts the process (`writev ...
+    Bad address`, a terminate on gloo's thread). So every tensor handed over stays
+    referenced here until the island's exchange attempts take the list (`take_handed`):
+    kept with a failed attempt, dropped once an exchange went through everywhere."""
+    handed = getattr(manager, HANDED, None)
+    if handed is None:
+        handed = []
+        setattr(manager, HANDED, handed)
+    handed.extend(tensors)
+
+
+def take_handed(manager: Any) -> list[torch.Tensor]:
+    """The tensors handed to the transport since the last call (`hand_over`); the next
+    ones go to a new list."""
+    handed = getattr(manager, HANDED, None) if manager is not None else None
+    if manager is not None:
+        setattr(manager, HANDED, [])
+    return handed or []
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a collective's outputs: one, or a (nested) list of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def start_managed(manager: Any, start: Any, outputs: Any, done_at: list[float] | None = None,
+                  inputs: tuple[torch.Tensor, ...] = ()) -> Any:
     """Start a collective on torchft's process group with Manager.allreduce's error
     handling (_ManagedWork): a failure is reported to the manager, so the round will not
     commit, instead of raising here. With `done_at`, the collective's completion time
     (perf_counter) is appended to it by the transport's thread (codec = "auto" measures the
-    link with it, also while inner steps overlap the exchange)."""
+    link with it, also while inner steps overlap the exchange). Its `inputs` and `outputs`
+    are handed over (`hand_over`): they outlive a failure of the collective."""
     if manager.errored() is not None:  # the round is lost already; do not touch the network
         return SkippedWork()
     from torchft.manager import _ManagedWork
 
+    hand_over(manager, *inputs, *_tensors(outputs))
     try:
         work = start()
         if done_at is not None:
@@ -339,7 +379,7 @@ def allgather(manager: Any, payload: torch.Tensor, count: int,
 
     outputs = [torch.zeros_like(payload) for _ in range(count)]
     start = lambda: manager._pg.allgather([outputs], [payload], AllgatherOptions())  # noqa: E731
-    return start_managed(manager, start, outputs, done_at), outputs
+    return start_managed(manager, start, outputs, done_at, inputs=(payload,)), outputs
 
 
 def round_received(codec: Codec, participants: int, framing: Framing) -> int:
@@ -389,7 +429,7 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
             return Gathered(SkippedWork(), framing, [received], encode_s, segments=segments)
         done_at, started = completion_stamps(wire), time.perf_counter()
         work = start_managed(manager, lambda: manager._pg.alltoall_base(received, send, [], [], AllToAllOptions()),
-                        received, done_at)
+                             received, done_at, inputs=(send,))
         return Gathered(work, framing, [received], encode_s, sent=(participants - 1) * size,
                         received=(participants - 1) * size, segments=segments, rank=rank, started=started,
                         done_at=stamps_list(done_at), stamped=stamping(done_at), own_sumsq=own_sumsq)

@@ -360,7 +360,8 @@ class _Managed:
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
                       input_sizes: list[int], options: Any) -> Any:
         return start_managed(self.manager, lambda: self.manager._pg.alltoall_base(output, input, output_sizes,
-                                                                             input_sizes, options), output)
+                                                                             input_sizes, options), output,
+                             inputs=(input,))
 
 
 def finish_repair(repaired: Repaired, codec: Codec, into: torch.Tensor, weights: list[float], tokens: float,
