@@ -255,7 +255,7 @@ def _island(island: int, group: int, lighthouse: str, store_port: int, retries: 
             out[(island, round_)] = (_flat(model), report.committed, report.participants, report.retries,
                                      report.global_hash)
             out[(island, round_, "abandoned")] = len(outer.attempts.abandoned)  # failed attempts' buffers held
-            out[(island, round_, "handed")] = sum(len(held[-1]) for held in outer.attempts.abandoned)  # their tensors
+            out[(island, round_, "handed")] = sum(len(held) for held in outer.attempts.abandoned)  # their tensors
             out[(island, round_, "repaired")] = report.repaired
     finally:
         manager.shutdown(wait=False)

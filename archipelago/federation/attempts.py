@@ -159,17 +159,17 @@ class ExchangeAttempts:
 
     def __init__(self, host: AttemptsHost) -> None:
         self.host = host
-        # The buffers of failed attempts, kept until an exchange goes through again: their
-        # rows, moments and repair, and every tensor their collectives were handed
-        # (exchange.hand_over: the rows sent, the tables, the sums, the agreement's flags,
-        # the repair's parts). A collective that failed on one pair (the dead member's) may
+        # The buffers of failed attempts, kept until an exchange goes through again: every
+        # tensor their collectives were handed (exchange.hand_over: the rows sent and
+        # received, the moments, the tables, the sums, the agreement's flags, the repair's
+        # parts), one list per attempt. A collective that failed on one pair (the dead member's) may
         # still be writing to the others from these buffers on gloo's transport thread
         # until torchft's next quorum aborts the old group; freeing them under it made a
         # survivor abort ("writev ... Bad address", a terminate in gloo's thread). Each new
         # quorum aborts the group before it, so the last ABANDONED_HELD failures are all
         # that can still be written from: at most that many exchanges' buffers, until the
         # next agreed one.
-        self.abandoned: list[tuple[Gathered | None, StateExchange | None, Repaired | None, list[torch.Tensor]]] = []
+        self.abandoned: list[list[torch.Tensor]] = []
 
     def start(self, p: Pending, m: Membership, forge: str | None = None) -> None:
         """Hand the pending pseudo-gradient (and moments) to the exchange of quorum `m`, in
@@ -445,8 +445,7 @@ class ExchangeAttempts:
 
     def _hold(self, p: Pending) -> None:
         """Keep a failed attempt's buffers alive (see `abandoned`)."""
-        held = (p.gathered, p.state, p.repaired, take_handed(self.host.manager))
-        self.abandoned = [*self.abandoned, held][-ABANDONED_HELD:]
+        self.abandoned = [*self.abandoned, take_handed(self.host.manager)][-ABANDONED_HELD:]
 
     def _give_back(self, p: Pending) -> None:
         """A round abandoned for a new plan: top-k's residue it took goes back to the codec."""

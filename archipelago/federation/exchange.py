@@ -294,10 +294,11 @@ def hand_over(manager: Any, *tensors: torch.Tensor) -> None:
 def take_handed(manager: Any) -> list[torch.Tensor]:
     """The tensors handed to the transport since the last call (`hand_over`); the next
     ones go to a new list."""
-    handed = getattr(manager, HANDED, None) if manager is not None else None
-    if manager is not None:
-        setattr(manager, HANDED, [])
-    return handed or []
+    if manager is None:  # a rank that is not a bridge: it hands nothing over
+        return []
+    handed = getattr(manager, HANDED, None) or []
+    setattr(manager, HANDED, [])
+    return handed
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
