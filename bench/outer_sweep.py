@@ -10,7 +10,7 @@ pool of worker processes; on a GPU many fit side by side.
 
 `--grid sim.NAME=VALUE` passes an option to `simulate()` instead of the config, or turns on
 one of the experiments below (EXPERIMENTS: outer-momentum and round-length warm-ups,
-averaged BatchNorm statistics):
+averaged BatchNorm statistics, means over the senders, dense final rounds):
 `sim.slow_period=3` emulates the heterogeneous case (time-paced rounds, the last island 3x
 slower, token-weighted), whose baseline at equal wall-clock is one island alone for the
 fast island's steps (1.5x `--steps` for two islands:
@@ -114,18 +114,27 @@ def build_jobs(args: argparse.Namespace) -> list[dict]:
 # rounds lasting 1, 2, 4, ... inner steps; every outer step also setting every island's
 # BatchNorm running statistics to their mean (`average_running_stats` 1); each coordinate of
 # a sparse exchange averaged over the islands that sent it instead of over all of them
-# (`contributor_mean` 1: a value only one of two islands chose enters whole, not halved).
-EXPERIMENTS = ("momentum_warmup_rounds", "sync_warmup_rounds", "average_running_stats", "contributor_mean")
+# (`contributor_mean` 1: a value only one of two islands chose enters whole, not halved);
+# the last `final_dense_rounds` K rounds sending each island's pseudo-gradient with its whole
+# top-k residue in fp32 (what error feedback still holds back is otherwise lost when training
+# ends; counted in `bytes_sent`), with the outer rate `final_outer_lr_pct` / 100 in them
+# (0: the config's).
+EXPERIMENTS = ("momentum_warmup_rounds", "sync_warmup_rounds", "average_running_stats", "contributor_mean",
+               "final_dense_rounds", "final_outer_lr_pct")
 
 
 def experimental_outer(simulation, experiments: dict[str, int]) -> type:
     """The simulator's synchronous outer loop with `experiments` (see EXPERIMENTS)."""
     import torch
 
+    from archipelago.federation.exchange import Framing
+
     momentum_warmup = experiments.get("momentum_warmup_rounds", 0)
     sync_warmup = experiments.get("sync_warmup_rounds", 0)
     average_stats = bool(experiments.get("average_running_stats", 0))
     contributor_mean = bool(experiments.get("contributor_mean", 0))
+    final_dense = experiments.get("final_dense_rounds", 0)
+    final_lr = experiments.get("final_outer_lr_pct", 0) / 100
 
     class Experimental(simulation._Outer):
         def __init__(self, cfg, islands) -> None:
@@ -134,14 +143,47 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
                 raise ValueError("sync_warmup_rounds: one fragment without fragment_sync_delay only")
             if contributor_mean:
                 self.core.merge = contributor_merge  # type: ignore[method-assign]
+            if final_dense and (self.ft.num_fragments > 1 or self.ft.fragment_sync_delay
+                                or self.ft.average_optimizer_state):
+                raise ValueError("final_dense_rounds: one fragment, no fragment_sync_delay, own moments only")
+            # Rounds before the dense ones (the simulator's plain clock: every round is full).
+            self.sparse_rounds = cfg.training.steps // self.per_fragment - final_dense
+            self.prepared = 0
 
         def round_length(self) -> int:
             if self.step < sync_warmup:
                 return min(2 ** self.step, self.per_fragment)
             return self.per_fragment
 
+        def dense(self) -> bool:
+            return bool(final_dense) and self.prepared > self.sparse_rounds
+
+        @torch.no_grad()
+        def prepare(self) -> None:
+            self.prepared += 1
+            if not self.dense():
+                return super().prepare()
+            fragment = self.core.fragment(self.step)
+            values, weights, self.round_tokens = [], [], []
+            for island in self.islands:
+                pseudo = self.core.pseudo_gradient(fragment, island.flat(fragment))
+                codec = island.codecs[fragment]
+                if getattr(codec, "error", None) is not None and codec.error.numel():  # top-k's residue
+                    pseudo += codec.decay * codec.error.to(pseudo.device)
+                    codec.error.zero_()
+                weight, _ = self.core.weight(island.fragment_tokens[fragment], contributes=True)
+                self.round_tokens.append(island.fragment_tokens[fragment])
+                island.fragment_tokens[fragment] = 0
+                values.append(pseudo)
+                weights.append(weight)
+                self.bytes_sent += Framing().row_bytes(4 * pseudo.numel())
+            self.pending = (fragment, self.core.merge(values, weights), sum(weights))
+
         @torch.no_grad()
         def perform(self) -> None:
+            if final_lr and self.dense():
+                for group in self.core.outer[self.pending[0]].param_groups:
+                    group["lr"] = final_lr
             if momentum_warmup:
                 ramp = min(1.0, self.step / momentum_warmup)
                 for group in self.core.outer[self.pending[0]].param_groups:

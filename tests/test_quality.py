@@ -236,6 +236,67 @@ def test_outer_sweeps_contributor_mean_averages_each_coordinate_over_the_islands
     torch.testing.assert_close(merged / 4.0, torch.tensor([(2.0 + 18.0) / 4.0, 3.0, 4.0, 0.0]))
 
 
+def _outer_sweep_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("outer_sweep", ROOT / "bench" / "outer_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    return sweep
+
+
+def _final_dense_run(experiments: dict[str, int], steps: int, codec: str = "topk", record=None):
+    """Two islands of TINY with 2-step rounds through outer_sweep's experimental outer loop;
+    `record(outer)` runs before each round's prepare."""
+    import archipelago.quality_simulator as simulation
+    from archipelago.config import load_config
+
+    cfg = load_config([*TINY, "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "1",
+                       "--fault_tolerance.enable",
+                       "--fault_tolerance.sync_steps", "2", "--fault_tolerance.outer_lr", "1.0",
+                       "--fault_tolerance.outer_momentum", "0", "--fault_tolerance.codec", codec,
+                       "--fault_tolerance.topk_fraction", "0.05", "--fault_tolerance.topk_error_decay", "0.5",
+                       "--fault_tolerance.no_average_optimizer_state"])
+    experimental = _outer_sweep_module().experimental_outer(simulation, experiments)
+    if record is not None:
+        prepare = experimental.prepare
+
+        def recorded(self):
+            record(self)
+            return prepare(self)
+
+        experimental.prepare = recorded
+    original, simulation._Outer = simulation._Outer, experimental
+    try:
+        return simulation.simulate(cfg, islands=2, eval_windows=8)
+    finally:
+        simulation._Outer = original
+
+
+def test_outer_sweeps_final_dense_round_sends_the_pseudo_gradient_and_its_residue_in_fp32():
+    # One round, and it is the dense one: no residue yet, so it is an fp32 federation's round,
+    # bit for bit and byte for byte.
+    dense = _final_dense_run({"final_dense_rounds": 1}, steps=2)
+    fp32 = _final_dense_run({}, steps=2, codec="fp32")
+    for a, b in zip(dense.models[0].parameters(), fp32.models[0].parameters()):
+        assert torch.equal(a, b)
+    assert dense.bytes_sent == fp32.bytes_sent
+    # Two rounds, top-k then dense: with outer lr 1 and no momentum the last outer step lands
+    # on the islands' mean minus their mean decayed residue (global - mean(global - local +
+    # decay x residue)), by hand from what each island held before that round.
+    seen = []
+    flushed = _final_dense_run({"final_dense_rounds": 1}, steps=4,
+                               record=lambda outer: seen.append(
+                                   [(i.flat(0).clone(), i.codecs[0].error.clone()) for i in outer.islands]))
+    (local_a, error_a), (local_b, error_b) = seen[-1]
+    assert error_a.abs().sum() > 0 and error_b.abs().sum() > 0  # the first round held values back
+    expected = (local_a + local_b) / 2 - 0.5 * (error_a + error_b) / 2
+    final = torch.cat([p.detach().flatten() for p in flushed.models[0].parameters()])
+    torch.testing.assert_close(final, expected, rtol=1e-5, atol=1e-6)
+    sparse = _final_dense_run({}, steps=4)
+    assert flushed.bytes_sent - fp32.bytes_sent == sparse.bytes_sent / 2  # one top-k round, one fp32 round
+
+
 def test_outer_sweep_counts_bytes_per_token_against_ddp_by_hand():
     # DDP of 2 ranks all-reduces 4-byte gradients of 1,000 parameters each step: a ring sends
     # 2 x (2 - 1) x 4,000 bytes per step, over the step's 2,048 tokens. A federation that
