@@ -206,6 +206,26 @@ def test_non_finite_loss_exit_code_survives_torchrun(shakespeare, tmp_path):
     assert "non-finite loss at step 3" in done.output
 
 
+def test_an_island_that_archipelago_local_started_leaves_with_its_own_code(shakespeare, tmp_path):
+    # A one-rank island of `archipelago local` (its island token in the environment) leaves
+    # without interpreter teardown, as torchrun's ranks do, so that gloo's threads cannot turn
+    # its code into an abort's 134: the code, the message and the failure record come out whole.
+    from archipelago.launch.local import TOKEN_ENV
+
+    run = tmp_path / "run"
+    done = run_cli(["train", *TINY, "--job.run_dir", str(run), "--training.steps", "8", "--training.val_every", "0",
+                    "--checkpoint.no_enable"], env={TOKEN_ENV: "test-island", "ARCHIPELAGO_FAULT": "nan-loss@3"},
+                   timeout=120)
+    assert done.returncode == 3, done.output[-3000:]
+    assert "non-finite loss at step 3" in done.output
+    assert json.loads((run / "failure.json").read_text())["exit_code"] == 3
+    finished = run_cli(["train", *TINY, "--job.run_dir", str(tmp_path / "ok"), "--training.steps", "3",
+                        "--training.val_every", "0", "--checkpoint.no_enable"], env={TOKEN_ENV: "test-island"},
+                       timeout=120)
+    assert finished.returncode == 0, finished.output[-3000:]
+    assert '"steps": 3' in finished.output  # the summary, printed before the fast exit, was flushed
+
+
 def test_resumed_run_follows_the_new_optimizer_settings(shakespeare, tmp_path):
     from archipelago.config import LRSchedulerConfig
     from archipelago.island.optim import lr_factor

@@ -294,25 +294,36 @@ def _train_here(cfg: Config, rank: int) -> int:
             log.exception("training failed")
         log.error("%s", message)
         _record_failure(cfg, code, message)
-        if _under_torchrun():
+        if _without_teardown():
             # Skip interpreter teardown: other ranks may be stuck in a collective, and
-            # destroying process groups then can hang; torchrun stops them for us.
+            # destroying process groups then can hang; torchrun (or `archipelago local`)
+            # stops them for us.
             _exit_now(code)
         return code
     if rank == 0:
         print(json.dumps(summary, indent=2))
-    if _under_torchrun():
+    if _without_teardown():
         _exit_now(0)
     return 0
 
 
+def _without_teardown() -> bool:
+    """Whether this process leaves through `_exit_now`: a rank under torchrun, or a one-rank
+    island that `archipelago local` started (its island token in the environment). Not a
+    `train` run inside another program's process (tests call `main`), which must return."""
+    from archipelago.launch.local import TOKEN_ENV
+
+    return _under_torchrun() or bool(os.environ.get(TOKEN_ENV))
+
+
 def _exit_now(code: int) -> None:
-    """Flush and leave without interpreter teardown (only ever called under torchrun).
+    """Flush and leave without interpreter teardown (`_without_teardown`).
 
     gloo's worker threads can still be freeing a finished collective's tensors while
     Python shuts down, which aborts the process ("terminate called without an active
-    exception") in a fraction of runs. Everything is written and the process group is
-    closed by now, so there is nothing left for teardown to do.
+    exception", exit code 134 instead of the run's own) in a fraction of runs. Everything
+    is written and the process group is closed by now, so there is nothing left for
+    teardown to do.
     """
     logging.shutdown()
     sys.stdout.flush()
