@@ -215,19 +215,20 @@ def test_the_doctor_says_whether_the_backend_runs_here(monkeypatch):
 def test_a_dace_island_and_an_eager_island_train_heal_and_agree(tmp_path):
     # One federation, island 1 computing through DaCe, island 0 SIGKILLed mid-run and
     # restarted from its checkpoint; island 0 heals from the DaCe island, and both end on the
-    # same global weights. Island 1 is slowed 25x (island.slowdown, 0.8-2.5 s a step) so that
-    # it is still training when island 0 is back (7-15 s on a loaded 2-core machine):
-    # through OpenBLAS it would otherwise finish the 40 steps alone first (4x was not enough
-    # under make test-slow: island 0 came back for the last round only; 10x was not on a
-    # machine where its steps took 0.03 s: it finished before the kill).
+    # same global weights. The kill lands at island 0's step 16 (its metrics, written every
+    # step), after the round at step 15 and past its last checkpoint (step 10), so it comes
+    # back a round behind and must heal whenever it rejoins; a kill at a fixed second missed that
+    # on a loaded machine (island 0 still starting at 15 s). Island 1 is slowed 25x
+    # (island.slowdown, 0.8-2.5 s a step) so that its 24 steps after the kill outlast island
+    # 0's restart (7-15 s): through OpenBLAS it would otherwise finish alone first.
     _needs("dace")
     run = tmp_path / "run"
     done = run_cli(["local", "--islands", "1,1", "--no-table", *TINY, "--model.flavor", "tiny",
                     "--training.batch_size", "4", "--training.steps", "40", "--fault_tolerance.sync_steps", "5",
-                    "--training.val_every", "0", "--checkpoint.interval", "5",
+                    "--training.val_every", "0", "--checkpoint.interval", "10", "--metrics.log_every", "1",
                     "--island-options",
                     "1:--training.backend dace --training.mixed_precision fp32 --island.slowdown 25",
-                    "--kill", "0@15", "--restart-after", "1", "--job.run_dir", str(run)], timeout=400)
+                    "--kill", "0@step16", "--restart-after", "1", "--job.run_dir", str(run)], timeout=400)
     assert done.returncode == 0, done.output[-4000:]
     fed = json.loads((run / "federation.json").read_text())
     assert [i["restarts"] for i in fed["islands"]] == [1, 0], fed["islands"]

@@ -18,13 +18,14 @@ from archipelago.config.faults import (
 
 def test_every_kind_parses_with_its_unit():
     assert parse_fault("1:kill@2.5") == Fault("kill", 2.5, 1)
+    assert parse_fault("1:kill_at_step@16") == Fault("kill_at_step", 16, 1)
     assert parse_fault("crash@7") == Fault("crash", 7)
     assert parse_fault("0:nan-loss@3") == Fault("nan-loss", 3, 0)
     assert parse_fault("scale1000@4") == Fault("scale1000", 4)
     assert str(parse_fault("1:nan@2")) == "1:nan@2"
 
 
-@pytest.mark.parametrize("text", ["crash@1.5", "nan@0", "kill@-1", "boom@3", "crash@", "x:crash@3", "crash"])
+@pytest.mark.parametrize("text", ["crash@1.5", "nan@0", "kill@-1", "kill_at_step@2.5", "boom@3", "crash@", "x:crash@3", "crash"])
 def test_malformed_faults_name_the_form(text):
     with pytest.raises(ConfigError, match=r"expected \[ISLAND:\]KIND@AT with KIND one of"):
         parse_fault(text)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Finished, finish_started, run_cli_here
 
+from archipelago.config.faults import Fault
 from archipelago.launch import local, local_display
 from archipelago.launch.processes import pids_with_env
 from archipelago.metrics import write_report
@@ -138,6 +139,25 @@ def test_kill_and_restart_are_recorded_and_leave_nothing_behind(killed_run: tupl
 
 
 @pytest.mark.timeout(60)
+def test_a_kill_at_a_step_lands_once_the_island_reached_it(tmp_path: Path) -> None:
+    # Island 1's steps are 0.2 s apart, so a kill at a fixed second lands at a step that depends
+    # on how long the islands took to start; `@step7` waits for the step itself.
+    run_dir = tmp_path / "fed"
+    result = run_local(["--islands", "1,1", "--kill", "1@step7", "--restart-after", "1", "--training.steps", "20",
+                        "--job.run_dir", str(run_dir)])
+    assert result.returncode == 0, result.output[-3000:]
+    fed = json.loads((run_dir / "federation.json").read_text())
+    (kill,) = [e for e in fed["events"] if e["event"] == "kill"]
+    assert kill["island"] == 1 and kill["at_step"] == 7
+    records = [json.loads(line) for line in (run_dir / "island-1" / "metrics.jsonl").read_text().splitlines()]
+    before = [r["step"] for r in records if "event" not in r and "loss" in r and r["time"] < kill["time"]]
+    assert 7 <= max(before) < 20  # it reached the step and was killed long before its end
+    assert fed["islands"][1]["restarts"] == 1 and fed["islands"][1]["final_step"] == 20
+    assert "island-1: SIGKILL to" in result.output and "(--kill 1@step7)" in result.output
+    assert fed["islands"][0]["restarts"] == 0  # the other island's steps never trigger it
+
+
+@pytest.mark.timeout(60)
 def test_failing_island_sets_exit_code_and_repeats_its_message(tmp_path: Path) -> None:
     run_dir = tmp_path / "fed"
     result = run_local(["--islands", "1,1", "--training.steps", "10", "--job.run_dir", str(run_dir)],
@@ -173,7 +193,9 @@ def test_bad_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> N
     assert local.main(["--islands", "2,0"]) == 2
     assert local.main(["--islands", "2,1", "--kill", "2@5"]) == 2
     assert local.main(["--islands", "1", "--kill", "zero@5"]) == 2
-    assert "ISLAND@SECONDS" in capsys.readouterr().err
+    assert local.main(["--islands", "1", "--kill", "0@step1.5"]) == 2  # a step is whole
+    assert local.main(["--islands", "2,1", "--kill", "2@step5"]) == 2
+    assert "ISLAND@SECONDS or ISLAND@stepN" in capsys.readouterr().err
     assert local.main(["--islands", "2,1", "--slowdown", "1"]) == 2  # one factor per island
     assert "one factor per island" in capsys.readouterr().err
     assert local.main(["--islands", "2,1", "--slowdown", "0.5,1"]) == 2
@@ -244,8 +266,9 @@ def test_an_exception_in_the_launcher_still_kills_every_island(tmp_path: Path,
 def test_parse_args_passes_unknown_options_through_in_order() -> None:
     opts = local.parse_args(["--config", "c.toml", "--islands", "2,1", "--optimizer.lr", "-1e-3",
                              "--job.run_dir=runs/x", "--kill", "1@2.5", "--kill", "0@1", "--no-table",
-                             "--training.steps=5"])
-    assert opts.islands == [2, 1] and opts.kills == [(1, 2.5), (0, 1.0)]
+                             "--kill", "1@step16", "--training.steps=5"])
+    assert opts.islands == [2, 1]
+    assert opts.kills == [Fault("kill", 2.5, 1), Fault("kill", 1.0, 0), Fault("kill_at_step", 16, 1)]
     assert opts.run_dir == Path("runs/x") and opts.table is False
     assert opts.passthrough == ["--config", "c.toml", "--optimizer.lr", "-1e-3", "--training.steps=5"]
     assert local.parse_args(["--islands", "1"]).run_dir.name.startswith("local-")

@@ -5,6 +5,7 @@
 | KIND | AT | what happens | who acts |
 |---|---|---|---|
 | `kill` | seconds after the start | every process of the island is SIGKILLed | `archipelago local --kill` |
+| `kill_at_step` | inner step | the same, once its metrics show that step or a later one | `local --kill ISLAND@stepN` |
 | `crash` | inner step | the trainer SIGKILLs itself after that step | the trainer |
 | `error` | inner step | the trainer raises an exception after that step | the trainer |
 | `nan-loss` | inner step | that step's loss becomes NaN | the trainer |
@@ -31,20 +32,21 @@ from archipelago.config.errors import ConfigError
 ENV = "ARCHIPELAGO_FAULT"
 RANK_ENV = "ARCHIPELAGO_FAULT_RANK"
 
-LAUNCHER_KINDS = ("kill",)
+LAUNCHER_KINDS = ("kill", "kill_at_step")
 TRAINER_KINDS = ("crash", "error", "nan-loss")
 POISON_KINDS = ("nan", "scale1000", "forge_tokens", "forge_weight", "unsigned")
 EXCHANGE_KINDS = ("die_in_exchange",)  # the island dies mid-exchange (the survivors' retry: docs/rounds.md)
 OUTER_KINDS = POISON_KINDS + EXCHANGE_KINDS  # acted on by the outer loop, AT in outer steps
 KINDS = LAUNCHER_KINDS + TRAINER_KINDS + OUTER_KINDS
-_UNIT = {"kill": "SECONDS", **{k: "STEP" for k in TRAINER_KINDS}, **{k: "ROUND" for k in OUTER_KINDS}}
+_UNIT = {"kill": "SECONDS", "kill_at_step": "STEP", **{k: "STEP" for k in TRAINER_KINDS},
+         **{k: "ROUND" for k in OUTER_KINDS}}
 _EXAMPLE = "1:kill@30, crash@7, nan-loss@3 or 1:scale1000@4"
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    at: float                 # seconds (kill), inner step (trainer kinds) or outer step (outer-loop kinds)
+    at: float  # seconds (kill), inner step (kill_at_step, trainer kinds) or outer step (outer-loop kinds)
     island: int | None = None
 
     def __str__(self) -> str:

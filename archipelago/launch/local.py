@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from archipelago.config.errors import ConfigError
 from archipelago.config.faults import ENV as FAULT_ENV
 from archipelago.config.faults import RANK_ENV as FAULT_RANK_ENV
+from archipelago.config.faults import Fault
 from archipelago.config.faults import env_value as fault_env_value
 from archipelago.launch.local_display import LIVE_HEADERS, STATUS_EVERY_S, MetricsTail, Output, format_cell, rich_table
 from archipelago.launch.local_options import Options, parse_args
@@ -136,10 +137,10 @@ class LocalFederation:
     start_time: float = field(default_factory=time.time)
     _next_status: float = STATUS_EVERY_S
     stopping: bool = False  # Ctrl-C / SIGTERM: islands exiting now were stopped by us
-    pending_kills: list[tuple[int, float]] = field(default_factory=list)  # (island, at seconds), by time
+    pending_kills: list[Fault] = field(default_factory=list)  # --kill faults not yet fired, timed ones by time
 
     def __post_init__(self) -> None:
-        self.pending_kills = sorted(self.opts.kills, key=lambda kill: kill[1])
+        self.pending_kills = sorted(self.opts.kills, key=lambda kill: (kill.kind, kill.at))
 
     def run(self) -> int:
         interrupted = False
@@ -238,21 +239,31 @@ class LocalFederation:
 
     def _fire_due(self) -> None:
         now = self._elapsed()
-        while self.pending_kills and self.pending_kills[0][1] <= now:
-            k, at = self.pending_kills.pop(0)
-            self._kill(self.islands[k], at)
+        for kill in [k for k in self.pending_kills if self._kill_is_due(k, now)]:
+            self.pending_kills.remove(kill)
+            self._kill(self.islands[int(kill.island or 0)], kill)
         for island in self.islands:
             if island.restart_at is not None and island.restart_at <= now:
                 self._restart(island)
 
-    def _kill(self, island: Island, at: float) -> None:
+    def _kill_is_due(self, kill: Fault, now: float) -> bool:
+        """A timed kill at its second; a kill_at_step once the island's metrics reached the step
+        (the tail's latest record: the step as metrics.log_every writes it)."""
+        if kill.kind == "kill":
+            return kill.at <= now
+        step = self.islands[int(kill.island or 0)].tail.latest.get("step")
+        return isinstance(step, int) and step >= kill.at
+
+    def _kill(self, island: Island, kill: Fault) -> None:
+        spec = f"--kill {island.id}@{'step' if kill.kind == 'kill_at_step' else ''}{kill.at:g}"
         if not island.alive:
-            self.out.note(f"island-{island.id} already exited; --kill {island.id}@{at:g} skipped")
+            self.out.note(f"island-{island.id} already exited; {spec} skipped")
             return
         island.killed, island.state = True, "killed"
         count = kill_island(island.token)
-        self._event("kill", island.id, processes=count, at_s=at)
-        self.out.note(f"island-{island.id}: SIGKILL to {count} processes (--kill {island.id}@{at:g})")
+        at = {"at_s": kill.at} if kill.kind == "kill" else {"at_step": kill.at, "at_s": round(self._elapsed(), 3)}
+        self._event("kill", island.id, processes=count, **at)
+        self.out.note(f"island-{island.id}: SIGKILL to {count} processes ({spec})")
         if self.opts.restart_after is not None:
             island.restart_at = self._elapsed() + self.opts.restart_after
 

@@ -11,8 +11,9 @@ runs/local-<timestamp>. Island output is shown prefixed with [island-K], under a
 status table on a terminal (a status line every 10 s elsewhere).
 
 Fault drills: `--kill 1@30` SIGKILLs every process of island 1 thirty seconds after the
-start; with `--restart-after 10` the island is started again ten seconds later with the
-same command, resumes from its own checkpoint and catches up from a live peer.
+start (`--kill 1@step16`: once its metrics show inner step 16); with `--restart-after 10`
+the island is started again ten seconds later with the same command, resumes from its own
+checkpoint and catches up from a live peer.
 
 Islands set up differently: `--island-options "0:--parallelism.pipeline_stages 2"` adds
 options to island 0's command only (repeatable; after the shared options, so they win).
@@ -49,7 +50,7 @@ from archipelago.launch.args import pop_option  # one parser of --name VALUE for
 @dataclass
 class Options:
     islands: list[int]
-    kills: list[tuple[int, float]]
+    kills: list[Fault]  # kill (AT in seconds) or kill_at_step (AT an inner step), each with its island
     restart_after: float | None
     lighthouse_bind: str
     min_replicas: int
@@ -80,14 +81,16 @@ def _islands_arg(text: str) -> list[int]:
     return _number_list(text, int, 1, "rank counts like 2,1 (each at least 1)")
 
 
-def _kill_arg(text: str) -> tuple[int, float]:
-    """`ISLAND@SECONDS`: the fault ISLAND:kill@SECONDS."""
-    island, _, seconds = text.partition("@")
+def _kill_arg(text: str) -> Fault:
+    """`ISLAND@SECONDS` (the fault ISLAND:kill@SECONDS) or `ISLAND@stepN` (ISLAND:kill_at_step@N)."""
+    island, _, at = text.partition("@")
+    kind = "kill_at_step" if at.startswith("step") else "kill"
     try:
-        fault = parse_fault(f"{island}:kill@{seconds}", where="--kill", kinds=LAUNCHER_KINDS, island=True)
+        return parse_fault(f"{island}:{kind}@{at.removeprefix('step')}", where="--kill", kinds=LAUNCHER_KINDS,
+                           island=True)
     except ConfigError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected ISLAND@SECONDS, e.g. 1@30") from None
-    return int(fault.island or 0), fault.at
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ISLAND@SECONDS or ISLAND@stepN, "
+                                         "e.g. 1@30 or 1@step16") from None
 
 
 def _slowdown_arg(text: str) -> list[float]:
@@ -118,8 +121,11 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, usage=argparse.SUPPRESS)
     p.add_argument("--islands", required=True, type=_islands_arg, metavar="N[,N...]",
                    help="rank count of each island: 2,1 = island 0 with 2 ranks, island 1 with 1")
-    p.add_argument("--kill", action="append", default=[], type=_kill_arg, metavar="ISLAND@SECONDS",
-                   help="SIGKILL every process of ISLAND this many seconds after the start (repeatable)")
+    p.add_argument("--kill", action="append", default=[], type=_kill_arg, metavar="ISLAND@SECONDS|ISLAND@stepN",
+                   help="SIGKILL every process of ISLAND this many seconds after the start, or (stepN) once its "
+                        "metrics show inner step N or a later one: a drill that lands at the same point of the run "
+                        "on a fast machine and a slow one (steps are seen as metrics.log_every writes them) "
+                        "(repeatable)")
     p.add_argument("--restart-after", type=float, metavar="SECONDS",
                    help="start a killed island again this many seconds after the kill")
     p.add_argument("--slowdown", type=_slowdown_arg, metavar="F[,F...]",
@@ -159,8 +165,8 @@ def parse_args(argv: list[str]) -> Options:
     """Options of `archipelago local`; raises SystemExit (argparse) on --help or bad usage."""
     parser = _parser()
     args, passthrough = parser.parse_known_args(argv)
-    for island, _ in args.kill:
-        if island >= len(args.islands):
+    for kill in args.kill:
+        if (island := int(kill.island or 0)) >= len(args.islands):
             parser.error(f"--kill {island}@...: there are only islands 0..{len(args.islands) - 1}")
     if args.restart_after is not None and args.restart_after < 0:
         parser.error("--restart-after: expected a number of seconds >= 0")
