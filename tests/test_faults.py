@@ -25,7 +25,8 @@ def test_every_kind_parses_with_its_unit():
     assert str(parse_fault("1:nan@2")) == "1:nan@2"
 
 
-@pytest.mark.parametrize("text", ["crash@1.5", "nan@0", "kill@-1", "kill_at_step@2.5", "boom@3", "crash@", "x:crash@3", "crash"])
+@pytest.mark.parametrize("text", ["crash@1.5", "nan@0", "kill@-1", "kill_at_step@2.5", "boom@3", "crash@",
+                                  "x:crash@3", "crash"])
 def test_malformed_faults_name_the_form(text):
     with pytest.raises(ConfigError, match=r"expected \[ISLAND:\]KIND@AT with KIND one of"):
         parse_fault(text)
