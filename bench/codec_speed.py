@@ -3,7 +3,8 @@
 The exchange's own cost beside its bytes: `codec = "auto"` counts only bytes, so a codec
 whose encode or decode takes a visible share of a round lowers utilisation by that much
 (docs/codecs.md). Also compares top-k's bit packing (whole codes per byte) with the
-one-bit-at-a-time stream it replaced, on the same codes, in the same run.
+one-bit-at-a-time stream it replaced, on the same codes, and top-k's Elias-Fano index
+coding with the fixed-width indices it replaced, on the same chosen indices, in the same run.
 
     python bench/codec_speed.py                       # llama3 debug's 7.2M values, 1 thread
     python bench/codec_speed.py --numel 124000000 --threads 8 --device cuda --out FILE
@@ -24,6 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness import where_measured  # noqa: E402
 
 from archipelago.config.schema import FaultToleranceConfig  # noqa: E402
 from archipelago.federation.codecs import _pack, _pack_bits, _unpack, _unpack_bits, build_codec  # noqa: E402
@@ -73,6 +76,26 @@ def packing_rows(numel: int, device: torch.device, repeats: int) -> list[dict]:
     return rows
 
 
+def index_rows(numel: int, device: torch.device, repeats: int) -> list[dict]:
+    """Top-k's indices at 20% (the default) and 5% of each chunk of 256: Elias-Fano against
+    fixed width, the same indices (each codec's own choice of x's largest values)."""
+    x = torch.randn(numel, device=device)
+    rows = []
+    for fraction in (0.2, 0.05):
+        codec = build_codec(FaultToleranceConfig(codec="topk", topk_fraction=fraction), numel)
+        _, index, _ = codec._select(x)
+        row: dict = {"fraction": fraction, "k": codec.k, "chunk": codec.chunk}
+        for name, elias_fano in (("elias_fano", True), ("fixed", False)):
+            codec.elias_fano = elias_fano
+            packed = codec._pack_index(index)
+            assert torch.equal(codec._unpack_index(packed), index)  # lossless, or the comparison is void
+            row[name] = {"index_bytes": packed.numel(), "payload_bytes": codec.payload_bytes(),
+                         "pack_s": timed(device, repeats, codec._pack_index, index),
+                         "unpack_s": timed(device, repeats, codec._unpack_index, packed)}
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--numel", type=int, default=7_200_000, help="values per island (default: llama3 debug)")
@@ -86,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     codecs, packing = codec_rows(args.numel, device, args.repeats), packing_rows(args.numel, device, args.repeats)
+    indices = index_rows(args.numel, device, args.repeats)
     print(f"{args.numel:,} values on {device} ({args.threads} thread(s)), median of {args.repeats}\n")
     print("| encode + decode / fp32's | codec | payload MB | encode s | decode s |")
     print("|---:|---|---:|---:|---:|")
@@ -98,10 +122,19 @@ def main(argv: list[str] | None = None) -> None:
     for r in packing:
         print(f"| {r['pack_bits_s'] / r['pack_s']:.1f} | {r['unpack_bits_s'] / r['unpack_s']:.1f} | {r['bits']} "
               f"| {r['values']:,} | {r['pack_s']:.4f} | {r['unpack_s']:.4f} |")
+    print("\n| payload bytes Elias-Fano / fixed | index bytes EF / fixed | top-k | pack s EF / fixed "
+          "| unpack s EF / fixed |")
+    print("|---:|---:|---|---:|---:|")
+    for r in indices:
+        ef, fixed = r["elias_fano"], r["fixed"]
+        print(f"| {ef['payload_bytes'] / fixed['payload_bytes']:.3f} | {ef['index_bytes'] / fixed['index_bytes']:.3f} "
+              f"| {r['fraction']:.0%} of {r['chunk']} ({r['k']}) | {ef['pack_s']:.4f} / {fixed['pack_s']:.4f} "
+              f"| {ef['unpack_s']:.4f} / {fixed['unpack_s']:.4f} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"numel": args.numel, "device": str(device), "threads": args.threads,
-                                        "codecs": codecs, "packing": packing}, indent=1) + "\n")
+        args.out.write_text(json.dumps({"numel": args.numel, "measured": where_measured(device=str(device)),
+                                        "threads": args.threads, "codecs": codecs, "packing": packing,
+                                        "indices": indices}, indent=1) + "\n")
         print(f"\nwrote {args.out}")
 
 

@@ -110,14 +110,48 @@ def test_bit_packing_round_trips(bits):
         assert torch.equal(packed, codes.to(torch.uint8))
 
 
+def _bits(payload: torch.Tensor, start_byte: int, count: int) -> list[int]:
+    """`count` bits of `payload` from `start_byte`, lowest bit of each byte first (by hand)."""
+    data = payload.tolist()
+    return [(data[start_byte + i // 8] >> (i % 8)) & 1 for i in range(count)]
+
+
 def test_topk_payload_is_scales_indices_and_codes():
-    # 1000 values in chunks of 256: 4 chunks, 13 of 256 sent per chunk (5%), 8-bit indices.
+    # 1000 values in chunks of 256: 4 chunks, 13 of 256 sent per chunk (5%). Fixed-width
+    # indices would be 8 bits each (104 a chunk); Elias-Fano: the low floor(log2(256 / 13)) = 4
+    # bits of each, then a bitmap of 13 + 256 / 16 = 29 bits a chunk where index i of the chunk
+    # sets bit (index >> 4) + i (81 bits a chunk).
     codec = TopKCodec(1000, 0.05, 2, chunk=256)
-    assert (codec.chunks, codec.k, codec.index_bits) == (4, 13, 8)
-    assert codec.payload_bytes() == 4 * 4 + 4 * 13 * 8 // 8 + -(-4 * 13 * 2 // 8)
-    payload = codec.encode(_signal(1000, 4))
-    index = _unpack(payload[16:16 + 52], 8, 52).view(4, 13)
-    assert torch.equal(index, index.sort(dim=1).values)  # canonical: ascending in each chunk
+    assert (codec.chunks, codec.k, codec.index_bits, codec.elias_fano) == (4, 13, 8, True)
+    assert codec.payload_bytes() == 4 * 4 + -(-4 * 13 * 4 // 8) + -(-4 * 29 // 8) + -(-4 * 13 * 2 // 8)
+    x = _signal(1000, 4)
+    payload = codec.encode(x)
+    lows = _bits(payload, 16, 4 * 13 * 4)
+    bitmap = _bits(payload, 16 + 26, 4 * 29)
+    padded = torch.cat([x, torch.zeros(24)]).view(4, 256)
+    for c in range(4):
+        ones = [b for b in range(29) if bitmap[c * 29 + b]]
+        assert len(ones) == 13
+        index = [((one - i) << 4) | sum(lows[(c * 13 + i) * 4 + j] << j for j in range(4))
+                 for i, one in enumerate(ones)]
+        # Canonical: ascending in each chunk, and exactly the chunk's 13 largest magnitudes.
+        assert index == sorted(padded[c].abs().topk(13).indices.tolist()), f"chunk {c}"
+
+
+def test_topk_indices_take_the_shorter_of_the_two_codes():
+    # Elias-Fano from about one value a chunk up to all of them; below that, fixed width.
+    for chunk, fraction, fixed_bits in [(256, 0.004, 8), (1024, 0.001, 10)]:  # k = 1: 10 and 12 bits EF
+        codec = TopKCodec(4 * chunk, fraction, 2, chunk)
+        assert codec.k == 1 and not codec.elias_fano
+        assert codec.payload_bytes() == 4 * 4 + -(-4 * fixed_bits // 8) + 1
+    for chunk, fraction, k, low, high in [(256, 0.2, 51, 2, 51 + 64), (1024, 0.01, 10, 6, 10 + 16),
+                                          (64, 1.0, 64, 0, 64 + 64), (200, 0.1, 20, 3, 20 + 25)]:
+        codec = TopKCodec(3 * chunk, fraction, 2, chunk)
+        assert (codec.k, codec.elias_fano, codec.low_bits, codec.high_bits) == (k, True, low, high)
+        x = _signal(3 * chunk, 6).view(3, chunk)
+        sent = codec.decode(codec.encode(x.flatten())).view(3, chunk) != 0
+        largest = torch.zeros_like(sent).scatter_(1, x.abs().topk(k, dim=1).indices, True)
+        assert torch.equal(sent, largest), (chunk, fraction)  # the indices arrive whole
 
 
 def test_topk_sends_the_largest_values_of_every_chunk():
@@ -144,7 +178,8 @@ def test_topk_magnitudes_stay_between_the_chunk_scales():
         # Two levels at 2 bits (one sign bit): the chunk's smallest and largest sent magnitude (bf16).
         assert set(magnitudes.tolist()) <= {low.to(torch.bfloat16).item(), high.to(torch.bfloat16).item()}
     signs = TopKCodec(4096, 0.05, 1, chunk=1024)  # 1 bit: the sign, times the chunk's mean sent magnitude
-    assert signs.payload_bytes() == 4 * 2 + -(-4 * 51 * 10 // 8) + -(-4 * 51 // 8)
+    # 51 of 1,024: 4 low bits each and a 51 + 64-bit bitmap a chunk, 1-bit codes, one scale.
+    assert signs.payload_bytes() == 4 * 2 + -(-4 * 51 * 4 // 8) + -(-4 * 115 // 8) + -(-4 * 51 // 8)
     decoded = signs.decode(signs.encode(x)).view(4, 1024)
     for c in range(4):
         sent = decoded[c] != 0
@@ -243,15 +278,33 @@ def test_segments_cover_the_chunk_at_block_boundaries_and_encode_alone(codec, pa
 def test_a_topk_payload_with_forged_indices_is_refused_not_a_crash():
     from archipelago.federation.codecs import PayloadError, TopKCodec, _pack
 
-    codec = TopKCodec(1000, 0.1, 2, chunk=100)  # 7-bit indices can name 100..127: outside the chunk
+    # 10 of each chunk of 100: 3 low bits, a 23-bit bitmap whose last ones can name 104..111.
+    codec = TopKCodec(1000, 0.1, 2, chunk=100)
+    assert (codec.k, codec.low_bits, codec.high_bits) == (10, 3, 23)
     payload = codec.encode(_signal(1000, 3))
     assert torch.isfinite(codec.decode(payload)).all()
     head, index_bytes, _ = codec._sizes()
-    for forged in (torch.full((codec.chunks * codec.k,), 120), torch.zeros(codec.chunks * codec.k)):
-        bad = payload.clone()  # out of the chunk; then every index the same (out of order)
-        bad[head:head + index_bytes] = _pack(forged.int(), codec.index_bits)
-        with pytest.raises(PayloadError, match="indices"):
-            codec.decode(bad)
+    low_bytes = -(-codec.chunks * codec.k * 3 // 8)
+
+    def forged(lows: list[int], bitmap: list[int]) -> torch.Tensor:
+        bad = payload.clone()
+        bad[head:head + low_bytes] = _pack(torch.tensor(lows * codec.chunks, dtype=torch.int32), 3)
+        bad[head + low_bytes:head + index_bytes] = _pack(torch.tensor(bitmap * codec.chunks, dtype=torch.int32), 1)
+        return bad
+
+    cases = [([7] * 10, [0] * 13 + [1] * 10, "indices"),      # highs 13: indices 111, outside the chunk
+             ([0] * 10, [1] * 10 + [0] * 13, "indices"),      # ten times index 0: out of order
+             ([0] * 10, [1] * 11 + [0] * 12, "bitmap"),       # eleven ones: not ten indices a chunk
+             ([0] * 10, [1] * 9 + [0] * 14, "bitmap")]
+    for lows, bitmap, match in cases:
+        with pytest.raises(PayloadError, match=match):
+            codec.decode(forged(lows, bitmap))
+    fixed = TopKCodec(1000, 0.001, 2, chunk=1000)  # one index of 10 bits: fixed width can name 1000..1023
+    payload = fixed.encode(_signal(1000, 3))
+    head, index_bytes, _ = fixed._sizes()
+    payload[head:head + index_bytes] = _pack(torch.tensor([1020], dtype=torch.int32), fixed.index_bits)
+    with pytest.raises(PayloadError, match="indices"):
+        fixed.decode(payload)
 
 
 @pytest.mark.parametrize("numel,chunk,parts", [(1000, 64, 3), (1000, 64, 4), (300, 256, 3), (100, 8, 8)],
@@ -295,13 +348,14 @@ def test_auto_takes_the_topk_reduce_scatter_from_the_island_count_where_its_boun
 
     numel = 2 ** 20  # 4,096 chunks of 256; 51 values sent per chunk at 20%
     codec = TopKCodec(numel, 0.2, 2, 256)
-    payload = 4096 * 2 * 2 + 4096 * 51 * (8 + 2) // 8  # two bf16 scales, 8-bit indices and 2-bit codes per chunk
+    # Per chunk: two bf16 scales, 2-bit codes, the indices' 2 low bits each and a 51 + 64-bit bitmap.
+    payload = 4096 * 2 * 2 + 4096 * 51 * (2 + 2) // 8 + 4096 * 115 // 8
     assert codec.payload_bytes() == payload
     # Receiving per island: the all-gather (G - 1) payloads; the reduce-scatter (G - 1) times a
     # segment payload (payload / G) and a summed segment of n / G values, all nonzero once
     # G x 51 >= 256: a bitmap and fp32 values. Cheaper once G > 1 + (n/8 + 4n) / payload.
     threshold = math.floor(1 + (numel / 8 + 4 * numel) / payload) + 1
-    assert threshold == 17
+    assert threshold == 26
     assert [g for g in range(2, 40) if sparse_two_phase(codec, g)] == list(range(threshold, 40))
     for exchange, chosen in [("all_gather", []), ("reduce_scatter", list(range(2, 40)))]:
         forced = TopKCodec(numel, 0.2, 2, 256, exchange)
@@ -317,9 +371,10 @@ def test_auto_chooses_the_densest_codec_whose_exchange_fits_the_target():
     auto = AutoCodec(numel, FaultToleranceConfig(codec="auto", codec_block_size=256))
     # By hand, what one island receives from one other island (2 islands: all-gather rows of a
     # 16-byte header, rounded up to 8 bytes): fp32 4 bytes a value, bf16 2, int8 1 and a 4-byte
-    # scale per block of 256 (40 blocks), top-k 20% of each chunk of 256 at 8 + 2 bits and two bf16 scales.
+    # scale per block of 256 (40 blocks), top-k 20% of each chunk of 256 (51 values) at 2 bits and
+    # two bf16 scales, the indices Elias-Fano coded: 2 low bits each and a 51 + 64-bit bitmap a chunk.
     rows = {"fp32": 16 + 40_000, "bf16": 16 + 20_000, "int8": 16 + 40 * 4 + 40 * 256,
-            "topk": 16 + 40 * 4 + -(-40 * 51 * 8 // 8) + -(-40 * 51 * 2 // 8)}
+            "topk": 16 + 40 * 4 + -(-40 * 51 * 2 // 8) + -(-40 * 115 // 8) + -(-40 * 51 * 2 // 8)}
     rows = {name: -(-size // 8) * 8 for name, size in rows.items()}
     link = 8e6  # 1 MB/s: an exchange of B bytes takes B / 1e6 seconds
     for target, want in [(0.041, "fp32"), (0.039, "bf16"), (0.020, "int8"), (0.010, "topk")]:
@@ -337,7 +392,7 @@ def test_auto_lets_the_averaged_moments_ride_only_with_a_codec_they_fit_beside()
     auto = AutoCodec(numel, FaultToleranceConfig(codec="auto", codec_block_size=256))
     # By hand, as above (two islands, one row in each): the codecs' rows, and AdamW's two
     # fp32 moments as one more row of 8 bytes a value with its 16-byte header.
-    rows = {"fp32": 40_016, "bf16": 20_016, "int8": 10_416, "topk": 2_728}
+    rows = {"fp32": 40_016, "bf16": 20_016, "int8": 10_416, "topk": 1_776}
     moments = 16 + 8 * numel
     link = 8e6  # 1 MB/s
     for target, want in [(1.0, ("fp32", True)), (0.110, ("bf16", True)), (0.095, ("int8", True)),

@@ -168,13 +168,17 @@ class Int8Codec(Codec):
 class TopKCodec(Codec):
     """Per chunk of `chunk` values, its `fraction` largest magnitudes, with error feedback.
 
-    Each sent value costs its index in the chunk (log2(chunk) bits) plus `bits` bits: its
-    sign and `bits - 1` bits choosing one of 2**(bits-1) magnitudes spaced evenly between
-    the chunk's smallest and largest sent magnitude (two bf16 scales per chunk). With
-    `bits = 1` a value is its sign times the chunk's mean sent magnitude (one bf16 scale).
-    Chunks spread what is sent over the whole tensor and keep the indices short. What is
-    not sent, or lost to quantization, stays in `error` and is added to the next round's
-    input.
+    Each sent value costs `bits` bits: its sign and `bits - 1` bits choosing one of
+    2**(bits-1) magnitudes spaced evenly between the chunk's smallest and largest sent
+    magnitude (two bf16 scales per chunk). With `bits = 1` a value is its sign times the
+    chunk's mean sent magnitude (one bf16 scale). A chunk's k ascending indices cost
+    log2(chunk) bits each, or, where fewer (every density between about 1/chunk and 1),
+    their Elias-Fano code: the low `low_bits` bits of each index as they are, the rest as
+    a bitmap of k + chunk / 2**low_bits bits in which index i sets bit (index >> low_bits)
+    + i (at 5% of 256: 81 bits for 13 indices, not 104). Both are fixed sizes, so every
+    payload of one codec has the same length. Chunks spread what is sent over the whole
+    tensor and keep the indices short. What is not sent, or lost to quantization, stays in
+    `error` and is added to the next round's input.
     """
 
     name = "topk"
@@ -188,7 +192,7 @@ class TopKCodec(Codec):
         self.chunks = max(1, math.ceil(numel / self.chunk))
         self.k = max(1, min(self.chunk, round(fraction * self.chunk)))  # sent per chunk
         self.bits = bits
-        self.index_bits = max(1, (self.chunk - 1).bit_length())
+        self._index_coding()
         self.magnitudes = 2 ** (bits - 1)
         self.n_scales = 1 if self.magnitudes == 1 else 2  # bf16 per chunk: mean, or smallest and largest
         # What was not sent yet; none for a segment's codec (`for_length`), which decodes.
@@ -203,8 +207,17 @@ class TopKCodec(Codec):
         piece = TopKCodec(numel, self.fraction, self.bits, self.chunk, self.exchange, self.decay, feedback=False)
         piece.chunks = max(1, math.ceil(numel / self.chunk))
         piece.chunk = piece.align = self.chunk
-        piece.k, piece.index_bits = self.k, self.index_bits
+        piece.k = self.k
+        piece._index_coding()
         return piece
+
+    def _index_coding(self) -> None:
+        """Fixed-width indices (`index_bits` each) or Elias-Fano (`low_bits` each plus a
+        bitmap of `high_bits` a chunk), whichever is shorter for this chunk and k."""
+        self.index_bits = max(1, (self.chunk - 1).bit_length())
+        self.low_bits = max(0, (self.chunk // self.k).bit_length() - 1)  # floor(log2(chunk / k))
+        self.high_bits = self.k + ((self.chunk - 1) >> self.low_bits) + 1
+        self.elias_fano = self.k * self.low_bits + self.high_bits < self.k * self.index_bits
 
     def sum_nonzeros(self, contributors: int) -> int:
         """The most nonzero values a sum of `contributors` payloads can have: each sends
@@ -214,7 +227,10 @@ class TopKCodec(Codec):
     def _sizes(self) -> tuple[int, int, int]:
         """Payload bytes of the scales, the indices and the codes."""
         sent = self.chunks * self.k
-        return 2 * self.chunks * self.n_scales, math.ceil(sent * self.index_bits / 8), math.ceil(sent * self.bits / 8)
+        scales, codes = 2 * self.chunks * self.n_scales, math.ceil(sent * self.bits / 8)
+        if self.elias_fano:
+            return scales, math.ceil(sent * self.low_bits / 8) + math.ceil(self.chunks * self.high_bits / 8), codes
+        return scales, math.ceil(sent * self.index_bits / 8), codes
 
     def payload_bytes(self) -> int:
         return sum(self._sizes())
@@ -256,13 +272,39 @@ class TopKCodec(Codec):
         return scales, index, codes
 
     def _payload(self, scales: torch.Tensor, index: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        return torch.cat([scales.flatten().view(torch.uint8), _pack(index, self.index_bits), _pack(codes, self.bits)])
+        return torch.cat([scales.flatten().view(torch.uint8), self._pack_index(index), _pack(codes, self.bits)])
+
+    def _pack_index(self, index: torch.Tensor) -> torch.Tensor:
+        if not self.elias_fano:
+            return _pack(index, self.index_bits)
+        rows = index.shape[0]
+        low = index & ((1 << self.low_bits) - 1)
+        ones = (index >> self.low_bits) + torch.arange(self.k, device=index.device)  # strictly ascending
+        bitmap = torch.zeros(rows, self.high_bits, dtype=torch.int32, device=index.device).scatter_(1, ones, 1)
+        lows = _pack(low, self.low_bits) if self.low_bits else index.new_zeros(0, dtype=torch.uint8)
+        return torch.cat([lows, _pack(bitmap, 1)])
+
+    def _unpack_index(self, packed: torch.Tensor) -> torch.Tensor:
+        """The (chunks, k) indices of `_pack_index`; a bitmap without exactly k ones in some
+        chunk is a forged payload."""
+        sent = self.chunks * self.k
+        if not self.elias_fano:
+            return _unpack(packed, self.index_bits, sent).long().view(self.chunks, self.k)
+        low_bytes = math.ceil(sent * self.low_bits / 8)
+        low = _unpack(packed[:low_bytes], self.low_bits, sent).long() if self.low_bits else \
+            torch.zeros(sent, dtype=torch.long, device=packed.device)
+        bitmap = _unpack(packed[low_bytes:], 1, self.chunks * self.high_bits).view(self.chunks, self.high_bits)
+        if bool((bitmap.sum(dim=1) != self.k).any()):  # a device sync
+            raise PayloadError(f"a top-k payload whose index bitmap does not hold {self.k} ones in every chunk")
+        ones = bitmap.nonzero()[:, 1].view(self.chunks, self.k)  # row by row, ascending
+        high = ones - torch.arange(self.k, device=packed.device)
+        return (high << self.low_bits) | low.view(self.chunks, self.k)
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         sent = self.chunks * self.k
         head, index_bytes, _ = self._sizes()
         scales = payload[:head].view(torch.bfloat16).float().view(self.chunks, self.n_scales)
-        index = _unpack(payload[head:head + index_bytes], self.index_bits, sent).long().view(self.chunks, self.k)
+        index = self._unpack_index(payload[head:head + index_bytes])
         # encode sends each chunk's indices ascending, each once, inside the chunk: anything
         # else is a forged payload (scatter would raise, or let one value land twice).
         if bool((index >= self.chunk).any()) or bool((index[:, 1:] <= index[:, :-1]).any()):  # a device sync
