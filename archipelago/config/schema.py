@@ -289,7 +289,7 @@ class FaultToleranceConfig:
     topk_bits: int = 2
     """topk codec: bits per sent value (1 to 8): its sign, then a magnitude level between the chunk's smallest and largest sent magnitude (1: the sign times the chunk's mean sent magnitude)."""
     topk_chunk_size: int = 256
-    """topk codec: values per chunk; each chunk sends its own largest `topk_fraction`, its indices Elias-Fano coded (about 2 + log2(1 / topk_fraction) bits each; 4.2 at 20%, 6.2 at 5%) or, where that is longer, log2(chunk size) bits each."""
+    """topk codec: values per chunk; each chunk sends its own largest `topk_fraction`, its indices Elias-Fano coded (about 2 + log2(1 / topk_fraction) bits each; 4.25 at 20%, 6.2 at 5%) or, where that is longer, log2(chunk size) bits each."""
     topk_error_decay: float = 1.0
     """topk codec: each round the error-feedback residue (what was not sent) is multiplied by this before it joins the next pseudo-gradient, as SparseLoCo does (1: kept whole; 0: no error feedback)."""
     topk_exchange: Literal["auto", "all_gather", "reduce_scatter"] = "auto"

@@ -26,7 +26,7 @@ from archipelago.config.faults import RANK_ENV as FAULT_RANK_ENV
 from archipelago.config.faults import Fault
 from archipelago.config.faults import env_value as fault_env_value
 from archipelago.launch.local_display import LIVE_HEADERS, STATUS_EVERY_S, MetricsTail, Output, format_cell, rich_table
-from archipelago.launch.local_options import Options, parse_args
+from archipelago.launch.local_options import Options, kill_text, parse_args
 from archipelago.launch.processes import kill_until_gone, pids_with_env, rank_threads, signal_pids
 from archipelago.metrics.islands import FEDERATION_FILE, federation_summary
 from archipelago.metrics.progress import format_count
@@ -255,7 +255,7 @@ class LocalFederation:
         return isinstance(step, int) and step >= kill.at
 
     def _kill(self, island: Island, kill: Fault) -> None:
-        spec = f"--kill {island.id}@{'step' if kill.kind == 'kill_at_step' else ''}{kill.at:g}"
+        spec = kill_text(kill)
         if not island.alive:
             self.out.note(f"island-{island.id} already exited; {spec} skipped")
             return

@@ -81,16 +81,24 @@ def _islands_arg(text: str) -> list[int]:
     return _number_list(text, int, 1, "rank counts like 2,1 (each at least 1)")
 
 
+_STEP = "step"  # --kill ISLAND@stepN: AT is an inner step (kill_at_step), not seconds (kill)
+
+
 def _kill_arg(text: str) -> Fault:
     """`ISLAND@SECONDS` (the fault ISLAND:kill@SECONDS) or `ISLAND@stepN` (ISLAND:kill_at_step@N)."""
     island, _, at = text.partition("@")
-    kind = "kill_at_step" if at.startswith("step") else "kill"
+    kind = "kill_at_step" if at.startswith(_STEP) else "kill"
     try:
-        return parse_fault(f"{island}:{kind}@{at.removeprefix('step')}", where="--kill", kinds=LAUNCHER_KINDS,
+        return parse_fault(f"{island}:{kind}@{at.removeprefix(_STEP)}", where="--kill", kinds=LAUNCHER_KINDS,
                            island=True)
     except ConfigError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected ISLAND@SECONDS or ISLAND@stepN, "
                                          "e.g. 1@30 or 1@step16") from None
+
+
+def kill_text(kill: Fault) -> str:
+    """The `--kill` value that parses to `kill` (for the launcher's messages)."""
+    return f"--kill {kill.island}@{_STEP if kill.kind == 'kill_at_step' else ''}{kill.at:g}"
 
 
 def _slowdown_arg(text: str) -> list[float]:
