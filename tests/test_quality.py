@@ -577,3 +577,28 @@ def test_decoupled_reduce_scatter_runs_its_second_phase_midway_and_trains_the_si
     steps = outer_records(island_records(tmp_path / "fed" / "island-0"))
     assert [e["committed"] for e in steps] == [True] * len(steps) and len(steps) >= 3
     assert done.output.count("rows judged at inner step") >= 3 * 2  # every island, every overlapped one
+
+
+def test_outer_sweeps_shared_mask_sends_the_same_drawn_coordinates_from_every_island():
+    from archipelago.federation.codecs import TopKCodec
+
+    sweep = _outer_sweep_module()
+    numel, chunk, k = 1000, 100, 30
+    a, b = (sweep.shared_mask_codec(TopKCodec(numel, 0.05, 2, chunk, decay=1.0), k, fragment=0) for _ in range(2))
+    other = sweep.shared_mask_codec(TopKCodec(numel, 0.05, 2, chunk, decay=1.0), k, fragment=1)
+    x, y = torch.randn(numel), torch.randn(numel) * 5
+    first_a, first_b, first_other = a.decode(a.encode(x)), b.decode(b.encode(y)), other.decode(other.encode(x))
+    # Each chunk sends k values, not its largest: the same coordinates on both islands,
+    # whatever their values, another set for another fragment and for the next round.
+    support = first_a != 0
+    assert torch.equal(support, first_b != 0)
+    assert (support.view(-1, chunk).sum(dim=1) == k).all()
+    assert not torch.equal(support, first_other != 0)
+    assert (x.abs()[support].mean() < x.abs().topk(numel * k // chunk).values.mean())  # not top-k's choice
+    second = a.decode(a.encode(x))
+    assert not torch.equal(second != 0, support)
+    # What is not sent stays in the residue (decay 1): sent + residue is the input plus the
+    # residue before this round.
+    torch.testing.assert_close(first_b + b.error, y)
+    # The payload counted: two bf16 scales a chunk and 2 bits a sent value, no indices.
+    assert a.payload_bytes() == 2 * 2 * (numel // chunk) + (numel // chunk) * k * 2 // 8

@@ -257,8 +257,7 @@ class TopKCodec(Codec):
         # SparseLoCo's decay: an old residue counts less each round it waits (1: not at all).
         chunks[:self.numel] = x.detach().float() + (self.error if self.decay == 1 else self.decay * self.error)
         chunks = chunks.view(self.chunks, self.chunk)
-        # Ascending indices: one canonical payload whatever order the device's topk returns.
-        index = chunks.abs().topk(self.k, dim=1, sorted=False).indices.sort(dim=1).values
+        index = self._choose(chunks)
         values = chunks.gather(1, index)
         magnitude = values.abs()
         if self.n_scales == 1:  # sign only: the mean magnitude is the least-squares scale
@@ -270,6 +269,11 @@ class TopKCodec(Codec):
         chunks.scatter_(1, index, values - self._dequantize(codes, scales.float()))
         self.error = chunks.flatten()[:self.numel].clone()
         return scales, index, codes
+
+    def _choose(self, chunks: torch.Tensor) -> torch.Tensor:
+        """The (chunks, k) ascending indices each chunk sends: its k largest magnitudes
+        (ascending: one canonical payload whatever order the device's topk returns them in)."""
+        return chunks.abs().topk(self.k, dim=1, sorted=False).indices.sort(dim=1).values
 
     def _payload(self, scales: torch.Tensor, index: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         return torch.cat([scales.flatten().view(torch.uint8), self._pack_index(index), _pack(codes, self.bits)])
