@@ -63,9 +63,11 @@ def pids_with_island_token(token: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Finished]:
-    """islands 1,2 (island 1 has a session-leader 'rank'); island 1 killed at 2 s, back 1 s later."""
+    """islands 1,2 (island 1 has a session-leader 'rank'); island 1 killed at its step 3, back
+    1 s later. At a step, not a second: a kill at 2 s could land before a loaded machine had
+    started the island's rank, and find one process."""
     run_dir = tmp_path_factory.mktemp("local") / "fed"
-    result = run_local(["--islands", "1,2", "--kill", "1@2", "--restart-after", "1", "--training.steps", "20",
+    result = run_local(["--islands", "1,2", "--kill", "1@step3", "--restart-after", "1", "--training.steps", "20",
                         "--job.run_dir", str(run_dir)], timeout=60)
     return run_dir, result
 
@@ -155,6 +157,19 @@ def test_a_kill_at_a_step_lands_once_the_island_reached_it(tmp_path: Path) -> No
     assert fed["islands"][1]["restarts"] == 1 and fed["islands"][1]["final_step"] == 20
     assert "island-1: SIGKILL to" in result.output and "(--kill 1@step7)" in result.output
     assert fed["islands"][0]["restarts"] == 0  # the other island's steps never trigger it
+
+
+@pytest.mark.timeout(60)
+def test_a_kill_whose_island_ends_first_is_reported_not_passed_over(tmp_path: Path) -> None:
+    run_dir = tmp_path / "fed"
+    result = run_local(["--islands", "1,1", "--kill", "1@step50", "--training.steps", "6",
+                        "--job.run_dir", str(run_dir)])
+    assert result.returncode == 0, result.output[-3000:]  # the islands' work is whole
+    fed = json.loads((run_dir / "federation.json").read_text())
+    assert not [e for e in fed["events"] if e["event"] == "kill"]
+    (missed,) = [e for e in fed["events"] if e["event"] == "kill_not_fired"]
+    assert missed["island"] == 1 and missed["at"] == 50 and missed["last_step"] == 6
+    assert "warning: --kill 1@step50 never fired: island-1 ended first (its last step was 6)" in result.output
 
 
 @pytest.mark.timeout(60)

@@ -369,7 +369,20 @@ class LocalFederation:
         self.out.note(f"dashboard at {self.dashboard.address}")
         return self.dashboard.address
 
+    def _report_unfired_kills(self) -> None:
+        """A drill that never happened is said, not passed over: each --kill still pending when
+        every island ended (its island finished first) becomes an event and a warning."""
+        for kill in self.pending_kills:
+            island = self.islands[int(kill.island or 0)]
+            step = island.tail.latest.get("step")
+            self._event("kill_not_fired", island.id, fault=kill.kind, at=kill.at, last_step=step)
+            ended = f"its last step was {step}" if kill.kind == "kill_at_step" else \
+                f"the federation ended after {self._elapsed():.0f}s"
+            self.out.error(f"warning: {kill_text(kill)} never fired: island-{island.id} ended first ({ended})")
+
     def _finish(self, interrupted: bool) -> int:
+        if not interrupted:
+            self._report_unfired_kills()
         islands = [{"id": i.id, "ranks": i.ranks, "exit_code": i.exit_code, "restarts": i.restarts,
                     "state": i.state} for i in self.islands]
         summary = federation_summary(self.opts.run_dir, islands, self.events, lighthouse=self.url,

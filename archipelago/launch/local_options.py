@@ -132,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kill", action="append", default=[], type=_kill_arg, metavar="ISLAND@SECONDS|ISLAND@stepN",
                    help="SIGKILL every process of ISLAND this many seconds after the start, or (stepN) once its "
                         "metrics show inner step N or a later one: a drill that lands at the same point of the run "
-                        "on a fast machine and a slow one (steps are seen as metrics.log_every writes them) "
+                        "on a fast machine and a slow one (steps are seen as metrics.log_every writes them); "
+                        "a kill whose island ends first is reported, as a warning and a kill_not_fired event "
                         "(repeatable)")
     p.add_argument("--restart-after", type=float, metavar="SECONDS",
                    help="start a killed island again this many seconds after the kill")
