@@ -131,11 +131,9 @@ EXPERIMENTS = ("momentum_warmup_rounds", "sync_warmup_rounds", "average_running_
 def shared_mask_codec(codec, k: int, fragment: int):  # noqa: ANN001, ANN201 - a TopKCodec in, one out
     """`shared_mask_k`: `codec` (top-k) sending `k` values a chunk at coordinates drawn from
     the round's number, which every island knows, so the receivers rebuild the indices."""
-    import math
-
     import torch
 
-    from archipelago.federation.codecs import TopKCodec, _pack, _unpack
+    from archipelago.federation.codecs import TopKCodec
 
     class SharedMaskCodec(TopKCodec):
         rounds = 0  # encodes so far: one a round on every island, so all draw the same masks
@@ -146,28 +144,13 @@ def shared_mask_codec(codec, k: int, fragment: int):  # noqa: ANN001, ANN201 - a
             keys = torch.rand(self.chunks, self.chunk, generator=draw)
             return keys.topk(self.k, dim=1).indices.sort(dim=1).values.to(chunks.device)
 
-        def _sizes(self) -> tuple[int, int, int]:
-            scales, _, codes = super()._sizes()
-            return scales, 0, codes
+        def payload_bytes(self) -> int:  # top-k's payload, less its indices: receivers draw them too
+            scales, _, codes = self._sizes()
+            return scales + codes
 
-        def encode(self, x: torch.Tensor) -> torch.Tensor:  # the indices travel in the payload here,
-            scales, index, codes = self._select(x)  # but payload_bytes() does not count them
-            return torch.cat([scales.flatten().view(torch.uint8), index.flatten().to(torch.int16).view(torch.uint8),
-                              _pack(codes, self.bits)])
-
-        def decode(self, payload: torch.Tensor) -> torch.Tensor:
-            head, sent = 2 * self.chunks * self.n_scales, self.chunks * self.k
-            scales = payload[:head].view(torch.bfloat16).float().view(self.chunks, self.n_scales)
-            index = payload[head:head + 2 * sent].view(torch.int16).long().view(self.chunks, self.k)
-            codes = _unpack(payload[head + 2 * sent:], self.bits, sent).view(self.chunks, self.k)
-            out = torch.zeros(self.chunks, self.chunk, dtype=torch.float32, device=payload.device)
-            out.scatter_(1, index, self._dequantize(codes, scales))
-            return out.flatten()[:self.numel]
-
-    assert isinstance(codec, TopKCodec) and 0 < k <= codec.chunk and codec.chunk <= 2 ** 15
+    assert isinstance(codec, TopKCodec) and 0 < k <= codec.chunk
     shared = SharedMaskCodec(codec.numel, k / codec.chunk, codec.bits, codec.chunk, codec.exchange, codec.decay)
-    shared.k = k
-    assert math.ceil(codec.numel / codec.chunk) == shared.chunks
+    assert shared.k == k
     return shared
 
 
