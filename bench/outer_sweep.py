@@ -123,9 +123,16 @@ def build_jobs(args: argparse.Namespace) -> list[dict]:
 # every island draws alike from the round's number (a generator seeded by it), not their
 # largest, so that no indices cross: `bytes_sent` counts the scales and codes alone, and the
 # bytes of top-k at 5% of 256 buy 21% of each chunk at 2 bits and 48% at 1 bit (the error
-# feedback, decay and quantizer are top-k's).
+# feedback, decay and quantizer are top-k's); with `average_optimizer_state`, `average_moment`
+# 1 averages only AdamW's first moment (`exp_avg`) and 2 only its second (`exp_avg_sq`), each
+# island keeping its own other one (`bytes_sent` counts the one row sent); with each island's
+# own moments, `factored_moment` shares AdamW's second moment through its row and column
+# means alone (a matrix's r + c values in fp32 instead of r x c; vectors whole): 1 rescales
+# each island's own second moment so that its factored form (row means x column means /
+# mean) becomes the islands' averaged one, 2 replaces it by that averaged factored form
+# (Adafactor's estimate).
 EXPERIMENTS = ("momentum_warmup_rounds", "sync_warmup_rounds", "average_running_stats", "contributor_mean",
-               "final_dense_rounds", "final_outer_lr_pct", "shared_mask_k")
+               "final_dense_rounds", "final_outer_lr_pct", "shared_mask_k", "average_moment", "factored_moment")
 
 
 def shared_mask_codec(codec, k: int, fragment: int):  # noqa: ANN001, ANN201 - a TopKCodec in, one out
@@ -154,11 +161,43 @@ def shared_mask_codec(codec, k: int, fragment: int):  # noqa: ANN001, ANN201 - a
     return shared
 
 
+def share_factored_moments(islands: list, fragment: int, weights: list[float], mode: int) -> int:
+    """`factored_moment`: every island's second moment of `fragment` moved to the islands'
+    weighted mean of its row and column means (`mode` 1: rescaled, 2: replaced; vectors
+    averaged whole); returns the values one island sends."""
+    import torch
+
+    total, sent = sum(weights), 0
+    for k in range(len(islands[0].fragments[fragment])):
+        moments = [i.optimizer.state[i.fragments[fragment][k]]["exp_avg_sq"] for i in islands]
+        if moments[0].dim() < 2:
+            mean = sum(w * v for w, v in zip(weights, moments)) / total
+            for v in moments:
+                v.copy_(mean)
+            sent += mean.numel()
+            continue
+        flats = [v.view(v.shape[0], -1) for v in moments]
+        rows = [f.mean(1) for f in flats]
+        cols = [f.mean(0) for f in flats]
+        row = sum(w * r for w, r in zip(weights, rows)) / total
+        col = sum(w * c for w, c in zip(weights, cols)) / total
+        shared = torch.outer(row, col) / row.mean().clamp_min(1e-30)
+        for f, r, c in zip(flats, rows, cols):
+            if mode == 1:
+                own = torch.outer(r, c) / r.mean().clamp_min(1e-30)
+                f.mul_(shared / own.clamp_min(1e-30))
+            else:
+                f.copy_(shared)
+        sent += row.numel() + col.numel()
+    return sent
+
+
 def experimental_outer(simulation, experiments: dict[str, int]) -> type:
     """The simulator's synchronous outer loop with `experiments` (see EXPERIMENTS)."""
     import torch
 
     from archipelago.federation.exchange import Framing
+    from archipelago.federation.inner_state import WIRE_DTYPES
 
     momentum_warmup = experiments.get("momentum_warmup_rounds", 0)
     sync_warmup = experiments.get("sync_warmup_rounds", 0)
@@ -167,6 +206,8 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
     final_dense = experiments.get("final_dense_rounds", 0)
     final_lr = experiments.get("final_outer_lr_pct", 0) / 100
     shared_mask = experiments.get("shared_mask_k", 0)
+    only_moment = experiments.get("average_moment", 0)
+    factored = experiments.get("factored_moment", 0)
 
     class Experimental(simulation._Outer):
         def __init__(self, cfg, islands) -> None:
@@ -178,6 +219,11 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
             if final_dense and (self.ft.num_fragments > 1 or self.ft.fragment_sync_delay
                                 or self.ft.average_optimizer_state):
                 raise ValueError("final_dense_rounds: one fragment, no fragment_sync_delay, own moments only")
+            if only_moment and not (self.ft.average_optimizer_state and only_moment in (1, 2)):
+                raise ValueError("average_moment: 1 (first) or 2 (second), with average_optimizer_state")
+            if factored and (self.ft.average_optimizer_state or factored not in (1, 2)
+                             or "exp_avg_sq" not in simulation.state_keys(islands[0].optimizer)):
+                raise ValueError("factored_moment: 1 (rescale) or 2 (replace), AdamW, own moments")
             if shared_mask:
                 for island in islands:
                     island.codecs = [shared_mask_codec(c, shared_mask, f) for f, c in enumerate(island.codecs)]
@@ -197,7 +243,13 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
         def prepare(self) -> None:
             self.prepared += 1
             if not self.dense():
-                return super().prepare()
+                sent = self.bytes_sent
+                super().prepare()
+                if only_moment:  # one of the two moments crossed: their row is half as long
+                    size = WIRE_DTYPES[self.ft.moments_dtype].itemsize
+                    self.bytes_sent -= len(self.islands) * size * self.pending[1].numel()
+                    assert self.bytes_sent > sent
+                return None
             fragment = self.core.fragment(self.step)
             values, weights, self.round_tokens = [], [], []
             for island in self.islands:
@@ -223,7 +275,16 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
                 ramp = min(1.0, self.step / momentum_warmup)
                 for group in self.core.outer[self.pending[0]].param_groups:
                     group["momentum"] = self.ft.outer_momentum * ramp
+            kept = [island.moments(self.pending[0]) for island in self.islands] if only_moment else []
             super().perform()
+            for island, own in zip(self.islands, kept):  # the moment not averaged: the island's own
+                averaged = island.moments(self.pending[0])
+                averaged[2 - only_moment] = own[2 - only_moment]
+                island.write_moments(self.pending[0], averaged)
+            if factored:
+                values = share_factored_moments(self.islands, self.pending[0], [float(t) for t in self.round_tokens],
+                                                factored)
+                self.bytes_sent += len(self.islands) * Framing().row_bytes(4 * values)
             if average_stats:
                 stats = [simulation.running_stats(island.model) for island in self.islands]
                 for k in range(len(stats[0]) if stats else 0):

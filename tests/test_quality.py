@@ -602,3 +602,95 @@ def test_outer_sweeps_shared_mask_sends_the_same_drawn_coordinates_from_every_is
     torch.testing.assert_close(first_b + b.error, y)
     # The payload counted: two bf16 scales a chunk and 2 bits a sent value, no indices.
     assert a.payload_bytes() == 2 * 2 * (numel // chunk) + (numel // chunk) * k * 2 // 8
+
+
+def _moments_run(experiments: dict[str, int], average: bool):
+    """Two islands of TINY, fp32, 2-step rounds, 4 steps, through outer_sweep's experimental
+    outer loop, with or without `average_optimizer_state`; returns the result and the islands."""
+    import archipelago.quality_simulator as simulation
+    from archipelago.config import load_config
+
+    cfg = load_config([*TINY, "--training.steps", "4", "--lr_scheduler.warmup_steps", "1", "--fault_tolerance.enable",
+                       "--fault_tolerance.sync_steps", "2", "--fault_tolerance.codec", "fp32",
+                       "--fault_tolerance.average_optimizer_state" if average else
+                       "--fault_tolerance.no_average_optimizer_state"])
+    seen = []
+
+    class Kept(_outer_sweep_module().experimental_outer(simulation, experiments)):
+        def __init__(self, cfg, islands):
+            super().__init__(cfg, islands)
+            seen.extend(islands)
+
+    original, simulation._Outer = simulation._Outer, Kept
+    try:
+        return simulation.simulate(cfg, islands=2, eval_windows=8), seen
+    finally:
+        simulation._Outer = original
+
+
+def _states(islands, key: str) -> list[torch.Tensor]:
+    """Each island's optimizer state `key`, flat, after the run (its last outer step)."""
+    return [torch.cat([i.optimizer.state[p][key].flatten() for p in i.model.parameters()]) for i in islands]
+
+
+def test_outer_sweeps_average_moment_averages_one_of_adams_moments_and_counts_its_row():
+    (both, both_islands), (none, none_islands) = _moments_run({}, average=True), _moments_run({}, average=False)
+    first, second = (_moments_run({"average_moment": k}, average=True) for k in (1, 2))
+    for islands, shared, own in ((both_islands, ("exp_avg", "exp_avg_sq"), ()),
+                                 (none_islands, (), ("exp_avg", "exp_avg_sq")),
+                                 (first[1], ("exp_avg",), ("exp_avg_sq",)), (second[1], ("exp_avg_sq",), ("exp_avg",))):
+        for key in shared:
+            a, b = _states(islands, key)
+            assert torch.equal(a, b), key
+        for key in own:
+            a, b = _states(islands, key)
+            assert not torch.equal(a, b), key
+    # Two rounds of two islands, each island's row of moments half as long with one moment.
+    numel = sum(p.numel() for p in both.models[0].parameters())
+    assert both.bytes_sent - first[0].bytes_sent == 2 * 2 * 4 * numel
+    from archipelago.federation.exchange import Framing
+
+    one_row = Framing().row_bytes(2 * 4 * numel) - 4 * numel
+    assert first[0].bytes_sent == second[0].bytes_sent == none.bytes_sent + 2 * 2 * one_row
+
+
+def test_outer_sweeps_factored_moment_shares_the_second_moments_row_and_column_means():
+    sweep = _outer_sweep_module()
+
+    class Island:
+        def __init__(self, tensors):
+            self.fragments = [[torch.nn.Parameter(torch.zeros_like(t)) for t in tensors]]
+            self.optimizer = type("O", (), {"state": {p: {"exp_avg_sq": t.clone()}
+                                                      for p, t in zip(self.fragments[0], tensors)}})()
+
+        def second(self):
+            return [self.optimizer.state[p]["exp_avg_sq"] for p in self.fragments[0]]
+
+    # Rank-one second moments are their own factored form: rescaled (1) or replaced (2),
+    # both islands end on the weighted factored mean, row means x column means / mean.
+    a1, b1, a2, b2 = (torch.rand(n) + 0.1 for n in (3, 4, 3, 4))
+    vec1, vec2 = torch.rand(5), torch.rand(5)
+    weights = [1.0, 3.0]
+    row = (torch.outer(a1, b1).mean(1) + 3 * torch.outer(a2, b2).mean(1)) / 4
+    col = (torch.outer(a1, b1).mean(0) + 3 * torch.outer(a2, b2).mean(0)) / 4
+    expected = torch.outer(row, col) / row.mean()
+    for mode in (1, 2):
+        islands = [Island([torch.outer(a1, b1), vec1]), Island([torch.outer(a2, b2), vec2])]
+        sent = sweep.share_factored_moments(islands, 0, weights, mode)
+        assert sent == 3 + 4 + 5
+        for island in islands:
+            matrix, vector = island.second()
+            torch.testing.assert_close(matrix, expected)
+            torch.testing.assert_close(vector, (vec1 + 3 * vec2) / 4)  # vectors: averaged whole
+    # A second moment that is not rank one keeps its own shape under 1 (its ratio to its
+    # own factored form), and takes the shared factored form under 2.
+    rough = torch.rand(3, 4) + 0.1
+    smooth = torch.outer(a2, b2)
+    own = torch.outer(rough.mean(1), rough.mean(0)) / rough.mean()
+    for mode, want in ((1, rough / own), (2, None)):
+        islands = [Island([rough]), Island([smooth])]
+        sweep.share_factored_moments(islands, 0, [1.0, 1.0], mode)
+        r = (rough.mean(1) + smooth.mean(1)) / 2
+        c = (rough.mean(0) + smooth.mean(0)) / 2
+        shared = torch.outer(r, c) / r.mean()
+        torch.testing.assert_close(islands[0].second()[0], shared if want is None else want * shared)
