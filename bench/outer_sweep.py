@@ -130,9 +130,17 @@ def build_jobs(args: argparse.Namespace) -> list[dict]:
 # means alone (a matrix's r + c values in fp32 instead of r x c; vectors whole): 1 rescales
 # each island's own second moment so that its factored form (row means x column means /
 # mean) becomes the islands' averaged one, 2 replaces it by that averaged factored form
-# (Adafactor's estimate).
+# (Adafactor's estimate); `keep_residue` lets every island continue each round from the
+# global weights minus its own decayed top-k residue (the progress it trained but did not
+# send, which otherwise waits in the residue while the island restarts from the global
+# weights) and clears the residue, so that the next pseudo-gradient carries it as error
+# feedback would: the global weights stay the islands' common ones, each island's own
+# differ from them by what it holds back; at the end 1 sets every island to the global
+# weights minus the islands' mean residue, sent in bf16 (one more row an island, counted),
+# 2 leaves island 0 its own weights (nothing more sent).
 EXPERIMENTS = ("momentum_warmup_rounds", "sync_warmup_rounds", "average_running_stats", "contributor_mean",
-               "final_dense_rounds", "final_outer_lr_pct", "shared_mask_k", "average_moment", "factored_moment")
+               "final_dense_rounds", "final_outer_lr_pct", "shared_mask_k", "average_moment", "factored_moment",
+               "keep_residue")
 
 
 def shared_mask_codec(codec, k: int, fragment: int):  # noqa: ANN001, ANN201 - a TopKCodec in, one out
@@ -192,6 +200,27 @@ def share_factored_moments(islands: list, fragment: int, weights: list[float], m
     return sent
 
 
+def keep_residues(islands: list, fragment: int, decay: float, final: bool) -> int:
+    """`keep_residue`: after an outer step that set every island to the global weights,
+    each island continues from them minus its decayed residue, which it clears (the next
+    pseudo-gradient holds it); `final`: every island takes the global weights minus the
+    islands' mean residue in bf16 instead. Returns the bytes that sent."""
+    import torch
+
+    from archipelago.federation.exchange import Framing
+
+    residues = [island.codecs[fragment].error for island in islands]
+    if final:
+        mean = sum(r.to(torch.bfloat16).float() for r in residues) / len(residues)
+        for island in islands:
+            island.write(fragment, island.flat(fragment) - mean.to(island.flat(fragment).device))
+        return len(islands) * Framing().row_bytes(2 * mean.numel())
+    for island, residue in zip(islands, residues):
+        island.write(fragment, island.flat(fragment) - decay * residue.to(island.flat(fragment).device))
+        residue.zero_()
+    return 0
+
+
 def experimental_outer(simulation, experiments: dict[str, int]) -> type:
     """The simulator's synchronous outer loop with `experiments` (see EXPERIMENTS)."""
     import torch
@@ -208,6 +237,7 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
     shared_mask = experiments.get("shared_mask_k", 0)
     only_moment = experiments.get("average_moment", 0)
     factored = experiments.get("factored_moment", 0)
+    keep_residue = experiments.get("keep_residue", 0)
 
     class Experimental(simulation._Outer):
         def __init__(self, cfg, islands) -> None:
@@ -224,6 +254,13 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
             if factored and (self.ft.average_optimizer_state or factored not in (1, 2)
                              or "exp_avg_sq" not in simulation.state_keys(islands[0].optimizer)):
                 raise ValueError("factored_moment: 1 (rescale) or 2 (replace), AdamW, own moments")
+            if keep_residue and (keep_residue not in (1, 2) or self.ft.codec != "topk" or self.ft.num_fragments > 1
+                                 or self.ft.fragment_sync_delay or final_dense):
+                raise ValueError("keep_residue: 1 (a final mean) or 2 (island 0's own), topk, one fragment, "
+                                 "no fragment_sync_delay or final_dense_rounds")
+            if keep_residue == 1 and cfg.training.steps % self.per_fragment:
+                raise ValueError("keep_residue=1: training.steps a multiple of sync_steps (the last round flushes)")
+            self.performed = 0
             if shared_mask:
                 for island in islands:
                     island.codecs = [shared_mask_codec(c, shared_mask, f) for f, c in enumerate(island.codecs)]
@@ -281,6 +318,10 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
                 averaged = island.moments(self.pending[0])
                 averaged[2 - only_moment] = own[2 - only_moment]
                 island.write_moments(self.pending[0], averaged)
+            self.performed += 1
+            if keep_residue:
+                self.bytes_sent += keep_residues(self.islands, self.pending[0], self.ft.topk_error_decay,
+                                                 final=self.performed == self.sparse_rounds and keep_residue == 1)
             if factored:
                 values = share_factored_moments(self.islands, self.pending[0], [float(t) for t in self.round_tokens],
                                                 factored)

@@ -694,3 +694,37 @@ def test_outer_sweeps_factored_moment_shares_the_second_moments_row_and_column_m
         c = (rough.mean(0) + smooth.mean(0)) / 2
         shared = torch.outer(r, c) / r.mean()
         torch.testing.assert_close(islands[0].second()[0], shared if want is None else want * shared)
+
+
+def test_outer_sweeps_keep_residue_continues_from_the_global_weights_minus_each_islands_residue():
+    from archipelago.federation.exchange import Framing
+
+    sweep = _outer_sweep_module()
+
+    class Island:
+        def __init__(self, weights, residue):
+            self.weights = weights.clone()
+            self.codecs = [type("C", (), {"error": residue.clone()})()]
+
+        def flat(self, fragment):
+            return self.weights.clone()
+
+        def write(self, fragment, flat):
+            self.weights.copy_(flat)
+
+    global_weights = torch.randn(6)
+    residues = [torch.randn(6), torch.randn(6)]
+    islands = [Island(global_weights, r) for r in residues]
+    # A round: each island's own weights are the global ones minus its decayed residue, which
+    # it clears (its next pseudo-gradient, global - own after training, carries it instead).
+    assert sweep.keep_residues(islands, 0, 0.5, final=False) == 0
+    for island, residue in zip(islands, residues):
+        torch.testing.assert_close(island.weights, global_weights - 0.5 * residue)
+        assert not island.codecs[0].error.any()
+    # The last round: every island the global weights minus the mean residue as sent in bf16.
+    islands = [Island(global_weights, r) for r in residues]
+    sent = sweep.keep_residues(islands, 0, 0.5, final=True)
+    mean = (residues[0].bfloat16().float() + residues[1].bfloat16().float()) / 2
+    for island in islands:
+        torch.testing.assert_close(island.weights, global_weights - mean)
+    assert sent == 2 * Framing().row_bytes(2 * 6)
