@@ -126,7 +126,8 @@ class Outer:
         self.core.apply(fragment, total, weights)
         self.step += 1
         for island in self.islands:
-            island.write(fragment, self.core.island_weights(fragment, island.flat(fragment)))
+            held = island.codecs[fragment].release_residue() if self.ft.topk_keep_residue else None  # type: ignore[attr-defined]
+            island.write(fragment, self.core.island_weights(fragment, island.flat(fragment), held))
         if self.ft.average_optimizer_state and weights > 0:
             for island in self.islands:
                 island.write_moments(fragment, [m / weights for m in self.pending_moments])

@@ -16,7 +16,8 @@ platform's outer Nesterov SGD, lr 0.7, momentum 0.9, sync_steps 20), diloco-3 (3
 1.5x DDP's tokens, so compared with one island only), int8, topk (20% of 256, 2 bits),
 topk-5pct-1bit (the sparser top-k before), sparseloco (2% at 2 bits, error feedback decayed by
 0.95, 30-step rounds, own moments; -muon: with Muon inside, MuLoCo's inner optimizer;
--5pct-20: 5% in 20-step rounds, -5pct-20-muon with Muon inside; their ratios are over single-muon and
+-5pct-20: 5% in 20-step rounds, -5pct-20-keep: the same, each island training on from its own
+unsent residue (topk_keep_residue), -5pct-20-muon with Muon inside; their ratios are over single-muon and
 ddp-muon, the baselines with Muon inside, where the run has them; -1pct-50: 1% of chunks of 1,024 in
 50-step rounds, about 10,000x fewer bytes than DDP), four islands (diloco-4, sparseloco-5pct-20-4,
 sparseloco-20pct-20-4: 20% in 20-step rounds, about 300x fewer bytes) against DDP of four ranks
@@ -148,6 +149,9 @@ SETTINGS = {s.name: s for s in (
     Setting("sparseloco-muon", args=(*SPARSELOCO, *MUON), **AGAINST_MUON),
     Setting("sparseloco-5pct-20", args=sparse_rounds("0.05", "20")),
     Setting("sparseloco-5pct-20-muon", args=sparse_rounds("0.05", "20", *MUON), **AGAINST_MUON),
+    # The same rounds, each island training on from its own unsent progress
+    # (fault_tolerance.topk_keep_residue): the same bytes.
+    Setting("sparseloco-5pct-20-keep", args=sparse_rounds("0.05", "20", "--fault_tolerance.topk_keep_residue")),
     # About 10,000x fewer bytes than DDP: 1% of each chunk of 1,024 (k = 10; wider chunks
     # spread the two bf16 scales over more values) in 50-step rounds.
     Setting("sparseloco-1pct-50", args=sparse_rounds("0.01", "50", "--fault_tolerance.topk_chunk_size", "1024")),

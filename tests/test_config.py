@@ -108,6 +108,21 @@ def test_adam_federation_batch_with_another_inner_optimizer_names_the_fix():
     validate(cfg)
 
 
+def test_keep_residue_without_synchronous_topk_rounds_names_the_fix():
+    cfg = Config()
+    cfg.fault_tolerance.enable, cfg.fault_tolerance.topk_keep_residue = True, True
+    assert "it needs codec = \"topk\"" in _refusal(cfg)  # the default codec is fp32: no residue
+    cfg.fault_tolerance.codec = "topk"
+    validate(cfg)
+    for key, value in (("codec", "auto"), ("round_mode", "decoupled"), ("fragment_sync_delay", 1),
+                       ("fragment_update_alpha", 0.5)):
+        wrong = Config()
+        wrong.fault_tolerance.enable, wrong.fault_tolerance.topk_keep_residue = True, True
+        wrong.fault_tolerance.codec = "topk"
+        setattr(wrong.fault_tolerance, key, value)
+        assert "or topk_keep_residue = false" in _refusal(wrong), key
+
+
 def test_a_declared_limit_below_one_names_the_fix():
     cfg = Config()
     cfg.fault_tolerance.enable, cfg.fault_tolerance.declared_limit = True, 0.5

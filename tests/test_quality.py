@@ -74,7 +74,9 @@ def test_simulator_trains_the_same_weights_as_a_real_federation(tmp_path):
      "--fault_tolerance.topk_error_decay", "0.95"),
     ("--fault_tolerance.codec", "int8", "--fault_tolerance.num_fragments", "2",
      "--fault_tolerance.fragment_sync_delay", "1"),
-], ids=["int8", "topk-ef", "streaming-int8"])
+    ("--fault_tolerance.codec", "topk", "--fault_tolerance.topk_fraction", "0.02",
+     "--fault_tolerance.topk_error_decay", "0.95", "--fault_tolerance.topk_keep_residue"),
+], ids=["int8", "topk-ef", "streaming-int8", "topk-keep-residue"])
 def test_the_simulator_trains_the_shipped_combinations_bit_for_bit(tmp_path, combination):
     # What bench/outer_sweep.py and docs/quality.md's simulator rows stand on: each codec and
     # streaming as the platform runs them (two islands, the rows' rounding, top-k's error
@@ -90,6 +92,8 @@ def test_the_simulator_trains_the_shipped_combinations_bit_for_bit(tmp_path, com
         simulated = simulate(load_config([*TINY, *QUICK, *outer, "--fault_tolerance.enable"]), islands=2,
                              eval_windows=8).models
     start = _model_weights_at_start()
+    if "--fault_tolerance.topk_keep_residue" in combination:  # each island its own weights: global minus residue
+        assert any(not torch.equal(a, b) for a, b in zip(simulated[0].parameters(), simulated[1].parameters()))
     for island, model in zip(("island-0", "island-1"), simulated):
         real = _model_weights(tmp_path / "fed" / island)
         assert real.keys() == model.state_dict().keys() and len(real) > 10
@@ -728,3 +732,28 @@ def test_outer_sweeps_keep_residue_continues_from_the_global_weights_minus_each_
     for island in islands:
         torch.testing.assert_close(island.weights, global_weights - mean)
     assert sent == 2 * Framing().row_bytes(2 * 6)
+
+
+def test_keep_residue_in_the_config_is_the_sweeps_experiment_bit_for_bit():
+    # fault_tolerance.topk_keep_residue (the platform's and the simulator's) trains the weights
+    # of bench/outer_sweep.py's keep_residue=2, on both islands; without it they differ.
+    import archipelago.quality_simulator as simulation
+    from archipelago.config import load_config
+
+    args = [*TINY, "--training.steps", "6", "--lr_scheduler.warmup_steps", "1", "--fault_tolerance.enable",
+            "--fault_tolerance.sync_steps", "2", "--fault_tolerance.codec", "topk",
+            "--fault_tolerance.topk_fraction", "0.05", "--fault_tolerance.topk_error_decay", "0.9",
+            "--fault_tolerance.no_average_optimizer_state"]
+    shipped = simulation.simulate(load_config([*args, "--fault_tolerance.topk_keep_residue"]), islands=2,
+                                  eval_windows=8).models
+    plain = simulation.simulate(load_config(args), islands=2, eval_windows=8).models
+    original = simulation._Outer
+    simulation._Outer = _outer_sweep_module().experimental_outer(simulation, {"keep_residue": 2})
+    try:
+        experiment = simulation.simulate(load_config(args), islands=2, eval_windows=8).models
+    finally:
+        simulation._Outer = original
+    for a, b, c in zip(shipped, experiment, plain):
+        assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+        assert any(not torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters()))
+    assert any(not torch.equal(x, y) for x, y in zip(shipped[0].parameters(), shipped[1].parameters()))

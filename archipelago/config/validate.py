@@ -173,6 +173,12 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
     _require(0 <= ft.topk_error_decay <= 1,
              f"fault_tolerance.topk_error_decay = {ft.topk_error_decay}: must be between 0 (no error feedback) "
              "and 1 (the residue kept whole)", p)
+    _require(not ft.topk_keep_residue or (ft.codec == "topk" and ft.round_mode == "synchronous"
+                                             and ft.fragment_sync_delay == 0 and ft.fragment_update_alpha == 0
+                                             and not ft.carrier),
+             "fault_tolerance.topk_keep_residue continues each round from the global weights minus top-k's "
+             "residue: it needs codec = \"topk\", round_mode = \"synchronous\", fragment_sync_delay = 0, "
+             "fragment_update_alpha = 0 and no carrier (a thin island); set those or topk_keep_residue = false", p)
     _require(ft.codec_block_size >= 1,
              f"fault_tolerance.codec_block_size = {ft.codec_block_size}: must be >= 1", p)
     _require(0 < ft.topk_fraction <= 1,

@@ -101,7 +101,9 @@ class RoundOutcome:
         if h.decoupled is not None and p.overlapped:  # the island trained on: its weights are not the global ones
             h.decoupled.after_overlapped(p, own, result.committed)
             return
-        new = h.core.island_weights(p.fragment, local) if h.core is not None else None  # bridge ranks
+        held = (h.codecs[p.fragment].release_residue()  # type: ignore[attr-defined]
+                if h.ft.topk_keep_residue and h.core is not None else None)
+        new = h.core.island_weights(p.fragment, local, held) if h.core is not None else None  # bridge ranks
         h.layouts[p.fragment].scatter(new)
         if h.handoffs is not None and new is not None:
             h.handoffs.rebase(p.fragment, new)

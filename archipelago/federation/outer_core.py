@@ -167,12 +167,17 @@ class OuterCore:
         self.outer[fragment].zero_grad(set_to_none=True)
         return True
 
-    def island_weights(self, fragment: int, local: torch.Tensor | None) -> torch.Tensor:
+    def island_weights(self, fragment: int, local: torch.Tensor | None,
+                       held_back: torch.Tensor | None = None) -> torch.Tensor:
         """What an island continues from after a committed outer step: the global fragment,
-        or with `fragment_update_alpha` > 0 (and its own `local` fragment) a blend of both."""
+        or with `fragment_update_alpha` > 0 (and its own `local` fragment) a blend of both,
+        or with `topk_keep_residue` the global fragment minus what the island `held_back`
+        (its decayed top-k residue, `TopKCodec.release_residue`)."""
         new = self.globals[fragment].detach()
         if local is not None and self.ft.fragment_update_alpha > 0:
             new = new.lerp(local.to(new.device), self.ft.fragment_update_alpha)
+        if held_back is not None:
+            new = new - held_back.to(new.device)
         return new
 
     def rebased(self, fragment: int, in_flight: Sequence[torch.Tensor]) -> torch.Tensor:

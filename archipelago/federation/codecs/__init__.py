@@ -337,6 +337,13 @@ class TopKCodec(Codec):
             magnitude = low + (high - low) * ((codes >> 1).float() / (self.magnitudes - 1))
         return torch.where(codes & 1 == 1, -magnitude, magnitude)
 
+    def release_residue(self) -> torch.Tensor:
+        """`topk_keep_residue`: the unsent values times the decay, cleared. The island
+        continues from the global weights minus them, so its next pseudo-gradient (global
+        minus its weights after training) carries them as the residue would have."""
+        residue, self.error = self.error * self.decay, torch.zeros_like(self.error)
+        return residue
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"error": self.error.detach().cpu()}
 
