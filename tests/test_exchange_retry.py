@@ -214,6 +214,107 @@ def test_a_member_whose_exchange_failed_alone_closes_the_group_instead_of_sendin
                 proc.join(timeout=10)
 
 
+# ---- the all-gather on a real gloo group ----------------------------------------------------
+
+
+def _gathering_member(rank: int, store_port: int, members: int, numel: int, dies: int, out: Any) -> None:
+    """One member of a gloo group (torchft's) that all-gathers a row of its own through
+    exchange.allgather; member `dies` SIGKILLs itself right after starting (-1: none). Each
+    survivor reports its rows (or None where the gather failed) and whether every buffer
+    the collective wrote into was handed over; its process outlives the failure."""
+    from datetime import timedelta
+
+    from torchft.manager import ExceptionWithTraceback
+    from torchft.process_group import ProcessGroupGloo
+
+    from archipelago.federation.exchange import allgather, take_handed
+
+    class _Member:  # torchft's Manager as the exchange uses it: its group and its error
+        def __init__(self, pg: Any) -> None:
+            self._pg, self._errored = pg, None
+
+        def errored(self) -> Any:
+            return self._errored
+
+        def report_error(self, error: Exception) -> None:
+            self._errored = ExceptionWithTraceback(error)
+
+        def wrap_future(self, fut: Any, default: Any, timeout: Any = None) -> Any:
+            return fut
+
+    def _ring(*_: Any) -> None:
+        raise AssertionError("gloo's own all-gather (its flat temporary) was used")
+
+    torch.set_num_threads(1)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=20))
+    pg.configure(f"127.0.0.1:{store_port}/gather", f"member_{rank}", rank, members)
+    pg.allgather = _ring  # the exchange must not reach it
+    manager = _Member(pg)
+    row = torch.arange(numel, dtype=torch.int32) + 1000 * rank
+    work, rows = allgather(manager, row, members)
+    held = {t.untyped_storage().data_ptr() for t in take_handed(manager)}
+    if rank == dies:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        work.wait()
+    except Exception as exc:  # noqa: BLE001 - torchft's wrapper may raise where it does not report
+        manager.report_error(exc)
+    del work
+    junk = [torch.ones(numel, dtype=torch.int32) for _ in range(4)]  # memory moves on meanwhile
+    del junk
+    gathered = None if manager.errored() is not None else [r[:4].tolist() + r[-1:].tolist() for r in rows]
+    out[rank] = (gathered, all(r.untyped_storage().data_ptr() in held for r in rows))
+    pg.abort()
+
+
+def _gather_on_gloo(members: int, numel: int, dies: int = -1) -> tuple[list[Any], dict[int, Any]]:
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    multiprocessing.set_forkserver_preload(_RANK_PRELOAD)
+    context = multiprocessing.get_context("forkserver")
+    procs: list[Any] = []
+    try:
+        with multiprocessing.Manager() as shared:
+            out = shared.dict()
+            procs = [context.Process(target=_gathering_member, args=(rank, store.port, members, numel, dies, out))
+                     for rank in range(members)]
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                proc.join(timeout=60)
+            return [proc.exitcode for proc in procs], dict(out)
+    finally:
+        for proc in procs:  # by PID, whatever happened
+            if proc.pid is not None and proc.exitcode is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(timeout=10)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("members", [2, 3, 4])
+def test_the_all_gather_on_gloo_fills_every_row_through_buffers_the_island_holds(members):
+    # gloo's own all-gather passes rows around a ring from a temporary of its own, freed when
+    # a failure unwinds while its transport thread may still be sending from it (a survivor
+    # aborted: writev ... Bad address). The exchange's all-gather is an all-to-all of
+    # buffers it hands over instead: every member gets every row, in group rank order.
+    numel = 5000
+    codes, out = _gather_on_gloo(members, numel)
+    assert codes == [0] * members, codes
+    expected = [[1000 * k, 1000 * k + 1, 1000 * k + 2, 1000 * k + 3, 1000 * k + numel - 1] for k in range(members)]
+    assert out == {rank: (expected, True) for rank in range(members)}
+
+
+@pytest.mark.timeout(180)
+def test_survivors_of_a_member_that_dies_mid_gather_fail_it_and_live_on():
+    # Four members all-gather 16 MB rows; member 2 dies with its row in flight. Every
+    # survivor's gather fails (no partial rows taken for whole ones) and its process goes
+    # on: the buffers still being written from are the island's own, held.
+    codes, out = _gather_on_gloo(4, 4 * 2**20, dies=2)
+    assert codes == [0, 0, -signal.SIGKILL, 0], codes
+    assert out == {rank: (None, True) for rank in (0, 1, 3)}, out
+
+
 # ---- islands against torchft, one dies in the exchange -------------------------------------
 
 DIES_AT = 3  # outer step: the join round is 1, so the second round of training

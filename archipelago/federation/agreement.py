@@ -25,6 +25,7 @@ from archipelago.federation.exchange import (
     Gathered,
     SkippedWork,
     completion_stamps,
+    gather_start,
     hand_over,
     stamp_completion,
     stamping,
@@ -95,9 +96,9 @@ def agree_on_exchange(manager: Any, framing: Framing, device: torch.device, meas
     size = framing.row_bytes(1)
     claim = float(min(max(round(measured), 0), 2 ** 53))  # an integer either header carries exactly
     row = replace(framing, forge=None).frame(claim, float(overlapped), flag, size, ROUND_AGREE).to(device)
-    outputs = [torch.zeros_like(row) for _ in range(participants)]
     try:
-        if not _gathered_flags(manager, outputs, row, framing, device):
+        outputs = _gathered_flags(manager, participants, row, framing, device)
+        if outputs is None:
             return None  # another member gave the exchange up (reported to the manager)
     except Exception as exc:  # noqa: BLE001 - any transport failure: no agreement, the round is not committed
         if manager.errored() is None:
@@ -109,21 +110,21 @@ def agree_on_exchange(manager: Any, framing: Framing, device: torch.device, meas
     return [value for value, _ in opened]
 
 
-def _gathered_flags(manager: Any, outputs: list[torch.Tensor], row: torch.Tensor, framing: Framing,
-                    device: torch.device) -> bool:
-    """All-gather the flags into `outputs`; False when another member gave the exchange up
-    while this one waited (give_up.wait_for: a wire that does not fail a dead member's
-    pending transfer would otherwise hold this member until the group's timeout)."""
-    from torch.distributed.distributed_c10d import AllgatherOptions
-
+def _gathered_flags(manager: Any, participants: int, row: torch.Tensor, framing: Framing,
+                    device: torch.device) -> list[torch.Tensor] | None:
+    """Every member's flag row, all-gathered (exchange.gather_start); None when another
+    member gave the exchange up while this one waited (give_up.wait_for: a wire that does
+    not fail a dead member's pending transfer would otherwise hold this member until the
+    group's timeout)."""
     stamps = completion_stamps(device)
-    hand_over(manager, row, *outputs)  # they outlive a failed all-gather (exchange.hand_over)
-    flags = Collective(manager._pg.allgather([outputs], [row], AllgatherOptions()), stamps_list(stamps))
+    start, outputs, handed = gather_start(manager, row, participants)
+    hand_over(manager, *handed, *outputs)  # they outlive a failed all-gather (exchange.hand_over)
+    flags = Collective(start(), stamps_list(stamps))
     if stamps is not None:
         stamp_completion(flags.work, stamps)
     flags.stamped = stamping(stamps)
     wait_for(manager, flags, framing)
-    return not isinstance(flags.work, SkippedWork)
+    return None if isinstance(flags.work, SkippedWork) else outputs
 
 
 def release_works(gathered: Gathered | None) -> None:

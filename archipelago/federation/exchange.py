@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -376,11 +377,52 @@ def stamps_list(done_at: list[float] | None) -> list[float]:
 
 def allgather(manager: Any, payload: torch.Tensor, count: int,
               done_at: list[float] | None = None) -> tuple[Any, list[torch.Tensor]]:
-    from torch.distributed.distributed_c10d import AllgatherOptions
+    """Every member's `payload` (all of one size), one tensor per member by group rank,
+    through torchft's process group with its error handling (`start_managed`)."""
+    start, outputs, handed = gather_start(manager, payload, count)
+    return start_managed(manager, start, outputs, done_at, inputs=handed), outputs
 
-    outputs = [torch.zeros_like(payload) for _ in range(count)]
-    start = lambda: manager._pg.allgather([outputs], [payload], AllgatherOptions())  # noqa: E731
-    return start_managed(manager, start, outputs, done_at, inputs=(payload,)), outputs
+
+def gather_start(manager: Any, payload: torch.Tensor,
+                 count: int) -> tuple[Callable[[], Any], list[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """How `count` members all-gather `payload` on the island's cross-island group: the
+    collective's start, the rows it fills (by group rank) and every buffer it sends from or
+    receives into (to hand over: `hand_over`).
+
+    On gloo an all-to-all of buffers of our own, not gloo's all-gather: that one gathers
+    into a flat temporary of its own and passes rows on around a ring from it, so when a
+    member dies mid-ring the temporary is freed as the failure unwinds while gloo's
+    transport thread may still be writing from it to a live neighbour; the survivor then
+    aborts (`writev ... Bad address`, a terminate on gloo's thread), and no hand-over can
+    keep that buffer alive. The all-to-all sends only from `send` (this member's row, once
+    per peer) and receives only into `received`, both handed over. The bytes are the
+    ring's ((count - 1) rows each way a member) and the memory less (no temporary of
+    count rows; `send` is the row itself between two islands). NCCL keeps its all-gather:
+    its buffers come from the caching allocator and are ordered on the stream."""
+    from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
+
+    rank = _gloo_rank(manager)
+    if rank is None or count < 2:
+        outputs = [torch.zeros_like(payload) for _ in range(count)]
+        return (lambda: manager._pg.allgather([outputs], [payload], AllgatherOptions())), outputs, (payload,)
+    send = payload.reshape(1, -1).expand(count - 1, -1).contiguous()  # a view when count is 2
+    received = torch.zeros_like(send)
+    splits = [0 if member == rank else 1 for member in range(count)]  # no row to or from itself
+    rows = [row.view_as(payload) for row in received.unbind(0)]
+    outputs = [*rows[:rank], payload.clone(), *rows[rank:]]
+    start = lambda: manager._pg.alltoall_base(received, send, splits, splits, AllToAllOptions())  # noqa: E731
+    return start, outputs, (payload, send, received)
+
+
+def _gloo_rank(manager: Any) -> int | None:
+    """This member's rank in torchft's gloo group; None for any other process group (NCCL,
+    a test's stand-in) or one not configured, which keep the plain all-gather."""
+    if type(manager._pg).__name__ != "ProcessGroupGloo":
+        return None
+    try:
+        return int(manager._pg.parent.rank())
+    except Exception:  # noqa: BLE001 - not configured: the all-gather reports the failure
+        return None
 
 
 def round_received(codec: Codec, participants: int, framing: Framing) -> int:
