@@ -188,16 +188,20 @@ class AutoCodec:
 
     def measure(self, codec: Codec, gathered: Gathered | None, residue: torch.Tensor | None, carried: bool,
                 until_in_s: float, waited: float, round_compute_s: float) -> None:
-        """After an exchange: the rate at which its rows came in, from its start to its end
-        (`until_in_s`, then what followed the wait for them at `waited`: decoding, a second
-        phase; so a rate too low rather than too high, and the inner steps that ran after the
-        rows were in, with streaming's overlap, left out), and the round's compute seconds.
-        Top-k's residue goes back to the codec unless this round carried it."""
+        """After an exchange: the rate at which its rows came in, from its start until they
+        were in (`until_in_s`: the inner steps that ran after, with streaming's overlap, left
+        out), and the round's compute seconds. A one-phase exchange received its rows then:
+        opening, judging and decoding them after the wait (at `waited`) is the island's CPU,
+        not the link; counted as link time it made top-k, whose decoding far outlasts its
+        few bytes' transfer, measure a thin link and choose itself again. A reduce-scatter's
+        summed segments come in after the wait, so its seconds since then count too (a rate
+        too low rather than too high). Top-k's residue goes back to the codec unless this
+        round carried it."""
         if residue is not None and not carried:
             codec.give_back(residue)  # type: ignore[attr-defined]
         if self.manager is None or self.manager.errored() is not None or gathered is None:
             return
-        elapsed = until_in_s + time.perf_counter() - waited
+        elapsed = until_in_s if gathered.segments is None else until_in_s + time.perf_counter() - waited
         if gathered.received > 0 and elapsed > 0:
             self.link_bits_s = gathered.received * 8 / elapsed
         self.last_round_s = round_compute_s
