@@ -190,6 +190,15 @@ def test_a_member_whose_exchange_failed_alone_closes_the_group_instead_of_sendin
     # aborts the process on the size mismatch (a survivor of the four-island int8 drill was
     # lost so about once in forty runs). Member 0 closes the group instead; the peers' tables
     # and agreement fail, and all three settle on a failed exchange, every process alive.
+    codes, out = _gloo_members(_settling_member, 3, (new_secret(),), join_s=90)
+    assert codes == [0, 0, 0], codes
+    assert out == {0: True, 1: True, 2: True}
+
+
+def _gloo_members(target: Any, members: int, args: tuple, join_s: float) -> tuple[list[Any], dict[int, Any]]:
+    """Run `target(rank, store_port, *args, out)` as `members` processes around one TCPStore
+    (torchft's gloo groups rendezvous on it): their exit codes and what they put in `out`.
+    Every process is joined, or killed by PID, before this returns."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -198,15 +207,13 @@ def test_a_member_whose_exchange_failed_alone_closes_the_group_instead_of_sendin
     procs: list[Any] = []
     try:
         with multiprocessing.Manager() as shared:
-            out, secret = shared.dict(), new_secret()
-            procs = [context.Process(target=_settling_member, args=(rank, store.port, secret, out))
-                     for rank in range(3)]
+            out = shared.dict()
+            procs = [context.Process(target=target, args=(rank, store.port, *args, out)) for rank in range(members)]
             for proc in procs:
                 proc.start()
             for proc in procs:
-                proc.join(timeout=90)
-            assert [proc.exitcode for proc in procs] == [0, 0, 0], [proc.exitcode for proc in procs]
-            assert dict(out) == {0: True, 1: True, 2: True}
+                proc.join(timeout=join_s)
+            return [proc.exitcode for proc in procs], dict(out)
     finally:
         for proc in procs:  # by PID, whatever happened
             if proc.pid is not None and proc.exitcode is None:
@@ -267,30 +274,6 @@ def _gathering_member(rank: int, store_port: int, members: int, numel: int, dies
     pg.abort()
 
 
-def _gather_on_gloo(members: int, numel: int, dies: int = -1) -> tuple[list[Any], dict[int, Any]]:
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    multiprocessing.set_forkserver_preload(_RANK_PRELOAD)
-    context = multiprocessing.get_context("forkserver")
-    procs: list[Any] = []
-    try:
-        with multiprocessing.Manager() as shared:
-            out = shared.dict()
-            procs = [context.Process(target=_gathering_member, args=(rank, store.port, members, numel, dies, out))
-                     for rank in range(members)]
-            for proc in procs:
-                proc.start()
-            for proc in procs:
-                proc.join(timeout=60)
-            return [proc.exitcode for proc in procs], dict(out)
-    finally:
-        for proc in procs:  # by PID, whatever happened
-            if proc.pid is not None and proc.exitcode is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.join(timeout=10)
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("members", [2, 3, 4])
 def test_the_all_gather_on_gloo_fills_every_row_through_buffers_the_island_holds(members):
@@ -299,7 +282,7 @@ def test_the_all_gather_on_gloo_fills_every_row_through_buffers_the_island_holds
     # aborted: writev ... Bad address). The exchange's all-gather is an all-to-all of
     # buffers it hands over instead: every member gets every row, in group rank order.
     numel = 5000
-    codes, out = _gather_on_gloo(members, numel)
+    codes, out = _gloo_members(_gathering_member, members, (members, numel, -1), join_s=60)
     assert codes == [0] * members, codes
     expected = [[1000 * k, 1000 * k + 1, 1000 * k + 2, 1000 * k + 3, 1000 * k + numel - 1] for k in range(members)]
     assert out == {rank: (expected, True) for rank in range(members)}
@@ -310,7 +293,7 @@ def test_survivors_of_a_member_that_dies_mid_gather_fail_it_and_live_on():
     # Four members all-gather 16 MB rows; member 2 dies with its row in flight. Every
     # survivor's gather fails (no partial rows taken for whole ones) and its process goes
     # on: the buffers still being written from are the island's own, held.
-    codes, out = _gather_on_gloo(4, 4 * 2**20, dies=2)
+    codes, out = _gloo_members(_gathering_member, 4, (4, 4 * 2**20, 2), join_s=60)
     assert codes == [0, 0, -signal.SIGKILL, 0], codes
     assert out == {rank: (None, True) for rank in (0, 1, 3)}, out
 
