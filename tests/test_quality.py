@@ -757,3 +757,22 @@ def test_keep_residue_in_the_config_is_the_sweeps_experiment_bit_for_bit():
         assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
         assert any(not torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters()))
     assert any(not torch.equal(x, y) for x, y in zip(shipped[0].parameters(), shipped[1].parameters()))
+
+
+def test_the_thin_link_config_is_the_measured_setting(monkeypatch):
+    # configs/llama3/compute-optimal-thin-link.toml ships the rounds docs/quality.md measured:
+    # bench/quality.py's sparseloco-5pct-20-keep on compute-optimal.toml at the rates tuned
+    # for it (inner 3e-3, outer 2.0) with each island's batch of 16, evaluated on the same
+    # 512 held-out windows. Field for field, but the job's name.
+    from dataclasses import replace
+
+    from archipelago.config import load_config
+
+    quality = _bench_module("quality", monkeypatch)
+    setting = quality.SETTINGS["sparseloco-5pct-20-keep"]
+    measured = load_config(["--config", "configs/llama3/compute-optimal.toml", *setting.args,
+                            "--optimizer.lr", "3e-3", "--fault_tolerance.outer_lr", "2.0",
+                            "--training.batch_size", "16", "--training.val_batches", "32"])
+    shipped = load_config(["--config", "configs/llama3/compute-optimal-thin-link.toml"])
+    assert shipped.fault_tolerance.topk_keep_residue and shipped.fault_tolerance.codec == "topk"
+    assert replace(shipped, job=measured.job) == measured
