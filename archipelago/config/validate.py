@@ -263,7 +263,7 @@ MOMENTUM_MIN_ROUNDS = 100
 TOPK_MIN_FRACTION = 0.2  # below it top-k lost more than 1% to fp32 on some seed (15%: 1.9%; docs/quality.md)
 # The top-k fraction's and the outer rate's advice come from runs of 10-100 rounds. From this
 # many rounds on, top-k's measurement says otherwise: 5% of 256 at 2 bits with outer_lr 2.0
-# over 215 rounds (the compute-optimal runs) ended level with DDP, ahead of 20% and of lr 1.0.
+# over 215 rounds (the compute-optimal runs) ended level with DDP, and 2.0 ahead of 1.0.
 TOPK_LONG_ROUNDS = 200
 
 
