@@ -16,7 +16,11 @@ Table, ratio first: each mode's goodput over `before`'s, mean over the report se
 failure times; seed 0 was used while designing, so it is left out by default), with the
 spread, staleness and rounds lost.
 
-    python bench/rounds_scale.py [--seeds 1 2 3] [--hours H] [--out bench/results/rounds-scale.json]
+    python bench/rounds_scale.py [--seeds 1 2 3] [--hours H] [--mtbf H] [--out bench/results/rounds-scale.json]
+
+docs/scale.md's first table (synchronous rounds without retries, the file's failure seed
+0, the file's failure rates, once a week, none):
+`--modes before --seeds 0 --islands 10 100 1000 [--mtbf 168 | --mtbf 0]`.
 """
 
 from __future__ import annotations
@@ -49,9 +53,12 @@ MODES = {  # name: (round_mode, exchange_retries (None: the island count), repai
 }
 
 
-def run(scenario: Scenario, islands: int, mode: str, seed: int, hours: float | None) -> dict[str, Any]:
+def run(scenario: Scenario, islands: int, mode: str, seed: int, hours: float | None,
+        mtbf_hours: float | None = None) -> dict[str, Any]:
     round_mode, retries, repair = MODES[mode]
     s = scaled(scenario, islands)
+    if mtbf_hours is not None:
+        s = replace(s, groups=[replace(g, mtbf_hours=mtbf_hours) for g in s.groups])
     settings = replace(s.settings, seed=seed, repair=repair, hours=hours or s.settings.hours)
     ft = replace(s.ft, round_mode=round_mode, exchange_retries=islands if retries is None else retries)
     began = time.perf_counter()
@@ -83,6 +90,8 @@ def main() -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="failure seeds to report on")
     p.add_argument("--islands", type=int, nargs="+", default=None, help="island counts (default: per scenario)")
     p.add_argument("--hours", type=float, default=None, help="simulated hours (default: each scenario's)")
+    p.add_argument("--mtbf", type=float, default=None,
+                   help="every island's mean time between failures, hours (0: none; default: each scenario's)")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--out", type=Path, default=REPO / "bench/results/rounds-scale.json")
     args = p.parse_args()
@@ -92,7 +101,7 @@ def main() -> int:
         for islands in args.islands or counts:
             for mode in ["before", *[m for m in args.modes if m != "before"]]:
                 for seed in args.seeds:
-                    row = {"scenario": name, **run(scenario, islands, mode, seed, args.hours)}
+                    row = {"scenario": name, **run(scenario, islands, mode, seed, args.hours, args.mtbf)}
                     rows.append(row)
                     print(f"{name} {islands} {mode} seed {seed}: goodput {row['goodput']:.1%} "
                           f"({row['seconds']:.1f} s)", flush=True)

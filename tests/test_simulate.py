@@ -27,9 +27,23 @@ def _scenario(groups: list[dict], hours: float = 1.0, **ft) -> dict:
 
 def _fp32_exchange_s(islands: int) -> float:
     """By hand: each island receives the other islands' fp32 rows (16-byte header, rounded
-    up to 8 bytes) over its link, plus a latency per hop there and back."""
+    up to 8 bytes) over its link, plus one latency: the rows' all-to-all is one phase."""
     row = 16 + 4 * PARAMS
-    return (islands - 1) * row * 8 / (MBIT * 1e6) + 2 * (islands - 1) * 0.005
+    return (islands - 1) * row * 8 / (MBIT * 1e6) + 0.005
+
+
+@pytest.mark.parametrize("ft, phases", [({"codec": "fp32"}, 1),  # the rows' all-gather
+                                        ({"codec": "int8"}, 2),  # reduce-scatter, then the sums' all-gather
+                                        ({"codec": "fp32", "average_optimizer_state": True}, 2)])  # + the moments'
+def test_an_exchange_waits_a_latency_per_phase_not_per_ring_hop(ft, phases):
+    raw = _scenario([{"count": 4, "step_s": 1.0, "latency_ms": 250.0}], **ft)
+    sim = Simulation(scenario_from_dict(raw))
+    link_s = sim.received(4) * 8 / (MBIT * 1e6)
+    # Every phase is an all-to-all: each island sends to the three others at once, so four
+    # islands wait as many latencies as two do (a ring would wait 2 x 3 per phase).
+    assert sim._exchange_s(4) == pytest.approx(link_s + phases * 0.25)
+    assert sim._exchange_s(2) - sim.received(2) * 8 / (MBIT * 1e6) == pytest.approx(
+        (2 if ft.get("average_optimizer_state") else 1) * 0.25)  # two islands: no reduce-scatter
 
 
 def test_two_alike_islands_round_after_round():

@@ -15,7 +15,9 @@ A round, as the simulator runs it:
 2. Each trains: `sync_steps` inner steps, or under time pacing until `round_is_up`;
    a returning island first downloads the global state from a peer (heal).
 3. The exchange starts when the last island arrives; it takes, over each island's link,
-   the bytes that island receives, plus one latency per hop, the slowest island deciding.
+   the bytes that island receives, plus one latency per phase (every phase is an
+   all-to-all of the members' own rows: each sends to every other directly), the slowest
+   island deciding.
 4. An island that fails before the exchange leaves the quorum: the others wait for the
    lighthouse to notice (`detect_s`) if it was still due, and commit without it. A
    failure during the exchange loses the round for every island (no commit).
@@ -43,7 +45,7 @@ from archipelago.config.schema import FaultToleranceConfig
 from archipelago.config.validate import fault_tolerance_problems
 from archipelago.federation.auto_codec import auto_target_s, choose_round, moments_received, moments_row_bytes
 from archipelago.federation.codecs import build_codec
-from archipelago.federation.exchange import Framing, round_received
+from archipelago.federation.exchange import Framing, round_received, two_phase
 from archipelago.federation.outer_core import contribution_weight
 from archipelago.federation.policy import Membership, must_wait, part_in_round, round_is_up
 
@@ -212,6 +214,17 @@ def exchange_bytes(ft: FaultToleranceConfig, params: int, participants: int) -> 
     return int(received)
 
 
+def exchange_phases(ft: FaultToleranceConfig, params: int, participants: int) -> int:
+    """The latencies a round's exchange of `participants` islands waits: one per phase,
+    each an all-to-all in which every island sends to every other at once (exchange.
+    gather_start), not a ring: the rows' all-gather (1), or a reduce-scatter and the sums'
+    all-gather (2), plus the averaged moments' all-gather when the config sends them."""
+    if participants < 2:
+        return 0
+    phases = 2 if two_phase(build_codec(ft, min(params, CODEC_SAMPLE_VALUES)), participants) else 1
+    return phases + (1 if moments_row_bytes(ft, params) else 0)
+
+
 class Simulation:
     """One scenario's run (`run()`); `fail_at` replaces random failures by given ones:
     (island, seconds) pairs."""
@@ -234,6 +247,7 @@ class Simulation:
         self.joined_s = 0.0
         self._auto: dict[int, FaultToleranceConfig] = {}  # codec = "auto": the choice per island count
         self._received: dict[int, int] = {}  # bytes an island receives per exchange, per island count
+        self._phases: dict[int, int] = {}  # latencies an exchange waits, per island count
         self.codecs_used: dict[str, int] = {}  # rounds per codec
 
     def _schedule_failure(self, k: int, after: float) -> None:
@@ -410,13 +424,16 @@ class Simulation:
     def _exchange_s(self, participants: int, over: list[int] | None = None) -> float:
         """An exchange of `participants` islands: each island's received bytes over its link,
         the slowest of the islands `over` (default: all of them) deciding, plus a latency per
-        ring hop (two phases for a reduce-scatter: counted as two)."""
+        phase (`exchange_phases`)."""
         if participants < 2:
             return 0.0
         links = [self.islands[k] for k in over] if over is not None else self.islands
         slowest = min(g.bandwidth_mbit for g in links) * 1e6
         latency = max(g.latency_ms for g in links) / 1e3
-        return self.received(participants) * 8 / slowest + 2 * (participants - 1) * latency
+        if participants not in self._phases:
+            self._phases[participants] = exchange_phases(self.round_ft(participants), self.s.settings.params,
+                                                         participants)
+        return self.received(participants) * 8 / slowest + self._phases[participants] * latency
 
 
 def format_report(report: Report, groups: list[IslandGroup]) -> str:

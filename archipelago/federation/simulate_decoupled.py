@@ -13,7 +13,7 @@ simulator (archipelago/simulated_rounds.py `Decoupled`) trains them:
    synchronous round, and the next round starts R after it ends.
 2. The islands whose exchange in such a round fits in R ("members") run it together:
    the exchange's bytes (`exchange.round_received` for that many members) over the slowest
-   member's link, plus a latency per ring hop. A member that dies in it is dropped and the
+   member's link, plus a latency per phase. A member that dies in it is dropped and the
    others run it again after `detect_s` (`exchange_retries` times at most; then the round's
    contributions are lost). The outer step is applied when the exchange ends.
 3. An island whose link cannot carry a round's exchange in R ("thin") stays out of the
