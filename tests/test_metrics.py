@@ -339,3 +339,18 @@ def test_a_token_budget_drives_the_progress_line_and_eta_not_the_step_count(monk
     assert lines[1].startswith("step 20 | federation 200k/400k tok (50%)"), lines
     assert lines[1].endswith("eta 20s") and lines[2].endswith("eta 15s"), lines
     assert "/400" not in lines[2].split("|")[0]  # no step total: an island's steps do not end the run
+
+
+def test_an_island_healed_in_the_last_round_ends_at_the_step_it_caught_up_to() -> None:
+    from archipelago.metrics.islands import summarize_island
+
+    # Killed after step 20 of 40, restarted, healed in the last round: it catches up to 40
+    # and logs no training step after that (the federation's file said 20).
+    records = ([{"step": s, "loss": 3.0} for s in range(1, 21)]
+               + [{"event": "heal", "step": 20, "outer_step": 4, "to_step": 40},
+                  {"event": "outer_step", "step": 20, "outer_step": 4, "committed": True}])
+    assert summarize_island(records)["final_step"] == 40
+    # A heal to a step it later trains past does not hold the figure back.
+    records += [{"event": "heal", "step": 4, "outer_step": 1, "to_step": 10}, {"step": 44, "loss": 2.0}]
+    assert summarize_island(records)["final_step"] == 44
+    assert summarize_island([])["final_step"] is None

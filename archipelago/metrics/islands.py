@@ -78,13 +78,21 @@ def summarize_island(records: list[dict[str, Any]]) -> dict[str, Any]:
         # A thin island (fault_tolerance.carrier) commits no outer step: its rows go up to its carrier.
         "carrier": joins[-1].get("carrier") if joins and joins[-1].get("carrier") else None,
         "uploads": sum(r.get("event") == "upload" for r in records),
-        "final_step": max((r["step"] for r in steps), default=None),
+        "final_step": final_step(steps, records),
         "final_loss": losses[-1] if losses else None,
         "final_val_loss": val_losses[-1] if val_losses else None,
         "final_outer_step": outer[-1].get("outer_step") if outer else None,
         "global_hash": outer[-1].get("global_hash") if outer else None,
         **round_totals(outer),
     }
+
+
+def final_step(steps: list[dict[str, Any]], records: list[dict[str, Any]]) -> int | None:
+    """The inner step an island ended at: its last logged step, or the step a heal caught
+    it up to (a heal in the last round logs no training step after it)."""
+    caught_up = [r["to_step"] for r in records
+                 if r.get("event") == "heal" and isinstance(r.get("to_step"), int)]
+    return max([r["step"] for r in steps] + caught_up, default=None)
 
 
 def round_totals(outer: list[dict[str, Any]]) -> dict[str, Any]:
