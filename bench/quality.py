@@ -19,8 +19,9 @@ topk-5pct-1bit (the sparser top-k before), sparseloco (2% at 2 bits, error feedb
 -5pct-20: 5% in 20-step rounds, -5pct-20-keep: the same, each island training on from its own
 unsent residue (topk_keep_residue), -5pct-20-muon with Muon inside; their ratios are over single-muon and
 ddp-muon, the baselines with Muon inside, where the run has them; -1pct-50: 1% of chunks of 1,024 in
-50-step rounds, about 10,000x fewer bytes than DDP), four islands (diloco-4, sparseloco-5pct-20-4,
-sparseloco-20pct-20-4: 20% in 20-step rounds, about 300x fewer bytes) against DDP of four ranks
+50-step rounds, about 10,000x fewer bytes than DDP; -1pct-50-keep: the same with topk_keep_residue),
+four islands (diloco-4, sparseloco-5pct-20-4, sparseloco-20pct-20-4: 20% in 20-step rounds, about
+300x fewer bytes) against DDP of four ranks
 (ddp-4), streaming int8 (2 fragments, tau 1) and
 streaming-int8-no-overlap (tau 0), sync_steps 5 / 50 / 100, and het-1:3 (a 2-rank and
 a 1-rank island, the 1-rank one emulated 3x slower, time-paced rounds as long as the
@@ -155,6 +156,10 @@ SETTINGS = {s.name: s for s in (
     # About 10,000x fewer bytes than DDP: 1% of each chunk of 1,024 (k = 10; wider chunks
     # spread the two bf16 scales over more values) in 50-step rounds.
     Setting("sparseloco-1pct-50", args=sparse_rounds("0.01", "50", "--fault_tolerance.topk_chunk_size", "1024")),
+    # The same, each island training on from its own unsent progress: at 1% a round most of
+    # an island's progress waits unsent, which each island then keeps training on.
+    Setting("sparseloco-1pct-50-keep", args=sparse_rounds("0.01", "50", "--fault_tolerance.topk_chunk_size", "1024",
+                                                          "--fault_tolerance.topk_keep_residue")),
     # Four islands, against DDP of four ranks (the same tokens).
     Setting("ddp-4", islands="", ranks=4, batch_factor=4, args=DDP,
             ddps=("ddp-4",)),
