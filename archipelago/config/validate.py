@@ -261,10 +261,12 @@ def validate(cfg: Config) -> Config:
 # Fewer rounds than this and outer momentum has not paid off in any measurement (docs/quality.md).
 MOMENTUM_MIN_ROUNDS = 100
 TOPK_MIN_FRACTION = 0.2  # below it top-k lost more than 1% to fp32 on some seed (15%: 1.9%; docs/quality.md)
-# The top-k fraction's and the outer rate's advice come from runs of 10-100 rounds. From this
-# many rounds on, top-k's measurement says otherwise: 5% of 256 at 2 bits with outer_lr 2.0
-# over 215 rounds (the compute-optimal runs) ended level with DDP, and 2.0 ahead of 1.0.
-TOPK_LONG_ROUNDS = 200
+# The top-k fraction's and the outer rate's advice come from runs of 200-1,000 inner steps
+# (10-100 rounds). From this many inner steps on, top-k's measurements say otherwise (the
+# compute-optimal runs, 4,300 steps): 5% of 256 at 2 bits with outer_lr 2.0 in 215 rounds of 20
+# ended level with DDP, 2.0 ahead of 1.0; 1% of 1,024 in 86 rounds of 50 with outer_lr 2.0
+# ahead of 1.5 and 2.5 (docs/quality.md).
+TOPK_LONG_STEPS = 4000
 
 
 def advice(cfg: Config) -> list[str]:
@@ -288,13 +290,13 @@ def advice(cfg: Config) -> list[str]:
                      "error feedback "
                      "already acts as momentum, and outer momentum on top of it trained worse "
                      "(docs/codecs.md); set fault_tolerance.outer_momentum = 0 and fault_tolerance.outer_lr = 1.0")
-    long_topk = ft.codec == "topk" and rounds is not None and rounds >= TOPK_LONG_ROUNDS
+    long_topk = ft.codec == "topk" and cfg.training.steps >= TOPK_LONG_STEPS
     if ft.codec in ("topk", "auto") and ft.topk_fraction < TOPK_MIN_FRACTION and not long_topk:
         found.append(f"fault_tolerance.topk_fraction = {ft.topk_fraction} sends less than the measured "
                      "break-even: over 10 rounds 10% at 2 bits ended 1.6% behind fp32 DiLoCo (2.5% on one "
                      "seed), 5% at 1 bit 3.6%, where 20% stayed within 0.8% on every seed (docs/quality.md); "
                      "set fault_tolerance.topk_fraction = 0.2 unless the link cannot carry it (over "
-                     f"{TOPK_LONG_ROUNDS} rounds or more, 5% at 2 bits ended level with DDP)")
+                     f"{TOPK_LONG_STEPS:,} inner steps or more, 5% at 2 bits ended level with DDP)")
     if ft.num_fragments > 1 and ft.fragment_sync_delay > 0:
         found.append(f"fault_tolerance.fragment_sync_delay = {ft.fragment_sync_delay} with num_fragments = "
                      f"{ft.num_fragments} (streaming DiLoCo with an overlap) drops each fragment's inner steps "
@@ -310,8 +312,8 @@ def advice(cfg: Config) -> list[str]:
     if ft.outer_optimizer == "sgd" and ft.outer_momentum == 0 and ft.outer_lr > 1.1 and not long_topk:
         found.append(f"fault_tolerance.outer_lr = {ft.outer_lr} without momentum steps past the islands' "
                      "average: outer_lr 1.3-1.6 cost 1-6% in validation loss against 1.0 (docs/quality.md); "
-                     f"set fault_tolerance.outer_lr = 1.0 (with top-k over {TOPK_LONG_ROUNDS} rounds or more, "
-                     "2.0 trained better)")
+                     f"set fault_tolerance.outer_lr = 1.0 (with top-k over {TOPK_LONG_STEPS:,} inner steps or "
+                     "more, 2.0 trained better)")
     return found
 
 
