@@ -440,9 +440,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "compute-optimal": {
         "config": REPO / "configs/llama3/compute-optimal.toml", "flavor": "tiny", "steps": 4300, "batch_size": 16,
         "eval_windows": 512, "eval_offset": 512, "seeds": [0, 1, 2],
-        "settings": ["single", "ddp", "diloco", "sparseloco-5pct-20"],
-        "lr": ["ddp=5e-3", "diloco=5e-3", "single=3e-3", "sparseloco-5pct-20=3e-3"],
-        "outer_lr": ["sparseloco-5pct-20=2.0"],
+        "settings": ["single", "ddp", "diloco", "sparseloco-5pct-20-keep", "sparseloco-1pct-50-keep"],
+        "lr": ["ddp=5e-3", "diloco=5e-3", "single=3e-3",
+               "sparseloco-5pct-20-keep=3e-3", "sparseloco-1pct-50-keep=3e-3"],
+        "outer_lr": ["sparseloco-5pct-20-keep=2.0", "sparseloco-1pct-50-keep=2.0"],
     },
 }
 

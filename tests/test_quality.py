@@ -357,8 +357,10 @@ def test_quality_bench_gives_every_row_its_bytes_against_ddp_and_a_preset_fills_
     assert quality.bytes_cell(1 / 400) == "1/400" and quality.bytes_cell(0.3) == "0.3000"
     args = quality.parse_args(["--preset", "compute-optimal", "--seeds", "2"])
     assert (args.flavor, args.steps, args.eval_offset, args.seeds) == ("tiny", 4300, 512, [2])
-    assert args.lr == {"ddp": "5e-3", "diloco": "5e-3", "single": "3e-3", "sparseloco-5pct-20": "3e-3"}
-    assert args.outer_lr == {"sparseloco-5pct-20": "2.0"} and "sparseloco-5pct-20" in args.settings
+    assert args.lr == {"ddp": "5e-3", "diloco": "5e-3", "single": "3e-3", "sparseloco-5pct-20-keep": "3e-3",
+                       "sparseloco-1pct-50-keep": "3e-3"}
+    assert args.outer_lr == {"sparseloco-5pct-20-keep": "2.0", "sparseloco-1pct-50-keep": "2.0"}
+    assert {"sparseloco-5pct-20-keep", "sparseloco-1pct-50-keep"} <= set(args.settings)
     args = quality.parse_args(["--lr", "sparseloco=3e-3", "--outer-lr", "sparseloco=1.5", "ddp=2"])
     sparse = quality.command(args, quality.SETTINGS["sparseloco"], 0, Path("run"), 100, None)
     assert sparse[sparse.index("--optimizer.lr") + 1] == "3e-3"
