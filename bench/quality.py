@@ -101,6 +101,13 @@ def sparse_rounds(fraction: str, sync_steps: str, *more: str) -> tuple[str, ...]
             *more)
 
 
+# Each island training on from its own unsent progress (fault_tolerance.topk_keep_residue).
+KEEP_RESIDUE = ("--fault_tolerance.topk_keep_residue",)
+# About 10,000x fewer bytes than DDP: 1% of each chunk of 1,024 (k = 10; wider chunks
+# spread the two bf16 scales over more values) in 50-step rounds.
+ONE_PCT_50 = sparse_rounds("0.01", "50", "--fault_tolerance.topk_chunk_size", "1024")
+
+
 # One island of several ranks, all-reducing gradients every step.
 DDP = ("--parallelism.data_parallel", "ddp")
 # MuLoCo's inner optimizer: Muon for the hidden matrices, AdamW for the rest (optimizer.name).
@@ -150,16 +157,11 @@ SETTINGS = {s.name: s for s in (
     Setting("sparseloco-muon", args=(*SPARSELOCO, *MUON), **AGAINST_MUON),
     Setting("sparseloco-5pct-20", args=sparse_rounds("0.05", "20")),
     Setting("sparseloco-5pct-20-muon", args=sparse_rounds("0.05", "20", *MUON), **AGAINST_MUON),
-    # The same rounds, each island training on from its own unsent progress
-    # (fault_tolerance.topk_keep_residue): the same bytes.
-    Setting("sparseloco-5pct-20-keep", args=sparse_rounds("0.05", "20", "--fault_tolerance.topk_keep_residue")),
-    # About 10,000x fewer bytes than DDP: 1% of each chunk of 1,024 (k = 10; wider chunks
-    # spread the two bf16 scales over more values) in 50-step rounds.
-    Setting("sparseloco-1pct-50", args=sparse_rounds("0.01", "50", "--fault_tolerance.topk_chunk_size", "1024")),
-    # The same, each island training on from its own unsent progress: at 1% a round most of
-    # an island's progress waits unsent, which each island then keeps training on.
-    Setting("sparseloco-1pct-50-keep", args=sparse_rounds("0.01", "50", "--fault_tolerance.topk_chunk_size", "1024",
-                                                          "--fault_tolerance.topk_keep_residue")),
+    # The same rounds, each island training on from its own unsent progress: the same bytes.
+    Setting("sparseloco-5pct-20-keep", args=sparse_rounds("0.05", "20", *KEEP_RESIDUE)),
+    Setting("sparseloco-1pct-50", args=ONE_PCT_50),
+    # At 1% a round most of an island's progress waits unsent, which it then keeps training on.
+    Setting("sparseloco-1pct-50-keep", args=(*ONE_PCT_50, *KEEP_RESIDUE)),
     # Four islands, against DDP of four ranks (the same tokens).
     Setting("ddp-4", islands="", ranks=4, batch_factor=4, args=DDP,
             ddps=("ddp-4",)),
