@@ -102,16 +102,17 @@ def test_a_gpu_island_and_a_cpu_island_train_heal_and_agree(shakespeare, tmp_pat
     # CPU (fp32), gloo between them (the GPU island's pseudo-gradients cross through host
     # memory). The GPU island is SIGKILLed mid-run, restarts from its checkpoint and heals
     # from the CPU island across the device boundary; at the last outer step both
-    # committed, their global weights are the same. Each island trains 40 s from its join
-    # (the steps are many, so no island runs out of them): the CPU island is still training
-    # when the GPU island comes back, whatever the two devices' speeds.
+    # committed, their global weights are the same. The kill fires at inner step 30 (six
+    # rounds in), not at a wall-clock second, so it lands mid-run however long the GPU takes
+    # to start; each island trains 40 s from its join (the steps are many, so no island runs
+    # out of them): the CPU island is still training when the GPU island comes back.
     run = tmp_path / "run"
     done = run_cli(["local", "--islands", "1,1", "--no-table", *TINY, "--training.steps", "100000",
                     "--training.time_budget_s", "40", "--fault_tolerance.sync_steps", "5",
                     "--training.val_every", "0", "--checkpoint.interval", "10",
                     "--island-options", "0:--training.device cuda",
                     "--island-options", "1:--training.device cpu --training.mixed_precision fp32",
-                    "--kill", "0@15", "--restart-after", "1", "--job.run_dir", str(run)], timeout=560)
+                    "--kill", "0@step30", "--restart-after", "1", "--job.run_dir", str(run)], timeout=560)
     assert done.returncode == 0, done.output[-4000:]
     fed = json.loads((run / "federation.json").read_text())
     assert [i["restarts"] for i in fed["islands"]] == [1, 0], fed["islands"]
