@@ -405,6 +405,62 @@ def test_auto_lets_the_averaged_moments_ride_only_with_a_codec_they_fit_beside()
     assert choose_round(auto, 2, link, 1.0, Framing()) == ("fp32", False)  # no moments averaged
 
 
+def test_auto_prices_each_codec_by_its_cpu_seconds_beside_its_bytes():
+    from archipelago.federation.auto_codec import choose_round
+    from archipelago.federation.codecs import AutoCodec
+    from archipelago.federation.exchange import Framing
+
+    numel = 10_000
+    auto = AutoCodec(numel, FaultToleranceConfig(codec="auto", codec_block_size=256))
+    rows = {"fp32": 40_016, "bf16": 20_016, "int8": 10_416, "topk": 1_776}  # as above: two islands
+    link = 8e6  # 1 MB/s: B bytes take B / 1e6 s
+    # By its bytes top-k's 1.8 kB fit a 0.010 s target, but its decoding measured 0.02 s. Then
+    # no codec fits, and the quickest is taken: int8's 10.4 kB with 0.001 s of CPU (0.0114 s).
+    cpu = {"fp32": 0.001, "bf16": 0.001, "int8": 0.001, "topk": 0.02}
+    assert choose_round(auto, 2, link, 0.010, Framing()) == ("topk", False)
+    assert choose_round(auto, 2, link, 0.010, Framing(), cpu_s=cpu) == ("int8", False)
+    assert rows["int8"] / 1e6 + cpu["int8"] < rows["topk"] / 1e6 + cpu["topk"]
+    assert choose_round(auto, 2, link, 0.015, Framing(), cpu_s=cpu) == ("int8", False)  # which fits a wider target
+    # fp32's 40 kB take 0.04 s; with 0.03 s more of CPU they miss a 0.05 s target that bf16 meets.
+    assert choose_round(auto, 2, link, 0.05, Framing(), cpu_s={**cpu, "fp32": 0.03}) == ("bf16", False)
+    # The moments' rows (80 kB) ride with fp32 by bytes (0.12 s), not once that round's own
+    # CPU seconds (its moments checked too) are 0.05 s; until those are measured, fp32's own stand.
+    moments = 8 * numel
+    assert choose_round(auto, 2, link, 0.13, Framing(), moments, cpu) == ("fp32", True)
+    assert choose_round(auto, 2, link, 0.13, Framing(), moments, {**cpu, "fp32+moments": 0.05}) == ("bf16", True)
+    assert choose_round(auto, 2, link, 0.13, Framing(), moments, {**cpu, "fp32": 0.05}) == ("bf16", True)
+
+
+def test_auto_agrees_on_the_lower_median_of_each_codecs_cpu_seconds(monkeypatch):
+    from archipelago.federation import auto_codec
+
+    claims = [[8e6, 10.0, 0.1, 0, 0.3, 2.0, 0, 0, 0, 0],         # an island that measured fp32, int8, top-k
+              [4e6, 12.0, 0.2, 0, 0.1, 1.0, 0, 0, 0.5, 0],       # ... and int8 with the moments
+              [9e6, 11.0, math.inf, 0, 0.2, 99.0, 0, 0, 0, 0]]   # a liar's fp32 and top-k
+
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    def allgather(manager, values, count):
+        assert values.numel() == 2 + 2 * 4 and count == len(claims)  # link, round, fp32..topk alone, with moments
+        return Done(), [torch.tensor(row, dtype=torch.float64) for row in claims]
+
+    monkeypatch.setattr(auto_codec, "allgather", allgather)
+    manager = type("M", (), {"errored": lambda self: None})()
+    agreed = auto_codec.agree_on_link(manager, 8e6, 10.0, 3, torch.device("cpu"), {"fp32": 0.1, "topk": 2.0})
+    assert agreed is not None
+    assert (agreed.link_bits_s, agreed.round_s) == (4e6, 11.0)  # the slowest link, the median round
+    # Codec by codec, the lower median of what was measured (inf and 0: not measured): one
+    # liar moves each by one place at most.
+    assert agreed.cpu_s == {"fp32": 0.1, "int8": 0.2, "topk": 2.0, "int8+moments": 0.5}
+    claims[:] = claims[1:]  # two islands, one of them lying: the lower claim, the honest one's here
+    agreed = auto_codec.agree_on_link(manager, 8e6, 10.0, 2, torch.device("cpu"))
+    assert agreed is not None and agreed.cpu_s == {"fp32": 0.2, "int8": 0.1, "topk": 1.0, "int8+moments": 0.5}
+    claims[:] = [[0, 10.0, *[0.1] * 8]] * 2  # no link measured yet: nothing agreed
+    assert auto_codec.agree_on_link(manager, 0.0, 10.0, 2, torch.device("cpu")) is None
+
+
 @pytest.mark.parametrize("settings,want", [
     (dict(), 0.05 * 12.0),                                              # a twentieth of the round
     (dict(num_fragments=4, fragment_sync_delay=2), 0.5 * 2 / 5 * 12.0),  # half of 2 of each fragment's 5 steps
@@ -477,6 +533,31 @@ def test_auto_measures_an_all_gather_without_the_decoding_that_followed_its_rows
     gathered.segments = [(0, 1), (1, 2)]
     loop.attempts.measure_link(Pending(0, gathered=gathered, started=started, waited=waited), carried=True)
     assert 4.5e6 < loop.auto.link_bits_s <= 5e6
+
+
+def test_auto_measures_each_codecs_cpu_seconds_apart_from_the_link():
+    # A one-phase exchange: encoding (0.2 s) and opening, judging and decoding its rows
+    # (1.5 s) are the island's CPU, timed for the codec the round took (here int8, auto's
+    # first) and, apart, for it with the moments. A reduce-scatter's seconds after the wait
+    # include its second phase's transfer, which the link's rate already holds: only its
+    # encoding counts.
+    import time
+
+    from archipelago.federation.attempts import Pending
+    from archipelago.federation.exchange import Framing, Gathered
+
+    loop = _outer_loop("auto")
+    loop.manager.errored = lambda: None  # type: ignore[attr-defined]
+    waited = time.perf_counter() - 1.5
+    started = waited - 0.1
+    gathered = Gathered(None, Framing(), encode_s=0.2, received=1_000_000, done_at=[started + 0.1], started=started)
+    loop.auto.carries_moments = False
+    loop.attempts.measure_link(Pending(0, gathered=gathered, started=started, waited=waited), True, decode_s=1.5)
+    assert loop.auto.cpu_s == {"int8": pytest.approx(1.7)}
+    loop.auto.carries_moments = True
+    gathered.segments = [(0, 1), (1, 2)]
+    loop.attempts.measure_link(Pending(0, gathered=gathered, started=started, waited=waited), True, decode_s=1.5)
+    assert loop.auto.cpu_s == {"int8": pytest.approx(1.7), "int8+moments": pytest.approx(0.2)}
 
 
 def test_only_a_cpu_wire_stamps_completion_times():

@@ -500,7 +500,10 @@ def test_topk_reduce_scatter_equals_the_all_gather_bit_for_bit(islands, signed):
 @pytest.mark.parametrize("target,then", [(1e6, "fp32"), (1e-9, None)], ids=["roomy-target", "no-room"])
 def test_auto_codec_rounds_agree_on_every_island(target, then):
     # Round 1 knows no link yet (int8); from round 2 the islands agree on what round 1
-    # measured: with all the time in the world fp32, with none the codec of fewest bytes.
+    # measured: with all the time in the world fp32, with none the quickest codec, its bytes'
+    # seconds plus the CPU seconds it measured. In round 2 only int8 has been timed, and
+    # its bytes are more than top-k's: the codec of fewest bytes. Later the rounds may try
+    # whichever is quickest by then (on 53 values the CPU decides), all islands alike.
     from archipelago.federation.codecs import AutoCodec
     from archipelago.federation.exchange import Framing, round_received
 
@@ -513,7 +516,9 @@ def test_auto_codec_rounds_agree_on_every_island(target, then):
         then = min(sizes_by_codec, key=lambda name: sizes_by_codec[name])
     for round_ in range(1, rounds + 1):
         labels = {out[(proc, round_, "codec")] for proc in range(3)}
-        assert labels == {"auto:int8" if round_ == 1 else f"auto:{then}"}, (round_, labels)
+        assert len(labels) == 1, (round_, labels)
+        if round_ <= 2 or target > 1:
+            assert labels == {"auto:int8" if round_ == 1 else f"auto:{then}"}, (round_, labels)
         flats = [out[(proc, round_)][0] for proc in range(3)]
         assert all(torch.equal(f, flats[0]) for f in flats) and all(out[(p, round_)][3] for p in range(3))
     if then == "fp32":  # exact from round 2 on: the average of round 2 is the hand-computed one, shifted

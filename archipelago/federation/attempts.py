@@ -244,11 +244,14 @@ class ExchangeAttempts:
             h.inner_state.judge_moments(p.state, weights, h.ranks.max)
         p.judged = Judged(weights, tokens, refused, divisor, time.perf_counter() - judging)
 
-    def measure_link(self, p: Pending, carried: bool) -> None:
-        """codec = "auto": the link this exchange measured (AutoCodec.measure)."""
+    def measure_link(self, p: Pending, carried: bool, decode_s: float = 0.0) -> None:
+        """codec = "auto": the link and the CPU seconds this exchange measured (AutoCodec.measure;
+        `decode_s`: opening, judging and summing its rows)."""
         h = self.host
         until_in = self._seconds_until_in(p) if p.gathered is not None else 0.0
-        h.auto.measure(h.codecs[p.fragment], p.gathered, p.residue, carried, until_in, p.waited, h.book.compute_s)
+        encode_s = p.gathered.encode_s if p.gathered is not None else 0.0
+        h.auto.measure(h.codecs[p.fragment], p.gathered, p.residue, carried, until_in, p.waited, h.book.compute_s,
+                       encode_s, decode_s)
 
     def exchange_bytes(self, p: Pending) -> tuple[int, int]:
         """(sent, received) bytes of the island's bridge ranks in this exchange: what they

@@ -1,16 +1,18 @@
 """codec = "auto": the link a bridge rank measured, and the codec each round takes from it.
 
-Every round the members all-gather the slowest link and the median round they measured
-(`agree_on_link`) and choose alike the densest codec whose exchange fits the
-round's share of time (`choose_codec`; int8 until some island has measured). With
+Every round the members all-gather the slowest link, the median round and each codec's
+CPU seconds they measured (`agree_on_link`) and choose alike the densest codec whose
+exchange, its bytes over the link plus its CPU seconds, fits the round's share of time
+(`choose_codec`; int8 until some island has measured). With
 `average_optimizer_state`, the averaged moments (two model-sized rows per island, far more
 than any codec's row) ride only in rounds whose agreed link carries them too: the densest
 codec whose exchange fits beside them is taken; when none does, the round sends the
 pseudo-gradient alone, each island keeping its own moments (`choose_round`). A shipped
 config taken to a thin link then stops sending three model-sized rows a round by itself.
 After an exchange that went through, the rate at which its rows came in becomes this
-rank's link for the next choice. The outer loop holds one `AutoCodec` per bridge rank and
-calls it at three points of a round: choosing, choosing again on a retry, measuring.
+rank's link for the next choice, and its encoding and decoding seconds that codec's
+CPU. The outer loop holds one `AutoCodec` per bridge rank and calls it at three points
+of a round: choosing, choosing again on a retry, measuring.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.codecs import AUTO_FIRST, Codec
+from archipelago.federation.codecs import AUTO_FIRST, LADDER, Codec
 from archipelago.federation.exchange import Framing, Gathered, allgather, round_received, wire_device
 from archipelago.federation.trust import FederationKey
 
@@ -63,25 +65,36 @@ def choose_codec(codec: Any, participants: int, link_bits_s: float, target_s: fl
 
 
 def choose_round(codec: Any, participants: int, link_bits_s: float, target_s: float, framing: Framing,
-                 moments_row_bytes: int = 0) -> tuple[str, bool]:
+                 moments_row_bytes: int = 0, cpu_s: dict[str, float] | None = None) -> tuple[str, bool]:
     """codec = "auto" with averaged moments (`moments_row_bytes`: one island's row of them,
     0 when the config averages none): (the codec, whether the moments ride). The densest
     codec whose exchange plus the moments' rows fits `target_s`, with them; when none
     does, `choose_codec`'s choice without them. Moments first, codec density second:
-    int8 costs little next to each island keeping its own moments (docs/quality.md)."""
+    int8 costs little next to each island keeping its own moments (docs/quality.md).
+    `cpu_s`: the seconds each codec's exchange measured on the islands' CPUs (encoding,
+    opening, judging, decoding; `cpu_key`), added to its bytes' seconds; none measured: 0."""
     received = {name: round_received(option, participants, framing) for name, option in codec.options.items()}
     return densest_round(received, moments_received(moments_row_bytes, participants, framing),
-                         link_bits_s, target_s)
+                         link_bits_s, target_s, cpu_s)
 
 
-def densest_round(received: dict[str, int], moments: int, link_bits_s: float, target_s: float) -> tuple[str, bool]:
+def densest_round(received: dict[str, int], moments: int, link_bits_s: float, target_s: float,
+                  cpu_s: dict[str, float] | None = None) -> tuple[str, bool]:
     """`choose_round` on bytes: each codec's `received` bytes (densest first) and the
-    moments' (`moments`, 0: none averaged)."""
+    moments' (`moments`, 0: none averaged), plus the CPU seconds each measured (`cpu_s`)."""
+    cpu_s = cpu_s or {}
     if moments:
         for name, size in received.items():
-            if (size + moments) * 8 / link_bits_s <= target_s:
+            if (size + moments) * 8 / link_bits_s + cpu_s.get(cpu_key(name, True), cpu_s.get(name, 0.0)) <= target_s:
                 return name, True
-    return densest_within(received, link_bits_s, target_s), False
+    return densest_within(received, link_bits_s, target_s, cpu_s), False
+
+
+def cpu_key(name: str, moments: bool) -> str:
+    """The name a codec's CPU seconds go by: a round that carried the averaged moments also
+    checked them, so it is timed apart ("int8+moments"); until it has been, the codec's
+    own seconds stand for it."""
+    return f"{name}+moments" if moments else name
 
 
 def moments_row_bytes(ft: Any, numel: int) -> int:
@@ -97,13 +110,18 @@ def moments_received(row_bytes: int, participants: int, framing: Framing) -> int
     return (participants - 1) * framing.row_bytes(row_bytes) if participants > 1 and row_bytes else 0
 
 
-def densest_within(received: dict[str, int], link_bits_s: float, target_s: float) -> str:
+def densest_within(received: dict[str, int], link_bits_s: float, target_s: float,
+                   cpu_s: dict[str, float] | None = None) -> str:
     """The first codec (densest first) whose `received` bytes cross a link of `link_bits_s`
-    in at most `target_s` seconds; when none does, the one that receives the fewest."""
-    for name, size in received.items():
-        if size * 8 / link_bits_s <= target_s:
+    in at most `target_s` seconds with its measured CPU seconds (`cpu_s`, 0 where none);
+    when none does, the one whose exchange takes the fewest (with no CPU measured: the
+    fewest bytes)."""
+    cpu_s = cpu_s or {}
+    seconds = {name: size * 8 / link_bits_s + cpu_s.get(name, 0.0) for name, size in received.items()}
+    for name, took in seconds.items():
+        if took <= target_s:
             return name
-    return min(received, key=lambda name: received[name])
+    return min(seconds, key=lambda name: seconds[name])
 
 
 def link_carries(ft: Any, params: int, islands: int, link_bits_s: float,
@@ -126,24 +144,52 @@ def link_carries(ft: Any, params: int, islands: int, link_bits_s: float,
     return {name: (size, size * 8 / link_bits_s if link_bits_s > 0 else math.inf) for name, size in received.items()}
 
 
+@dataclass
+class AgreedLink:
+    """What the members agreed on for a round's choice (`agree_on_link`)."""
+
+    link_bits_s: float  # the slowest member's measured link
+    round_s: float      # the median member's round of compute seconds
+    cpu_s: dict[str, float] = field(default_factory=dict)  # by `cpu_key`: each codec's CPU seconds
+
+
+def cpu_keys() -> list[str]:
+    """Every `cpu_key`, in the order `agree_on_link` sends their seconds."""
+    return [cpu_key(name, moments) for moments in (False, True) for name in LADDER]
+
+
 def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants: int,
-                  device: torch.device) -> tuple[float, float] | None:
-    """codec = "auto": all-gather each island's last measured link rate and round seconds
-    (16 bytes each); the slowest link and the median round, the same on every island.
-    None before any island has measured (or when the all-gather fails: the round is lost).
-    A lying island can lower the agreed link (a sparser codec for all) but not raise it,
-    and moves the median round by one place at most."""
-    values = torch.tensor([link_bits_s, round_s], dtype=torch.float64, device=device)
+                  device: torch.device, cpu_s: dict[str, float] | None = None) -> AgreedLink | None:
+    """codec = "auto": all-gather each island's last measured link rate, round seconds and
+    each codec's CPU seconds (`cpu_s` by `cpu_key`; 80 bytes each); the slowest link, the
+    median round and, codec by codec, the lower median of the CPU seconds the members
+    measured, the same on every island. None before any island has measured a link (or
+    when the all-gather fails: the round is lost). A lying island can lower the agreed
+    link (a sparser codec for all) but not raise it, and moves each median by one place at
+    most (with two islands, the lower median is the honest island's or the lower claim)."""
+    cpu_s = cpu_s or {}
+    keys = cpu_keys()
+    values = torch.tensor([link_bits_s, round_s, *(cpu_s.get(k, 0.0) for k in keys)], dtype=torch.float64,
+                          device=device)
     work, outputs = allgather(manager, values, participants)
     work.wait()
     if manager.errored() is not None:
         return None
     rows = [out.cpu().tolist() for out in outputs]
-    links = [link for link, _ in rows if math.isfinite(link) and link > 0]
-    rounds = [r for _, r in rows if math.isfinite(r) and r > 0]
+    links = [row[0] for row in rows if _measured(row[0])]
+    rounds = [row[1] for row in rows if _measured(row[1])]
     if not links:
         return None
-    return min(links), statistics.median(rounds) if rounds else 0.0
+    agreed_cpu = {}
+    for at, key in enumerate(keys, start=2):
+        seen = [row[at] for row in rows if len(row) > at and _measured(row[at])]
+        if seen:
+            agreed_cpu[key] = statistics.median_low(seen)
+    return AgreedLink(min(links), statistics.median(rounds) if rounds else 0.0, agreed_cpu)
+
+
+def _measured(value: float) -> bool:
+    return math.isfinite(value) and value > 0
 
 
 class AutoCodec:
@@ -155,6 +201,11 @@ class AutoCodec:
                  moments_bytes_per_value: int = 0) -> None:
         self.ft, self.manager, self.key, self.per_fragment = ft, manager, key, per_fragment
         self.link_bits_s, self.last_round_s = 0.0, 0.0
+        # Each codec's last exchange on this rank's CPU (by `cpu_key`): encoding, and for a
+        # one-phase exchange opening, judging and decoding the rows; what a codec costs
+        # beside its bytes, so a fast link does not take top-k for its few bytes when its
+        # decoding outlasts a dense codec's transfer.
+        self.cpu_s: dict[str, float] = {}
         # average_optimizer_state: bytes of moments per value of the chunk (2 moments x 4
         # bytes for AdamW in fp32); 0 when the config averages none.
         self.moments_bytes_per_value = moments_bytes_per_value
@@ -176,18 +227,19 @@ class AutoCodec:
         pseudo-gradient, whatever codec now carries it."""
         participants = self.manager.num_participants() if self.manager is not None else 1
         agreed = agree_on_link(self.manager, self.link_bits_s, self.last_round_s, participants,
-                               wire_device(self.manager, device))
+                               wire_device(self.manager, device), self.cpu_s)
         # Before any island has measured: int8, and no moments (the link may be thin).
         name, self.carries_moments = AUTO_FIRST, False
         if agreed is not None:
-            link, round_s = agreed
-            target = auto_target_s(self.ft, round_s, self.per_fragment)
-            name, self.carries_moments = choose_round(codec, participants, link, target, Framing(self.key),
-                                                      codec.numel * self.moments_bytes_per_value)
+            target = auto_target_s(self.ft, agreed.round_s, self.per_fragment)
+            name, self.carries_moments = choose_round(codec, participants, agreed.link_bits_s, target,
+                                                      Framing(self.key), codec.numel * self.moments_bytes_per_value,
+                                                      agreed.cpu_s)
         codec.choose(name)  # type: ignore[attr-defined]
 
     def measure(self, codec: Codec, gathered: Gathered | None, residue: torch.Tensor | None, carried: bool,
-                until_in_s: float, waited: float, round_compute_s: float) -> None:
+                until_in_s: float, waited: float, round_compute_s: float, encode_s: float = 0.0,
+                decode_s: float = 0.0) -> None:
         """After an exchange: the rate at which its rows came in, from its start until they
         were in (`until_in_s`: the inner steps that ran after, with streaming's overlap, left
         out), and the round's compute seconds. A one-phase exchange received its rows then:
@@ -195,8 +247,9 @@ class AutoCodec:
         not the link; counted as link time it made top-k, whose decoding far outlasts its
         few bytes' transfer, measure a thin link and choose itself again. A reduce-scatter's
         summed segments come in after the wait, so its seconds since then count too (a rate
-        too low rather than too high). Top-k's residue goes back to the codec unless this
-        round carried it."""
+        too low rather than too high), and are left out of its CPU seconds (`encode_s` plus,
+        for a one-phase exchange, `decode_s`). Top-k's residue goes back to the codec unless
+        this round carried it."""
         if residue is not None and not carried:
             codec.give_back(residue)  # type: ignore[attr-defined]
         if self.manager is None or self.manager.errored() is not None or gathered is None:
@@ -204,4 +257,6 @@ class AutoCodec:
         elapsed = until_in_s if gathered.segments is None else until_in_s + time.perf_counter() - waited
         if gathered.received > 0 and elapsed > 0:
             self.link_bits_s = gathered.received * 8 / elapsed
+        cpu = encode_s + (decode_s if gathered.segments is None else 0.0)
+        self.cpu_s[cpu_key(codec.current, self.carries_moments)] = cpu  # type: ignore[attr-defined]
         self.last_round_s = round_compute_s

@@ -320,7 +320,8 @@ class OuterLoop:
         result, state_accepted = self.outcome.vote(p)
         if self.codec_name == "auto" and p.buffer is not None and p.exchanged:
             refused_me = any(r.get("island") == self.ft.replica_id for r in tried.refused)
-            self.attempts.measure_link(p, carried=result.committed and p.weight > 0 and not refused_me)
+            self.attempts.measure_link(p, carried=result.committed and p.weight > 0 and not refused_me,
+                                      decode_s=tried.decode_s)
         self.outcome.apply(p, own, result)
         if p.state is not None and self.inner_state is not None:
             self.inner_state.finish(p.state, apply=result.committed and state_accepted)
