@@ -558,6 +558,9 @@ def test_auto_measures_each_codecs_cpu_seconds_apart_from_the_link():
     gathered.segments = [(0, 1), (1, 2)]
     loop.attempts.measure_link(Pending(0, gathered=gathered, started=started, waited=waited), True, decode_s=1.5)
     assert loop.auto.cpu_s == {"int8": pytest.approx(1.7), "int8+moments": pytest.approx(0.2)}
+    gathered.received, gathered.segments, loop.auto.carries_moments = 0, None, False  # alone: nothing decoded
+    loop.attempts.measure_link(Pending(0, gathered=gathered, started=started, waited=waited), True, decode_s=0.01)
+    assert loop.auto.cpu_s["int8"] == pytest.approx(1.7)
 
 
 def test_only_a_cpu_wire_stamps_completion_times():

@@ -257,6 +257,7 @@ class AutoCodec:
         elapsed = until_in_s if gathered.segments is None else until_in_s + time.perf_counter() - waited
         if gathered.received > 0 and elapsed > 0:
             self.link_bits_s = gathered.received * 8 / elapsed
-        cpu = encode_s + (decode_s if gathered.segments is None else 0.0)
-        self.cpu_s[cpu_key(codec.current, self.carries_moments)] = cpu  # type: ignore[attr-defined]
+        if gathered.received > 0:  # alone in the round, it decoded no one's rows: not its cost
+            cpu = encode_s + (decode_s if gathered.segments is None else 0.0)
+            self.cpu_s[cpu_key(codec.current, self.carries_moments)] = cpu  # type: ignore[attr-defined]
         self.last_round_s = round_compute_s
