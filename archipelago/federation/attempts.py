@@ -249,9 +249,8 @@ class ExchangeAttempts:
         `decode_s`: opening, judging and summing its rows)."""
         h = self.host
         until_in = self._seconds_until_in(p) if p.gathered is not None else 0.0
-        encode_s = p.gathered.encode_s if p.gathered is not None else 0.0
         h.auto.measure(h.codecs[p.fragment], p.gathered, p.residue, carried, until_in, p.waited, h.book.compute_s,
-                       encode_s, decode_s)
+                       decode_s)
 
     def exchange_bytes(self, p: Pending) -> tuple[int, int]:
         """(sent, received) bytes of the island's bridge ranks in this exchange: what they

@@ -153,9 +153,8 @@ class AgreedLink:
     cpu_s: dict[str, float] = field(default_factory=dict)  # by `cpu_key`: each codec's CPU seconds
 
 
-def cpu_keys() -> list[str]:
-    """Every `cpu_key`, in the order `agree_on_link` sends their seconds."""
-    return [cpu_key(name, moments) for moments in (False, True) for name in LADDER]
+# Every `cpu_key`, in the order `agree_on_link` sends their seconds.
+CPU_KEYS = tuple(cpu_key(name, moments) for moments in (False, True) for name in LADDER)
 
 
 def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants: int,
@@ -168,8 +167,7 @@ def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants
     link (a sparser codec for all) but not raise it, and moves each median by one place at
     most (with two islands, the lower median is the honest island's or the lower claim)."""
     cpu_s = cpu_s or {}
-    keys = cpu_keys()
-    values = torch.tensor([link_bits_s, round_s, *(cpu_s.get(k, 0.0) for k in keys)], dtype=torch.float64,
+    values = torch.tensor([link_bits_s, round_s, *(cpu_s.get(k, 0.0) for k in CPU_KEYS)], dtype=torch.float64,
                           device=device)
     work, outputs = allgather(manager, values, participants)
     work.wait()
@@ -181,8 +179,8 @@ def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants
     if not links:
         return None
     agreed_cpu = {}
-    for at, key in enumerate(keys, start=2):
-        seen = [row[at] for row in rows if len(row) > at and _measured(row[at])]
+    for at, key in enumerate(CPU_KEYS, start=2):
+        seen = [row[at] for row in rows if _measured(row[at])]
         if seen:
             agreed_cpu[key] = statistics.median_low(seen)
     return AgreedLink(min(links), statistics.median(rounds) if rounds else 0.0, agreed_cpu)
@@ -238,8 +236,7 @@ class AutoCodec:
         codec.choose(name)  # type: ignore[attr-defined]
 
     def measure(self, codec: Codec, gathered: Gathered | None, residue: torch.Tensor | None, carried: bool,
-                until_in_s: float, waited: float, round_compute_s: float, encode_s: float = 0.0,
-                decode_s: float = 0.0) -> None:
+                until_in_s: float, waited: float, round_compute_s: float, decode_s: float = 0.0) -> None:
         """After an exchange: the rate at which its rows came in, from its start until they
         were in (`until_in_s`: the inner steps that ran after, with streaming's overlap, left
         out), and the round's compute seconds. A one-phase exchange received its rows then:
@@ -247,7 +244,7 @@ class AutoCodec:
         not the link; counted as link time it made top-k, whose decoding far outlasts its
         few bytes' transfer, measure a thin link and choose itself again. A reduce-scatter's
         summed segments come in after the wait, so its seconds since then count too (a rate
-        too low rather than too high), and are left out of its CPU seconds (`encode_s` plus,
+        too low rather than too high), and are left out of its CPU seconds (its encoding plus,
         for a one-phase exchange, `decode_s`). Top-k's residue goes back to the codec unless
         this round carried it."""
         if residue is not None and not carried:
@@ -255,9 +252,9 @@ class AutoCodec:
         if self.manager is None or self.manager.errored() is not None or gathered is None:
             return
         elapsed = until_in_s if gathered.segments is None else until_in_s + time.perf_counter() - waited
-        if gathered.received > 0 and elapsed > 0:
-            self.link_bits_s = gathered.received * 8 / elapsed
-        if gathered.received > 0:  # alone in the round, it decoded no one's rows: not its cost
-            cpu = encode_s + (decode_s if gathered.segments is None else 0.0)
+        if gathered.received > 0:  # alone in the round it received and decoded no rows: nothing to measure
+            if elapsed > 0:
+                self.link_bits_s = gathered.received * 8 / elapsed
+            cpu = gathered.encode_s + (decode_s if gathered.segments is None else 0.0)
             self.cpu_s[cpu_key(codec.current, self.carries_moments)] = cpu  # type: ignore[attr-defined]
         self.last_round_s = round_compute_s
