@@ -11,6 +11,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 from unittest import mock
 
@@ -70,6 +71,17 @@ def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
 
     multiprocessing.set_forkserver_preload(_RANK_PRELOAD)  # read once, when the server starts
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
+def rank_manager() -> SyncManager:
+    """A manager for the dicts and events ranks report through, forked from the forkserver.
+
+    multiprocessing.Manager() forks the manager from pytest itself, with the garbage of the
+    tests before: gloo process groups whose threads did not survive the fork. When the
+    manager's collector reached one, its destructor waited forever on those threads, and the
+    rank writing its result waited with it (a 240 s timeout, one run in a few)."""
+    multiprocessing.set_forkserver_preload(_RANK_PRELOAD)
+    return multiprocessing.get_context("forkserver").Manager()
 
 
 def pids_with_token(token: str) -> list[int]:

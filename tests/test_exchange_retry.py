@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import _RANK_PRELOAD, TINY, records, run_cli
+from conftest import _RANK_PRELOAD, TINY, rank_manager, records, run_cli
 from test_rounds import ROUND, TOKENS, _delta, _flat, _manager, _model, _train_round
 
 from archipelago.config.schema import FaultToleranceConfig
@@ -206,7 +206,7 @@ def _gloo_members(target: Any, members: int, args: tuple, join_s: float) -> tupl
     context = multiprocessing.get_context("forkserver")
     procs: list[Any] = []
     try:
-        with multiprocessing.Manager() as shared:
+        with rank_manager() as shared:
             out = shared.dict()
             procs = [context.Process(target=target, args=(rank, store.port, *args, out)) for rank in range(members)]
             for proc in procs:
@@ -362,7 +362,7 @@ def _federation(retries: int, group: int = 3, joiner: bool = False, heartbeat_ms
     context = multiprocessing.get_context("forkserver")
     procs: list[Any] = []
     try:
-        with multiprocessing.Manager() as shared:
+        with rank_manager() as shared:
             out, joins = shared.dict(), shared.Event()
             procs = [context.Process(target=_island, args=(k, group, lighthouse.address(), stores[k].port, retries,
                                                            out, joins if k == group else None, codec, secret, repair))

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import spawn_ranks
+from conftest import rank_manager, spawn_ranks
 from test_island import _free_port, fsdp_on_two_ranks, tiny_model, two_rank_island
 from torch import nn
 
@@ -227,7 +226,7 @@ def _layout_worker(rank: int, port: int, width: int, out: dict) -> None:
 @pytest.mark.parametrize("width", [1, 2])
 def test_bridge_gathers_the_canonical_layout_and_scatters_back_into_fsdp_shards(width):
     flat = torch.cat([p.detach().flatten() for p in tiny_model("cpu", seed=5).parameters()])
-    with mp.Manager() as manager:
+    with rank_manager() as manager:
         out = manager.dict()
         spawn_ranks(_layout_worker, args=(_free_port(), width, out), nprocs=2)
         out = dict(out)
@@ -263,7 +262,7 @@ def test_bridge_takes_each_parameter_from_the_stage_that_holds_it(width):
     are the canonical flat vector, and each stage gets back exactly its parameters."""
     params = list(tiny_model("cpu", seed=5).parameters())
     flat = torch.cat([p.detach().flatten() for p in params])
-    with mp.Manager() as manager:
+    with rank_manager() as manager:
         out = manager.dict()
         spawn_ranks(_stage_layout_worker, args=(_free_port(), width, out), nprocs=2)
         out = dict(out)

@@ -9,8 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import spawn_ranks
+from conftest import rank_manager, spawn_ranks
 
 from archipelago.island.device import IslandContext, detect_device_type
 from archipelago.island.parallelize import ParallelModel, compute_dtype, parallelize
@@ -109,7 +108,7 @@ def _fsdp_worker(rank: int, port: int, meta: bool, out: dict) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("meta", [False, True], ids=["cpu-init", "meta-init"])
 def test_fsdp_shards_every_block_and_initialises_consistently(meta):
-    with mp.Manager() as manager:
+    with rank_manager() as manager:
         out = manager.dict()
         spawn_ranks(_fsdp_worker, args=(_free_port(), meta, out), nprocs=2)
         (full0, local0, grads0), (full1, local1, grads1) = out[0], out[1]
@@ -147,7 +146,7 @@ def _resnet_worker(rank: int, port: int, out: dict) -> None:
 
 @pytest.mark.timeout(120)
 def test_resnet_stages_are_fsdp_units_and_batchnorm_statistics_are_averaged_over_ranks():
-    with mp.Manager() as manager:
+    with rank_manager() as manager:
         out = manager.dict()
         spawn_ranks(_resnet_worker, args=(_free_port(), out), nprocs=2)
         (before0, after0, units, norms), (before1, after1, _, _) = out[0], out[1]
@@ -197,7 +196,7 @@ def _expert_parallel_worker(rank: int, port: int, family: str, out: dict) -> Non
 def test_expert_parallel_equals_one_rank_with_the_whole_batch(family):
     from archipelago.models import build_model
 
-    with mp.Manager() as manager:
+    with rank_manager() as manager:
         out = manager.dict()
         spawn_ranks(_expert_parallel_worker, args=(_free_port(), family, out), nprocs=2)
         (logits0, grads0, local), (logits1, grads1, _) = out[0], out[1]

@@ -8,9 +8,8 @@ import re
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import spawn_ranks
+from conftest import rank_manager, spawn_ranks
 from test_island import _free_port, tiny_model, two_rank_island
 
 from archipelago.config import ConfigError, load_config
@@ -117,7 +116,7 @@ def test_unequal_shares_give_the_full_batch_gradient(strategy, split):
     """6x4 + 2x4 samples (SynerFuse's example) and unequal micro-batch counts too: the
     island's gradient equals the mean-loss gradient of all 32 samples on one rank, where
     averaging the two ranks' mean losses would weigh rank 1's samples 3x too much."""
-    with mp.Manager() as manager:
+    with rank_manager() as manager:
         out = manager.dict()
         spawn_ranks(_worker, args=(_free_port(), strategy, split, out), nprocs=2)
         results = dict(out)

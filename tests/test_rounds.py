@@ -15,8 +15,7 @@ from itertools import accumulate
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import spawn_ranks
+from conftest import rank_manager, spawn_ranks
 from test_island import _free_port
 from torch import nn
 
@@ -160,7 +159,7 @@ def _federate(sizes: list[int], width: int, weighting: str, rounds: int,
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=len(sizes), join_timeout_ms=5000)
     stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in sizes]
     try:
-        with mp.Manager() as manager:
+        with rank_manager() as manager:
             out = manager.dict()
             spawn_ranks(_worker, nprocs=sum(sizes),
                         args=(_free_port(), sizes, width, weighting, rounds, lighthouse.address(),

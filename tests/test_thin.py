@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import spawn_ranks
+from conftest import rank_manager, spawn_ranks
 from test_rounds import INNER_LR, ROUND, TOKENS, _delta, _flat, _manager, _model, _set_flat
 
 from archipelago.config.schema import FaultToleranceConfig
@@ -192,7 +191,7 @@ def test_a_carried_thin_islands_row_enters_every_members_weights_at_its_stalenes
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=5000)
     stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
     try:
-        with mp.Manager() as manager:
+        with rank_manager() as manager:
             out = manager.dict()
             spawn_ranks(_member, nprocs=3, args=(lighthouse.address(), [s.port for s in stores], new_secret(),
                                                  rounds, out))
