@@ -21,7 +21,8 @@ fast island's steps (1.5x `--steps` for two islands:
         --grid fault_tolerance.outer_lr=0.7,1.0 fault_tolerance.outer_momentum=0,0.9
     python bench/outer_sweep.py --device cuda --workers 12 --mixed-precision fp32 ...
 
-Prints a table (ratio to DDP first) and appends one JSON line per run to --out.
+Prints each run's held-out loss as it is evaluated (every `training.val_every` steps), then a table
+(ratio to DDP first), and appends one JSON line per run to --out.
 """
 
 from __future__ import annotations
@@ -361,11 +362,15 @@ def run_job(job: dict, config: str, device: str, threads: int, eval_windows: int
     cfg = parse_overrides(load_toml(config), [*overrides, f"--training.seed={job['seed']}"])
     validate(cfg)
     began, original = time.perf_counter(), simulation._Outer
+
+    def progress(message: str) -> None:  # each held-out evaluation, so a long run shows it is moving
+        print(f"  [{time.perf_counter() - began:6.0f}s] {job['setting']} seed {job['seed']}: {message}", flush=True)
+
     if experiments:
         simulation._Outer = experimental_outer(simulation, experiments)
     try:
         result = simulation.simulate(cfg, job["islands"], device=device, eval_windows=eval_windows,
-                                     ranks=job.get("ranks", 1), **options)
+                                     ranks=job.get("ranks", 1), log=progress, **options)
     finally:
         simulation._Outer = original
     return {**job, "val_loss": result.final.val_loss, "tokens": result.final.tokens,
