@@ -65,11 +65,17 @@ _RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torchf
                  "archipelago.federation.diloco", "archipelago.island.parallelize"]
 
 
+def rank_context() -> multiprocessing.context.ForkServerContext:
+    """The forkserver context ranks start from, its server preloaded with `_RANK_PRELOAD`."""
+    multiprocessing.set_forkserver_preload(_RANK_PRELOAD)  # read once, when the server starts
+    return multiprocessing.get_context("forkserver")
+
+
 def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
     """torch.multiprocessing.spawn(fn, args, nprocs), through a forkserver with torch preloaded."""
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(_RANK_PRELOAD)  # read once, when the server starts
+    rank_context()
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
@@ -80,8 +86,7 @@ def rank_manager() -> SyncManager:
     tests before: gloo process groups whose threads did not survive the fork. When the
     manager's collector reached one, its destructor waited forever on those threads, and the
     rank writing its result waited with it (a 240 s timeout, one run in a few)."""
-    multiprocessing.set_forkserver_preload(_RANK_PRELOAD)
-    return multiprocessing.get_context("forkserver").Manager()
+    return rank_context().Manager()
 
 
 def pids_with_token(token: str) -> list[int]:

@@ -13,7 +13,6 @@ against the average of their own updates, computed here. Last, the same drill th
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
 import signal
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import _RANK_PRELOAD, TINY, rank_manager, records, run_cli
+from conftest import TINY, rank_context, rank_manager, records, run_cli
 from test_rounds import ROUND, TOKENS, _delta, _flat, _manager, _model, _train_round
 
 from archipelago.config.schema import FaultToleranceConfig
@@ -202,8 +201,7 @@ def _gloo_members(target: Any, members: int, args: tuple, join_s: float) -> tupl
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    multiprocessing.set_forkserver_preload(_RANK_PRELOAD)
-    context = multiprocessing.get_context("forkserver")
+    context = rank_context()
     procs: list[Any] = []
     try:
         with rank_manager() as shared:
@@ -358,8 +356,7 @@ def _federation(retries: int, group: int = 3, joiner: bool = False, heartbeat_ms
                                   heartbeat_timeout_ms=heartbeat_ms)
     count = group + joiner
     stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(count)]
-    multiprocessing.set_forkserver_preload(_RANK_PRELOAD)
-    context = multiprocessing.get_context("forkserver")
+    context = rank_context()
     procs: list[Any] = []
     try:
         with rank_manager() as shared:
