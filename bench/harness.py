@@ -44,8 +44,31 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # ------------------------------------------------------------------ processes
 
 
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name, family/model numbers and widest vector extension, from
+    /proc/cpuinfo (`platform.processor()` elsewhere). Runs of the same code and seed agree
+    to the last digit only on the same CPU class: an AVX2 core and an AVX-512 one sum
+    floats in different orders, so results files name it to say which runs pair."""
+    import platform
+
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        if not key.strip():
+            break  # the first processor's block is enough: the cores of one machine agree
+        fields.setdefault(key.strip(), value.strip())
+    flags = fields.get("flags", "").split()
+    vector = next((v for v in ("avx512f", "avx2", "avx", "sse4_2", "asimd") if v in flags), "none")
+    return (f"{fields.get('model name', platform.machine())} (family {fields.get('cpu family', '?')}, "
+            f"model {fields.get('model', '?')}, {vector})")
+
+
 def where_measured(**extra: Any) -> dict[str, Any]:
-    """Machine, cores, threads, torch and the commit a result comes from, with `extra`
+    """Machine, CPU, cores, threads, torch and the commit a result comes from, with `extra`
     facts of the run (threads per run, workers, ...)."""
     import platform
 
@@ -54,7 +77,8 @@ def where_measured(**extra: Any) -> dict[str, Any]:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                            capture_output=True, text=True).stdout.strip()
-    return {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(), "device": "cpu",
+    return {"machine": platform.processor() or platform.machine(), "cpu": cpu_model(), "cores": os.cpu_count(),
+            "device": "cpu",
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"), "torch": torch.__version__,
             "python": platform.python_version(),
             "commit": commit.stdout.strip() + (" (with uncommitted changes)" if dirty else ""),

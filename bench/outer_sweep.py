@@ -22,7 +22,8 @@ fast island's steps (1.5x `--steps` for two islands:
     python bench/outer_sweep.py --device cuda --workers 12 --mixed-precision fp32 ...
 
 Prints each run's held-out loss as it is evaluated (every `training.val_every` steps), then a table
-(ratio to DDP first), and appends one JSON line per run to --out.
+(ratio to DDP first), and appends one JSON line per run to --out, with the CPU class that ran
+it (`cpu`: runs of the same code and seed agree to the last digit only on one class).
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness import cpu_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # Grid keys that only federations take (baselines are built without them).
@@ -483,10 +487,13 @@ def main() -> None:
     threads = args.threads or max(1, (mp.cpu_count() // args.workers))
     began = time.monotonic()
     rows = []
-    print(f"{len(jobs)} runs on {args.device} with {args.workers} worker(s)", flush=True)
+    # Each row names its CPU class: only runs of one class pair to the last digit.
+    cpu = cpu_model() if args.device == "cpu" else args.device
+    print(f"{len(jobs)} runs on {args.device} ({cpu}) with {args.workers} worker(s)", flush=True)
     with mp.get_context("spawn").Pool(args.workers) as pool:
         pending = [(j, args.config, args.device, threads, args.eval_windows) for j in jobs]
         for row in pool.imap_unordered(_worker, pending):
+            row["cpu"] = cpu
             rows.append(row)
             print(f"[{time.monotonic() - began:6.0f}s] {row['setting']} seed {row['seed']}: "
                   f"{row['val_loss']:.4f} ({row['seconds']:.0f}s)", flush=True)

@@ -228,11 +228,7 @@ def test_the_simulators_slow_island_steps_a_third_as_often_and_weighs_by_its_tok
 
 
 def test_outer_sweeps_contributor_mean_averages_each_coordinate_over_the_islands_that_sent_it():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("outer_sweep", ROOT / "bench" / "outer_sweep.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _outer_sweep_module()
     a, b = torch.tensor([2.0, 0.0, 4.0, 0.0]), torch.tensor([6.0, 3.0, 0.0, 0.0])
     merged = sweep.contributor_merge([a, b], [1.0, 3.0])
     # The outer step divides by all weights (4): coordinate 0 is the weighted mean of both,
@@ -241,11 +237,17 @@ def test_outer_sweeps_contributor_mean_averages_each_coordinate_over_the_islands
 
 
 def _outer_sweep_module():
+    """bench/outer_sweep.py as a module, with the folders it adds to sys.path taken out again."""
     import importlib.util
+    import sys
 
     spec = importlib.util.spec_from_file_location("outer_sweep", ROOT / "bench" / "outer_sweep.py")
     sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(sweep)
+    finally:
+        sys.path[:] = path
     return sweep
 
 
@@ -305,11 +307,7 @@ def test_outer_sweep_counts_bytes_per_token_against_ddp_by_hand():
     # DDP of 2 ranks all-reduces 4-byte gradients of 1,000 parameters each step: a ring sends
     # 2 x (2 - 1) x 4,000 bytes per step, over the step's 2,048 tokens. A federation that
     # sent 1,000,000 bytes for 2,048,000 tokens sends 8x fewer per token.
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("outer_sweep", ROOT / "bench" / "outer_sweep.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _outer_sweep_module()
     rows = [{"setting": "ddp", "kind": "ddp", "inner": "", "seed": 0, "ranks": 2, "val_loss": 4.0,
              "tokens": 2_048_000, "inner_steps": [1000], "bytes_sent": 0},
             {"setting": "federation x", "kind": "federation", "inner": "", "seed": 0, "ranks": 1, "val_loss": 4.1,
@@ -338,6 +336,21 @@ def _bench_module(name: str, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
     spec.loader.exec_module(module)
     return module
+
+
+def test_results_name_the_cpu_class_from_the_first_processors_block(monkeypatch, tmp_path):
+    # Two runs pair to the last digit only on one CPU class; the first processor's block
+    # names it, and the widest vector extension decides the class.
+    harness = _bench_module("harness", monkeypatch)
+    block = "processor\t: {n}\nmodel name\t: AMD EPYC 9654\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: {flags}\n"
+    info = tmp_path / "cpuinfo"
+    info.write_text(block.format(n=0, flags="fpu sse4_2 avx avx2 avx512f") + "\n" + block.format(n=1, flags="fpu"))
+    assert harness.cpu_model(info) == "AMD EPYC 9654 (family 25, model 17, avx512f)"
+    info.write_text(block.format(n=0, flags="fpu sse4_2 avx avx2"))
+    assert harness.cpu_model(info).endswith("model 17, avx2)")
+    import platform
+
+    assert harness.cpu_model(tmp_path / "absent") == (platform.processor() or platform.machine())
 
 
 def test_quality_bench_gives_every_row_its_bytes_against_ddp_and_a_preset_fills_the_table(monkeypatch):
