@@ -47,8 +47,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU's model name, family/model numbers and widest vector extension, from
     /proc/cpuinfo (`platform.processor()` elsewhere). Runs of the same code and seed agree
-    to the last digit only on the same CPU class: an AVX2 core and an AVX-512 one sum
-    floats in different orders, so results files name it to say which runs pair."""
+    to the last digit only on the same CPU class (cores with other vector units can sum
+    floats in other orders), so results files name it to say which runs pair."""
     import platform
 
     try:
