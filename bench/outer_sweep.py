@@ -42,8 +42,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import cpu_model  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
 # Grid keys that only federations take (baselines are built without them).
 FEDERATION_KEYS = ("fault_tolerance.", "sim.")
@@ -487,7 +485,10 @@ def main() -> None:
     threads = args.threads or max(1, (mp.cpu_count() // args.workers))
     began = time.monotonic()
     rows = []
-    # Each row names its CPU class: only runs of one class pair to the last digit.
+    # Each row names its CPU class: only runs of one class pair to the last digit. Imported
+    # here: the harness loads torch, which --help and --summarize do without.
+    from harness import cpu_model
+
     cpu = cpu_model() if args.device == "cpu" else args.device
     print(f"{len(jobs)} runs on {args.device} ({cpu}) with {args.workers} worker(s)", flush=True)
     with mp.get_context("spawn").Pool(args.workers) as pool:
