@@ -69,7 +69,8 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 def where_measured(**extra: Any) -> dict[str, Any]:
     """Machine, CPU, cores, threads, torch and the commit a result comes from, with `extra`
-    facts of the run (threads per run, workers, ...)."""
+    facts of the run (threads per run, workers, ...). `device` defaults to "cpu"; a caller
+    that ran elsewhere passes `device="cuda"`, and the GPU's name is then recorded too."""
     import platform
 
     import torch
@@ -82,7 +83,16 @@ def where_measured(**extra: Any) -> dict[str, Any]:
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"), "torch": torch.__version__,
             "python": platform.python_version(),
             "commit": commit.stdout.strip() + (" (with uncommitted changes)" if dirty else ""),
-            "load_average_at_start": list(os.getloadavg()), **extra}
+            "load_average_at_start": list(os.getloadavg()), **_gpu_name(str(extra.get("device", "cpu"))), **extra}
+
+
+def _gpu_name(device: str) -> dict[str, str]:
+    """{"gpu": its name} for a CUDA device (the results of one flavor differ by card), else {}."""
+    import torch
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return {}
+    return {"gpu": torch.cuda.get_device_name(torch.device(device))}
 
 
 def python_bin() -> str:

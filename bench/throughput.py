@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
 import sys
 import time
@@ -321,9 +320,8 @@ def main() -> None:
         "trainer_runs": trainer_tps, "minimal_runs": minimal_tps, "flavor": args.flavor,
         "seq_len": args.seq_len, "batch_size": args.batch_size, "steps": args.steps,
         "repeats": args.repeats, "compile": args.compile,
-        "activation_checkpointing": args.activation_checkpointing, "device": args.device, "threads": args.threads,
-        "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(),
+        "activation_checkpointing": args.activation_checkpointing, "threads": args.threads,
+        **where_measured(device=args.device),
         "flops_per_token": flops_per_token, "peak_flops_per_s": peak, "peak_source": peak_source,
         "trainer_mfu": trainer_med * flops_per_token / peak, "minimal_mfu": minimal_med * flops_per_token / peak,
     }

@@ -353,6 +353,21 @@ def test_results_name_the_cpu_class_from_the_first_processors_block(monkeypatch,
     assert harness.cpu_model(tmp_path / "absent") == (platform.processor() or platform.machine())
 
 
+def test_results_name_the_device_they_ran_on_and_a_gpu_by_its_card(monkeypatch):
+    # A GPU results file once said "device: cpu" (the default won over the run's device):
+    # the run's device wins, and a CUDA run names its card, since one flavor's figures
+    # differ by card.
+    import torch
+
+    harness = _bench_module("harness", monkeypatch)
+    meta = harness.where_measured()
+    assert meta["device"] == "cpu" and "gpu" not in meta and meta["commit"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"Card of {device}")
+    meta = harness.where_measured(device="cuda:0", threads=4)
+    assert (meta["device"], meta["gpu"], meta["threads"]) == ("cuda:0", "Card of cuda:0", 4)
+
+
 def test_quality_bench_gives_every_row_its_bytes_against_ddp_and_a_preset_fills_the_table(monkeypatch):
     # Two islands of 1,000 parameters trained 100 steps each on 1,024 tokens per step: DDP of
     # two ranks would all-reduce 4 x 1,000 bytes per rank and step, 8,000 bytes per 2,048
