@@ -67,10 +67,10 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
             f"model {fields.get('model', '?')}, {vector})")
 
 
-def where_measured(**extra: Any) -> dict[str, Any]:
+def where_measured(device: str = "cpu", **extra: Any) -> dict[str, Any]:
     """Machine, CPU, cores, threads, torch and the commit a result comes from, with `extra`
-    facts of the run (threads per run, workers, ...). `device` defaults to "cpu"; a caller
-    that ran elsewhere passes `device="cuda"`, and the GPU's name is then recorded too."""
+    facts of the run (threads per run, workers, ...). A run on a CUDA `device` also records
+    the GPU's name (`gpu`)."""
     import platform
 
     import torch
@@ -79,11 +79,11 @@ def where_measured(**extra: Any) -> dict[str, Any]:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                            capture_output=True, text=True).stdout.strip()
     return {"machine": platform.processor() or platform.machine(), "cpu": cpu_model(), "cores": os.cpu_count(),
-            "device": "cpu",
+            "device": device,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"), "torch": torch.__version__,
             "python": platform.python_version(),
             "commit": commit.stdout.strip() + (" (with uncommitted changes)" if dirty else ""),
-            "load_average_at_start": list(os.getloadavg()), **_gpu_name(str(extra.get("device", "cpu"))), **extra}
+            "load_average_at_start": list(os.getloadavg()), **_gpu_name(device), **extra}
 
 
 def _gpu_name(device: str) -> dict[str, str]:

@@ -354,9 +354,8 @@ def test_results_name_the_cpu_class_from_the_first_processors_block(monkeypatch,
 
 
 def test_results_name_the_device_they_ran_on_and_a_gpu_by_its_card(monkeypatch):
-    # A GPU results file once said "device: cpu" (the default won over the run's device):
-    # the run's device wins, and a CUDA run names its card, since one flavor's figures
-    # differ by card.
+    # Results files say where they ran: the CPU by default, else the run's device, and a
+    # CUDA run names its card too, since one flavor's figures differ by card.
     import torch
 
     harness = _bench_module("harness", monkeypatch)
