@@ -21,7 +21,7 @@ def train(run_dir, *extra, nproc=1, env=None, timeout=240):
 def test_loss_falls_on_real_data_within_50_steps(shakespeare, tmp_path):
     run = tmp_path / "run"
     done = train(run, "--training.steps", "50", "--training.val_every", "25", "--metrics.log_every", "1",
-                 "--optimizer.lr", "3e-3", "--checkpoint.no_enable")
+                 "--optimizer.lr", "3e-3", "--checkpoint.no_enable", "--metrics.peak_tflops", "100")
     assert done.returncode == 0, done.output[-3000:]
     curve = losses(run)
     first, last = curve[1], sum(curve[s] for s in range(46, 51)) / 5
@@ -36,10 +36,15 @@ def test_loss_falls_on_real_data_within_50_steps(shakespeare, tmp_path):
     assert len(vals) == 3 and vals[0] > 8.0 and vals[2] < vals[1] < vals[0] - 1.5, vals
     for key in ("step", "loss", "lr", "tokens_per_s", "mfu"):
         assert key in logged[-1]
-    assert logged[-1]["tokens_per_s"] > 0 and 0 < logged[-1]["mfu"] < 1
     summary = json.loads((run / "summary.json").read_text())
     for key in ("steps", "tokens", "wall_s", "final_loss", "val_loss", "params"):
         assert key in summary
+    # MFU against the stated peak (a measured one moves with whatever shares the cores):
+    # 6 x the matmul weights (all but the 4096 x 256 embedding lookup) + attention's
+    # 12 x layers x heads x head_dim x seq_len, per token, over 100 TFLOP/s.
+    flops_per_token = 6 * (summary["params"] - 4096 * 256) + 12 * 6 * 16 * 16 * 64
+    assert logged[-1]["tokens_per_s"] > 0
+    assert logged[-1]["mfu"] == pytest.approx(logged[-1]["tokens_per_s"] * flops_per_token / 100e12, rel=1e-9)
     assert summary["steps"] == 50 and summary["tokens"] == 50 * 8 * 64
     assert summary["val_loss"] == vals[-1]
 
