@@ -140,10 +140,13 @@ def build_jobs(args: argparse.Namespace) -> list[dict]:
 # feedback would: the global weights stay the islands' common ones, each island's own
 # differ from them by what it holds back; at the end 1 sets every island to the global
 # weights minus the islands' mean residue, sent in bf16 (one more row an island, counted),
-# 2 leaves island 0 its own weights (nothing more sent).
+# 2 leaves island 0 its own weights (nothing more sent); and top-k sending `early_topk_k`
+# values a chunk in the first `early_topk_rounds` rounds, the config's fraction after them
+# (early in training the pseudo-gradients are large and change fast: denser rounds there,
+# counted in `bytes_sent`).
 EXPERIMENTS = ("momentum_warmup_rounds", "sync_warmup_rounds", "average_running_stats", "contributor_mean",
                "final_dense_rounds", "final_outer_lr_pct", "shared_mask_k", "average_moment", "factored_moment",
-               "keep_residue")
+               "keep_residue", "early_topk_k", "early_topk_rounds")
 
 
 def shared_mask_codec(codec, k: int, fragment: int):  # noqa: ANN001, ANN201 - a TopKCodec in, one out
@@ -241,6 +244,7 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
     only_moment = experiments.get("average_moment", 0)
     factored = experiments.get("factored_moment", 0)
     keep_residue = experiments.get("keep_residue", 0)
+    early_k, early_rounds = experiments.get("early_topk_k", 0), experiments.get("early_topk_rounds", 0)
 
     class Experimental(simulation._Outer):
         def __init__(self, cfg, islands) -> None:
@@ -263,6 +267,9 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
                                  "no fragment_sync_delay or final_dense_rounds")
             if keep_residue == 1 and cfg.training.steps % self.per_fragment:
                 raise ValueError("keep_residue=1: training.steps a multiple of sync_steps (the last round flushes)")
+            if bool(early_k) != bool(early_rounds) or early_k and (self.ft.codec != "topk" or shared_mask):
+                raise ValueError("early_topk_k and early_topk_rounds: both, with topk, without shared_mask_k")
+            self.late_k = [codec.k for codec in islands[0].codecs] if early_k else []
             self.performed = 0
             if shared_mask:
                 for island in islands:
@@ -279,9 +286,18 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
         def dense(self) -> bool:
             return bool(final_dense) and self.prepared > self.sparse_rounds
 
+        def send_k(self) -> None:
+            """`early_topk_k`: the values a chunk top-k sends in this round."""
+            for island in self.islands:
+                for codec, late in zip(island.codecs, self.late_k):
+                    codec.k = min(codec.chunk, early_k) if self.prepared <= early_rounds else late
+                    codec._index_coding()
+
         @torch.no_grad()
         def prepare(self) -> None:
             self.prepared += 1
+            if early_k:
+                self.send_k()
             if not self.dense():
                 sent = self.bytes_sent
                 super().prepare()

@@ -251,7 +251,8 @@ def _outer_sweep_module():
     return sweep
 
 
-def _final_dense_run(experiments: dict[str, int], steps: int, codec: str = "topk", record=None):
+def _final_dense_run(experiments: dict[str, int], steps: int, codec: str = "topk", record=None,
+                     fraction: float = 0.05):
     """Two islands of TINY with 2-step rounds through outer_sweep's experimental outer loop;
     `record(outer)` runs before each round's prepare."""
     import archipelago.quality_simulator as simulation
@@ -261,7 +262,7 @@ def _final_dense_run(experiments: dict[str, int], steps: int, codec: str = "topk
                        "--fault_tolerance.enable",
                        "--fault_tolerance.sync_steps", "2", "--fault_tolerance.outer_lr", "1.0",
                        "--fault_tolerance.outer_momentum", "0", "--fault_tolerance.codec", codec,
-                       "--fault_tolerance.topk_fraction", "0.05", "--fault_tolerance.topk_error_decay", "0.5",
+                       "--fault_tolerance.topk_fraction", str(fraction), "--fault_tolerance.topk_error_decay", "0.5",
                        "--fault_tolerance.no_average_optimizer_state"])
     experimental = _outer_sweep_module().experimental_outer(simulation, experiments)
     if record is not None:
@@ -301,6 +302,22 @@ def test_outer_sweeps_final_dense_round_sends_the_pseudo_gradient_and_its_residu
     torch.testing.assert_close(final, expected, rtol=1e-5, atol=1e-6)
     sparse = _final_dense_run({}, steps=4)
     assert flushed.bytes_sent - fp32.bytes_sent == sparse.bytes_sent / 2  # one top-k round, one fp32 round
+
+
+def test_outer_sweeps_early_topk_sends_denser_first_rounds_then_the_configs_fraction():
+    # 51 of each chunk of 256 is top-k at 20%: one such round is that codec's round, bit for
+    # bit and byte for byte; the round after it sends the config's 5% again (13 of 256).
+    early = {"early_topk_k": 51, "early_topk_rounds": 1}
+    one = _final_dense_run(early, steps=2)
+    dense = _final_dense_run({}, steps=2, fraction=0.2)
+    for a, b in zip(one.models[0].parameters(), dense.models[0].parameters()):
+        assert torch.equal(a, b)
+    assert one.bytes_sent == dense.bytes_sent
+    two = _final_dense_run(early, steps=4)
+    sparse = _final_dense_run({}, steps=4)
+    assert two.bytes_sent == dense.bytes_sent + sparse.bytes_sent / 2
+    with pytest.raises(ValueError, match="early_topk_k and early_topk_rounds"):
+        _final_dense_run({"early_topk_k": 51}, steps=2)
 
 
 def test_outer_sweep_counts_bytes_per_token_against_ddp_by_hand():
