@@ -11,7 +11,9 @@ pool of worker processes; on a GPU many fit side by side.
 `--grid sim.NAME=VALUE` passes an option to `simulate()` instead of the config, or turns on
 one of the experiments below (EXPERIMENTS: outer-momentum and round-length warm-ups,
 averaged BatchNorm statistics, means over the senders, dense final rounds, index-free
-masks drawn from the round's number):
+masks drawn from the round's number, averaged or factored moments, training on from the
+residue, denser first rounds; two options go in one --set, e.g.
+`--set sim.early_topk_k=20 sim.early_topk_rounds=20`):
 `sim.slow_period=3` emulates the heterogeneous case (time-paced rounds, the last island 3x
 slower, token-weighted), whose baseline at equal wall-clock is one island alone for the
 fast island's steps (1.5x `--steps` for two islands:
