@@ -251,7 +251,7 @@ def _outer_sweep_module():
     return sweep
 
 
-def _final_dense_run(experiments: dict[str, int], steps: int, codec: str = "topk", record=None,
+def _experimental_run(experiments: dict[str, int], steps: int, codec: str = "topk", record=None,
                      fraction: float = 0.05):
     """Two islands of TINY with 2-step rounds through outer_sweep's experimental outer loop;
     `record(outer)` runs before each round's prepare."""
@@ -283,8 +283,8 @@ def _final_dense_run(experiments: dict[str, int], steps: int, codec: str = "topk
 def test_outer_sweeps_final_dense_round_sends_the_pseudo_gradient_and_its_residue_in_fp32():
     # One round, and it is the dense one: no residue yet, so it is an fp32 federation's round,
     # bit for bit and byte for byte.
-    dense = _final_dense_run({"final_dense_rounds": 1}, steps=2)
-    fp32 = _final_dense_run({}, steps=2, codec="fp32")
+    dense = _experimental_run({"final_dense_rounds": 1}, steps=2)
+    fp32 = _experimental_run({}, steps=2, codec="fp32")
     for a, b in zip(dense.models[0].parameters(), fp32.models[0].parameters()):
         assert torch.equal(a, b)
     assert dense.bytes_sent == fp32.bytes_sent
@@ -292,7 +292,7 @@ def test_outer_sweeps_final_dense_round_sends_the_pseudo_gradient_and_its_residu
     # on the islands' mean minus their mean decayed residue (global - mean(global - local +
     # decay x residue)), by hand from what each island held before that round.
     seen = []
-    flushed = _final_dense_run({"final_dense_rounds": 1}, steps=4,
+    flushed = _experimental_run({"final_dense_rounds": 1}, steps=4,
                                record=lambda outer: seen.append(
                                    [(i.flat(0).clone(), i.codecs[0].error.clone()) for i in outer.islands]))
     (local_a, error_a), (local_b, error_b) = seen[-1]
@@ -300,7 +300,7 @@ def test_outer_sweeps_final_dense_round_sends_the_pseudo_gradient_and_its_residu
     expected = (local_a + local_b) / 2 - 0.5 * (error_a + error_b) / 2
     final = torch.cat([p.detach().flatten() for p in flushed.models[0].parameters()])
     torch.testing.assert_close(final, expected, rtol=1e-5, atol=1e-6)
-    sparse = _final_dense_run({}, steps=4)
+    sparse = _experimental_run({}, steps=4)
     assert flushed.bytes_sent - fp32.bytes_sent == sparse.bytes_sent / 2  # one top-k round, one fp32 round
 
 
@@ -308,16 +308,16 @@ def test_outer_sweeps_early_topk_sends_denser_first_rounds_then_the_configs_frac
     # 51 of each chunk of 256 is top-k at 20%: one such round is that codec's round, bit for
     # bit and byte for byte; the round after it sends the config's 5% again (13 of 256).
     early = {"early_topk_k": 51, "early_topk_rounds": 1}
-    one = _final_dense_run(early, steps=2)
-    dense = _final_dense_run({}, steps=2, fraction=0.2)
+    one = _experimental_run(early, steps=2)
+    dense = _experimental_run({}, steps=2, fraction=0.2)
     for a, b in zip(one.models[0].parameters(), dense.models[0].parameters()):
         assert torch.equal(a, b)
     assert one.bytes_sent == dense.bytes_sent
-    two = _final_dense_run(early, steps=4)
-    sparse = _final_dense_run({}, steps=4)
+    two = _experimental_run(early, steps=4)
+    sparse = _experimental_run({}, steps=4)
     assert two.bytes_sent == dense.bytes_sent + sparse.bytes_sent / 2
     with pytest.raises(ValueError, match="early_topk_k and early_topk_rounds"):
-        _final_dense_run({"early_topk_k": 51}, steps=2)
+        _experimental_run({"early_topk_k": 51}, steps=2)
 
 
 def test_outer_sweep_counts_bytes_per_token_against_ddp_by_hand():
