@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from archipelago.config import Config
-from archipelago.federation.codecs import Codec, build_codec, effective_codec
+from archipelago.federation.codecs import Codec, build_codec, effective_codec, schedule_round
 from archipelago.federation.exchange import Framing, summed_as_received
 from archipelago.federation.inner_state import WIRE_DTYPES
 from archipelago.federation.outer_core import Carried, OuterCore
@@ -102,6 +102,7 @@ class Outer:
         fragment = self.core.fragment(self.step)
         values, weights, self.round_tokens = [], [], []
         for island in self.islands:
+            schedule_round(island.codecs[fragment], self.ft, self.step)  # the platform's step: the join's is 0
             pseudo = self.core.pseudo_gradient(fragment, island.flat(fragment))
             weight, _ = self.core.weight(island.fragment_tokens[fragment], contributes=True)
             self.round_tokens.append(island.fragment_tokens[fragment])

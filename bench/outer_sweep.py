@@ -12,8 +12,8 @@ pool of worker processes; on a GPU many fit side by side.
 one of the experiments below (EXPERIMENTS: outer-momentum and round-length warm-ups,
 averaged BatchNorm statistics, means over the senders, dense final rounds, index-free
 masks drawn from the round's number, averaged or factored moments, training on from the
-residue, denser first rounds; two options go in one --set, e.g.
-`--set sim.early_topk_k=20 sim.early_topk_rounds=20`):
+residue; two options go in one --set, e.g.
+`--set sim.final_dense_rounds=1 sim.final_outer_lr_pct=50`):
 `sim.slow_period=3` emulates the heterogeneous case (time-paced rounds, the last island 3x
 slower, token-weighted), whose baseline at equal wall-clock is one island alone for the
 fast island's steps (1.5x `--steps` for two islands:
@@ -142,13 +142,13 @@ def build_jobs(args: argparse.Namespace) -> list[dict]:
 # feedback would: the global weights stay the islands' common ones, each island's own
 # differ from them by what it holds back; at the end 1 sets every island to the global
 # weights minus the islands' mean residue, sent in bf16 (one more row an island, counted),
-# 2 leaves island 0 its own weights (nothing more sent); and top-k sending `early_topk_k`
-# values a chunk in the first `early_topk_rounds` rounds, the config's fraction after them
-# (early in training the pseudo-gradients are large and change fast: denser rounds there,
-# counted in `bytes_sent`).
+# 2 leaves island 0 its own weights (nothing more sent). (Denser first rounds, once
+# `early_topk_k` / `early_topk_rounds` here, are the config's `fault_tolerance.topk_early_fraction`
+# and `topk_early_rounds` now: `sim.early_topk_k=20 sim.early_topk_rounds=20` with chunks of
+# 1,024 is `fault_tolerance.topk_early_fraction=0.02 fault_tolerance.topk_early_rounds=20`.)
 EXPERIMENTS = ("momentum_warmup_rounds", "sync_warmup_rounds", "average_running_stats", "contributor_mean",
                "final_dense_rounds", "final_outer_lr_pct", "shared_mask_k", "average_moment", "factored_moment",
-               "keep_residue", "early_topk_k", "early_topk_rounds")
+               "keep_residue")
 
 
 def shared_mask_codec(codec, k: int, fragment: int):  # noqa: ANN001, ANN201 - a TopKCodec in, one out
@@ -246,7 +246,6 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
     only_moment = experiments.get("average_moment", 0)
     factored = experiments.get("factored_moment", 0)
     keep_residue = experiments.get("keep_residue", 0)
-    early_k, early_rounds = experiments.get("early_topk_k", 0), experiments.get("early_topk_rounds", 0)
 
     class Experimental(simulation._Outer):
         def __init__(self, cfg, islands) -> None:
@@ -269,9 +268,8 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
                                  "no fragment_sync_delay or final_dense_rounds")
             if keep_residue == 1 and cfg.training.steps % self.per_fragment:
                 raise ValueError("keep_residue=1: training.steps a multiple of sync_steps (the last round flushes)")
-            if bool(early_k) != bool(early_rounds) or early_k and (self.ft.codec != "topk" or shared_mask):
-                raise ValueError("early_topk_k and early_topk_rounds: both, with topk, without shared_mask_k")
-            self.late_k = [codec.k for codec in islands[0].codecs] if early_k else []
+            if shared_mask and self.ft.topk_early_rounds:
+                raise ValueError("shared_mask_k draws its own k values a chunk: set topk_early_rounds = 0")
             self.performed = 0
             if shared_mask:
                 for island in islands:
@@ -288,18 +286,9 @@ def experimental_outer(simulation, experiments: dict[str, int]) -> type:
         def dense(self) -> bool:
             return bool(final_dense) and self.prepared > self.sparse_rounds
 
-        def send_k(self) -> None:
-            """`early_topk_k`: the values a chunk top-k sends in this round."""
-            for island in self.islands:
-                for codec, late in zip(island.codecs, self.late_k):
-                    codec.k = min(codec.chunk, early_k) if self.prepared <= early_rounds else late
-                    codec._index_coding()
-
         @torch.no_grad()
         def prepare(self) -> None:
             self.prepared += 1
-            if early_k:
-                self.send_k()
             if not self.dense():
                 sent = self.bytes_sent
                 super().prepare()

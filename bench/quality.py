@@ -19,7 +19,8 @@ topk-5pct-1bit (the sparser top-k before), sparseloco (2% at 2 bits, error feedb
 -5pct-20: 5% in 20-step rounds, -5pct-20-keep: the same, each island training on from its own
 unsent residue (topk_keep_residue), -5pct-20-muon with Muon inside; their ratios are over single-muon and
 ddp-muon, the baselines with Muon inside, where the run has them; -1pct-50: 1% of chunks of 1,024 in
-50-step rounds, about 10,000x fewer bytes than DDP; -1pct-50-keep: the same with topk_keep_residue),
+50-step rounds, about 10,000x fewer bytes than DDP; -1pct-50-keep: the same with topk_keep_residue;
+-1pct-50-keep-early: that with 2% (20 of 1,024) in the first 20 rounds, topk_early_fraction),
 four islands (diloco-4, sparseloco-5pct-20-4, sparseloco-20pct-20-4: 20% in 20-step rounds, about
 300x fewer bytes) against DDP of four ranks
 (ddp-4), streaming int8 (2 fragments, tau 1) and
@@ -106,6 +107,9 @@ KEEP_RESIDUE = ("--fault_tolerance.topk_keep_residue",)
 # About 10,000x fewer bytes than DDP: 1% of each chunk of 1,024 (k = 10; wider chunks
 # spread the two bf16 scales over more values) in 50-step rounds.
 ONE_PCT_50 = sparse_rounds("0.01", "50", "--fault_tolerance.topk_chunk_size", "1024")
+# Denser first rounds, where the rounds trail DDP most: 2% of each chunk (20 of 1,024) in
+# the first 20 rounds, then the setting's fraction (about 1/10,355 of DDP's bytes with ONE_PCT_50).
+EARLY_DENSER = ("--fault_tolerance.topk_early_fraction", "0.02", "--fault_tolerance.topk_early_rounds", "20")
 
 
 # One island of several ranks, all-reducing gradients every step.
@@ -162,6 +166,7 @@ SETTINGS = {s.name: s for s in (
     Setting("sparseloco-1pct-50", args=ONE_PCT_50),
     # At 1% a round most of an island's progress waits unsent, which it then keeps training on.
     Setting("sparseloco-1pct-50-keep", args=(*ONE_PCT_50, *KEEP_RESIDUE)),
+    Setting("sparseloco-1pct-50-keep-early", args=(*ONE_PCT_50, *KEEP_RESIDUE, *EARLY_DENSER)),
     # Four islands, against DDP of four ranks (the same tokens).
     Setting("ddp-4", islands="", ranks=4, batch_factor=4, args=DDP,
             ddps=("ddp-4",)),
@@ -442,10 +447,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "compute-optimal": {
         "config": REPO / "configs/llama3/compute-optimal.toml", "flavor": "tiny", "steps": 4300, "batch_size": 16,
         "eval_windows": 512, "eval_offset": 512, "seeds": [0, 1, 2],
-        "settings": ["single", "ddp", "diloco", "sparseloco-5pct-20-keep", "sparseloco-1pct-50-keep"],
-        "lr": ["ddp=5e-3", "diloco=5e-3", "single=3e-3",
-               "sparseloco-5pct-20-keep=3e-3", "sparseloco-1pct-50-keep=3e-3"],
-        "outer_lr": ["sparseloco-5pct-20-keep=2.0", "sparseloco-1pct-50-keep=2.0"],
+        "settings": ["single", "ddp", "diloco", "sparseloco-5pct-20-keep", "sparseloco-1pct-50-keep",
+                     "sparseloco-1pct-50-keep-early"],
+        "lr": ["ddp=5e-3", "diloco=5e-3", "single=3e-3", "sparseloco-5pct-20-keep=3e-3",
+               "sparseloco-1pct-50-keep=3e-3", "sparseloco-1pct-50-keep-early=3e-3"],
+        "outer_lr": ["sparseloco-5pct-20-keep=2.0", "sparseloco-1pct-50-keep=2.0",
+                     "sparseloco-1pct-50-keep-early=2.0"],
     },
 }
 

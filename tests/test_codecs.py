@@ -8,7 +8,16 @@ import pytest
 import torch
 
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.codecs import Bf16Codec, Int8Codec, TopKCodec, _pack, _unpack, build_codec, effective_codec
+from archipelago.federation.codecs import (
+    Bf16Codec,
+    Int8Codec,
+    TopKCodec,
+    _pack,
+    _unpack,
+    build_codec,
+    effective_codec,
+    schedule_round,
+)
 
 
 def _signal(numel: int, seed: int = 0) -> torch.Tensor:
@@ -152,6 +161,37 @@ def test_topk_indices_take_the_shorter_of_the_two_codes():
         sent = codec.decode(codec.encode(x.flatten())).view(3, chunk) != 0
         largest = torch.zeros_like(sent).scatter_(1, x.abs().topk(k, dim=1).indices, True)
         assert torch.equal(sent, largest), (chunk, fraction)  # the indices arrive whole
+
+
+def test_topk_early_rounds_send_what_a_codec_of_the_early_fraction_sends_then_the_configs():
+    # The schedule's rounds against codecs built at each fraction (the reference): the same
+    # payload byte for byte, the same residue, the same decoded values; the round after the
+    # early ones sends the config's fraction again, carrying the residue the early round left.
+    ft = FaultToleranceConfig(codec="topk", topk_fraction=0.01, topk_chunk_size=1024, topk_error_decay=0.9,
+                              topk_early_fraction=0.02, topk_early_rounds=2)
+    scheduled, early, late = build_codec(ft, 3000), TopKCodec(3000, 0.02, 2, 1024, decay=0.9), \
+        TopKCodec(3000, 0.01, 2, 1024, decay=0.9)
+    assert (scheduled.k, early.k, late.k) == (10, 20, 10)
+    for step, reference in ((0, early), (2, early), (3, late)):
+        x = _signal(3000, step)
+        schedule_round(scheduled, ft, step)
+        if step == 3:  # the late codec continues from the residue the early rounds left
+            late.error = early.error.clone()
+        payload = scheduled.encode(x)
+        assert payload.numel() == scheduled.payload_bytes() == reference.payload_bytes()
+        assert torch.equal(payload, reference.encode(x)), step
+        assert torch.equal(scheduled.error, reference.error)
+        assert torch.equal(scheduled.decode(payload), reference.decode(payload))
+        # A reduce-scatter's segment (two of the three chunks) decodes as the round sends.
+        piece, segment = scheduled.for_length(2048), scheduled.encode_segments(x, [(0, 2048)])[0]
+        assert torch.equal(segment, reference.encode_segments(x, [(0, 2048)])[0])
+        assert segment.numel() == piece.payload_bytes() == reference.for_length(2048).payload_bytes()
+        assert torch.equal(piece.decode(segment), reference.for_length(2048).decode(segment))
+    assert early.payload_bytes() > late.payload_bytes()  # the comparison can fail
+    off = FaultToleranceConfig(codec="topk", topk_fraction=0.01, topk_chunk_size=1024)
+    plain = build_codec(off, 3000)
+    schedule_round(plain, off, 0)
+    assert plain.k == 10  # no schedule: the config's fraction from the first round
 
 
 def test_topk_sends_the_largest_values_of_every_chunk():

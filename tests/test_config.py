@@ -123,6 +123,26 @@ def test_keep_residue_without_synchronous_topk_rounds_names_the_fix():
         assert "or topk_keep_residue = false" in _refusal(wrong), key
 
 
+def test_topk_early_rounds_need_both_settings_and_synchronous_topk_rounds():
+    def early(fraction: float, rounds: int, **more) -> Config:
+        cfg = Config()
+        cfg.fault_tolerance.enable, cfg.fault_tolerance.codec = True, "topk"
+        cfg.fault_tolerance.topk_early_fraction, cfg.fault_tolerance.topk_early_rounds = fraction, rounds
+        for key, value in more.items():
+            setattr(cfg.fault_tolerance, key, value)
+        return cfg
+
+    validate(early(0.02, 20))
+    validate(early(0.0, 0))
+    for fraction, rounds in ((0.02, 0), (0.0, 20), (1.5, 20), (float("nan"), 20), (0.02, -1)):
+        assert "set both (a fraction in (0, 1] and rounds >= 1, e.g. 0.02 and 20) or neither" in \
+            _refusal(early(fraction, rounds)), (fraction, rounds)
+    for key, value in (("codec", "auto"), ("codec", "int8"), ("round_mode", "decoupled")):
+        message = _refusal(early(0.02, 20, **{key: value}))
+        assert f'(not "{value}")' in message, key
+        assert "or topk_early_rounds = 0 and topk_early_fraction = 0" in message, key
+
+
 def test_a_declared_limit_below_one_names_the_fix():
     cfg = Config()
     cfg.fault_tolerance.enable, cfg.fault_tolerance.declared_limit = True, 0.5

@@ -340,6 +340,21 @@ def test_fingerprint_mismatch_names_both_islands():
     assert issubclass(FederationMismatch, Exception)
 
 
+def test_islands_must_agree_on_the_topk_early_rounds():
+    # A member sending another count a chunk would send payloads of another length: refused
+    # at the join, naming the codec, not as forged rows every round.
+    ft = FaultToleranceConfig(enable=True, group_size=2, codec="topk", topk_fraction=0.01, topk_chunk_size=1024,
+                              topk_early_fraction=0.02, topk_early_rounds=20)
+    shapes = [("w", (4, 4))]
+    a = fingerprint("m", shapes, ft, 1)
+    assert "0.02 in the first 20 rounds" in a["codec"]
+    assert mismatch(a, fingerprint("m", shapes, replace(ft, replica_id=1), 1)) is None
+    for other in (replace(ft, topk_early_rounds=10), replace(ft, topk_early_fraction=0.03),
+                  replace(ft, topk_early_fraction=0.0, topk_early_rounds=0)):
+        message = mismatch(a, fingerprint("m", shapes, replace(other, replica_id=1), 1))
+        assert message is not None and "codec" in message, other
+
+
 def test_time_paced_islands_must_agree_on_the_round_and_the_token_budget():
     ft = FaultToleranceConfig(enable=True, group_size=2, round_pacing="time", round_seconds=30)
     shapes = [("w", (4, 4))]

@@ -76,7 +76,10 @@ def test_simulator_trains_the_same_weights_as_a_real_federation(tmp_path):
      "--fault_tolerance.fragment_sync_delay", "1"),
     ("--fault_tolerance.codec", "topk", "--fault_tolerance.topk_fraction", "0.02",
      "--fault_tolerance.topk_error_decay", "0.95", "--fault_tolerance.topk_keep_residue"),
-], ids=["int8", "topk-ef", "streaming-int8", "topk-keep-residue"])
+    ("--fault_tolerance.codec", "topk", "--fault_tolerance.topk_fraction", "0.02",
+     "--fault_tolerance.topk_error_decay", "0.95", "--fault_tolerance.topk_keep_residue",
+     "--fault_tolerance.topk_early_fraction", "0.1", "--fault_tolerance.topk_early_rounds", "1"),
+], ids=["int8", "topk-ef", "streaming-int8", "topk-keep-residue", "topk-keep-residue-early"])
 def test_the_simulator_trains_the_shipped_combinations_bit_for_bit(tmp_path, combination):
     # What bench/outer_sweep.py and docs/quality.md's simulator rows stand on: each codec and
     # streaming as the platform runs them (two islands, the rows' rounding, top-k's error
@@ -252,9 +255,9 @@ def _outer_sweep_module():
 
 
 def _experimental_run(experiments: dict[str, int], steps: int, codec: str = "topk", record=None,
-                     fraction: float = 0.05):
-    """Two islands of TINY with 2-step rounds through outer_sweep's experimental outer loop;
-    `record(outer)` runs before each round's prepare."""
+                      fraction: float = 0.05, more: tuple[str, ...] = ()):
+    """Two islands of TINY with 2-step rounds through outer_sweep's experimental outer loop
+    (`more`: further config options); `record(outer)` runs before each round's prepare."""
     import archipelago.quality_simulator as simulation
     from archipelago.config import load_config
 
@@ -263,7 +266,7 @@ def _experimental_run(experiments: dict[str, int], steps: int, codec: str = "top
                        "--fault_tolerance.sync_steps", "2", "--fault_tolerance.outer_lr", "1.0",
                        "--fault_tolerance.outer_momentum", "0", "--fault_tolerance.codec", codec,
                        "--fault_tolerance.topk_fraction", str(fraction), "--fault_tolerance.topk_error_decay", "0.5",
-                       "--fault_tolerance.no_average_optimizer_state"])
+                       "--fault_tolerance.no_average_optimizer_state", *more])
     experimental = _outer_sweep_module().experimental_outer(simulation, experiments)
     if record is not None:
         prepare = experimental.prepare
@@ -304,20 +307,22 @@ def test_outer_sweeps_final_dense_round_sends_the_pseudo_gradient_and_its_residu
     assert flushed.bytes_sent - fp32.bytes_sent == sparse.bytes_sent / 2  # one top-k round, one fp32 round
 
 
-def test_outer_sweeps_early_topk_sends_denser_first_rounds_then_the_configs_fraction():
-    # 51 of each chunk of 256 is top-k at 20%: one such round is that codec's round, bit for
-    # bit and byte for byte; the round after it sends the config's 5% again (13 of 256).
-    early = {"early_topk_k": 51, "early_topk_rounds": 1}
-    one = _experimental_run(early, steps=2)
+def test_the_simulators_topk_early_rounds_are_a_denser_codecs_rounds_then_the_configs_fraction():
+    # fault_tolerance.topk_early_fraction 0.2 in the first round: that round is top-k at 20%'s
+    # (51 of each 256), bit for bit and byte for byte; the round after it sends the config's
+    # 5% again (13 of 256), so two rounds cost one of each.
+    early = ("--fault_tolerance.topk_early_fraction", "0.2", "--fault_tolerance.topk_early_rounds", "1")
+    one = _experimental_run({}, steps=2, more=early)
     dense = _experimental_run({}, steps=2, fraction=0.2)
     for a, b in zip(one.models[0].parameters(), dense.models[0].parameters()):
         assert torch.equal(a, b)
     assert one.bytes_sent == dense.bytes_sent
-    two = _experimental_run(early, steps=4)
+    two = _experimental_run({}, steps=4, more=early)
     sparse = _experimental_run({}, steps=4)
     assert two.bytes_sent == dense.bytes_sent + sparse.bytes_sent / 2
-    with pytest.raises(ValueError, match="early_topk_k and early_topk_rounds"):
-        _experimental_run({"early_topk_k": 51}, steps=2)
+    assert any(not torch.equal(a, b) for a, b in zip(two.models[0].parameters(), sparse.models[0].parameters()))
+    with pytest.raises(ValueError, match="shared_mask_k draws its own"):
+        _experimental_run({"shared_mask_k": 13}, steps=2, more=early)
 
 
 def test_outer_sweep_counts_bytes_per_token_against_ddp_by_hand():
@@ -401,10 +406,10 @@ def test_quality_bench_gives_every_row_its_bytes_against_ddp_and_a_preset_fills_
     assert quality.bytes_cell(1 / 400) == "1/400" and quality.bytes_cell(0.3) == "0.3000"
     args = quality.parse_args(["--preset", "compute-optimal", "--seeds", "2"])
     assert (args.flavor, args.steps, args.eval_offset, args.seeds) == ("tiny", 4300, 512, [2])
-    assert args.lr == {"ddp": "5e-3", "diloco": "5e-3", "single": "3e-3", "sparseloco-5pct-20-keep": "3e-3",
-                       "sparseloco-1pct-50-keep": "3e-3"}
-    assert args.outer_lr == {"sparseloco-5pct-20-keep": "2.0", "sparseloco-1pct-50-keep": "2.0"}
-    assert {"sparseloco-5pct-20-keep", "sparseloco-1pct-50-keep"} <= set(args.settings)
+    tuned = ("sparseloco-5pct-20-keep", "sparseloco-1pct-50-keep", "sparseloco-1pct-50-keep-early")
+    assert args.lr == {"ddp": "5e-3", "diloco": "5e-3", "single": "3e-3", **{name: "3e-3" for name in tuned}}
+    assert args.outer_lr == {name: "2.0" for name in tuned}
+    assert set(tuned) <= set(args.settings)
     args = quality.parse_args(["--lr", "sparseloco=3e-3", "--outer-lr", "sparseloco=1.5", "ddp=2"])
     sparse = quality.command(args, quality.SETTINGS["sparseloco"], 0, Path("run"), 100, None)
     assert sparse[sparse.index("--optimizer.lr") + 1] == "3e-3"
@@ -805,20 +810,22 @@ def test_keep_residue_in_the_config_is_the_sweeps_experiment_bit_for_bit():
     assert any(not torch.equal(x, y) for x, y in zip(shipped[0].parameters(), shipped[1].parameters()))
 
 
-def test_the_thin_link_config_is_the_measured_setting(monkeypatch):
-    # configs/llama3/compute-optimal-thin-link.toml ships the rounds docs/quality.md measured:
-    # bench/quality.py's sparseloco-5pct-20-keep on compute-optimal.toml at the rates tuned
-    # for it (inner 3e-3, outer 2.0) with each island's batch of 16, evaluated on the same
-    # 512 held-out windows. Field for field, but the job's name.
+@pytest.mark.parametrize("config, measured_as", [("compute-optimal-thin-link", "sparseloco-5pct-20-keep"),
+                                                 ("compute-optimal-10k", "sparseloco-1pct-50-keep-early")])
+def test_the_thin_link_configs_are_the_measured_settings(monkeypatch, config, measured_as):
+    # configs/llama3/compute-optimal-thin-link.toml and -10k.toml ship the rounds
+    # docs/quality.md measured: bench/quality.py's settings on compute-optimal.toml at the
+    # rates tuned for them (inner 3e-3, outer 2.0) with each island's batch of 16, evaluated
+    # on the same 512 held-out windows. Field for field, but the job's name.
     from dataclasses import replace
 
     from archipelago.config import load_config
 
     quality = _bench_module("quality", monkeypatch)
-    setting = quality.SETTINGS["sparseloco-5pct-20-keep"]
+    setting = quality.SETTINGS[measured_as]
     measured = load_config(["--config", "configs/llama3/compute-optimal.toml", *setting.args,
                             "--optimizer.lr", "3e-3", "--fault_tolerance.outer_lr", "2.0",
                             "--training.batch_size", "16", "--training.val_batches", "32"])
-    shipped = load_config(["--config", "configs/llama3/compute-optimal-thin-link.toml"])
+    shipped = load_config(["--config", f"configs/llama3/{config}.toml"])
     assert shipped.fault_tolerance.topk_keep_residue and shipped.fault_tolerance.codec == "topk"
     assert replace(shipped, job=measured.job) == measured

@@ -179,6 +179,15 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
              "fault_tolerance.topk_keep_residue continues each round from the global weights minus top-k's "
              "residue: it needs codec = \"topk\", round_mode = \"synchronous\", fragment_sync_delay = 0, "
              "fragment_update_alpha = 0 and no carrier (a thin island); set those or topk_keep_residue = false", p)
+    _require(0 <= ft.topk_early_fraction <= 1 and ft.topk_early_rounds >= 0
+             and (ft.topk_early_fraction > 0) == (ft.topk_early_rounds > 0),
+             f"fault_tolerance.topk_early_fraction = {ft.topk_early_fraction}, topk_early_rounds = "
+             f"{ft.topk_early_rounds}: set both (a fraction in (0, 1] and rounds >= 1, e.g. 0.02 and 20) or neither "
+             "(0 and 0)", p)
+    _require(not ft.topk_early_rounds or (ft.codec == "topk" and ft.round_mode == "synchronous"),
+             "fault_tolerance.topk_early_rounds changes what the members' top-k sends in the first rounds: it needs "
+             f"codec = \"topk\" (not \"{ft.codec}\") and round_mode = \"synchronous\" (not \"{ft.round_mode}\"); "
+             "set those or topk_early_rounds = 0 and topk_early_fraction = 0", p)
     _require(ft.codec_block_size >= 1,
              f"fault_tolerance.codec_block_size = {ft.codec_block_size}: must be >= 1", p)
     _require(0 < ft.topk_fraction <= 1,

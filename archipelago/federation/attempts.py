@@ -23,7 +23,7 @@ from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.agreement import settle_exchange
 from archipelago.federation.auto_codec import AutoCodec
 from archipelago.federation.carry import Upload
-from archipelago.federation.codecs import Codec
+from archipelago.federation.codecs import Codec, schedule_round
 from archipelago.federation.decoupled import OVERLAP_SCALE, Handoffs
 from archipelago.federation.exchange import (
     Framing,
@@ -178,6 +178,7 @@ class ExchangeAttempts:
         framing = self._frame(p, m)
         if p.exchanged and p.buffer is not None:
             codec = h.codecs[p.fragment]
+            schedule_round(codec, h.ft, p.outer_step)  # topk_early_rounds: this round's values a chunk
             if h.ft.exchange_retries > 0:  # encoding moves error feedback; a retry starts from here
                 p.codec_state = {k: v.clone() for k, v in codec.state_dict().items()}
             p.gathered = start_gather(h.manager, codec, p.buffer[:-2], p.tokens, p.weight,

@@ -312,7 +312,10 @@ def _codec(ft: FaultToleranceConfig) -> str:
         return f"int8(block {ft.codec_block_size})"
     if name == "topk":
         decay = f", error decay {ft.topk_error_decay:g}" if ft.topk_error_decay != 1 else ""
-        return f"topk({ft.topk_fraction:g}, {ft.topk_bits} bits, chunk {ft.topk_chunk_size}, {ft.topk_exchange}{decay})"
+        early = (f", {ft.topk_early_fraction:g} in the first {ft.topk_early_rounds} rounds"
+                 if ft.topk_early_rounds else "")
+        return (f"topk({ft.topk_fraction:g}, {ft.topk_bits} bits, chunk {ft.topk_chunk_size}, "
+                f"{ft.topk_exchange}{decay}{early})")
     if name == "auto":
         topk = _codec(replace(ft, codec="topk"))
         int8 = _codec(replace(ft, codec="int8"))

@@ -207,9 +207,15 @@ class TopKCodec(Codec):
         piece = TopKCodec(numel, self.fraction, self.bits, self.chunk, self.exchange, self.decay, feedback=False)
         piece.chunks = max(1, math.ceil(numel / self.chunk))
         piece.chunk = piece.align = self.chunk
-        piece.k = self.k
-        piece._index_coding()
+        piece.send_per_chunk(self.k)
         return piece
+
+    def send_per_chunk(self, k: int) -> None:
+        """Send `k` values of each chunk (1 to the chunk's) from the next encode on, their
+        indices coded to suit; every payload of the round must share it (the receivers'
+        codecs decode with theirs). The error feedback is model-sized: it stays."""
+        self.k = max(1, min(self.chunk, k))
+        self._index_coding()
 
     def _index_coding(self) -> None:
         """Fixed-width indices (`index_bits` each) or Elias-Fano (`low_bits` each plus a
@@ -523,6 +529,16 @@ def build_codec(ft: FaultToleranceConfig, numel: int) -> Codec:
         return TopKCodec(numel, ft.topk_fraction, ft.topk_bits, ft.topk_chunk_size, ft.topk_exchange,
                          ft.topk_error_decay)
     return Codec(numel)
+
+
+def schedule_round(codec: Codec, ft: FaultToleranceConfig, outer_step: int) -> None:
+    """Set what the members' top-k `codec` sends in the round that starts after `outer_step`
+    applied outer steps: `topk_early_fraction` of a chunk while at most `topk_early_rounds`
+    were applied (the join round and the first rounds of training), `topk_fraction` after.
+    The outer step is the quorum's, so every member's payloads have one length."""
+    if ft.topk_early_rounds and isinstance(codec, TopKCodec):
+        fraction = ft.topk_early_fraction if outer_step <= ft.topk_early_rounds else ft.topk_fraction
+        codec.send_per_chunk(round(fraction * codec.chunk))
 
 
 def effective_codec(ft: FaultToleranceConfig) -> str:
