@@ -59,6 +59,24 @@ def test_two_alike_islands_round_after_round():
         assert report.islands[k].received == rounds * (16 + 4 * PARAMS)
 
 
+def test_topk_early_rounds_receive_the_early_fractions_bytes_then_the_configs():
+    # The join round (outer step 0) and the next 5 send 2% of each chunk, the rest 1%: each
+    # round's bytes are those of a codec built at that fraction (the reference).
+    from archipelago.federation.simulate import exchange_bytes
+
+    topk = {"codec": "topk", "topk_fraction": 0.01, "topk_chunk_size": 1024, "sync_steps": 20}
+    two = [{"count": 2, "step_s": 1.0}]
+    sparse = exchange_bytes(scenario_from_dict(_scenario(two, **topk)).ft, PARAMS, 2)
+    dense = exchange_bytes(scenario_from_dict(_scenario(two, **{**topk, "topk_fraction": 0.02})).ft, PARAMS, 2)
+    assert dense > sparse
+    plain = simulate(scenario_from_dict(_scenario(two, **topk)))
+    early = simulate(scenario_from_dict(_scenario(two, **topk, topk_early_fraction=0.02, topk_early_rounds=5)))
+    assert plain.failed_rounds == early.failed_rounds == 0 and early.rounds > 10
+    for k in range(2):
+        assert plain.islands[k].received == plain.rounds * sparse
+        assert early.islands[k].received == 6 * dense + (early.rounds - 6) * sparse
+
+
 def test_time_pacing_keeps_unlike_islands_busy_where_step_pacing_idles_the_fast_one():
     groups = [{"step_s": 1.0}, {"step_s": 3.0}]
     steps = simulate(scenario_from_dict(_scenario(groups, sync_steps=20)))

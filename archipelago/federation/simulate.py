@@ -246,8 +246,11 @@ class Simulation:
         self.steps = {g.step_s: round_steps(self.ft, g.step_s) for g in self.islands}
         self.joined_s = 0.0
         self._auto: dict[int, FaultToleranceConfig] = {}  # codec = "auto": the choice per island count
-        self._received: dict[int, int] = {}  # bytes an island receives per exchange, per island count
-        self._phases: dict[int, int] = {}  # latencies an exchange waits, per island count
+        # Bytes an island receives per exchange, and the latencies it waits, per island count
+        # and whether the round is one of topk_early_rounds.
+        self._received: dict[tuple[int, bool], int] = {}
+        self._phases: dict[tuple[int, bool], int] = {}
+        self.outer = 0  # outer steps applied before the round being simulated
         self.codecs_used: dict[str, int] = {}  # rounds per codec
 
     def _schedule_failure(self, k: int, after: float) -> None:
@@ -295,6 +298,7 @@ class Simulation:
     def _round(self, start: float, live: list[int], outer: int) -> tuple[float, bool]:
         """One round from `start` with the islands `live`; returns (its end, committed)."""
         arrive, parts, began = {}, {}, {}
+        self.outer = outer
         for k in live:
             g, joining = self.islands[k], not self.joined[k]
             # A joining island trains nothing this round: it heals from a peer (a running
@@ -400,7 +404,7 @@ class Simulation:
         the slowest link and the median round, as the islands agree on them
         (auto_codec.agree_on_link)."""
         if self.ft.codec != "auto":
-            return self.ft
+            return replace(self.ft, topk_fraction=self.ft.topk_early_fraction) if self._early() else self.ft
         if participants not in self._auto:
             link = min(g.bandwidth_mbit for g in self.islands) * 1e6
             round_s = statistics.median(self.steps[g.step_s] * g.step_s for g in self.islands)
@@ -413,13 +417,19 @@ class Simulation:
                                                average_optimizer_state=carried)
         return self._auto[participants]
 
+    def _early(self) -> bool:
+        """Is this round one of `topk_early_rounds` (codecs.schedule_round: at most that many
+        outer steps applied), whose top-k sends `topk_early_fraction`?"""
+        return 0 < self.ft.topk_early_rounds and self.outer <= self.ft.topk_early_rounds
+
     def received(self, participants: int) -> int:
         """Bytes one island receives in an exchange of `participants` islands (exchange_bytes,
-        with this round's codec; the same for every round of that many islands)."""
-        if participants not in self._received:
-            self._received[participants] = exchange_bytes(self.round_ft(participants), self.s.settings.params,
-                                                          participants)
-        return self._received[participants]
+        with this round's codec; the same for every round of that many islands, but for the
+        early rounds')."""
+        key = (participants, self._early())
+        if key not in self._received:
+            self._received[key] = exchange_bytes(self.round_ft(participants), self.s.settings.params, participants)
+        return self._received[key]
 
     def _exchange_s(self, participants: int, over: list[int] | None = None) -> float:
         """An exchange of `participants` islands: each island's received bytes over its link,
@@ -430,10 +440,10 @@ class Simulation:
         links = [self.islands[k] for k in over] if over is not None else self.islands
         slowest = min(g.bandwidth_mbit for g in links) * 1e6
         latency = max(g.latency_ms for g in links) / 1e3
-        if participants not in self._phases:
-            self._phases[participants] = exchange_phases(self.round_ft(participants), self.s.settings.params,
-                                                         participants)
-        return self.received(participants) * 8 / slowest + self._phases[participants] * latency
+        key = (participants, self._early())
+        if key not in self._phases:
+            self._phases[key] = exchange_phases(self.round_ft(participants), self.s.settings.params, participants)
+        return self.received(participants) * 8 / slowest + self._phases[key] * latency
 
 
 def format_report(report: Report, groups: list[IslandGroup]) -> str:
