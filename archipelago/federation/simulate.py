@@ -44,7 +44,7 @@ from archipelago.config.loading import read_toml, section_from_table
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.config.validate import fault_tolerance_problems
 from archipelago.federation.auto_codec import auto_target_s, choose_round, moments_received, moments_row_bytes
-from archipelago.federation.codecs import build_codec
+from archipelago.federation.codecs import build_codec, round_fraction
 from archipelago.federation.exchange import Framing, round_received, two_phase
 from archipelago.federation.outer_core import contribution_weight
 from archipelago.federation.policy import Membership, must_wait, part_in_round, round_is_up
@@ -247,9 +247,9 @@ class Simulation:
         self.joined_s = 0.0
         self._auto: dict[int, FaultToleranceConfig] = {}  # codec = "auto": the choice per island count
         # Bytes an island receives per exchange, and the latencies it waits, per island count
-        # and whether the round is one of topk_early_rounds.
-        self._received: dict[tuple[int, bool], int] = {}
-        self._phases: dict[tuple[int, bool], int] = {}
+        # and the round's top-k fraction (topk_early_rounds send another).
+        self._received: dict[tuple[int, float], int] = {}
+        self._phases: dict[tuple[int, float], int] = {}
         self.outer = 0  # outer steps applied before the round being simulated
         self.codecs_used: dict[str, int] = {}  # rounds per codec
 
@@ -404,7 +404,8 @@ class Simulation:
         the slowest link and the median round, as the islands agree on them
         (auto_codec.agree_on_link)."""
         if self.ft.codec != "auto":
-            return replace(self.ft, topk_fraction=self.ft.topk_early_fraction) if self._early() else self.ft
+            fraction = round_fraction(self.ft, self.outer)
+            return self.ft if fraction == self.ft.topk_fraction else replace(self.ft, topk_fraction=fraction)
         if participants not in self._auto:
             link = min(g.bandwidth_mbit for g in self.islands) * 1e6
             round_s = statistics.median(self.steps[g.step_s] * g.step_s for g in self.islands)
@@ -417,16 +418,11 @@ class Simulation:
                                                average_optimizer_state=carried)
         return self._auto[participants]
 
-    def _early(self) -> bool:
-        """Is this round one of `topk_early_rounds` (codecs.schedule_round: at most that many
-        outer steps applied), whose top-k sends `topk_early_fraction`?"""
-        return 0 < self.ft.topk_early_rounds and self.outer <= self.ft.topk_early_rounds
-
     def received(self, participants: int) -> int:
         """Bytes one island receives in an exchange of `participants` islands (exchange_bytes,
-        with this round's codec; the same for every round of that many islands, but for the
-        early rounds')."""
-        key = (participants, self._early())
+        with this round's codec; the same for every round of that many islands and top-k
+        fraction)."""
+        key = (participants, round_fraction(self.ft, self.outer))
         if key not in self._received:
             self._received[key] = exchange_bytes(self.round_ft(participants), self.s.settings.params, participants)
         return self._received[key]
@@ -440,7 +436,7 @@ class Simulation:
         links = [self.islands[k] for k in over] if over is not None else self.islands
         slowest = min(g.bandwidth_mbit for g in links) * 1e6
         latency = max(g.latency_ms for g in links) / 1e3
-        key = (participants, self._early())
+        key = (participants, round_fraction(self.ft, self.outer))
         if key not in self._phases:
             self._phases[key] = exchange_phases(self.round_ft(participants), self.s.settings.params, participants)
         return self.received(participants) * 8 / slowest + self._phases[key] * latency

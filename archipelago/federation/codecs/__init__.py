@@ -190,9 +190,8 @@ class TopKCodec(Codec):
         self.fraction, self.exchange, self.decay = fraction, exchange, decay
         self.chunk = self.align = max(1, min(chunk, numel))
         self.chunks = max(1, math.ceil(numel / self.chunk))
-        self.k = max(1, min(self.chunk, round(fraction * self.chunk)))  # sent per chunk
         self.bits = bits
-        self._index_coding()
+        self.send_fraction(fraction)  # k, the values sent per chunk
         self.magnitudes = 2 ** (bits - 1)
         self.n_scales = 1 if self.magnitudes == 1 else 2  # bf16 per chunk: mean, or smallest and largest
         # What was not sent yet; none for a segment's codec (`for_length`), which decodes.
@@ -209,6 +208,10 @@ class TopKCodec(Codec):
         piece.chunk = piece.align = self.chunk
         piece.send_per_chunk(self.k)
         return piece
+
+    def send_fraction(self, fraction: float) -> None:
+        """`send_per_chunk` the nearest whole count of `fraction` of a chunk."""
+        self.send_per_chunk(round(fraction * self.chunk))
 
     def send_per_chunk(self, k: int) -> None:
         """Send `k` values of each chunk (1 to the chunk's) from the next encode on, their
@@ -531,14 +534,20 @@ def build_codec(ft: FaultToleranceConfig, numel: int) -> Codec:
     return Codec(numel)
 
 
+def round_fraction(ft: FaultToleranceConfig, outer_step: int) -> float:
+    """The fraction of a chunk the members' top-k sends in the round that starts after
+    `outer_step` applied outer steps: `topk_early_fraction` while at most `topk_early_rounds`
+    were applied (the join round and the first rounds of training), `topk_fraction` after."""
+    early = 0 < ft.topk_early_rounds and outer_step <= ft.topk_early_rounds
+    return ft.topk_early_fraction if early else ft.topk_fraction
+
+
 def schedule_round(codec: Codec, ft: FaultToleranceConfig, outer_step: int) -> None:
-    """Set what the members' top-k `codec` sends in the round that starts after `outer_step`
-    applied outer steps: `topk_early_fraction` of a chunk while at most `topk_early_rounds`
-    were applied (the join round and the first rounds of training), `topk_fraction` after.
-    The outer step is the quorum's, so every member's payloads have one length."""
+    """Set what the members' top-k `codec` sends in the round after `outer_step` applied
+    outer steps (`round_fraction`). The outer step is the quorum's, so every member's
+    payloads have one length."""
     if ft.topk_early_rounds and isinstance(codec, TopKCodec):
-        fraction = ft.topk_early_fraction if outer_step <= ft.topk_early_rounds else ft.topk_fraction
-        codec.send_per_chunk(round(fraction * codec.chunk))
+        codec.send_fraction(round_fraction(ft, outer_step))
 
 
 def effective_codec(ft: FaultToleranceConfig) -> str:
