@@ -29,7 +29,12 @@ def grpc_peer_address(peer: str) -> str:
     kind, _, rest = peer.partition(":")
     if kind not in ("ipv4", "ipv6"):
         return peer
-    host = unquote(rest).rpartition(":")[0].strip("[]")
+    return canonical_host(unquote(rest).rpartition(":")[0].strip("[]"))
+
+
+def canonical_host(host: str) -> str:
+    """An IP literal in its one form, an IPv4-mapped IPv6 address as IPv4 (one peer is one
+    host however a socket names it); anything else as given."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:

@@ -9,9 +9,12 @@ Six runs on this machine, one after the other, all llama3 debug on Shakespeare:
 3. kill drill: run 1 again with `--kill 1@T`, T mid-round after a couple of outer steps
    (taken from run 1's timing); island 0's metrics give the survivor's stall.
 4. signing (unless --no-signing): run 1 with a federation key (every row a signed frame,
-   every receiver checking the tag), then top-k without and with a key; each compared with
+   every receiver checking the tag and its sender's signature, and the members' receipts:
+   federation/receipts.py), then top-k without and with a key; each compared with
    the same codec without a key: bytes per token, round time, and the encode + open/check/
    sum seconds per round against the round (the target: signing under 5% of a round).
+   With --signing-only, only these runs and run 1 on torchft's gloo group (the transport:
+   ours, `tcp`, the default, against gloo), at any --flavor.
 5. dashboard (unless --no-dashboard): bench/dashboard.py, one-rank runs with and without
    pushing every step record to a federation dashboard (the target: step time ratio <= 1.01).
 
@@ -35,6 +38,7 @@ record). The stall: island 0's time from its last outer step before the kill to 
 one, next to run 1's median round and the time the survivor spent blocked in that sync.
 
     python bench/federation.py [--steps 40] [--sync-steps 10] [--ddp-steps 20] [--out FILE]
+    python bench/federation.py --signing-only --flavor small --steps 15 --sync-steps 5 --batch-size 2
 """
 
 from __future__ import annotations
@@ -123,7 +127,8 @@ def metering(args: argparse.Namespace) -> Callable[[str, float], Monitor]:
 
 def train_args(args: argparse.Namespace, steps: int) -> list[str]:
     # Warmup must stay below the step count (a short DDP run would otherwise be refused).
-    return ["--config", str(args.config), "--training.steps", str(steps),
+    flavor = ["--model.flavor", args.flavor] if args.flavor else []
+    return ["--config", str(args.config), *flavor, "--training.steps", str(steps),
             "--lr_scheduler.warmup_steps", str(min(20, steps // 2)), *COMMON_OVERRIDES]
 
 
@@ -233,6 +238,18 @@ def measure_signing(args: argparse.Namespace, root: Path, fp32_plain: dict[str, 
     return rows
 
 
+def measure_transport(args: argparse.Namespace, root: Path, tcp_plain: dict[str, Any]) -> dict[str, Any]:
+    """The plain fp32 federation on torchft's gloo group against the same on ours (`tcp`,
+    the default: no peer can abort this process): round time and codec seconds."""
+    gloo = measure_federation(args, root, "fp32-gloo", ("--fault_tolerance.process_group", "gloo"))
+    tcp_round = statistics.median(tcp_plain["round_intervals_s"]) if tcp_plain["round_intervals_s"] else None
+    gloo_round = statistics.median(gloo["round_intervals_s"]) if gloo["round_intervals_s"] else None
+    return {"round_ratio": ratio(tcp_round, gloo_round), "tcp_round_s": tcp_round, "gloo_round_s": gloo_round,
+            "tcp_sync_s": tcp_plain["median_sync_s"], "gloo_sync_s": gloo["median_sync_s"],
+            "tcp_bytes_per_token": tcp_plain["steady_bytes_per_token"],
+            "gloo_bytes_per_token": gloo["steady_bytes_per_token"]}
+
+
 def default_kill_at(federation: dict[str, Any], after_outer: int) -> float:
     """Seconds after the launcher's start: half a round after outer step `after_outer`
     of the first run, so the kill lands mid-round with a couple of rounds behind it."""
@@ -297,6 +314,32 @@ def kill_drill(args: argparse.Namespace, root: Path, federation: dict[str, Any],
 # ------------------------------------------------------------------- report
 
 
+def print_signing(result: dict[str, Any]) -> None:
+    if result.get("signing"):
+        print("\nsigned rows (a federation key) against plain rows, same codec; codec s = encode + open, "
+              "check (receipts included), sum per round (medians, island 0)\n")
+        print("| ratio (signed / plain bytes per token) | round time ratio | signing share of the round "
+              "| codec | signed bytes/token | plain bytes/token | signed round s | plain round s "
+              "| signed codec s | plain codec s |")
+        print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+        for r in result["signing"]:
+            print(f"| {num(r['bytes_ratio'], '.4f')} | {num(r['round_ratio'], '.3f')} "
+                  f"| {num(r['signing_share'], '.3%')} | {r['codec']} "
+                  f"| {num(r['signed_bytes_per_token'], ',.1f')} | {num(r['plain_bytes_per_token'], ',.1f')} "
+                  f"| {num(r['signed_round_s'], '.2f')} | {num(r['plain_round_s'], '.2f')} "
+                  f"| {num(r['signed_codec_s'], '.3f')} | {num(r['plain_codec_s'], '.3f')} |")
+    transport = result.get("transport")
+    if transport:
+        print("\nthe cross-island group: ours (tcp, the default) against torchft's gloo, fp32, no key\n")
+        print("| ratio (tcp / gloo round s) | tcp round s | gloo round s | tcp sync s | gloo sync s "
+              "| tcp bytes/token | gloo bytes/token |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        t = transport
+        print(f"| {num(t['round_ratio'], '.3f')} | {num(t['tcp_round_s'], '.2f')} | {num(t['gloo_round_s'], '.2f')} "
+              f"| {num(t['tcp_sync_s'], '.2f')} | {num(t['gloo_sync_s'], '.2f')} "
+              f"| {num(t['tcp_bytes_per_token'], ',.1f')} | {num(t['gloo_bytes_per_token'], ',.1f')} |")
+
+
 def print_tables(result: dict[str, Any]) -> None:
     fed, ddp, kill = result["federation"], result["ddp"], result["kill"]
     print(f"\nllama3 debug, {result['batch_size']} x {result['seq_len']} tokens per island (DDP rank) "
@@ -323,19 +366,7 @@ def print_tables(result: dict[str, Any]) -> None:
         print(f"\n(earlier attempts landed {misses} s into a round, off its middle; kill time corrected)")
     if kill.get("note"):
         print(f"\nnote: {kill['note']}")
-    if result.get("signing"):
-        print("\nsigned rows (a federation key) against plain rows, same codec; codec s = encode + open, "
-              "check, sum per round (medians, island 0)\n")
-        print("| ratio (signed / plain bytes per token) | round time ratio | signing share of the round "
-              "| codec | signed bytes/token | plain bytes/token | signed round s | plain round s "
-              "| signed codec s | plain codec s |")
-        print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
-        for r in result["signing"]:
-            print(f"| {num(r['bytes_ratio'], '.3f')} | {num(r['round_ratio'], '.3f')} "
-                  f"| {num(r['signing_share'], '.3%')} | {r['codec']} "
-                  f"| {num(r['signed_bytes_per_token'], ',.1f')} | {num(r['plain_bytes_per_token'], ',.1f')} "
-                  f"| {num(r['signed_round_s'], '.2f')} | {num(r['plain_round_s'], '.2f')} "
-                  f"| {num(r['signed_codec_s'], '.3f')} | {num(r['plain_codec_s'], '.3f')} |")
+    print_signing(result)
 
 
 def parse_args() -> argparse.Namespace:
@@ -358,6 +389,10 @@ def parse_args() -> argparse.Namespace:
                    help="skip the dashboard's cost (bench/dashboard.py: step time with and without pushing)")
     p.add_argument("--no-signing", action="store_true",
                    help="skip the three runs that measure signed rows (a federation key) and top-k")
+    p.add_argument("--flavor", default="", help="model flavor (default: the config's; e.g. small, 124M)")
+    p.add_argument("--signing-only", action="store_true",
+                   help="only the signing runs (plain and signed, fp32 and top-k) and the transport comparison "
+                        "(tcp against gloo): what signing, checking and the receipts cost at a model size")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="run directories (default: a new /tmp/bench-fed-* folder)")
     p.add_argument("--out", type=Path, default=REPO / "runs/bench/federation.json",
@@ -373,6 +408,16 @@ def main() -> None:
     root = args.work_dir or Path(f"/tmp/bench-fed-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
     root.mkdir(parents=True, exist_ok=True)
     fed = measure_federation(args, root)
+    if args.signing_only:
+        result = {"signing": measure_signing(args, root, fed), "transport": measure_transport(args, root, fed),
+                  "flavor": args.flavor or "the config's", "config": str(args.config), "steps": args.steps,
+                  "sync_steps": args.sync_steps, "batch_size": args.batch_size, "work_dir": str(root),
+                  "federation": fed, **where_measured()}
+        print(f"\n{args.config.name} {args.flavor}: 2 islands x 1 rank, {args.steps} steps, sync every "
+              f"{args.sync_steps}, batch {args.batch_size}")
+        print_signing(result)
+        write_json(args.out, result)
+        return
     ddp = measure_ddp(args, root)
     median_round = statistics.median(fed["round_intervals_s"]) if fed["round_intervals_s"] else None
     kill = kill_drill(args, root, fed, median_round)

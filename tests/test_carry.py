@@ -104,10 +104,17 @@ def test_the_carrier_refuses_what_a_receiver_would(case: str, why: str):
         book.receive(pack_row(signer, island, 5, tokens, codec, row), _codec(), ALLOW)
 
 
-def test_the_carrier_forgets_old_downloads():
+def test_a_later_download_replaces_the_earlier_one_and_each_round_carries_one_row():
     key, book, weights = _setup()
-    for nonce in range(book.remember + 1):
-        book.serve(THIN, nonce=nonce, step=nonce, weights=weights)
-    with pytest.raises(CarryRefused, match="names no download"):  # the oldest is forgotten
+    for nonce in range(3):  # a thin island retrying a download whose answer it lost
+        book.answer(pack_request(key, THIN, nonce), step=1, weights=weights)
+    with pytest.raises(CarryRefused, match="followed by a later download"):  # it trains from the last one
         book.receive(pack_row(key, THIN, 0, 1, _codec(), torch.zeros(NUMEL)), _codec(), ALLOW)
-    assert book.receive(pack_row(key, THIN, 1, 1, _codec(), torch.zeros(NUMEL)), _codec(), ALLOW).base_step == 1
+    book.answer(pack_request(key, THIN, 3), step=1, weights=weights)
+    assert book.receive(pack_row(key, THIN, 3, 1, _codec(), torch.zeros(NUMEL)), _codec(), ALLOW).base_step == 1
+    # Another download of the weights of outer step 1 carries no second row in; one of step 2 does.
+    book.answer(pack_request(key, THIN, 4), step=1, weights=weights)
+    with pytest.raises(CarryRefused, match="one row a round"):
+        book.receive(pack_row(key, THIN, 4, 1, _codec(), torch.zeros(NUMEL)), _codec(), ALLOW)
+    book.answer(pack_request(key, THIN, 5), step=2, weights=weights)
+    assert book.receive(pack_row(key, THIN, 5, 1, _codec(), torch.zeros(NUMEL)), _codec(), ALLOW).base_step == 2

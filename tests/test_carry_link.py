@@ -96,6 +96,8 @@ def test_an_outsider_gets_nothing_and_a_recorded_request_fetches_nothing(carrier
 def test_an_oversized_or_dripping_upload_is_refused_and_the_next_one_served(carrier):
     key, server = carrier
     server.publish(1, torch.zeros(NUMEL))
+    client = _client(key, server)
+    client.download()  # uploads are read only from an address served a download (test_slow_senders.py)
     cap = row_frame_bytes(_codec())
     began = time.monotonic()
     answer = _raw(server, f"PUT {ROW_PATH} HTTP/1.0\r\nContent-Length: {cap + 1}\r\n\r\n".encode())
@@ -106,7 +108,7 @@ def test_an_oversized_or_dripping_upload_is_refused_and_the_next_one_served(carr
     began = time.monotonic()
     assert _raw(server, f"PUT {ROW_PATH} HTTP/1.0\r\nContent-Length: {cap}\r\n\r\nabc".encode()) == b""
     assert 0.9 < time.monotonic() - began < 4
-    client = _client(key, server)  # the honest thin island is served as before
+    # the honest thin island is served as before
     client.upload(client.download(), 10, _codec(), torch.zeros(NUMEL))
     assert len(server.take_uploads()) == 1
     # Bytes that are not a frame, within the cap: refused by the book, nothing staged.

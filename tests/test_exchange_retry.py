@@ -615,11 +615,11 @@ def test_decoupled_rounds_decide_overlap_and_staleness_from_the_signed_flags_ali
 
     cpu, facts = torch.device("cpu"), []
     others = [flag(1, 0.08 * OVERLAP_SCALE, False), flag(2, 0.2 * OVERLAP_SCALE, True, quorum=6)]  # 2: a replay
-    flags = agree_on_exchange(_Group(others), framing, cpu, 0.01 * OVERLAP_SCALE, False, facts)
+    flags = agree_on_exchange(_Group(others), framing, cpu, 0.06 * OVERLAP_SCALE, False, facts)
     assert flags == [1.0, 1.0, None]
-    assert facts == [(0.01 * OVERLAP_SCALE, 0.0), (0.08 * OVERLAP_SCALE, 0.0), (0.0, 0.0)]  # the replay says nothing
-    assert Handoffs(0.05).decide(facts) == (False, True)    # member 1's exchange took 8% of its round
-    assert Handoffs(0.1).decide(facts) == (False, False)    # below 10%: the next exchange is waited for
+    assert facts == [(0.06 * OVERLAP_SCALE, 0.0), (0.08 * OVERLAP_SCALE, 0.0), (0.0, 0.0)]  # the replay says nothing
+    assert Handoffs(0.05).decide(facts) == (False, True)    # both measured exchanges took over 5% of their rounds
+    assert Handoffs(0.07).decide(facts) == (False, False)   # the lower median, 6%, is not above 7%: waited for
     assert Handoffs(0.0).decide([]) == (False, True)        # threshold 0: always overlap
     waiting = Handoffs(0.05)
     assert waiting.decide([]) == (False, False)             # no agreement: the island keeps its decision

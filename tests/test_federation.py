@@ -381,7 +381,7 @@ def test_nccl_is_refused_where_it_would_be_handed_cpu_tensors():
     from archipelago.federation import check_exchange_device
 
     nccl = FaultToleranceConfig(enable=True, process_group="nccl")
-    with pytest.raises(ConfigError, match='use process_group = "gloo"'):
+    with pytest.raises(ConfigError, match='use process_group = "tcp"'):
         check_exchange_device(nccl, torch.device("cpu"))
     with pytest.raises(ConfigError, match="copy_pseudogradients_to_cpu = false"):
         check_exchange_device(replace(nccl, copy_pseudogradients_to_cpu=True), torch.device("cuda"))

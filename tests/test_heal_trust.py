@@ -22,7 +22,7 @@ from torch import nn
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.diloco import OuterLoop
 from archipelago.federation.fragments import tensor_state
-from archipelago.federation.global_weights import digest as _digest
+from archipelago.federation.global_weights import offer_digest
 from archipelago.federation.membership import claim_row, fingerprint, fingerprint_row
 from archipelago.federation.policy import StateClaim
 from archipelago.federation.trust import FederationKey
@@ -106,6 +106,11 @@ def _loop(manager: _Quorum, step: int) -> OuterLoop:
     return loop
 
 
+def _own_digest(loop: OuterLoop) -> str:
+    """What the island claims of its own state (its healing state's digest)."""
+    return offer_digest(loop.healing.state())
+
+
 def _forged_state(loop: OuterLoop, scale: float) -> dict:
     """A state of the right shapes and dtypes, finite, with weights of the sender's choosing."""
     fragments = [{"global": g.detach() * scale + 1, "outer": tensor_state(o, g)}
@@ -120,8 +125,8 @@ def test_a_member_claiming_the_next_step_does_not_become_the_healing_source(capl
     before = [g.detach().clone() for g in loop.globals]
     offer = _forged_state(loop, scale=-50.0)
     manager.offer = offer
-    honest = StateClaim(4, _digest(loop.globals), True, 40, 5000)
-    liar = StateClaim(5, _digest(f["global"] for f in offer["fragments"]), True, 10**9, 10**15)
+    honest = StateClaim(4, _own_digest(loop), True, 40, 5000)
+    liar = StateClaim(5, offer_digest(offer), True, 10**9, 10**15)
     manager.gathers = [[_claim(1, honest), _claim(2, liar)],  # the state claims, then the fingerprints
                        [_fingerprint_row(1, 4), _fingerprint_row(2, 5)]]
     assert loop.prepare() is True
@@ -140,7 +145,7 @@ def test_a_source_at_the_federations_step_serving_other_weights_is_refused():
     offer = _forged_state(loop, scale=3.0)
     manager.offer = offer
     honest = StateClaim(4, "a" * 64, True, 40, 5000)  # two members (1 and 3) hold other weights at step 4
-    liar = StateClaim(4, _digest(f["global"] for f in offer["fragments"]), True, 40, 5000)
+    liar = StateClaim(4, offer_digest(offer), True, 40, 5000)
     manager.gathers = [[_claim(1, honest), _claim(3, honest), _claim(2, liar)],
                        [_fingerprint_row(1, 4), _fingerprint_row(3, 4), _fingerprint_row(2, 4)]]
     manager.num_participants = lambda: 4
@@ -156,7 +161,7 @@ def test_a_state_the_members_vouch_for_heals_with_their_counters_not_the_sources
     loop.last_committed, loop.established = False, False  # a restarted island
     offer = _forged_state(loop, scale=2.0)
     manager.offer = offer
-    digest = _digest(f["global"] for f in offer["fragments"])
+    digest = offer_digest(offer)
     # Two members hold that state at step 5; the source also claims absurd counters.
     manager.gathers = [[_claim(1, StateClaim(5, digest, True, 50, 7000)),
                         _claim(2, StateClaim(5, digest, True, 10**9, 10**15))],
@@ -174,7 +179,7 @@ def test_a_state_of_the_wrong_shape_is_refused_without_raising(caplog):
     offer = _forged_state(loop, scale=1.0)
     offer["fragments"][0]["global"] = torch.zeros(3)
     manager.offer = offer
-    claim = StateClaim(4, _digest(loop.globals), True, 40, 5000)
+    claim = StateClaim(4, _own_digest(loop), True, 40, 5000)
     manager.gathers = [[_claim(1, claim), _claim(2, claim)], [_fingerprint_row(1, 4), _fingerprint_row(2, 5)]]
     assert loop.prepare() is True  # cb92e48 raised FederationMismatch: the island exited
     assert not loop.healed and manager.step == 4 and "does not fit" in caplog.text
@@ -185,7 +190,7 @@ def test_an_odd_member_claiming_any_step_is_refused_and_the_honest_islands_go_on
     claim = StateClaim(4, "", True, 40, 5000)
     manager = _Quorum(step=4, max_step=4, offer=None, gathers=[])
     loop = _loop(manager, step=4)
-    claim = StateClaim(4, _digest(loop.globals), True, 40, 5000)
+    claim = StateClaim(4, _own_digest(loop), True, 40, 5000)
     # Island 2 signs a fingerprint that differs (its outer lr) and claims the highest step.
     manager.gathers = [[_claim(1, claim), _claim(2, claim)],
                        [_fingerprint_row(1, 4), _fingerprint_row(2, step, outer_lr=0.1)]]
@@ -199,7 +204,7 @@ def test_the_odd_island_itself_is_told_why_it_cannot_join():
 
     manager = _Quorum(step=4, max_step=4, offer=None, gathers=[])
     loop = _loop(manager, step=4)
-    claim = StateClaim(4, _digest(loop.globals), True, 40, 5000)
+    claim = StateClaim(4, _own_digest(loop), True, 40, 5000)
     manager.gathers = [[_claim(1, claim), _claim(2, claim)],
                        [_fingerprint_row(1, 4, outer_lr=0.1), _fingerprint_row(2, 4, outer_lr=0.1)]]
     with pytest.raises(FederationMismatch, match="differs in: outer"):

@@ -594,7 +594,7 @@ def test_a_valid_token_passes_only_once_proven_with_the_key(caplog):
     caplog.set_level(logging.INFO, logger="archipelago.lighthouse")
     with _keyed_gate() as (gate, key, call):
         # A token read off the network, by someone without the key: valid, never proven.
-        nonce = "5eed" * 4
+        nonce = "5eed" * 16  # where a member token carries its public signing key (64 hex digits)
         copied = f"island_3:{nonce}{key.tag(3, _member_message('island_3', nonce))[:16].hex()}"
         assert "never proven" in _denied(call, HEARTBEAT, _string(1, copied))
         _denied(call, QUORUM, _string(1, _quorum_member(copied, step=10**9)))
@@ -648,6 +648,29 @@ def test_a_proven_token_passes_from_the_address_that_proved_it_only():
     assert [peer_host(p) for p in ("ipv4:10.0.0.5:41000", "ipv6:%5B::ffff:10.0.0.5%5D:41000", "ipv4:127.0.0.2:9",
                                    "ipv6:%5B::1%5D:5", "ipv6:%5Bfd00::11%5D:7", "unix:/tmp/s")] == \
         ["10.0.0.5", "10.0.0.5", "loopback", "loopback", "fd00::11", "unix:/tmp/s"]
+
+
+@pytest.mark.timeout(120)
+def test_a_flood_of_made_up_ids_is_counted_not_logged_line_by_line(caplog):
+    """An outsider minting replica ids: the gate names the first 256 in the log (each once),
+    then logs a count, never a line per call (the base commit logged every refusal after
+    the 256th), and remembers at most 256 ids whatever the number it is sent."""
+    import logging
+    import re
+
+    caplog.set_level(logging.WARNING, logger="archipelago.lighthouse")
+    ids = [f"island_1:{n:04x}{'0' * 44}" for n in range(400)]  # logs show 4 characters of a token: all differ
+    with _keyed_gate() as (gate, _key, call):
+        for _ in range(2):  # every id twice: a named one is not named again, an unnamed one is counted again
+            for rogue in ids:
+                _denied(call, HEARTBEAT, _string(1, rogue))
+        assert len(gate.refused) == 256  # bounded, whatever the number of ids
+    lines = [r.getMessage() for r in caplog.records if r.name == "archipelago.lighthouse"]
+    named = [line for line in lines if line.startswith("lighthouse: refused an unauthenticated member")]
+    counts = [re.match(r"lighthouse: (\d+) refusal\(s\) in \d+ s not named one by one", line) for line in lines]
+    assert len(named) == 256 and len(set(named)) == 256, len(named)
+    assert len(lines) <= 256 + 4, f"{len(lines)} lines for {2 * len(ids)} refusals"  # counts: at once, at the end
+    assert sum(int(m.group(1)) for m in counts if m) == 2 * (400 - 256)  # every unnamed refusal is counted
 
 
 @pytest.mark.timeout(90)

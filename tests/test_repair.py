@@ -26,7 +26,7 @@ from archipelago.federation.repair import (
     planned_parts,
     send_parts,
 )
-from archipelago.federation.trust import FederationKey
+from archipelago.federation.trust import SIGNATURE_BYTES, FederationKey
 
 NUMEL = 1000
 SECRET = bytes(range(32))
@@ -143,7 +143,7 @@ def test_a_part_addressed_elsewhere_or_of_another_round_is_refused():
     stale = Framing(key, quorum=9, step=2, fragment=0, island=ISLANDS[3])
     assert opened(frame(stale, wanted, wanted)) is None             # the previous round's frame
     tampered = frame(honest, wanted, wanted).clone()
-    tampered[-40] ^= 1
+    tampered[-40 - SIGNATURE_BYTES] ^= 1  # in the tag (the member's signature follows it)
     assert opened(tampered) is None
 
 

@@ -50,6 +50,13 @@ def _thin_ft(url: str) -> FaultToleranceConfig:
                                 quorum_timeout_ms=20000)
 
 
+@pytest.fixture(autouse=True)
+def _local_key(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001 - a Path
+    """The thin island's local key (its carry token comes from it) in the test's folder,
+    not the user's (a spawned thin island inherits the variable)."""
+    monkeypatch.setenv("ARCHIPELAGO_CHECKPOINT_KEY_FILE", str(tmp_path / "thin-local.key"))
+
+
 def _train(thin: ThinIsland, model: torch.nn.Module, hooks: _Hooks, carry: int) -> None:
     """One carry's inner steps: the weights become their start plus the known delta."""
     start = _flat(model)
@@ -98,7 +105,7 @@ def test_a_thin_island_uploads_its_progress_and_moves_with_the_global_weights(mo
         assert torch.equal(_flat(model), moved) and thin.at_round_end
         # An upload the carrier refuses (here: the carrier was restarted and forgot its
         # downloads) loses nothing: the next row carries both carries' progress.
-        server.book.served[THIN].clear()
+        server.book = CarrierBook(key, CARRIER, {THIN})
         g2 = g1 + 0.125
         server.publish(5, g2)
         _train(thin, model, hooks, carry=2)
@@ -316,9 +323,9 @@ def test_a_time_paced_thin_island_carries_after_carry_rounds_rounds_of_seconds(m
     key, model, server = _served(monkeypatch)
     thin = None
     try:
-        server.publish(1, _flat(model))
-        for seconds, bounds, due_at in ((1e-6, dict(min_inner_steps=3), 3 * CARRY_ROUNDS),
-                                        (1e6, dict(max_inner_steps=4), 4 * CARRY_ROUNDS)):
+        for outer_step, (seconds, bounds, due_at) in enumerate(((1e-6, dict(min_inner_steps=3), 3 * CARRY_ROUNDS),
+                                                                (1e6, dict(max_inner_steps=4), 4 * CARRY_ROUNDS))):
+            server.publish(outer_step, _flat(model))  # a round apart: the carrier takes one row a round
             ft = replace(_thin_ft(server.address()), round_pacing="time", round_seconds=seconds, **bounds)
             validate(Config(fault_tolerance=ft))  # a thin island may be time-paced
             hooks = _Hooks()

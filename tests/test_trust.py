@@ -444,14 +444,15 @@ def test_every_kind_of_signed_frame_has_its_own_number():
     # The kind is part of what a frame's signature binds: two kinds with one number would
     # let a frame of one be opened as the other where the rest of its header matches (a
     # moments row of outer step 0 as a state claim, when both were 7). A new kind goes here.
-    from archipelago.federation import carry, exchange, inner_state, membership, trust
+    from archipelago.federation import carry, exchange, give_up, inner_state, membership, receipts, trust
 
     kinds = {"HEAL_REQUEST": trust.HEAL_REQUEST, "HEAL_STATE": trust.HEAL_STATE,
              "ROUND_ROW": exchange.ROUND_ROW, "ROUND_SEGMENT": exchange.ROUND_SEGMENT,
              "ROUND_SUM": exchange.ROUND_SUM, "ROUND_AGREE": exchange.ROUND_AGREE,
              "JOIN": membership.JOIN, "CLAIM": membership.CLAIM, "MOMENTS": inner_state.MOMENTS,
              "CARRIED_ROW": carry.CARRIED_ROW, "GLOBAL_WEIGHTS": carry.GLOBAL_WEIGHTS,
-             "CARRY_REQUEST": carry.CARRY_REQUEST}
+             "CARRY_REQUEST": carry.CARRY_REQUEST, "GIVEN_UP": give_up.GIVEN_UP,
+             "ROUND_RECEIPT": receipts.ROUND_RECEIPT, "ROUND_TABLE": receipts.ROUND_TABLE}
     numbers: dict[int, list[str]] = {}
     for name, number in kinds.items():
         numbers.setdefault(number, []).append(name)

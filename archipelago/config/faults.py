@@ -14,6 +14,9 @@
 | `forge_tokens` | outer step | the island claims 10^15 tokens for its pseudo-gradient | the outer loop |
 | `forge_weight` | outer step | the island claims weight -10^6 for its pseudo-gradient | the outer loop |
 | `unsigned` | outer step | the island signs its pseudo-gradient with a key outside the federation | the outer loop |
+| `equivocate` | outer step | the island sends each peer another validly signed row (all-gather) | the outer loop |
+| `censor` | outer step | as a summer, the island calls every other segment it got unsigned | the outer loop |
+| `split_receipt` | outer step | its receipt tells one peer a row was missing, the others the truth | the outer loop |
 | `die_in_exchange` | outer step | the island SIGKILLs itself, its row of that exchange in flight | the outer loop |
 
 `archipelago local --inject ISLAND:KIND@AT` (repeatable, every entry kept) hands an
@@ -34,7 +37,8 @@ RANK_ENV = "ARCHIPELAGO_FAULT_RANK"
 
 LAUNCHER_KINDS = ("kill", "kill_at_step")
 TRAINER_KINDS = ("crash", "error", "nan-loss")
-POISON_KINDS = ("nan", "scale1000", "forge_tokens", "forge_weight", "unsigned")
+POISON_KINDS = ("nan", "scale1000", "forge_tokens", "forge_weight", "unsigned", "equivocate", "censor",
+                "split_receipt")
 EXCHANGE_KINDS = ("die_in_exchange",)  # the island dies mid-exchange (the survivors' retry: docs/rounds.md)
 OUTER_KINDS = POISON_KINDS + EXCHANGE_KINDS  # acted on by the outer loop, AT in outer steps
 KINDS = LAUNCHER_KINDS + TRAINER_KINDS + OUTER_KINDS

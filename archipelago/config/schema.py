@@ -224,8 +224,8 @@ class FaultToleranceConfig:
     """Streaming DiLoCo: weight of the local fragment blended into the global one after the outer step."""
     should_quantize: bool = False
     """The reference platform's switch for int8 pseudo-gradients: true means codec = "int8"."""
-    process_group: Literal["gloo", "nccl"] = "gloo"
-    """Backend of the cross-island process group."""
+    process_group: Literal["tcp", "gloo", "nccl"] = "tcp"
+    """Backend of the cross-island process group. `tcp`: our own transport over sockets, where every receive is sized by the receiver, so a peer that sends more (or other) bytes than expected fails the round instead of aborting this process (federation/tcp_group.py); host memory. `gloo`: torchft's gloo group (a peer that sends a larger message than posted aborts the receiving process: gloo cannot refuse it). `nccl`: GPU islands."""
     process_group_timeout_ms: int = 10000
     """Timeout of cross-island collectives, in milliseconds."""
     rank0_synchronization_only: bool = False
@@ -278,6 +278,8 @@ class FaultToleranceConfig:
     """Norm checks on pseudo-gradients, 0 turns them off (non-finite values are always refused). An island holds back its own pseudo-gradient (it sends weight 0) when its norm exceeds this many times the running median of its accepted norms; every receiver refuses an island's pseudo-gradient whose norm exceeds this many times an absolute bound (inner steps x declared inner lr x (sqrt(parameters) + the global weights' norm)), from the first round on, or, with three or more contributors, this many times the median of the other islands' norms that round."""
     declared_limit: float = 16.0
     """What an island declares at the join and nobody can check (its tokens per inner step, which bound its weight, and its inner learning rate, which bounds its update norm) counts for at most this many times the median of the other islands' declarations; 0 turns the bound off. Raise it for islands of very different sizes. Part of the fingerprint: all islands must agree."""
+    max_island_share: float = 0.75
+    """The most of a round's accepted weight one island's row may hold: its weight (and the tokens it counts for) is capped at max_island_share / (1 - max_island_share) times the other accepted islands' together, so a member that declares a huge batch cannot outweigh the others by more than 3 to 1 at the default (0.5: no island outweighs all the others together; 1 turns the cap off). Islands of honest sizes up to 3:1 are not affected at the default. Part of the fingerprint: all islands must agree."""
     codec: Literal["fp32", "bf16", "int8", "topk", "auto"] = "fp32"
     """Encoding of the pseudo-gradient across islands: `fp32` (none), `bf16`, `int8` (blockwise scales), `topk` (sparse, with error feedback), or `auto`: each round the densest of those four whose exchange, its bytes at the slowest link the islands measured in the round before plus the CPU seconds that codec measured encoding and decoding, takes at most `target_exchange_s` (all islands agree on the measurements first, so all choose alike); with average_optimizer_state, the moments ride only in rounds where the link carries them beside the codec's row (else each island keeps its own that round); see docs/codecs.md."""
     target_exchange_s: float = 0.0

@@ -154,6 +154,9 @@ def _check_fault_tolerance(cfg: Config, p: list[str]) -> None:
     _require(ft.declared_limit == 0 or ft.declared_limit >= 1,
              f"fault_tolerance.declared_limit = {ft.declared_limit}: use a factor of at least 1 (e.g. 16), "
              "or 0 to let every island's declared batch and learning rate stand", p)
+    _require(0.5 <= ft.max_island_share <= 1,
+             f"fault_tolerance.max_island_share = {ft.max_island_share}: use a share between 0.5 (no island "
+             "outweighs all the others together) and 1 (no cap); the default 0.75 caps one island at 3 to 1", p)
     _require(cfg.island.slowdown >= 1, f"island.slowdown = {cfg.island.slowdown}: must be >= 1 "
              "(1 = no emulated slowdown)", p)
     _require(not ft.should_quantize or ft.codec in ("fp32", "int8"),

@@ -64,10 +64,10 @@ def check_exchange_device(ft: FaultToleranceConfig, device: torch.device) -> Non
         return
     if device.type == "cpu":
         raise ConfigError("fault_tolerance.process_group = \"nccl\" on a CPU island: NCCL needs GPUs; "
-                          "use process_group = \"gloo\"")
+                          "use process_group = \"tcp\"")
     if ft.copy_pseudogradients_to_cpu:
         raise ConfigError("fault_tolerance.copy_pseudogradients_to_cpu = true sends CPU tensors, which NCCL "
-                          "cannot carry; use process_group = \"gloo\" or copy_pseudogradients_to_cpu = false")
+                          "cannot carry; use process_group = \"tcp\" or copy_pseudogradients_to_cpu = false")
 
 
 def build_outer_loop(ft: FaultToleranceConfig, model: nn.Module | NamedParameters, model_name: str, rank: int,

@@ -11,6 +11,7 @@ blocked on this island fails now rather than at the group's timeout (docs/rounds
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 from typing import Any
@@ -21,6 +22,7 @@ from archipelago.config.errors import ConfigError
 from archipelago.federation.codecs import PayloadError
 from archipelago.federation.exchange import (
     ROUND_AGREE,
+    ROUND_SUM,
     Framing,
     Gathered,
     SkippedWork,
@@ -33,8 +35,11 @@ from archipelago.federation.exchange import (
 )
 from archipelago.federation.give_up import Collective, announce, wait_for
 from archipelago.federation.policy import EXCHANGE_COMPLETED, FRAME_OK, exchange_agreed
+from archipelago.federation.receipts import EVIDENCE_BYTES, judge_receipts, log_refusals, split_evidence
 from archipelago.federation.sums import SumRefused
 from archipelago.federation.trust import FrameRefused
+
+log = logging.getLogger("archipelago.federation")
 
 REFUSALS = (SumRefused, PayloadError, FrameRefused, ConfigError)
 
@@ -65,17 +70,38 @@ def settle_exchange(manager: Any, framing: Framing, device: torch.device, exchan
     included, so no member commits a round it lost."""
     failed = member_failure(manager)
     if not failed:
-        flags = agree_on_exchange(manager, framing, device, measured, overlapped, facts)
+        gathered = exchanges[0] if exchanges else None
+        evidence = gathered.second.evidence if gathered is not None and gathered.second is not None else []
+        shown: list[list[bytes] | None] = []
+        flags = agree_on_exchange(manager, framing, device, measured, overlapped, facts, evidence, shown)
         failed = not exchange_agreed(flags, max(manager.num_participants(), 1))
+        if not failed and evidence:
+            failed = sums_differ(framing, shown, gathered.refused_summers if gathered is not None else set())
     if failed:  # members blocked on this island fail now, not at process_group_timeout_ms
         abandon_group(manager, *exchanges)
         announce(manager, framing)  # ... also those whose transport would not tell them (give_up.py)
     return failed
 
 
+def sums_differ(framing: Framing, shown: list[list[bytes] | None], refused: set[int]) -> bool:
+    """Whether the members' agreement flags show that some summer's sum did not reach every
+    member as the same signed frame (two versions, or one member without a valid one):
+    then no member may apply the round. The same verdict on every member that holds the
+    same flags; a summer that sent two signed versions is named in the log."""
+    if not shown or any(s is None for s in shown):
+        return True
+    differing = judge_receipts(framing, shown, ROUND_SUM, segment=None, skip=refused)
+    if differing.rows:
+        log.error("the summed segments of outer step %d did not reach every member alike: no member applies "
+                  "the round", framing.step + 1)
+        log_refusals(differing, framing.islands, framing.step)
+    return bool(differing.rows)
+
+
 def agree_on_exchange(manager: Any, framing: Framing, device: torch.device, measured: float = 0.0,
-                      overlapped: bool = False,
-                      facts: list[tuple[float, float]] | None = None) -> list[float | None] | None:
+                      overlapped: bool = False, facts: list[tuple[float, float]] | None = None,
+                      evidence: list[bytes] | None = None,
+                      shown: list[list[bytes] | None] | None = None) -> list[float | None] | None:
     """Every member's flag, by replica rank: EXCHANGE_COMPLETED where its exchange went
     through, 0 where it says it failed, None where the flag is not signed with the
     federation's key for this round (another key's island, a replay); None instead of a
@@ -92,8 +118,9 @@ def agree_on_exchange(manager: Any, framing: Framing, device: torch.device, meas
     so all of them skipped the same collectives and meet here. The collective's error is
     reported to the manager, so that the round does not commit unless it is run again."""
     participants = max(manager.num_participants(), 1)
-    flag = torch.tensor([1], dtype=torch.uint8)
-    size = framing.row_bytes(1)
+    evidence = evidence or []
+    flag = torch.frombuffer(bytearray(b"\x01" + b"".join(evidence)), dtype=torch.uint8)
+    size = framing.row_bytes(flag.numel())
     claim = float(min(max(round(measured), 0), 2 ** 53))  # an integer either header carries exactly
     row = replace(framing, forge=None).frame(claim, float(overlapped), flag, size, ROUND_AGREE).to(device)
     try:
@@ -104,10 +131,12 @@ def agree_on_exchange(manager: Any, framing: Framing, device: torch.device, meas
         if manager.errored() is None:
             manager.report_error(exc)
         return None
-    opened = [_flag(framing, out) for out in outputs]
+    opened = [_flag(framing, out, len(evidence), k) for k, out in enumerate(outputs)]
     if facts is not None:
-        facts.extend(fact for _, fact in opened)
-    return [value for value, _ in opened]
+        facts.extend(fact for _, fact, _ in opened)
+    if shown is not None:
+        shown.extend(receipt for _, _, receipt in opened)
+    return [value for value, _, _ in opened]
 
 
 def _gathered_flags(manager: Any, participants: int, row: torch.Tensor, framing: Framing,
@@ -156,9 +185,13 @@ def abandon_group(manager: Any, *exchanges: Gathered | None) -> None:
         pass
 
 
-def _flag(framing: Framing, row: torch.Tensor) -> tuple[float | None, tuple[float, float]]:
-    tokens, weight, _, payload, frame = framing.open(row, 1, ROUND_AGREE)
-    if frame != FRAME_OK or payload is None or payload.numel() != 1:
-        return None, (0.0, 0.0)
+def _flag(framing: Framing, row: torch.Tensor, shown: int,
+          sender: int) -> tuple[float | None, tuple[float, float], list[bytes] | None]:
+    """(flag, decoupled facts, the evidence of the `shown` sums it holds) of a member's flag row."""
+    size = 1 + shown * EVIDENCE_BYTES
+    tokens, weight, _, payload, frame = framing.open(row, size, ROUND_AGREE, sender=sender)
+    if frame != FRAME_OK or payload is None or payload.numel() != size:
+        return None, (0.0, 0.0), None
     facts = (tokens if math.isfinite(tokens) and tokens > 0 else 0.0, float(weight == 1.0))
-    return (EXCHANGE_COMPLETED if int(payload[0]) == 1 else 0.0), facts
+    receipt = split_evidence(payload[1:].cpu().numpy().tobytes(), shown)
+    return (EXCHANGE_COMPLETED if int(payload[0]) == 1 else 0.0), facts, receipt

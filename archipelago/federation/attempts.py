@@ -24,12 +24,12 @@ from archipelago.federation.agreement import settle_exchange
 from archipelago.federation.auto_codec import AutoCodec
 from archipelago.federation.carry import Upload
 from archipelago.federation.codecs import Codec, schedule_round
+from archipelago.federation.confirm import inspect_gather
 from archipelago.federation.decoupled import OVERLAP_SCALE, Handoffs
 from archipelago.federation.exchange import (
     Framing,
     Gathered,
     empty_table,
-    inspect_gather,
     seconds_until_in,
     start_gather,
     take_handed,
@@ -45,7 +45,7 @@ from archipelago.federation.policy import Membership, keeps_pending, retries_exc
 from archipelago.federation.repair import Repaired, RepairRefused, finish_repair, repair_first_phase
 from archipelago.federation.round_book import RoundBook
 from archipelago.federation.sums import finish_gather
-from archipelago.federation.trust import FederationKey, member_island
+from archipelago.federation.trust import FederationKey, member_island, member_public_key
 
 # Failed attempts whose buffers are kept (ExchangeAttempts.abandoned): the last one is what
 # the transport may still write from; one more for margin.
@@ -131,6 +131,7 @@ class AttemptsHost(Protocol):
     ranks: IslandRanks
     manager: Any
     key: FederationKey | None
+    signer: Any
     outer_step: int
     codec_name: str
     auto: AutoCodec
@@ -152,6 +153,16 @@ class AttemptsHost(Protocol):
     def enter_quorum(self, again: bool = False) -> Membership: ...
 
     def start_round(self, m: Membership, joining: bool) -> Pending: ...
+
+
+def signing(key: FederationKey | None, signer: Any, members: list[str]) -> dict[str, Any]:
+    """A round's Framing fields for signed frames (exchange.Framing): this member's signing
+    key, and the quorum's public signing keys and island ids by replica rank, read from the
+    member tokens the lighthouse handed every member (none without a key)."""
+    if key is None or not members:
+        return {}
+    return {"signer": signer, "members": tuple(member_public_key(key, m) for m in members),
+            "islands": tuple(member_island(key, m) for m in members)}
 
 
 class ExchangeAttempts:
@@ -201,9 +212,9 @@ class ExchangeAttempts:
         and the quorum's members (replica ids by rank, for a later segment repair)."""
         h = self.host
         p.participants, p.participant_rank = m.participants, m.participant_rank
-        p.framing = Framing(h.key, int(h.manager._quorum_id or 0) if h.manager is not None else 0,
-                            h.outer_step, p.fragment, h.ft.replica_id)
         p.members = list(getattr(h.manager, "_archipelago_replica_ids", None) or [])
+        p.framing = Framing(h.key, int(h.manager._quorum_id or 0) if h.manager is not None else 0,
+                            h.outer_step, p.fragment, h.ft.replica_id, **signing(h.key, h.signer, p.members))
         return p.framing
 
     def until_agreed(self, p: Pending) -> tuple[Pending, Tried]:

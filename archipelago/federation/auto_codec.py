@@ -1,6 +1,6 @@
 """codec = "auto": the link a bridge rank measured, and the codec each round takes from it.
 
-Every round the members all-gather the slowest link, the median round and each codec's
+Every round the members all-gather the slowest link, the lower median round and each codec's
 CPU seconds they measured (`agree_on_link`) and choose alike the densest codec whose
 exchange, its bytes over the link plus its CPU seconds, fits the round's share of time
 (`choose_codec`; int8 until some island has measured). With
@@ -115,13 +115,14 @@ def densest_within(received: dict[str, int], link_bits_s: float, target_s: float
     """The first codec (densest first) whose `received` bytes cross a link of `link_bits_s`
     in at most `target_s` seconds with its measured CPU seconds (`cpu_s`, 0 where none);
     when none does, the one whose exchange takes the fewest (with no CPU measured: the
-    fewest bytes)."""
+    fewest bytes), and of those that tie, the fewest bytes: a link claimed so thin that every
+    codec's seconds overflow to inf must not fall to the densest, the first in order."""
     cpu_s = cpu_s or {}
     seconds = {name: size * 8 / link_bits_s + cpu_s.get(name, 0.0) for name, size in received.items()}
     for name, took in seconds.items():
         if took <= target_s:
             return name
-    return min(seconds, key=lambda name: seconds[name])
+    return min(seconds, key=lambda name: (seconds[name], received[name]))
 
 
 def link_carries(ft: Any, params: int, islands: int, link_bits_s: float,
@@ -149,7 +150,7 @@ class AgreedLink:
     """What the members agreed on for a round's choice (`agree_on_link`)."""
 
     link_bits_s: float  # the slowest member's measured link
-    round_s: float      # the median member's round of compute seconds
+    round_s: float      # the lower median of the members' rounds of compute seconds
     cpu_s: dict[str, float] = field(default_factory=dict)  # by `cpu_key`: each codec's CPU seconds
 
 
@@ -161,11 +162,13 @@ def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants
                   device: torch.device, cpu_s: dict[str, float] | None = None) -> AgreedLink | None:
     """codec = "auto": all-gather each island's last measured link rate, round seconds and
     each codec's CPU seconds (`cpu_s` by `cpu_key`; 80 bytes each); the slowest link, the
-    median round and, codec by codec, the lower median of the CPU seconds the members
-    measured, the same on every island. None before any island has measured a link (or
-    when the all-gather fails: the round is lost). A lying island can lower the agreed
-    link (a sparser codec for all) but not raise it, and moves each median by one place at
-    most (with two islands, the lower median is the honest island's or the lower claim)."""
+    lower median of the rounds and, codec by codec, the lower median of the CPU seconds the
+    members measured, the same on every island. None before any island has measured a link
+    (or when the all-gather fails: the round is lost). A lying island can lower the agreed
+    link or round (a sparser codec for all, the moments left out) but not raise them, and
+    moves each lower median by one place at most: with two islands it is the honest
+    island's value or the lower claim. (The plain median of two is their mean: one claim of
+    a 10^12 s round made every exchange's target fit fp32 and the moments.)"""
     cpu_s = cpu_s or {}
     values = torch.tensor([link_bits_s, round_s, *(cpu_s.get(k, 0.0) for k in CPU_KEYS)], dtype=torch.float64,
                           device=device)
@@ -183,7 +186,7 @@ def agree_on_link(manager: Any, link_bits_s: float, round_s: float, participants
         seen = [row[at] for row in rows if _measured(row[at])]
         if seen:
             agreed_cpu[key] = statistics.median_low(seen)
-    return AgreedLink(min(links), statistics.median(rounds) if rounds else 0.0, agreed_cpu)
+    return AgreedLink(min(links), statistics.median_low(rounds) if rounds else 0.0, agreed_cpu)
 
 
 def _measured(value: float) -> bool:

@@ -7,7 +7,8 @@ it into its own row (`OuterCore.fold`). This module is what crosses between the 
 what each side checks of the other's bytes (the other island belongs to another owner):
 
 * `CARRY_REQUEST`: the thin island asks for the global weights, signed, with a fresh nonce
-  (the carrier answers each nonce once: a recorded request fetches nothing).
+  (the carrier answers each nonce once: a recorded request fetches nothing) and its carry
+  token (below).
 * `GLOBAL_WEIGHTS`: the carrier's global weights (bf16) at outer step n, signed by the
   carrier, bound to that nonce (no recorded answer is taken twice) and to the thin island
   it was served to.
@@ -15,8 +16,20 @@ what each side checks of the other's bytes (the other island belongs to another 
   download it trained from by that nonce. The carrier accepts it only for a download it
   served to that island (`CarrierBook`): the staleness discount follows the step the
   carrier knows it served, never a step the thin island claims; each download carries at
-  most one row in, and rows are judged as any receiver judges one (claims against the
-  island's allowance, a decodable payload, finite values, the norm bound).
+  most one row in, one row a round (of the downloads served at one outer step, one row:
+  a carrier row with two would claim more tokens than the carrier declared, and every
+  receiver would refuse it whole), and rows are judged as any receiver judges one (claims
+  against the island's allowance, a decodable payload, finite values, the norm bound).
+
+Every member holds the federation secret, so a signature under the thin island's key
+proves only that the signer is some member. What binds a carry to the one thin island is
+its carry token: 16 bytes the thin island derives from its local key (the one that signs
+its checkpoints, checkpoint/signing.py, which never leaves its machine), the same across
+its restarts. The carrier serves the first token it is asked with and no other for as long
+as it runs (`CarrierBook`), and keeps one download outstanding per thin island, the last
+one that token made: a member asking in the thin island's name, without that token, gets
+nothing, and cannot push the thin island's download out of the book. The token crosses
+the network in the clear (as member tokens do), so a member on the path can copy it.
 
 The legs over the network are federation/carry_link.py (the thin island downloads and
 uploads; the carrier only serves). Both sides need a federation key: without one nothing
@@ -25,7 +38,13 @@ could tell the carrier's weights from anyone's.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import hashlib
+import hmac
+import logging
+import os
+import re
+import secrets
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +55,12 @@ from archipelago.federation.trust import FederationKey, FrameHeader, FrameRefuse
 
 CARRIED_ROW = 10     # frame kind: a thin island's encoded pseudo-gradient, uploaded to its carrier
 GLOBAL_WEIGHTS = 11  # frame kind: the carrier's global weights, downloaded by a thin island
-CARRY_REQUEST = 12   # frame kind: a thin island's request for them (empty payload)
+CARRY_REQUEST = 12   # frame kind: a thin island's request for them (payload: its carry token)
 NONCE_LIMIT = 2 ** 63  # a nonce travels in the frame's quorum field (unsigned 64 bits)
+CARRY_TOKEN_BYTES = 16  # a carry token: 32 hex characters in a request's payload
+_CARRY_TOKEN = re.compile(rb"[0-9a-f]{%d}" % (2 * CARRY_TOKEN_BYTES))
+
+log = logging.getLogger("archipelago.federation")
 
 
 class CarryRefused(ValueError):
@@ -55,9 +78,40 @@ class Upload:
     values: torch.Tensor
 
 
-def pack_request(key: FederationKey, island: int, nonce: int) -> bytes:
-    """Thin `island`'s signed request for the global weights, for the fresh `nonce`."""
-    return seal(key, FrameHeader(_nonce(nonce), 0, 0, island, CARRY_REQUEST), b"")
+# This process's carry token per (federation, thin island), what `pack_request` sends: the
+# thin island sets the one its local key gives (`use_carry_token`); any other process that
+# asks gets a random one of its own. Keyed by process id too: a forked child makes its own.
+_TOKENS: dict[tuple[int, bytes, int], str] = {}
+_TOKENS_LOCK = threading.Lock()
+
+
+def derive_carry_token(local_key: bytes, key: FederationKey, island: int) -> str:
+    """Thin `island`'s carry token in `key`'s federation: an HMAC under the island's local
+    key (checkpoint/signing.py), which no other member holds; the same at every restart on
+    the machine that keeps that key."""
+    message = b"archipelago carry token\n" + key.federation_id + b"\n%d" % island
+    return hmac.new(local_key, message, hashlib.sha256).digest()[:CARRY_TOKEN_BYTES].hex()
+
+
+def use_carry_token(key: FederationKey, island: int, token: str) -> None:
+    """Send `token` in this process's requests as thin `island` (`derive_carry_token`)."""
+    if _CARRY_TOKEN.fullmatch(token.encode("ascii", "replace")) is None:
+        raise ValueError(f"a carry token is {2 * CARRY_TOKEN_BYTES} lowercase hex characters (derive_carry_token)")
+    with _TOKENS_LOCK:
+        _TOKENS[(os.getpid(), key.federation_id, island)] = token
+
+
+def carry_token(key: FederationKey, island: int) -> str:
+    """The carry token this process asks with as thin `island` (random unless set)."""
+    with _TOKENS_LOCK:
+        return _TOKENS.setdefault((os.getpid(), key.federation_id, island), secrets.token_hex(CARRY_TOKEN_BYTES))
+
+
+def pack_request(key: FederationKey, island: int, nonce: int, token: str | None = None) -> bytes:
+    """Thin `island`'s signed request for the global weights, for the fresh `nonce`, with its
+    carry `token` (this process's, `carry_token`, unless given)."""
+    token = carry_token(key, island) if token is None else token
+    return seal(key, FrameHeader(_nonce(nonce), 0, 0, island, CARRY_REQUEST), token.encode("ascii"))
 
 
 def pack_weights(key: FederationKey, carrier: int, island: int, nonce: int, step: int,
@@ -96,42 +150,70 @@ def pack_row(key: FederationKey, island: int, nonce: int, tokens: float, codec: 
 
 
 class CarrierBook:
-    """The carrier's side: the downloads it served (thin island, nonce -> outer step), at
-    most `remember` per island, each good for one upload."""
+    """The carrier's side, per thin island it carries: the carry token it serves (the first
+    one it was asked with), the one download outstanding (the last that token made: nonce
+    and outer step), and the outer step the last row it took was trained from (one row a
+    round)."""
 
-    def __init__(self, key: FederationKey, carrier: int, thin: set[int], remember: int = 8) -> None:
-        self.key, self.carrier, self.thin, self.remember = key, carrier, set(thin), remember
-        self.served: dict[int, OrderedDict[int, int]] = {island: OrderedDict() for island in self.thin}
+    def __init__(self, key: FederationKey, carrier: int, thin: set[int]) -> None:
+        self.key, self.carrier, self.thin = key, carrier, set(thin)
+        self.tokens: dict[int, str] = {}  # thin island -> the carry token served
+        self.outstanding: dict[int, tuple[int, int]] = {}  # thin island -> (nonce, outer step)
+        self.carried_step: dict[int, int] = {}  # thin island -> base step of the last row taken
         self.answered: dict[int, set[int]] = {}  # every nonce answered, per island (8 bytes each)
 
     def answer(self, request: bytes, step: int, weights: torch.Tensor) -> bytes:
         """The signed answer to a thin island's request (`pack_request`): the global weights
         at outer `step`; CarryRefused for a request not signed by a thin island this member
-        carries, or one whose nonce it answered before (a recorded request)."""
+        carries, without the carry token it serves that island, or whose nonce it answered
+        before (a recorded request)."""
         try:
-            header, _ = open_frame(self.key, request, FrameHeader(0, 0, 0, 0, CARRY_REQUEST),
-                                   any_island=True, any_quorum=True)
+            header, payload = open_frame(self.key, request, FrameHeader(0, 0, 0, 0, CARRY_REQUEST),
+                                         any_island=True, any_quorum=True)
         except FrameRefused as exc:
             raise CarryRefused(f"request refused: {exc}") from exc
-        if header.quorum in self.answered.get(header.island, ()):
-            raise CarryRefused(f"request of island {header.island} refused: its nonce was answered before (a replay)")
-        return self.serve(header.island, header.quorum, step, weights)
+        island = header.island
+        if island not in self.thin:
+            raise CarryRefused(f"island {island} is not a thin island this member carries")
+        token = self._holder(island, payload)
+        if header.quorum in self.answered.get(island, ()):
+            raise CarryRefused(f"request of island {island} refused: its nonce was answered before (a replay)")
+        if island not in self.tokens:
+            self.tokens[island] = token
+            log.info("carry: island %d carries thin island %d for carry token %s... (the first it was asked "
+                     "with): no other is served while this island runs", self.carrier, island, token[:4])
+        return self.serve(island, header.quorum, step, weights)
+
+    def _holder(self, island: int, payload: bytes) -> str:
+        """The carry token of a request: the one this member serves `island`, else CarryRefused."""
+        if _CARRY_TOKEN.fullmatch(payload) is None:
+            raise CarryRefused(f"request of island {island} refused: it holds no carry token (a thin island of "
+                               "an older archipelago: run the same version on both islands)")
+        token, held = payload.decode("ascii"), self.tokens.get(island)
+        if held is not None and not hmac.compare_digest(held, token):
+            raise CarryRefused(
+                f"request of island {island} refused: this member carries thin island {island} for another carry "
+                f"token ({held[:4]}..., the first it was asked with). A thin island derives its token from its "
+                "local key ($ARCHIPELAGO_CHECKPOINT_KEY_FILE, else ~/.config/archipelago/checkpoint.key): run it "
+                "with the key file it first ran with, or restart the carrier island to take another; if the thin "
+                "island did not change, another member is asking in its name")
+        return token
 
     def serve(self, island: int, nonce: int, step: int, weights: torch.Tensor) -> bytes:
-        """The signed answer to `island`'s download request `nonce` (already checked), remembered."""
+        """The signed answer to `island`'s download request `nonce` (already checked), now the
+        download its next row must name (the one before is forgotten: the thin island trains
+        from the last download it got)."""
         if island not in self.thin:
             raise CarryRefused(f"island {island} is not a thin island this member carries")
         self.answered.setdefault(island, set()).add(_nonce(nonce))
-        book = self.served[island]
-        book[nonce] = step
-        while len(book) > self.remember:
-            book.popitem(last=False)
+        self.outstanding[island] = (nonce, step)
         return pack_weights(self.key, self.carrier, island, nonce, step, weights)
 
     def receive(self, frame: bytes, codec: Codec, allowance: Allowance, weighting: str = "tokens") -> Upload:
         """An upload, opened and judged; CarryRefused (naming why) for a frame not signed by
-        a thin island this member carries, not for a download it served that island (or one
-        already used), a malformed payload, or claims and values a receiver would refuse."""
+        a thin island this member carries, not for the download it has outstanding for that
+        island, a malformed payload, claims and values a receiver would refuse, or a second
+        row trained from the weights of one outer step."""
         try:
             header, payload = open_frame(self.key, frame, FrameHeader(0, 0, 0, 0, CARRIED_ROW),
                                          any_island=True, any_quorum=True)
@@ -140,10 +222,12 @@ class CarrierBook:
         island = header.island
         if island not in self.thin:
             raise CarryRefused(f"upload refused: island {island} is not a thin island this member carries")
-        base_step = self.served[island].pop(header.quorum, None)
-        if base_step is None:
-            raise CarryRefused(f"upload of island {island} refused: it names no download this member served it "
-                               "(unknown, forgotten or already used)")
+        served = self.outstanding.get(island)
+        if served is None or served[0] != header.quorum:
+            raise CarryRefused(f"upload of island {island} refused: it names no download this member has "
+                               "outstanding for it (unknown, already used, or followed by a later download)")
+        del self.outstanding[island]  # used, whatever comes of it
+        base_step = served[1]
         try:
             values = codec.decode(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         except (PayloadError, RuntimeError, ValueError) as exc:
@@ -155,7 +239,19 @@ class CarrierBook:
         if not verdict.accepted:
             raise CarryRefused(f"upload of island {island} refused: {verdict.reason}"
                                + (CARRIED_TOKENS_FIX if row.tokens > allowance.max_tokens else ""))
+        self._one_a_round(island, base_step)
         return Upload(island, base_step, float(header.tokens), values)
+
+    def _one_a_round(self, island: int, base_step: int) -> None:
+        """Take one row a round: one trained from a later download than the last row taken.
+        Two in one carrier row would claim more tokens than the carrier declared (it declares
+        one upload's), and every receiver would refuse that row whole."""
+        last = self.carried_step.get(island)
+        if last is not None and base_step <= last:
+            raise CarryRefused(f"upload of island {island} refused: trained from the weights of outer step "
+                               f"{base_step}, and this member took its row trained from step {last} already (one "
+                               "row a round: its progress stays on the thin island and goes with its next upload)")
+        self.carried_step[island] = base_step
 
 
 # What a refused token claim means on a carrier: its allowance is `carried_tokens`.

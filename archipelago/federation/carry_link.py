@@ -12,11 +12,20 @@ head has arrived, a few at a time):
   when it refused it.
 
 Only the thin island connects, so it needs no open port: a small cluster or a workstation
-behind NAT can be one. Unlike the healing server, this one reads a request body; the body's
-size is the carry codec's payload plus the frame (both sides know it from the model), a
-declared length over that is refused before a byte of it is read, and all of it must
-arrive within `request_timeout` (http_serving.read_body). Nothing of it is used before
-the signature, the download it names and its values are checked (`CarrierBook.receive`).
+behind NAT can be one. Unlike the healing server, this one reads a request body, on a
+handler thread (a thin link may take minutes over a row), so who may send one is decided
+before a byte of it is read:
+
+* only from an address a signed download was served to (the row must name one anyway):
+  an outsider's PUT is refused at once, and cannot hold the few handlers with half-sent
+  bodies (it held all four for `quorum_timeout`, 600 s, and the thin island waited);
+* of at most the carry codec's payload plus the frame (both sides know it from the model);
+* each read within READ_TIMEOUT_S (a sender that stops frees its handler then), all of it
+  within `request_timeout` (http_serving.read_body).
+
+Request heads are read within READ_TIMEOUT_S too, on the server's one selector thread.
+Nothing of a body is used before the signature, the download it names and its values are
+checked (`CarrierBook.receive`).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import secrets
 import threading
 import time
 import urllib.parse
+from collections import OrderedDict
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 
@@ -44,12 +54,20 @@ from archipelago.federation.codecs import Codec
 from archipelago.federation.http_serving import FRAME_HEADER, DeadlineConnection, HeadHandler, RequestServer, read_body
 from archipelago.federation.policy import Allowance
 from archipelago.federation.trust import HEADER_BYTES, TAG_BYTES, FederationKey
-from archipelago.netutil import local_address, url_host
+from archipelago.netutil import canonical_host, local_address, url_host
 
 log = logging.getLogger("archipelago.federation")
 
 WEIGHTS_PATH = "/carry/weights"
 ROW_PATH = "/carry/row"
+READ_TIMEOUT_S = 15.0  # a request head, and each read of an upload's body: a thin island sends at once
+DOWNLOADERS_KEPT = 16  # addresses that took a signed download, from which uploads are read (newest kept)
+
+
+def peer_host(address: object) -> str:
+    """The host of a connection's peer address (`client_address`), an IPv4-mapped IPv6
+    address as IPv4: one thin island is one host however the carrier's socket names it."""
+    return canonical_host(str(address[0]) if isinstance(address, tuple) and address else str(address))
 
 
 def row_frame_bytes(codec: Codec) -> int:
@@ -65,18 +83,22 @@ def weights_frame_bytes(numel: int) -> int:
 class CarryServer:
     """The carrier's side: serves its published global weights to the thin islands it
     carries and takes their rows (judged by `book`, decoded with `codec`, within
-    `allowance`), staged until the outer loop takes them at its hand-off."""
+    `allowance`), staged until the outer loop takes them at its hand-off. `request_timeout`
+    bounds an upload's whole body and each MiB of a download's answer (a thin link's pace);
+    `head_timeout` a request head (READ_TIMEOUT_S unless set)."""
 
     def __init__(self, book: CarrierBook, codec: Codec, allowance: Allowance, weighting: str = "tokens",
                  host: str | None = None, request_timeout: float = 60.0, max_connections: int = 4,
-                 port: int = 0) -> None:
+                 port: int = 0, head_timeout: float | None = None) -> None:
         self.book, self.codec, self.allowance, self.weighting = book, codec, allowance, weighting
         self.request_timeout = request_timeout
         self._lock = threading.Lock()  # the book, the weights and the staged rows: handlers run on threads
         self._published: tuple[int, torch.Tensor] | None = None
         self._uploads: list[Upload] = []
-        self._server = RequestServer(host or local_address(), self._handler_class(), request_timeout,
-                                     max_connections, port)
+        self._downloaders: OrderedDict[str, None] = OrderedDict()  # hosts served a signed download, newest last
+        self._server = RequestServer(host or local_address(), self._handler_class(),
+                                     READ_TIMEOUT_S if head_timeout is None else head_timeout, max_connections,
+                                     port, send_timeout=request_timeout)
 
     def publish(self, step: int, weights: torch.Tensor, allowance: Allowance | None = None) -> None:
         """The global weights at outer `step`, served from now on (a bf16 copy is kept), and
@@ -121,6 +143,23 @@ class CarryServer:
                 log.warning("carry: refused a download request: %s", exc)
                 return 403, str(exc).encode()
 
+    def served(self, host: str) -> None:
+        """`host` took a signed download: its uploads are read from now on."""
+        with self._lock:
+            self._downloaders[host] = None
+            self._downloaders.move_to_end(host)
+            while len(self._downloaders) > DOWNLOADERS_KEPT:
+                self._downloaders.popitem(last=False)
+
+    def upload_refusal(self, host: str) -> bytes | None:
+        """Why an upload from `host` is refused before its body is read, or None."""
+        with self._lock:
+            if host in self._downloaders:
+                return None
+        log.warning("carry: refused an upload from %s before reading it: no signed download was served there", host)
+        return (f"an upload from {host}, where this carrier served no download: a thin island uploads from the "
+                "address it downloaded from (its row names that download)").encode()
+
     def take_row(self, frame: bytes) -> tuple[int, bytes]:
         """(HTTP status, body) for an upload whose bytes all arrived."""
         with self._lock:
@@ -144,11 +183,18 @@ class CarryServer:
                 if self.path != WEIGHTS_PATH:
                     self._reply(404, b"no such path here")
                     return
-                self._reply(*server.answer_download(self.headers.get(FRAME_HEADER, "")))
+                status, body = server.answer_download(self.headers.get(FRAME_HEADER, ""))
+                if status == 200:
+                    server.served(peer_host(self.client_address))
+                self._reply(status, body)
 
             def do_PUT(self) -> None:  # noqa: N802 - http.server's name
                 if self.path != ROW_PATH:
                     self._reply(404, b"no such path here")
+                    return
+                refusal = server.upload_refusal(peer_host(self.client_address))
+                if refusal is not None:
+                    self._reply(403, refusal)
                     return
                 cap = row_frame_bytes(server.codec)
                 try:
@@ -162,7 +208,7 @@ class CarryServer:
                                      "be the same on the thin island and its carrier)".encode())
                     return
                 deadline = time.monotonic() + server.request_timeout
-                frame = read_body(self.connection, self.rfile.read(), length, deadline)
+                frame = read_body(self.connection, self.rfile.read(), length, deadline, READ_TIMEOUT_S)
                 self._reply(*server.take_row(frame))
 
             def _reply(self, status: int, body: bytes) -> None:

@@ -5,8 +5,12 @@ The thin island's rows enter the federation inside this member's (`OuterCore.fol
 receiver weighs the folded row as any row and adds exactly both islands' shares, each
 discounted by its own staleness, and both token counts. So the member declares the carried
 tokens at the join (`declared_tokens_per_step`): receivers bound each island's claims by
-its declaration. A round that fails after folding puts the uploads back (`after_round`):
-the next row carries them, one step staler.
+its declaration of one upload's tokens, so a row carries at most one upload (with two,
+every receiver would refuse the whole row): the carrier takes at most one upload per outer
+step the thin island downloaded at (`CarrierBook`), and folds one a row; a second waiting
+(one that came while the round carrying the one before it failed) goes in the next row. A
+round that fails after folding puts the uploads back (`after_round`): the next row carries
+them, one step staler.
 """
 
 from __future__ import annotations
@@ -77,6 +81,11 @@ class Carrying:
         uploads = self.server.take_uploads()
         if not uploads:
             return own, own_tokens, []
+        uploads, later = uploads[:1], uploads[1:]  # one upload a row: the carrier declared one upload's tokens
+        if later:
+            log.info("outer step %d: %d more row(s) of thin island %d wait for the next row (one a row)",
+                     outer_step + 1, len(later), self.ft.carries)
+            self.server.restage(later)
         carried = [Carried(u.values, u.tokens, outer_step - u.base_step + staleness) for u in uploads]
         values, tokens = core.fold(own, own_tokens, staleness, carried)
         log.info("outer step %d: folded %d row(s) of thin island %d into this island's (%g of %g tokens)",

@@ -12,11 +12,11 @@ exchanges are cheap against a round's compute (`overlap_threshold`).
 Everything every island must see alike comes from the members' signed agreement flags
 (agreement.agree_on_exchange), never from one island's clock:
 
-* whether the next exchange overlaps: some member measured its last exchange above
-  `overlap_threshold` of its round's compute seconds (0: always overlap);
-* the staleness of an exchange's rows: 1 when the previous exchange was overlapped by some
-  member and applied an outer step at this round's end (its rows were taken from weights
-  that step had not reached), else 0; with `arrival_steps` the overlapped exchange is applied
+* whether the next exchange overlaps: the lower median of the members' measures of their
+  last exchange is above `overlap_threshold` of a round's compute seconds (0: always overlap);
+* the staleness of an exchange's rows: 1 when the previous exchange was overlapped by more
+  than half of the members and applied an outer step at this round's end (their rows were
+  taken from weights that step had not reached), else 0; with `arrival_steps` the overlapped exchange is applied
   that many inner steps into the next round, every island moves to the new global weights
   plus its progress since, and the rows are not stale. An island that joined or healed sends
   nothing in that exchange.
@@ -27,6 +27,7 @@ their chunks of the flat layout) and on every rank (the decisions).
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 import torch
@@ -75,12 +76,23 @@ class Handoffs:
     def decide(self, facts: Sequence[tuple[float, float]]) -> tuple[bool, bool]:
         """From every member's agreement facts after an exchange (exchange seconds / round
         compute seconds in OVERLAP_SCALE units; 1 where that member trained on while the
-        exchange travelled): (some member overlapped it, the next exchange overlaps). No
-        facts (the agreement failed): the next exchange keeps this island's decision."""
-        overlapped = any(flag > 0 for _, flag in facts)
+        exchange travelled): (more than half of the members overlapped it, the next exchange
+        overlaps: the lower median of the measures taken is above the threshold). No facts
+        (the agreement failed): the next exchange keeps this island's decision.
+
+        A pure function of the all-gathered facts, so every island decides alike. Neither
+        side can be moved by one member's claim alone (`any` and `max` were: one lying
+        member made every island train on while exchanges travel and discounted every row
+        as stale); with two islands the lower median is the lower claim, so a liar can only
+        keep exchanges waited for and rows undiscounted. A member whose facts are (0, 0)
+        (its flag not signed for this round, or nothing measured and nothing overlapped)
+        says nothing."""
+        told = [(measure, flag) for measure, flag in facts if measure > 0 or flag > 0]
+        overlapped = 2 * sum(flag > 0 for _, flag in told) > len(told)
         if self.threshold <= 0 or not facts:
             return overlapped, self.overlaps
-        return overlapped, max(measure for measure, _ in facts) / OVERLAP_SCALE > self.threshold
+        measured = [measure for measure, _ in told if measure > 0]
+        return overlapped, bool(measured) and statistics.median_low(measured) / OVERLAP_SCALE > self.threshold
 
     def settle(self, overlapped: bool, overlaps_next: bool, applied: bool) -> None:
         """What every island of the round decided (`decide`, combined over its ranks), and

@@ -72,7 +72,7 @@ from archipelago.federation.policy import (
 )
 from archipelago.federation.quorum import Quorum
 from archipelago.federation.round_book import OuterReport, RoundBook
-from archipelago.federation.trust import FederationKey
+from archipelago.federation.trust import FederationKey, share_member_signer
 
 log = logging.getLogger("archipelago.federation")
 
@@ -87,6 +87,8 @@ class OuterLoop:
         self.ft, self.rank, self.world_size, self.group = ft, rank, world_size, group
         self.ranks = IslandRanks(world_size, group)  # the island's own small collectives
         self.key = key  # signs this island's rows and checks the others' (None: plain rows)
+        # The island's own signing key (rank 0's, on every rank): evidence of what it sent (receipts.py).
+        self.signer = share_member_signer(key, ft.replica_id, self.ranks.sums, rank)
         self.manager, self.fingerprint = manager, fingerprint  # torchft Manager on bridge ranks, else None
         self.per_fragment = ft.sync_steps // len(fragments)
         self.delay = ft.fragment_sync_delay

@@ -46,7 +46,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -56,6 +56,7 @@ from archipelago.federation.trust import (
     HEADER_BYTES as SIGNED_HEADER_BYTES,
 )
 from archipelago.federation.trust import (
+    SIGNATURE_BYTES,
     TAG_BYTES,
     FederationKey,
     FrameHeader,
@@ -63,6 +64,8 @@ from archipelago.federation.trust import (
     claimed_island,
     open_frame,
     seal,
+    sign,
+    signed_by,
 )
 
 PLAIN_HEADER_BYTES = 16  # [tokens, weight] as two float64 values (no federation key)
@@ -85,6 +88,15 @@ class Framing:
     `quorum`, `step`, `fragment` and `island` are this island's view of the round; a
     signed row from elsewhere (another round, fragment or kind) is refused as a replay.
     `forge` is the demo's lying island (guard.Poison): it falsifies its own header.
+
+    With a key every frame also carries, after its tag, the sending member's signature
+    (Ed25519, `signer`) over its header, which holds the SHA-256 of its payload: the tag
+    keeps outsiders out, but every member could make it; the signature only its sender can
+    (trust.member_id). `members` and `islands` are the quorum's public signing keys and
+    island ids by replica rank (from the member tokens the lighthouse handed every member
+    alike): a row from replica rank k must carry member k's signature and island id. A
+    signed header is what a member shows as evidence of what another sent it
+    (`evidence`, federation/receipts.py).
     """
 
     key: FederationKey | None = None
@@ -92,7 +104,10 @@ class Framing:
     step: int = 0
     fragment: int = 0
     island: int = 0
-    forge: str | None = None  # "forge_tokens", "forge_weight" or "unsigned" (demo only)
+    forge: str | None = None  # "forge_tokens", "forge_weight", "unsigned", ... (demo only: guard.Poison)
+    signer: Any = None        # this member's Ed25519 private key (trust.member_signer)
+    members: tuple[bytes | None, ...] = ()  # the quorum's public signing keys, by replica rank
+    islands: tuple[int, ...] = ()           # ... and island ids
 
     @property
     def header_bytes(self) -> int:
@@ -100,7 +115,14 @@ class Framing:
 
     @property
     def trailer_bytes(self) -> int:
-        return 0 if self.key is None else TAG_BYTES
+        return 0 if self.key is None else TAG_BYTES + SIGNATURE_BYTES
+
+    @property
+    def checks_signers(self) -> bool:
+        """Whether rows must carry their sender's signature: a key, and every member's public
+        signing key known (a quorum with an id that carries none has an outsider in it, and
+        its rounds commit nothing anyway: membership.MembersOnly)."""
+        return self.key is not None and bool(self.members) and all(m is not None for m in self.members)
 
     def row_bytes(self, payload_bytes: int) -> int:
         """Bytes of a row, rounded up to 8 so stacked rows stay aligned."""
@@ -124,8 +146,11 @@ class Framing:
                          weight=weight)
         key = FederationKey(b"\x00" * 32) if self.forge == "unsigned" else self.key
         sealed = seal(key, header, payload.cpu().numpy().tobytes())
+        signature = (sign(self.signer, sealed[:SIGNED_HEADER_BYTES])
+                     if self.signer is not None and self.forge != "unsigned" else bytes(SIGNATURE_BYTES))
         out = torch.zeros(size, dtype=torch.uint8)
         out[:len(sealed)] = torch.frombuffer(bytearray(sealed), dtype=torch.uint8)
+        out[len(sealed):len(sealed) + SIGNATURE_BYTES] = torch.frombuffer(bytearray(signature), dtype=torch.uint8)
         return out
 
     def _claims(self, tokens: float, weight: float) -> tuple[float, float]:
@@ -135,9 +160,11 @@ class Framing:
             return tokens, -1e6
         return tokens, weight
 
-    def open(self, row: torch.Tensor, payload_bytes: int, kind: int = ROUND_ROW,
-             segment: int = 0) -> tuple[float, float, int, torch.Tensor | None, int]:
-        """(tokens, weight, island, payload, FRAME_*) of a received row; payload None when refused."""
+    def open(self, row: torch.Tensor, payload_bytes: int, kind: int = ROUND_ROW, segment: int = 0,
+             sender: int = -1) -> tuple[float, float, int, torch.Tensor | None, int]:
+        """(tokens, weight, island, payload, FRAME_*) of a received row; payload None when
+        refused. `sender`: the replica rank it came from, whose signature it must carry
+        (`checks_signers`; -1: not checked)."""
         if self.key is None:
             head = row[:PLAIN_HEADER_BYTES].cpu().view(torch.float64)
             return (float(head[0]), float(head[1]), -1,
@@ -148,8 +175,28 @@ class Framing:
             got, payload = open_frame(self.key, raw, self._where(kind, segment, 0), any_island=True)
         except FrameRefused:
             return 0.0, 0.0, claimed_island(raw), None, FRAME_UNSIGNED
+        signature = row[size:size + SIGNATURE_BYTES].cpu().numpy().tobytes()
+        if sender >= 0 and self.checks_signers and not self.signed_by_member(raw[:SIGNED_HEADER_BYTES],
+                                                                              signature, sender, got.island):
+            return 0.0, 0.0, got.island, None, FRAME_UNSIGNED
         body = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
         return float(got.tokens), float(got.weight), got.island, body.to(row.device), FRAME_OK
+
+    def signed_by_member(self, header: bytes, signature: bytes, sender: int, island: int) -> bool:
+        """Whether `header` (of a frame claiming `island`) carries the signature of the member
+        at replica rank `sender`, whose token names that island."""
+        if not 0 <= sender < len(self.members) or self.members[sender] is None:
+            return False
+        if sender < len(self.islands) and self.islands[sender] != island:
+            return False
+        return signed_by(self.members[sender], header, signature)  # type: ignore[arg-type]
+
+    def evidence(self, row: torch.Tensor, payload_bytes: int) -> bytes:
+        """What a member shows of a signed row it received (or sent): its header and its
+        sender's signature (receipts.EVIDENCE_BYTES with the leading 1: present)."""
+        size = SIGNED_HEADER_BYTES + payload_bytes + TAG_BYTES  # two small slices, not a copy of the row
+        header = row[:SIGNED_HEADER_BYTES].cpu().numpy().tobytes()
+        return b"\x01" + header + row[size:size + SIGNATURE_BYTES].cpu().numpy().tobytes()
 
 
 @dataclass
@@ -175,6 +222,10 @@ class Gathered:
     done_at: list[float] = field(default_factory=list)  # perf_counter() when the first phase's rows were in
     stamped: bool = False  # the transport stamps `done_at` (gloo); else it stays empty (NCCL)
     second: SecondPhase | None = None  # reduce-scatter: the summed segments' all-gather, once started
+    # With signing members (Framing.checks_signers): the evidence of the segments this
+    # island sent (receipts.py), and the summers whose sums the receipts refused.
+    sent_evidence: list[bytes] = field(default_factory=list)
+    refused_summers: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -192,6 +243,7 @@ class SecondPhase:
     done_at: list[float] = field(default_factory=list)  # ... when its rows were in (gloo stamps it)
     stamped: bool = False  # the transport stamps `done_at`
     waited: float = 0.0    # ... when finish_gather's wait for them returned
+    evidence: list[bytes] = field(default_factory=list)  # signed members: each sum's signed header (receipts.py)
 
     def seconds(self) -> float:
         """From its start until its rows were in (0 when it did not run)."""
@@ -473,16 +525,36 @@ def start_gather(manager: Any, codec: Codec, pseudo_gradient: torch.Tensor, toke
         done_at, started = completion_stamps(wire), time.perf_counter()
         work = start_managed(manager, lambda: manager._pg.alltoall_base(received, send, [], [], AllToAllOptions()),
                              received, done_at, inputs=(send,))
+        sent_evidence = ([framing.evidence(row, piece.payload_bytes()) for row, piece in zip(send, pieces)]
+                         if framing.checks_signers else [])
         return Gathered(work, framing, [received], encode_s, sent=(participants - 1) * size,
                         received=(participants - 1) * size, segments=segments, rank=rank, started=started,
-                        done_at=stamps_list(done_at), stamped=stamping(done_at), own_sumsq=own_sumsq)
+                        done_at=stamps_list(done_at), stamped=stamping(done_at), own_sumsq=own_sumsq,
+                        sent_evidence=sent_evidence)
     size = framing.row_bytes(codec.payload_bytes())
     row = framing.frame(tokens, weight, _encoded(codec, pseudo_gradient, weight), size).to(wire)
     encode_s = time.perf_counter() - began
     done_at, started = completion_stamps(wire), time.perf_counter()
-    work, outputs = allgather(manager, row, participants, done_at)
+    if framing.forge == "equivocate" and participants >= 2:  # the drill of a dishonest member (guard.Poison)
+        work, outputs = _equivocate(manager, codec, pseudo_gradient, tokens, weight, framing, size, row, done_at)
+    else:
+        work, outputs = allgather(manager, row, participants, done_at)
     return Gathered(work, framing, outputs, encode_s, sent=row.numel(), received=row.numel() * (participants - 1),
                     started=started, done_at=stamps_list(done_at), stamped=stamping(done_at))
+
+
+def _equivocate(manager: Any, codec: Codec, x: torch.Tensor, tokens: int, weight: float, framing: Framing,
+                size: int, row: torch.Tensor, done_at: list[float] | None) -> tuple[Any, list[torch.Tensor]]:
+    """The `equivocate` drill: each peer gets its own validly signed row (the pseudo-gradient
+    scaled by 1 + rank / 4), as a dishonest member's own process could send them. Only the
+    tcp group can send different rows to different peers (CheckedTCPGroup.allgather_each)."""
+    participants = max(manager.num_participants(), 1)
+    rank = manager.participating_rank() or 0
+    rows = {k: framing.frame(tokens, weight, _encoded(codec, x * (1 + k / 4), weight), size)
+            for k in range(participants) if k != rank}
+    outputs = [torch.zeros_like(row) for _ in range(participants)]
+    start = lambda: manager._pg.allgather_each(outputs, row, rows)  # noqa: E731
+    return start_managed(manager, start, outputs, done_at, inputs=(row, *rows.values())), outputs
 
 
 def _own_sumsq(pieces: list[Codec], payloads: list[torch.Tensor]) -> torch.Tensor:
@@ -501,7 +573,17 @@ def empty_table(participants: int) -> torch.Tensor:
     return table
 
 
-def inspect_gather(gathered: Gathered, codec: Codec, manager: Any, participants: int) -> torch.Tensor:
+class Confirmation(Protocol):
+    """How members confirm what they received (federation/confirm.py), handed in by the
+    caller so that this module imports nothing above it."""
+
+    def rows(self, gathered: Gathered, codec: Codec, manager: Any, table: torch.Tensor) -> None: ...
+
+    def tables(self, gathered: Gathered, piece: Codec, manager: Any, mine: torch.Tensor) -> torch.Tensor: ...
+
+
+def inspect_gather(gathered: Gathered, codec: Codec, manager: Any, participants: int,
+                   confirm: Confirmation | None = None) -> torch.Tensor:
     """Wait for the rows, open and decode each, and return what each island claims and
     holds (the COLUMNS table, one row per replica rank, over this bridge chunk).
 
@@ -515,9 +597,14 @@ def inspect_gather(gathered: Gathered, codec: Codec, manager: Any, participants:
     if manager.errored() is not None or len(gathered.outputs[0]) == 0:
         return empty_table(participants)
     if gathered.segments is None:
-        return _inspect_rows(gathered, codec, gathered.outputs, ROUND_ROW, 0)
+        table = _inspect_rows(gathered, codec, gathered.outputs, ROUND_ROW, 0)
+        if confirm is not None and gathered.framing.checks_signers:  # the members confirm what they received
+            confirm.rows(gathered, codec, manager, table)
+        return table
     piece = codec.for_length(gathered.segments[gathered.rank][1] - gathered.segments[gathered.rank][0])
     mine = _inspect_rows(gathered, piece, list(gathered.outputs[0]), ROUND_SEGMENT, gathered.rank)
+    if confirm is not None and gathered.framing.checks_signers:  # signed tables with receipts, statements
+        return confirm.tables(gathered, piece, manager, mine)
     work, tables = allgather(manager, mine.to(gathered.outputs[0].device), len(gathered.segments))
     work.wait()
     if manager.errored() is not None:
@@ -531,8 +618,12 @@ def _inspect_rows(gathered: Gathered, codec: Codec, rows: list[torch.Tensor], ki
     table = empty_table(len(rows))
     gathered.payloads = []
     seen: set[int] = set()
+    censor = gathered.framing.forge == "censor" and kind == ROUND_SEGMENT  # a dishonest summer's drill
     for k, row in enumerate(rows):
-        tokens, weight, island, payload, frame = gathered.framing.open(row, codec.payload_bytes(), kind, segment)
+        tokens, weight, island, payload, frame = gathered.framing.open(row, codec.payload_bytes(), kind, segment,
+                                                                       sender=k)
+        if censor and k != gathered.rank:
+            frame, payload = FRAME_UNSIGNED, None
         if island >= 0 and island in seen:  # one island's frame in two places: a replay
             frame, payload = FRAME_UNSIGNED, None
         seen.add(island)

@@ -16,9 +16,12 @@ request and forwards the request, byte for byte, only when
   network (or a log) is useless elsewhere; one never proven passes nowhere;
 - it is the first full id seen with this token: one token is one member, never more.
 
-Anything else is answered PERMISSION_DENIED and logged once per id, with the id cut to
-`island_N:abcd...` (a token is a credential). An outsider therefore never enters a quorum:
-it cannot be a healing source, take part in an exchange, or learn the members' addresses.
+Anything else is answered PERMISSION_DENIED and logged once per id (and reason), with the
+id cut to `island_N:abcd...` (a token is a credential); past the first
+_MAX_REFUSALS_LOGGED ids, refusals are counted and the count logged once a minute
+(`RefusalLog`: a caller minting ids cannot flood the log, nor grow the gate's memory). An
+outsider therefore never enters a quorum: it cannot be a healing source, take part in an
+exchange, or learn the members' addresses.
 
 The gate parses the whole of every request (a protobuf message, by `_fields`) and refuses
 one whose replica id (or requester) field occurs more than once: torchft's decoder keeps
@@ -28,7 +31,8 @@ lighthouse's machine may reach it over 127.0.0.1 in one call and ::1 in the next
 anyone on that machine can use torchft's dashboard on loopback anyway. torchft's
 dashboard (and its unauthenticated kill endpoint) stays on the loopback address of the
 inner lighthouse. What the gate costs: one Python hop per heartbeat and quorum request, a
-few per second per island; memory: at most MAX_TOKENS proven tokens (~200 bytes each).
+few per second per island; memory: at most MAX_TOKENS proven tokens (~200 bytes each) and
+_MAX_REFUSALS_LOGGED refused ids (~100 bytes each).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
+from archipelago.federation.refusal_log import RefusalLog
 from archipelago.federation.trust import (
     FederationKey,
     admission_proof,
@@ -67,7 +72,7 @@ MAX_TOKENS = 65_536  # proven tokens remembered, least recently used out (only k
 CHALLENGE_TTL_S = 60.0  # a challenge older than this is refused
 _CHALLENGE = struct.Struct(">Q32s")  # issue time (ms) | HMAC under the gate's own secret
 _PROOF_BYTES = 32
-_MAX_REFUSALS_LOGGED = 256  # distinct ids named in the log; more are counted only
+_MAX_REFUSALS_LOGGED = 256  # distinct ids named in the log; more are counted, the count logged once a minute
 _WORKERS = 64  # a quorum request waits (long poll) on a worker thread until the quorum forms
 _MAX_FIELD_NUMBER = (1 << 29) - 1  # protobuf's largest
 _MAX_REQUEST_BYTES = 1 << 16  # torchft's requests take a few hundred bytes; grpc's default allows 4 MiB
@@ -291,8 +296,7 @@ class LighthouseGate:
         _probe(host, port)  # grpc logs why a bind failed but raises without the reason
         self._grpc, self._inner, self._key = grpc, inner, key
         self.admissions = Admissions(key)
-        self._refused: dict[bytes, str] = {}  # hash of a refused id -> the id as logged
-        self._lock = threading.Lock()
+        self._refusals = RefusalLog(log, "lighthouse", _MAX_REFUSALS_LOGGED)
         target = "127.0.0.1:" + inner.address().rsplit(":", 1)[1]
         self._channel = grpc.insecure_channel(target)
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name)) for name in ("Quorum", "Heartbeat")}
@@ -359,20 +363,14 @@ class LighthouseGate:
         return handle
 
     def _log_refusal(self, who: str, peer: str, reason: str) -> None:
-        digest = hashlib.sha256(f"{who}\n{reason}".encode()).digest()[:16]  # bounded, whatever the id's size
-        with self._lock:
-            first = digest not in self._refused
-            if first and len(self._refused) < _MAX_REFUSALS_LOGGED:
-                self._refused[digest] = redacted(who)
-        if first:
-            log.warning("lighthouse: refused an unauthenticated member (replica id %r, from %s): %s; it is kept out "
-                        "of every quorum", redacted(who), peer, reason)
+        self._refusals.refused(f"{who}\n{reason}", redacted(who),
+                               f"lighthouse: refused an unauthenticated member (replica id {redacted(who)!r}, from "
+                               f"{peer}): {reason}; it is kept out of every quorum")
 
     @property
     def refused(self) -> list[str]:
-        """The replica ids refused so far, as logged (`island_N:abcd...`; up to the first few hundred)."""
-        with self._lock:
-            return sorted(self._refused.values())
+        """The replica ids refused so far, as logged (`island_N:abcd...`; the first _MAX_REFUSALS_LOGGED)."""
+        return self._refusals.named
 
     def address(self) -> str:
         return f"http://{url_host(self.host)}:{self.port}"
@@ -383,5 +381,6 @@ class LighthouseGate:
 
     def shutdown(self) -> None:
         self._server.stop(grace=0).wait()
+        self._refusals.flush()
         self._channel.close()
         self._inner.shutdown()

@@ -14,7 +14,13 @@ to show that the checks catch it: `nan` fills its pseudo-gradient with NaN, `sca
 multiplies it by 1000 (both are caught by its own guard once it has a history, and by the
 receivers before that); the lying kinds skip its own guard and falsify what it sends:
 `forge_tokens` claims 10^15 tokens, `forge_weight` a weight of -10^6, `unsigned` signs
-with a key outside the federation (only meaningful with a federation key).
+with a key outside the federation (only meaningful with a federation key); `equivocate`
+sends each peer of an all-gather exchange a different, validly signed row, and `censor`, as
+the summer of a reduce-scatter segment, says in its table that every other island's
+segment was unsigned (both need a federation key; the members' receipts must refuse the
+liar on every island alike: federation/receipts.py); `split_receipt` tells one peer in its
+receipt that another's row never arrived and the others the truth (what no receipt can
+show: the next round's state claims must name the islands that then differ).
 `die_in_exchange` makes every rank of the island SIGKILL itself right after it handed its
 row to that round's exchange (`Poison.die`): the other islands' exchange fails with a
 member gone mid-collective, which they survive by re-forming the quorum and running the
@@ -35,7 +41,8 @@ import torch
 from archipelago.config.faults import OUTER_KINDS, faults_from_env
 from archipelago.federation.policy import GUARD_HISTORY, judge_pseudo_gradient, remember_norm
 
-FORGE_KINDS = ("forge_tokens", "forge_weight", "unsigned")  # lie in the frame, not in the values
+# The kinds that lie in what the island sends, not in the values it trained.
+FORGE_KINDS = ("forge_tokens", "forge_weight", "unsigned", "equivocate", "censor", "split_receipt")
 DIE_IN_EXCHANGE = "die_in_exchange"  # kill the island with its row in flight (config/faults.py)
 
 log = logging.getLogger("archipelago.federation")

@@ -3,13 +3,17 @@
 torchft's checkpoint transport hands a peer's state to `Healing.load` during the quorum (on
 a bridge rank of an island that is behind). Nothing of it is applied there: it is checked
 for shape and finiteness against this island's own state and held. The members then
-all-gather their signed state claims (policy.StateClaim: step, a SHA-256 over the global
-chunks, the counters), and the offer is taken only when they vouch for it
-(policy.heal_verdict), on every bridge rank of the island or on none. What a peer sends
-is the global weights and outer optimizer state, the federation's counters (those the
-supporters vouched for are taken, not the source's), and under decoupled rounds whether
-the next exchange's rows are stale; never its codec's error feedback (its own unsent
-progress, which it still sends itself).
+all-gather their signed state claims (policy.StateClaim: step, a SHA-256 over all of the
+state a healing island takes, the counters), and the offer is taken only when they vouch
+for it (policy.heal_verdict), on every bridge rank of the island or on none. What a peer
+sends is the global weights and outer optimizer state, the federation's counters (those
+the supporters vouched for are taken, not the source's), and under decoupled rounds
+whether the next exchange's rows are stale; never its codec's error feedback (its own
+unsent progress, which it still sends itself). The claims' digest covers the weights, the
+outer optimizer state and the stale flag (global_weights.offer_digest), so a source that
+serves the members' weights with other momentum, or another stale flag, is refused. The
+rest is not taken from the source: its fingerprint must match this island's (`mismatch`),
+its guard history is never taken, and the counters are the supporters'.
 """
 
 from __future__ import annotations
@@ -23,12 +27,12 @@ import torch
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation.decoupled import Handoffs
 from archipelago.federation.fragments import load_tensor_state, tensor_state
-from archipelago.federation.global_weights import GlobalWeights, digest
+from archipelago.federation.global_weights import GlobalWeights, offer_digest
 from archipelago.federation.guard import PseudoGradientGuard
 from archipelago.federation.membership import exchange_claims, mismatch
-from archipelago.federation.policy import Membership, StateClaim, heal_verdict
+from archipelago.federation.policy import Membership, StateClaim, diverged, heal_verdict
 from archipelago.federation.quorum import Quorum
-from archipelago.federation.trust import FederationKey
+from archipelago.federation.trust import FederationKey, member_island
 
 log = logging.getLogger("archipelago.federation")
 
@@ -140,27 +144,53 @@ class Healing:
 
     def judge_offer(self) -> str | None:
         """Every round every bridge rank all-gathers the members' signed state claims
-        (policy.StateClaim: ~300 bytes per island, and a SHA-256 over this rank's global
-        chunks); a state torchft handed this rank in this quorum is checked against them
-        (policy.heal_verdict). Why it is refused, or None (also when there is none); kept
+        (policy.StateClaim: ~300 bytes per island, and a SHA-256 over this rank's state,
+        hashed again only where it changed); a state torchft handed this rank in this
+        quorum is hashed whole (weights, outer optimizer state, stale flag) and checked
+        against them (policy.heal_verdict). Why it is refused, or None (also when there is none); kept
         in `refusal`."""
         h = self.host
         claims = exchange_claims(h.manager, self.own_claim(), h.ft.replica_id, h.key)
+        if claims is not None:
+            self.alarm_on_divergence(claims)
         if self.offer is None:
             return self.refusal
         me = h.manager.participating_rank()
         if claims is None or me is None or len(claims) <= me:
             self.refusal = "the members' state claims could not be exchanged (the round failed)"
             return self.refusal
-        claim = StateClaim(h.manager.current_step(), digest(f["global"] for f in self.offer["fragments"]))
+        claim = StateClaim(h.manager.current_step(), offer_digest(self.offer))
         verdict, self.taken = heal_verdict(claim, claims, me)
         self.refusal = verdict.reason
         return self.refusal
 
-    def own_claim(self) -> StateClaim:
-        """This bridge rank's claim about its state before this quorum (what it committed)."""
+    def alarm_on_divergence(self, claims: list[StateClaim]) -> list[int]:
+        """After every commit the members must hold one state: compare the digests they
+        claim for this island's step (policy.diverged) and name, in an error, every member
+        that holds another (a member that sent its last message of a round differently to
+        different peers can still cause that: federation/receipts.py). Returns their ranks."""
         h = self.host
-        return StateClaim(self.before_quorum[0], h.weights.chunk_digest(), h.last_committed, h.inner_step,
+        me = h.manager.participating_rank()
+        if me is None or not h.last_committed:
+            return []
+        odd = diverged(claims, me)
+        if odd:
+            ids = list(getattr(h.manager, "_archipelago_replica_ids", None) or [])
+            names = [f"island {member_island(h.key, ids[k])}" if k < len(ids) else f"replica rank {k}" for k in odd]
+            where = "this island is among them" if me in odd else "this island holds the majority's"
+            log.error("the members' committed states of outer step %d differ: %s hold(s) another state than the "
+                      "majority of the members that committed it (%s; the state claims' digests %s). Compare "
+                      "their logs' 'receipts' lines; restart the island(s) in the minority to heal them from the "
+                      "others", claims[me].step, ", ".join(names), where,
+                      ", ".join(sorted({claims[k].digest[:12] for k in range(len(claims)) if claims[k].digest})))
+        return odd
+
+    def own_claim(self) -> StateClaim:
+        """This bridge rank's claim about its state before this quorum (what it committed):
+        the digest of all that `state()` serves and a healing peer takes."""
+        h = self.host
+        stale = int(h.handoffs.stale) if h.handoffs is not None else None
+        return StateClaim(self.before_quorum[0], h.weights.state_digest(stale), h.last_committed, h.inner_step,
                           h.federation_tokens)
 
     def settle(self, m: Membership) -> Membership:

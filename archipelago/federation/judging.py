@@ -22,12 +22,15 @@ import torch
 from archipelago.config.schema import FaultToleranceConfig
 from archipelago.federation import exchange as rows
 from archipelago.federation.policy import (
+    FRAME_DISPUTED,
     FRAME_MALFORMED,
     FRAME_OK,
     FRAME_UNSIGNED,
     Allowance,
     Contribution,
+    agreed_inner_lr,
     bounded_batches,
+    capped_shares,
     judge_contributions,
     norm_allowance,
     steps_between_exchanges,
@@ -36,7 +39,7 @@ from archipelago.federation.quorum import Quorum
 
 log = logging.getLogger("archipelago.federation")
 
-FACTS = 11  # per row: tokens, weight, island, unsigned, malformed, nonfinite, sumsq, declared x3, odd
+FACTS = 12  # per row: tokens, weight, island, unsigned, malformed, nonfinite, sumsq, declared x3, odd, disputed
 
 
 @dataclass
@@ -69,18 +72,24 @@ class RowJudge:
         contributions, allowances, islands = [], [], []
         # What islands declared at the join, each held to declared_limit x the others' median.
         per_steps = bounded_batches([row[7] for row in facts], ft.declared_limit)
-        lrs = bounded_batches([row[8] for row in facts], ft.declared_limit)
+        lrs = agreed_inner_lr([row[8] for row in facts])  # one liar cannot widen the norm bounds
         for row, per_step, lr in zip(facts, per_steps, lrs):
-            tokens, weight, island, unsigned, malformed, nonfinite, sumsq, _, _, declared, odd = row
-            frame = FRAME_UNSIGNED if unsigned else FRAME_MALFORMED if malformed else FRAME_OK
+            tokens, weight, island, unsigned, malformed, nonfinite, sumsq, _, _, declared, odd, disputed = row
+            frame = (FRAME_UNSIGNED if unsigned else FRAME_DISPUTED if disputed else FRAME_MALFORMED if malformed
+                     else FRAME_OK)
             contributions.append(Contribution(tokens, weight, frame, not nonfinite, math.sqrt(sumsq), not odd))
             allowances.append(Allowance(per_step * steps, norm_allowance(ft.outer_norm_limit, steps, lr, numel,
                                                                           global_norm)))
             # Its id from its join (by replica rank), else what its frame claims (unproven).
             islands.append(int(declared) - 1 if declared > 0 else int(island))
         verdicts = judge_contributions(contributions, allowances, ft.outer_weighting, ft.outer_norm_limit)
-        judged = RowVerdicts([c.weight if v.accepted else 0.0 for c, v in zip(contributions, verdicts)],
-                             sum(c.tokens for c, v in zip(contributions, verdicts) if v.accepted))
+        # No accepted row holds more than max_island_share of the round (declarations are
+        # unproven: a member could otherwise buy most of the average with a huge batch).
+        weights = capped_shares([c.weight if v.accepted else 0.0 for c, v in zip(contributions, verdicts)],
+                                ft.max_island_share)
+        counted = capped_shares([c.tokens if v.accepted else 0.0 for c, v in zip(contributions, verdicts)],
+                                ft.max_island_share)
+        judged = RowVerdicts(weights, sum(counted))
         for k, v in enumerate(verdicts):
             if v.accepted:
                 continue
@@ -107,5 +116,6 @@ class RowJudge:
         facts[:, 4] = (table[:, rows.FRAME] == FRAME_MALFORMED).double()
         facts[:, 5] = table[:, rows.NONFINITE]
         facts[:, 6] = table[:, rows.SUMSQ]
+        facts[:, 11] = (table[:, rows.FRAME] == FRAME_DISPUTED).double()
         combined = self.island_sums([*facts.flatten().tolist(), global_sumsq])
         return [combined[k * FACTS:(k + 1) * FACTS] for k in range(n)], combined[-1]

@@ -155,14 +155,13 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int, key: F
     if not log.isEnabledFor(logging.DEBUG):
         for name in ("torchft", "torchft_quorums", "torchft_commits"):
             logging.getLogger(name).setLevel(logging.WARNING)
-    if ft.process_group == "gloo":  # gloo has no NCCL flight recorder: torchft warns every quorum
+    if ft.process_group != "nccl":  # no NCCL flight recorder: torchft warns every quorum
         logging.getLogger("torchft.manager").addFilter(_drop_flight_recorder_warning)
     from torchft import Manager
-    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     url = lighthouse_address(ft)
     timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
-    pg = ProcessGroupNCCL(timeout=timeout) if ft.process_group == "nccl" else ProcessGroupGloo(timeout=timeout)
+    pg = cross_island_group(ft.process_group, timeout, key)
     host, port, store = _store_for_manager()
     # The manager server is where this island's bridge ranks ask for quorums: inside the
     # island; other islands reach only its healing call, through a gate on LOCAL_ADDR.
@@ -193,6 +192,20 @@ def build_manager(ft: FaultToleranceConfig, bridge_rank: int, width: int, key: F
 _QUORUM_FIELDS = ("quorum_id", "replica_rank", "replica_world_size", "recover_src_manager_address",
                   "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step",
                   "max_replica_rank", "max_world_size", "heal", "commit_failures", "replica_ids")
+
+
+def cross_island_group(backend: str, timeout: timedelta, key: FederationKey | None = None) -> Any:
+    """The process group between the islands' bridge ranks: ours over checked TCP (`tcp`:
+    no peer can abort this process, federation/tcp_group.py), torchft's gloo or NCCL."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    if backend == "nccl":
+        return ProcessGroupNCCL(timeout=timeout)
+    if backend == "gloo":
+        return ProcessGroupGloo(timeout=timeout)
+    from archipelago.federation.tcp_group import CheckedTCPGroup
+
+    return CheckedTCPGroup(timeout, key)
 
 
 class MembersOnly:
@@ -239,7 +252,8 @@ class MembersOnly:
         self._manager._archipelago_outsiders = outsiders
         if not outsiders:
             return quorum
-        view = {name: getattr(quorum, name) for name in _QUORUM_FIELDS}
+        # torchft's QuorumResult lacks some of the fields on some versions (commit_failures)
+        view = {name: getattr(quorum, name) for name in _QUORUM_FIELDS if hasattr(quorum, name)}
         view.update(heal=False, recover_dst_replica_ranks=[])
         return SimpleNamespace(**view)
 
@@ -292,6 +306,8 @@ def fingerprint(model_name: str, named_shapes: list[tuple[str, tuple[int, ...]]]
     if ft.outer_aggregation != "mean":
         outer += f" {ft.outer_aggregation}"
     outer += f", declarations <= {ft.declared_limit:g}x the median"
+    if ft.max_island_share < 1:
+        outer += f", one island <= {ft.max_island_share:g} of a round"
     return {"island": ft.replica_id, "ranks": ranks, "model": model_name,
             "params": sum(math.prod(s) for _, s in named_shapes), "shapes": shapes,
             "sync_width": ft.sync_width, "num_fragments": ft.num_fragments,

@@ -154,7 +154,7 @@ class RoundOutcome:
         h = self.host
         assert h.core is not None, "only bridge ranks hold the global weights"
         h.core.apply(fragment, buffer[:-2], total)
-        h.weights.forget_digest()
+        h.weights.forget_digest(fragment)  # its weights and outer state changed, no other fragment's
 
     def _should_commit(self) -> bool:
         try:

@@ -124,6 +124,7 @@ def remember_norm(accepted_norms: list[float], norm: float) -> None:
 FRAME_OK = 0         # a plain row, or a frame signed with the federation key for this round
 FRAME_UNSIGNED = 1   # not signed with the key, tampered, or a replay: nothing of it was read
 FRAME_MALFORMED = 2  # signed, but its payload is not one any codec of ours makes
+FRAME_DISPUTED = 3   # refused by the members' receipts (equivocation, or a claim without evidence: receipts.py)
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,9 @@ def _judge_one(row: Contribution, allowance: Allowance, weighting: str) -> Verdi
                               "majority's fingerprint)")
     if row.frame == FRAME_UNSIGNED:
         return Verdict(False, "not signed with the federation key for this round (or tampered, or a replay)")
+    if row.frame == FRAME_DISPUTED:
+        return Verdict(False, "refused by the members' receipts of this exchange (the log line 'receipts of "
+                              "outer step ...' says why)")
     if row.frame != FRAME_OK:
         return Verdict(False, "a malformed payload")
     for name, value in (("tokens", row.tokens), ("weight", row.weight)):
@@ -385,12 +389,38 @@ def bounded_batches(declared: Sequence[float], ratio: float) -> list[float]:
     return bounded
 
 
+def agreed_inner_lr(declared: Sequence[float]) -> list[float]:
+    """Each island's inner learning rate as the receivers count it for its norm bound: what
+    it declared, but at most the lower median of every island's declaration. An honest
+    federation trains with one learning rate, so this changes nothing for it; a member that
+    declares a huge one (to buy a larger norm allowance) moves the lower median by at most
+    one place: with two islands it is the smaller declaration, the honest island's."""
+    positive = sorted(d for d in declared if d > 0 and math.isfinite(d))
+    cap = statistics.median_low(positive) if positive else math.inf
+    return [min(value, cap) for value in declared]
+
+
+def capped_shares(values: Sequence[float], share: float) -> list[float]:
+    """Each accepted row's weight (or tokens) with no row above `share` of them all: row k
+    at most share / (1 - share) times the other rows' together, as they claimed them (so
+    one member's claim cannot lower another's cap). `share` 1 leaves them alone; at 0.5
+    no row outweighs all the others together. A row alone keeps its value (there is
+    nothing to outweigh). The same on every island: a pure function of the judged claims."""
+    if share >= 1 or sum(1 for v in values if v > 0) < 2:
+        return list(values)
+    ratio = share / (1 - share)
+    total = sum(values)
+    return [min(v, ratio * (total - v)) for v in values]
+
+
 @dataclass(frozen=True)
 class StateClaim:
     """What an island says about its own state at a membership change, in a signed frame of
-    its own (membership.exchange_claims): its committed outer step, a digest of its global
-    weights (this bridge rank's chunks), whether its last round committed (`current`), and
-    its counters. A healing island checks the state it received against these."""
+    its own (membership.exchange_claims): its committed outer step, a digest of all a
+    healing island would take of this bridge rank's state (its global chunks, their outer
+    optimizer state and under decoupled rounds the stale flag: global_weights.state_digest),
+    whether its last round committed (`current`), and its counters. A healing island checks
+    the state it received against these."""
 
     step: int = -1
     digest: str = ""
@@ -399,25 +429,46 @@ class StateClaim:
     federation_tokens: int = 0
 
 
+def diverged(claims: Sequence[StateClaim], me: int) -> list[int]:
+    """The replica ranks whose committed state differs from the one most members claim for
+    this island's own step (members whose last round committed, at that step, with a
+    digest): after every commit all of them must hold the same state. A tie keeps this
+    island's own digest as the reference. Empty when they agree (or nobody can compare)."""
+    if not 0 <= me < len(claims) or not claims[me].digest:
+        return []
+    step = claims[me].step
+    peers = [k for k, c in enumerate(claims) if c.step == step and c.current and c.digest]
+    counts: dict[str, int] = {}
+    for k in peers:
+        counts[claims[k].digest] = counts.get(claims[k].digest, 0) + 1
+    if len(counts) < 2:
+        return []
+    reference = max(counts, key=lambda d: (counts[d], d == claims[me].digest))
+    return [k for k in peers if claims[k].digest != reference]
+
+
 def heal_verdict(offer: StateClaim, claims: Sequence[StateClaim], me: int) -> tuple[Verdict, StateClaim]:
     """May a healing island take `offer` (the state a peer sent, its step the quorum's
     highest), given every member's claim (`claims[me]` its own, before healing)? Returns
     the verdict and, when accepted, the counters to take.
 
-    Supporters are the other members that claim exactly that step and those weights.
+    Supporters are the other members that claim exactly that step and that state (its
+    digest covers the weights, the outer optimizer state and the decoupled stale flag).
     Contradicting them are the members whose last round committed (`current`) at a lower
     step (they were in the rounds the offer claims to come after), or at the same step with
-    other weights. The offer is taken when at least one member supports it and no agreeing
+    another state. The offer is taken when at least one member supports it and no agreeing
     group of current members outnumbers its supporters: one member claiming a step ahead
-    of the others, or serving other weights than the ones its peers at that step hold, is
-    refused as soon as two honest islands that trained together are present. The counters taken (inner step,
+    of the others, or serving another state (other weights, or their weights with other
+    momentum) than the one its peers at that step hold, is refused as soon as two honest
+    islands that trained together are present. The counters taken (inner step,
     federation tokens) are the supporters' lower median, not the source's own: a source
     cannot declare the healing island done.
     """
     supporters = [c for k, c in enumerate(claims) if k != me and c.step == offer.step and c.digest == offer.digest]
     if not supporters:
-        return Verdict(False, f"no member vouches for the state it was sent (step {offer.step}, weights "
-                              f"{offer.digest[:12]}): not even its source claims it"), offer
+        return Verdict(False, f"no member vouches for the state it was sent (step {offer.step}, state "
+                              f"{offer.digest[:12]}: weights, outer optimizer state and stale flag): not even "
+                              "its source claims it"), offer
     groups: dict[tuple[int, str], int] = {}
     for c in claims:
         if c.current and 0 <= c.step <= offer.step and (c.step, c.digest) != (offer.step, offer.digest):
@@ -425,7 +476,7 @@ def heal_verdict(offer: StateClaim, claims: Sequence[StateClaim], me: int) -> tu
     if groups and max(groups.values()) > len(supporters):
         (step, digest), count = max(groups.items(), key=lambda item: item[1])
         return Verdict(False, f"{count} member(s) that committed their last round together hold step {step} "
-                              f"(weights {digest[:12]}), only {len(supporters)} vouch for step {offer.step}"), offer
+                              f"(state {digest[:12]}), only {len(supporters)} vouch for step {offer.step}"), offer
     taken = StateClaim(offer.step, offer.digest, False,
                        statistics.median_low(c.inner_step for c in supporters),
                        statistics.median_low(c.federation_tokens for c in supporters))

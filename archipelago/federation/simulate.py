@@ -401,14 +401,14 @@ class Simulation:
     def round_ft(self, participants: int) -> FaultToleranceConfig:
         """The config with this round's codec: with codec = "auto", what the islands would
         choose (auto_codec.choose_round: the codec, and whether averaged moments ride) from
-        the slowest link and the median round, as the islands agree on them
+        the slowest link and the lower median round, as the islands agree on them
         (auto_codec.agree_on_link)."""
         if self.ft.codec != "auto":
             fraction = round_fraction(self.ft, self.outer)
             return self.ft if fraction == self.ft.topk_fraction else replace(self.ft, topk_fraction=fraction)
         if participants not in self._auto:
             link = min(g.bandwidth_mbit for g in self.islands) * 1e6
-            round_s = statistics.median(self.steps[g.step_s] * g.step_s for g in self.islands)
+            round_s = statistics.median_low(self.steps[g.step_s] * g.step_s for g in self.islands)
             target = auto_target_s(replace(self.ft, fragment_sync_delay=0), round_s)  # no overlap here
             sample = build_codec(self.ft, min(self.s.settings.params, CODEC_SAMPLE_VALUES))
             scale = self.s.settings.params / sample.numel

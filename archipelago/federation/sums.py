@@ -37,6 +37,7 @@ from archipelago.federation.exchange import (
 from archipelago.federation.give_up import wait_for
 from archipelago.federation.outer_core import aggregate
 from archipelago.federation.policy import FRAME_OK
+from archipelago.federation.receipts import NO_EVIDENCE
 from archipelago.federation.trust import FrameRefused
 
 
@@ -143,11 +144,19 @@ def _read_sums(gathered: Gathered, codec: Codec, pieces: list[Codec], sizes: lis
     assert gathered.segments is not None
     if gathered.reports is None:  # inspect_gather did not run or failed: nothing to check the sums by
         return SumRefused("the summed segments came without the first phase's table")
+    if gathered.second is not None and gathered.framing.checks_signers:
+        gathered.second.evidence = [NO_EVIDENCE] * len(gathered.segments)
     framing = gathered.framing
+    second = gathered.second
     for j, (piece, (start, end), out) in enumerate(zip(pieces, gathered.segments, outputs)):
-        complaint, _, _, opened, frame = framing.open(out, sizes[j], ROUND_SUM, j)
+        if j in gathered.refused_summers:  # the receipts refused its summer: that segment does not move
+            into[start:end] = 0.0
+            continue
+        complaint, _, _, opened, frame = framing.open(out, sizes[j], ROUND_SUM, j, sender=j)
         if opened is None or frame != FRAME_OK:
             return FrameRefused(f"the sum of segment {j} is not signed by the federation's key")
+        if second is not None and framing.checks_signers:  # shown in the agreement (agreement.py)
+            second.evidence[j] = framing.evidence(out, sizes[j])
         if complaint:
             return SumRefused(f"the island at replica rank {j} says the island at replica rank "
                               f"{int(complaint) - 1}, which summed segment {int(complaint) - 1}, misreported "
@@ -172,8 +181,10 @@ REPORT_TOLERANCE = 1e-6
 def _misreported_segment(gathered: Gathered) -> int | None:
     """The first segment whose summer reported a sum of squares of this island's segment
     other than the one this island sent (a summer inflating its bound, or framing this
-    island for the norm limits); None when all match or this island sent weight 0."""
-    if gathered.own_sumsq is None or gathered.reports is None:
+    island for the norm limits); None when all match or this island sent weight 0. With
+    signing members every member checks that already, from each sender's own signed
+    statement, and refuses the summer (receipts.judge_tables): no complaint is needed."""
+    if gathered.own_sumsq is None or gathered.reports is None or gathered.framing.checks_signers:
         return None
     return misreported(gathered.reports, gathered.own_sumsq, gathered.rank)
 

@@ -6,7 +6,9 @@ uploads its progress to the member carrying it and downloads the global weights
 A thin island is no torchft replica: a replica that sat out a round's quorum while
 heartbeating would make the members' next quorum wait for it. It talks to its carrier
 only (carry_link.py: it connects, the carrier serves), and what it sends enters the
-federation inside the carrier's row (`OuterCore.fold`).
+federation inside the carrier's row (`OuterCore.fold`). Its requests carry its carry token,
+derived from its local key (carry.py): the carrier serves no other once it has seen it, so
+the island must keep that key file across restarts (as it must to load its checkpoints).
 
 The upload and the download travel on a thread while the island trains on, so a thin
 link costs it no compute (only the carry's gather and scatter, and a wait if a carry is
@@ -33,9 +35,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from archipelago.checkpoint.signing import CheckpointKeyError, default_key_path, load_or_create_key
 from archipelago.config.errors import ConfigError
 from archipelago.config.schema import FaultToleranceConfig
-from archipelago.federation.carry import CarryRefused
+from archipelago.federation.carry import CarryRefused, derive_carry_token, use_carry_token
 from archipelago.federation.carry_link import CarryClient, Download
 from archipelago.federation.carrying import carry_codec
 from archipelago.federation.island_ranks import IslandRanks
@@ -79,6 +82,8 @@ class ThinIsland(Alone):
         self.ranks, self.rank = IslandRanks(world_size, group), rank
         self.layout = FlatLayout(params, 1, rank, world_size, group)
         bridge = self.layout.is_bridge
+        if bridge:
+            _take_carry_token(key, ft.replica_id)
         self.client = (CarryClient(key, ft.replica_id, ft.carrier_island, ft.carrier, self.layout.numel,
                                    ft.quorum_timeout_ms / 1000) if bridge else None)
         self.codec = carry_codec(ft, self.layout.numel) if bridge else None
@@ -295,3 +300,17 @@ class ThinIsland(Alone):
                                 self.ft.replica_id, exc)
                     return None
             time.sleep(1.0)
+
+
+def _take_carry_token(key: FederationKey, island: int) -> None:
+    """Ask the carrier with the carry token this machine's local key gives (the same after a
+    restart): the carrier serves no other once it has seen it (carry.py)."""
+    path = default_key_path()
+    try:
+        local_key, _ = load_or_create_key(path)
+    except CheckpointKeyError as exc:
+        raise ConfigError(f"a thin island derives its carry token from its local key: {exc}") from exc
+    token = derive_carry_token(local_key, key, island)
+    use_carry_token(key, island, token)
+    log.info("thin island %d: carry token %s... (from the local key %s: keep that file, the carrier serves no "
+             "other token)", island, token[:4], path)

@@ -74,13 +74,16 @@ def run_checks(args: argparse.Namespace, cfg: Any | None, env: dict[str, str]) -
 def print_table(checks: list[Check]) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="archipelago doctor", show_lines=False)
     for column in ("", "check", "found", "fix"):
         table.add_column(column, overflow="fold")
     styles = {"ok": "green", "warn": "yellow", "FAIL": "bold red", "info": "dim"}
     for c in checks:
-        table.add_row(f"[{styles[c.status]}]{c.status}[/]", c.name, c.detail, c.fix)
+        # Text, not markup: a row quotes a peer's answer (`[link=...]` would be a link), and a fix
+        # names [fault_tolerance] (which markup would drop).
+        table.add_row(Text(c.status, style=styles[c.status]), Text(c.name), Text(c.detail), Text(c.fix))
     Console(width=max(120, shutil.get_terminal_size().columns)).print(table)
 
 
@@ -127,12 +130,13 @@ def _serve_until_stopped(args: argparse.Namespace, cfg: Any | None) -> int:
         return 2
     stop = threading.Event()
     fingerprint = config_check(args.config, cfg, dict(os.environ))[0] if cfg is not None else None
-    listener = serve(host, port, fingerprint, stop)
+    server = serve(host, port, fingerprint, stop)
     about = f" ({describe_fingerprint(fingerprint)})" if fingerprint is not None else ""
-    print(f"answering doctor checks on {host}:{listener.getsockname()[1]}{about}; Ctrl-C stops", flush=True)
+    print(f"answering doctor checks on {host}:{server.getsockname()[1]}{about}; Ctrl-C stops", flush=True)
     try:
         stop.wait(args.serve_seconds or None)
     except KeyboardInterrupt:
         pass
     stop.set()
+    server.refusals.flush()
     return 0

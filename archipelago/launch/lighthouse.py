@@ -206,7 +206,8 @@ def _parser() -> argparse.ArgumentParser:
                    "--bind must then be a loopback address unless --insecure)")
     p.add_argument("--insecure", action="store_true",
                    help="listen beyond loopback without a federation key (anyone who reaches --bind joins the "
-                   "federation and can use the dashboard's kill endpoint): a trusted private network only")
+                   "federation and can use the dashboard's kill endpoint; anyone who reaches --dashboard can push "
+                   "made-up records to it): a trusted private network only")
     return p
 
 
@@ -239,9 +240,11 @@ def _banner(args: argparse.Namespace, url: str, local_url: str | None, server: A
     return "\n".join(lines) + "\n"
 
 
-def start_dashboard(bind: str, key: Any = None) -> Any:
+def start_dashboard(bind: str, key: Any = None, insecure: bool = False,
+                    flags: tuple[str, str, str] = ("--dashboard", "--key-file", "--insecure")) -> Any:
     """The federation dashboard (metrics/dashboard.py) on `bind` (HOST:PORT); with a federation
-    key it accepts only pushes tagged with it."""
+    key it accepts only pushes tagged with it, without one it serves beyond loopback only if
+    `insecure` (ConfigError naming `flags`, the caller's address, key-file and opt-out flags)."""
     from archipelago.federation.trust import dashboard_verifier
     from archipelago.metrics.dashboard import Dashboard
 
@@ -250,7 +253,7 @@ def start_dashboard(bind: str, key: Any = None) -> Any:
         raise SystemExit(f"--dashboard {bind!r}: expected [HOST]:PORT, e.g. 127.0.0.1:8080 or :8080 (this machine "
                          "only; never all interfaces by default)")
     host = host.strip("[]") or "127.0.0.1"  # `:8080`: loopback, not every interface
-    return Dashboard(host, int(port), dashboard_verifier(key) if key is not None else None)
+    return Dashboard(host, int(port), dashboard_verifier(key) if key is not None else None, insecure, flags)
 
 
 def cmd_lighthouse(argv: list[str]) -> int:
@@ -263,10 +266,11 @@ def cmd_lighthouse(argv: list[str]) -> int:
 
         key = load_key(args.key_file)
         refuse_open_without_key(args.bind, key, args.insecure)
-        server = start_lighthouse(args.bind, args.min_replicas, args.join_timeout_ms,
-                                  args.quorum_tick_ms, args.heartbeat_timeout_ms, key=key)
-        dashboard = start_dashboard(args.dashboard, key) if args.dashboard else None
+        dashboard = start_dashboard(args.dashboard, key, args.insecure) if args.dashboard else None  # refused first
+        server = None
         try:
+            server = start_lighthouse(args.bind, args.min_replicas, args.join_timeout_ms,
+                                      args.quorum_tick_ms, args.heartbeat_timeout_ms, key=key)
             url, local_url = island_urls(args.bind, server)
             print(_banner(args, url, local_url, server), end="", flush=True)
             if dashboard is not None:
@@ -275,7 +279,8 @@ def cmd_lighthouse(argv: list[str]) -> int:
             while not stop.wait(0.5):
                 pass
         finally:
-            server.shutdown()
+            if server is not None:
+                server.shutdown()
             if dashboard is not None:
                 dashboard.shutdown()
     finally:

@@ -365,7 +365,10 @@ class LocalFederation:
             return None
         from archipelago.launch.lighthouse import start_dashboard
 
-        self.dashboard = start_dashboard(self.opts.dashboard, federation_key(self.opts.passthrough))
+        self.dashboard = start_dashboard(self.opts.dashboard, federation_key(self.opts.passthrough),
+                                         "--federation_security.insecure" in self.opts.passthrough,
+                                         ("--dashboard", "--federation_security.key_file",
+                                          "--federation_security.insecure"))
         self.out.note(f"dashboard at {self.dashboard.address}")
         return self.dashboard.address
 

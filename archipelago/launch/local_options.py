@@ -22,7 +22,9 @@ Experiments (emulations, not real conditions): `--slowdown 1,3` makes island 1's
 steps take 3x their compute time (--island.slowdown); `--inject 1:nan@3` makes island 1
 send a poisoned pseudo-gradient (NaN, or `scale1000`: 1000x) in outer step 3, which the
 guards must refuse (`forge_tokens`, `forge_weight` and `unsigned` make it lie about its
-pseudo-gradient instead, which every receiver must refuse), `--inject 1:die_in_exchange@3` makes it
+pseudo-gradient instead, which every receiver must refuse; with a federation key,
+`equivocate` sends each peer another signed row and `censor` calls the others' segments
+unsigned as a summer, which the members' receipts must catch), `--inject 1:die_in_exchange@3` makes it
 SIGKILL itself with its exchange of outer step 3 in flight (the others re-form the quorum
 and run the exchange again without it), and `--inject 1:crash@7` (or `error`,
 `nan-loss`) fails its trainer at inner step 7. Faults share one grammar, ISLAND:KIND@AT (docs/development.md).
@@ -142,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
                         "an experiment setting, passed as --island.slowdown")
     p.add_argument("--inject", action="append", default=[], type=inject_arg, metavar="ISLAND:KIND@AT",
                    help="for tests and demos: ISLAND sends a poisoned pseudo-gradient in outer step AT (KIND nan or "
-                        "scale1000) or lies about it (forge_tokens, forge_weight, unsigned), or dies with "
+                        "scale1000) or lies about it (forge_tokens, forge_weight, unsigned, equivocate, censor), "
+                        "or dies with "
                         "its exchange of outer step AT in flight (die_in_exchange), or its trainer "
                         "fails at inner step AT (crash, error, nan-loss); "
                         "repeatable, every entry is kept")

@@ -28,23 +28,32 @@ The two backends differ in the program (dace_program.py):
   vectorised inner loop), no library: many times slower than a BLAS (no register blocking),
   for a machine or device where DaCe generates the code itself.
 
-Each program is compiled once per machine into the cache folder (`<cache>/dace/<program>-
-<hash>`; 3-8 s with g++) and loaded from there by every later run and rank (a file lock
-keeps concurrent ranks from building it twice).
+Each program is compiled once per machine (3-8 s with g++), in a private folder, and cached
+in `<cache>/dace/<program>-<hash>` with a record of its files signed with the island's local
+key; every later run and rank loads verified private copies of the cached files
+(dace_cache.py: whoever can write the cache folder cannot have native code loaded), and a
+file lock keeps concurrent ranks from building it twice.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import inspect
+import logging
+import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger("archipelago.island")
 
 LIBRARY, LOOPS = "library", "loops"  # dace_program.py's matmul_library and matmul_loops
 _PROGRAMS: dict[str, Any] = {}  # the loaded programs, once per process
@@ -115,15 +124,16 @@ def convert(model: nn.Module, cache_dir: Path, linear_class: type[DaceLinear], c
 
 
 def load(cache_dir: Path, program: str = LIBRARY) -> Any:
-    """The compiled `a @ b` program (LIBRARY or LOOPS): built into `cache_dir`/dace once per
-    machine, then loaded from there (a file lock keeps ranks that start together from
-    building it twice)."""
+    """The compiled `a @ b` program (LIBRARY or LOOPS): built once per machine and cached in
+    `cache_dir`/dace, signed; loaded from verified private copies of the cached files
+    (dace_cache.py), or built anew, with a warning, when they do not match their record. A
+    file lock keeps ranks that start together from building it twice."""
     if program in _PROGRAMS:
         return _PROGRAMS[program]
     import dace
     from dace.config import Config
 
-    from archipelago.island.backends import dace_program
+    from archipelago.island.backends import dace_cache, dace_program
 
     folder = cache_dir / "dace"
     folder.mkdir(parents=True, exist_ok=True)
@@ -135,23 +145,78 @@ def load(cache_dir: Path, program: str = LIBRARY) -> Any:
         source += f"\n{dace_blas.version()}\n{inspect.getsource(dace_blas)}"
     digest = hashlib.sha256(source.encode()).hexdigest()[:12]
     Config.set("default_build_folder", value=str(folder))
-    Config.set("compiler", "use_cache", value=True)  # load a build that exists instead of building again
+    Config.set("compiler", "use_cache", value=False)  # DaCe's cache loads any library in the folder, unchecked
     Config.set("compiler", "allow_view_arguments", value=True)  # torch's tensors reach it as numpy views
-    with open(folder / f"matmul-{program}-{digest}.lock", "w") as lock, warnings.catch_warnings():
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    key, private = dace_cache.local_key(folder), dace_cache.private_folder()
+    with _locked(folder / f"matmul-{program}-{digest}.lock"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DaCe's notes on memlet patterns while it parses the program
         try:
             sdfg = getattr(dace_program, f"matmul_{program}").to_sdfg(simplify=True)
             sdfg.name = f"archipelago_matmul_{program}_{digest}"
             if program == LIBRARY:
                 dace_blas.expand(sdfg)
-            _PROGRAMS[program] = sdfg.compile()
+            cached = folder / sdfg.name
+            problem = dace_cache.verified_copies(cached, sdfg.name, key, private)
+            if problem is None:
+                loaded = private
+            else:
+                if dace_cache.cached(cached, sdfg.name):
+                    log.warning("dace backend: %s; building it anew", problem)
+                loaded = _build(sdfg, private / "build-tree", cached, key)
+        except dace_cache.BuildCacheError:
+            raise
         except Exception as exc:  # noqa: BLE001 - DaCe's build errors come in many types; all mean the same here
             first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
             raise ValueError(f"the DaCe backend's {program} program did not build in {folder} "
                              f"({type(exc).__name__}: {first}); DaCe builds with cmake and a C++ compiler (g++): "
                              "install them, or set training.backend = \"eager\"") from exc
+        _PROGRAMS[program] = _open(sdfg, loaded / dace_cache.library_names(sdfg.name)[0])
     return _PROGRAMS[program]
+
+
+def _build(sdfg: Any, tree: Path, cached: Path, key: bytes) -> Path:
+    """Build `sdfg` in `tree` (private: no one else can change what is built or loaded), cache
+    its library files signed in `cached`; the folder of the built files, to load."""
+    from dace.codegen import compiler
+
+    from archipelago.island.backends import dace_cache
+
+    sdfg.build_folder = str(tree)
+    sdfg.compile(return_program_handle=False)
+    built = Path(compiler.get_binary_name(str(tree), sdfg.name)).parent
+    dace_cache.publish(built, cached, sdfg.name, key)
+    return built
+
+
+def _open(sdfg: Any, library: Path) -> Any:
+    """DaCe's handle on the verified or freshly built `library` (and the stub beside it)."""
+    from dace.codegen import compiler
+
+    try:
+        return compiler.get_program_handle(str(library), sdfg)
+    except (OSError, RuntimeError) as exc:
+        raise ValueError(f"the DaCe backend cannot load its program from {library.parent} ({exc}); if $TMPDIR is "
+                         "mounted noexec, set TMPDIR to a private folder that allows loading code") from exc
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path`, opened without following a symlink and without truncating:
+    a link planted there (`open(path, "w")`) would have emptied the file it points at."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"the DaCe backend's lock file {path} is a symbolic link (planted by someone who can "
+                             "write the cache folder?): remove it, and keep data.cache_dir writable by you only") \
+                from exc
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, program: str = LIBRARY) -> torch.Tensor:
