@@ -35,7 +35,15 @@ from archipelago.federation.exchange import (
 )
 from archipelago.federation.give_up import Collective, announce, wait_for
 from archipelago.federation.policy import EXCHANGE_COMPLETED, FRAME_OK, exchange_agreed
-from archipelago.federation.receipts import EVIDENCE_BYTES, judge_receipts, log_refusals, split_evidence
+from archipelago.federation.receipts import (
+    EVIDENCE_BYTES,
+    ROUND_RECEIPT,
+    ROUND_TABLE,
+    Shown,
+    judge_receipts,
+    log_refusals,
+    split_evidence,
+)
 from archipelago.federation.sums import SumRefused
 from archipelago.federation.trust import FrameRefused
 
@@ -71,31 +79,42 @@ def settle_exchange(manager: Any, framing: Framing, device: torch.device, exchan
     failed = member_failure(manager)
     if not failed:
         gathered = exchanges[0] if exchanges else None
-        evidence = gathered.second.evidence if gathered is not None and gathered.second is not None else []
+        groups = gathered.shown if gathered is not None else []
+        evidence = [piece for group in groups for piece in group.evidence]
         shown: list[list[bytes] | None] = []
         flags = agree_on_exchange(manager, framing, device, measured, overlapped, facts, evidence, shown)
         failed = not exchange_agreed(flags, max(manager.num_participants(), 1))
         if not failed and evidence:
-            failed = sums_differ(framing, shown, gathered.refused_summers if gathered is not None else set())
+            failed = arrived_differently(framing, groups, shown)
     if failed:  # members blocked on this island fail now, not at process_group_timeout_ms
         abandon_group(manager, *exchanges)
         announce(manager, framing)  # ... also those whose transport would not tell them (give_up.py)
     return failed
 
 
-def sums_differ(framing: Framing, shown: list[list[bytes] | None], refused: set[int]) -> bool:
-    """Whether the members' agreement flags show that some summer's sum did not reach every
-    member as the same signed frame (two versions, or one member without a valid one):
+def arrived_differently(framing: Framing, groups: list[Shown], shown: list[list[bytes] | None]) -> bool:
+    """Whether the members' agreement flags (`shown`: each member's evidence of every frame
+    in `groups`, in their order) show that a receipt, table or summed segment did not reach
+    every member as the same signed frame (two versions, or a member without a valid one):
     then no member may apply the round. The same verdict on every member that holds the
-    same flags; a summer that sent two signed versions is named in the log."""
+    same flags; a member that sent two signed versions is named in the log."""
     if not shown or any(s is None for s in shown):
         return True
-    differing = judge_receipts(framing, shown, ROUND_SUM, segment=None, skip=refused)
-    if differing.rows:
-        log.error("the summed segments of outer step %d did not reach every member alike: no member applies "
-                  "the round", framing.step + 1)
-        log_refusals(differing, framing.islands, framing.step)
-    return bool(differing.rows)
+    differing, at = False, 0
+    for group in groups:
+        count = len(group.evidence)
+        receipts: list[list[bytes] | None] = [s[at:at + count] for s in shown if s is not None]
+        at += count
+        refusals = judge_receipts(framing, receipts, group.kind, segment=group.segment, skip=group.skip)
+        if refusals.rows:
+            log.error("the %s of outer step %d did not reach every member alike: no member applies the round",
+                      _WHAT.get(group.kind, f"frames of kind {group.kind}"), framing.step + 1)
+            log_refusals(refusals, framing.islands, framing.step)
+            differing = True
+    return differing
+
+
+_WHAT = {ROUND_SUM: "summed segments", ROUND_RECEIPT: "receipts", ROUND_TABLE: "first-phase tables"}
 
 
 def agree_on_exchange(manager: Any, framing: Framing, device: torch.device, measured: float = 0.0,

@@ -56,18 +56,24 @@ def _exchange_signed(gathered: Gathered, manager: Any, payload: bytes, kind: int
     gathered.received += size * (count - 1)
     if manager.errored() is not None:
         return None
-    opened = [framing.open(out, len(payload), kind, segment if kind != receipts.ROUND_TABLE else k, sender=k)
+    by_rank = kind == receipts.ROUND_TABLE  # each member's table is of its own segment
+    opened = [framing.open(out, len(payload), kind, k if by_rank else segment, sender=k)
               for k, out in enumerate(outputs)]
-    return [bytes(body.cpu().numpy().tobytes()) if body is not None and frame == 0 else None
-            for k, (_, _, _, body, frame) in enumerate(opened)]
+    intact = [body is not None and frame == 0 for _, _, _, body, frame in opened]
+    # Shown again in the agreement: a receipt or table that reached members two ways fails the round.
+    gathered.shown.append(receipts.Shown(kind, None if by_rank else segment,
+                                         [framing.evidence(out, len(payload)) if ok else receipts.NO_EVIDENCE
+                                          for out, ok in zip(outputs, intact)]))
+    return [bytes(body.cpu().numpy().tobytes()) if ok and body is not None else None
+            for (_, _, _, body, _), ok in zip(opened, intact)]
 
 
 def _split_receipt(gathered: Gathered, manager: Any, payload: bytes, row: torch.Tensor, size: int,
                    count: int) -> tuple[Any, list[torch.Tensor]]:
     """The `split_receipt` drill: the member with the lowest replica rank other than this
     one gets a receipt that says the next member's row never arrived; everyone else the
-    true one. The last message of an exchange sent two ways: nothing in the round can show
-    it, and the next round's state claims must (healing.Healing.alarm_on_divergence)."""
+    true one. The receipts ride again in the agreement's flags (`Shown`), so every member
+    must see that it reached them two ways and fail the attempt."""
     from archipelago.federation.exchange import start_managed
 
     rank = manager.participating_rank() or 0

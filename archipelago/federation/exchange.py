@@ -52,6 +52,7 @@ import torch
 
 from archipelago.federation.codecs import Codec, PayloadError, sum_bytes_bound
 from archipelago.federation.policy import FRAME_MALFORMED, FRAME_OK, FRAME_UNSIGNED
+from archipelago.federation.receipts import Shown
 from archipelago.federation.trust import (
     HEADER_BYTES as SIGNED_HEADER_BYTES,
 )
@@ -226,6 +227,7 @@ class Gathered:
     # island sent (receipts.py), and the summers whose sums the receipts refused.
     sent_evidence: list[bytes] = field(default_factory=list)
     refused_summers: set[int] = field(default_factory=set)
+    shown: list[Shown] = field(default_factory=list)  # ... the frames every member got, shown in the agreement
 
 
 @dataclass
@@ -243,7 +245,6 @@ class SecondPhase:
     done_at: list[float] = field(default_factory=list)  # ... when its rows were in (gloo stamps it)
     stamped: bool = False  # the transport stamps `done_at`
     waited: float = 0.0    # ... when finish_gather's wait for them returned
-    evidence: list[bytes] = field(default_factory=list)  # signed members: each sum's signed header (receipts.py)
 
     def seconds(self) -> float:
         """From its start until its rows were in (0 when it did not run)."""

@@ -19,8 +19,8 @@ sends each peer of an all-gather exchange a different, validly signed row, and `
 the summer of a reduce-scatter segment, says in its table that every other island's
 segment was unsigned (both need a federation key; the members' receipts must refuse the
 liar on every island alike: federation/receipts.py); `split_receipt` tells one peer in its
-receipt that another's row never arrived and the others the truth (what no receipt can
-show: the next round's state claims must name the islands that then differ).
+receipt that another's row never arrived and the others the truth (the receipts ride
+again in the agreement's flags: every member must see it and fail that attempt).
 `die_in_exchange` makes every rank of the island SIGKILL itself right after it handed its
 row to that round's exchange (`Poison.die`): the other islands' exchange fails with a
 member gone mid-collective, which they survive by re-forming the quorum and running the

@@ -30,17 +30,19 @@ what arrived, or nothing.
   its own statement's equivocated and is refused. A sender whose statement contradicts
   the reports of two summers or more is the one that lies (one liar cannot be two of
   them), and is refused instead.
-* The summed segments and the rows of moments go to every member: their evidence rides in
-  the agreement's flags that already follow the exchange (agreement.py), and a summer
-  that sent two different signed sums fails the round on every island, named in the log.
+* The summed segments go to every member: their evidence rides in the agreement's flags
+  that already follow the exchange (agreement.py), with that of every receipt and table
+  each member got (`Shown`), and a sum, receipt or table that reached members two ways
+  fails the round on every island, its sender named in the log.
 
 What it costs: one signature (about 50 us) per frame sent, one check (about 100 us) per
 distinct frame header shown, the receipts' all-gather (one round trip and 183 bytes per
 member and sender) in the all-gather exchange, 366 + 8 bytes per member and sender in the
-tables of the reduce-scatter. What it cannot do: a member can still send its last message
-of a round (its receipt, its table or its agreement flag) differently to different peers;
-the members then compare the global weights each of them committed, every round (their
-state claims), and an island whose weights differ from the others' is named in every
+tables of the reduce-scatter, and 167 bytes per frame shown in the agreement. What it
+cannot do: a member can still send its agreement flag two ways (some members then lose a
+round the others commit, and heal at the next quorum), and its rows of moments are not
+covered; the members also compare the state each of them committed, every round (their
+state claims), and an island whose state differs from the majority's is named in every
 member's log (docs/federation.md, "Security").
 """
 
@@ -63,6 +65,20 @@ ROUND_RECEIPT = 20  # frame kind: a member's receipts for the rows of an all-gat
 ROUND_TABLE = 21    # frame kind: a summer's first-phase table, its receipts and its own statement
 
 _HEADER = HEADER_FORMAT  # the signed header's fields: magic, federation, quorum, step, fragment, island, kind, ...
+
+
+@dataclass
+class Shown:
+    """What this member holds of frames every member received from every other: for each
+    sender, the evidence of its frame of `kind` (for `segment`; None: the sender's own
+    replica rank), NO_EVIDENCE where none arrived intact. Shown again in the agreement's
+    flags (agreement.py), so a frame that reached members two ways fails the round;
+    `skip`: senders not judged (summers already refused)."""
+
+    kind: int
+    segment: int | None
+    evidence: list[bytes]
+    skip: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -118,6 +134,8 @@ def split_evidence(payload: bytes, count: int) -> list[bytes]:
 
 # ---- the all-gather exchange ------------------------------------------------------
 
+_FRAMES = {3: "row", 5: "summed segment", ROUND_RECEIPT: "receipt", ROUND_TABLE: "first-phase table"}  # by kind
+
 
 def judge_receipts(framing, receipts: list[list[bytes] | None], kind: int,  # noqa: ANN001
                    segment: int | None = 0, skip: set[int] | None = None) -> Refusals:
@@ -128,6 +146,7 @@ def judge_receipts(framing, receipts: list[list[bytes] | None], kind: int,  # no
     frame is for the segment of its own replica rank (the summed segments); the senders in
     `skip` are not judged (summers already refused: nobody reads their sums)."""
     shown, refusals = _Shown(framing), Refusals()
+    what = _FRAMES.get(kind, "frame")
     for rank, receipt in enumerate(receipts):
         if receipt is None:
             refusals.refuse(rank, "its receipt for this exchange is not signed by it (members confirm what they "
@@ -145,13 +164,13 @@ def judge_receipts(framing, receipts: list[list[bytes] | None], kind: int,  # no
             else:
                 headers.add(header)
         if len(headers) > 1:
-            refusals.refuse(sender, f"it sent different signed rows to different members (equivocation: "
-                                    f"{len(headers)} versions, shown by the members' receipts)")
+            refusals.refuse(sender, f"it sent different signed versions of its {what} to different members "
+                                    f"(equivocation: {len(headers)} versions, shown by the members' receipts)")
         elif missing:
-            refusals.refuse(sender, f"the member(s) at replica rank {missing} hold no valid copy of its row, so "
-                                    "not every island could add it")
+            refusals.refuse(sender, f"the member(s) at replica rank {missing} hold no valid copy of its {what}, "
+                                    "so not every island could take it")
             for rank in missing:
-                refusals.refuse(rank, f"it says the row of the member at replica rank {sender} did not arrive "
+                refusals.refuse(rank, f"it says the {what} of the member at replica rank {sender} did not arrive "
                                       "intact, which the other members' receipts contradict (a claim without "
                                       "evidence)")
     return refusals

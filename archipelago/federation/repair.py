@@ -205,7 +205,7 @@ def held_rows(gathered: Gathered, codec: Codec, islands: list[int] | None) -> li
     piece = codec.for_length(end - start)
     held: list[Opened | None] = []
     for j, row in enumerate(gathered.outputs[0]):
-        opened = gathered.framing.open(row.clone(), piece.payload_bytes(), ROUND_SEGMENT, gathered.rank)
+        opened = gathered.framing.open(row.clone(), piece.payload_bytes(), ROUND_SEGMENT, gathered.rank, sender=j)
         signer_ok = islands is None or opened[2] == islands[j]
         held.append(opened if opened[4] == FRAME_OK and opened[3] is not None and signer_ok else None)
     return held
@@ -411,7 +411,7 @@ def _read_repaired_sums(repaired: Repaired, pieces: list[Codec], sizes: list[int
     `into`; the first problem, or None (the same verdict on every survivor)."""
     assert repaired.reports is not None
     for i, out in enumerate(outputs):
-        complaint, _, _, opened, frame = repaired.framing.open(out, sizes[i], ROUND_SUM, i)
+        complaint, _, _, opened, frame = repaired.framing.open(out, sizes[i], ROUND_SUM, i, sender=i)
         if opened is None or frame != FRAME_OK:
             return FrameRefused(f"the repaired sums of the survivor at rank {i} are not signed by the federation's key")
         if complaint:

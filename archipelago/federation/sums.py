@@ -37,7 +37,7 @@ from archipelago.federation.exchange import (
 from archipelago.federation.give_up import wait_for
 from archipelago.federation.outer_core import aggregate
 from archipelago.federation.policy import FRAME_OK
-from archipelago.federation.receipts import NO_EVIDENCE
+from archipelago.federation.receipts import NO_EVIDENCE, Shown
 from archipelago.federation.trust import FrameRefused
 
 
@@ -144,10 +144,11 @@ def _read_sums(gathered: Gathered, codec: Codec, pieces: list[Codec], sizes: lis
     assert gathered.segments is not None
     if gathered.reports is None:  # inspect_gather did not run or failed: nothing to check the sums by
         return SumRefused("the summed segments came without the first phase's table")
-    if gathered.second is not None and gathered.framing.checks_signers:
-        gathered.second.evidence = [NO_EVIDENCE] * len(gathered.segments)
+    shown = None
+    if gathered.framing.checks_signers:  # the sums every member got, shown in the agreement
+        shown = Shown(ROUND_SUM, None, [NO_EVIDENCE] * len(gathered.segments), set(gathered.refused_summers))
+        gathered.shown.append(shown)
     framing = gathered.framing
-    second = gathered.second
     for j, (piece, (start, end), out) in enumerate(zip(pieces, gathered.segments, outputs)):
         if j in gathered.refused_summers:  # the receipts refused its summer: that segment does not move
             into[start:end] = 0.0
@@ -155,8 +156,8 @@ def _read_sums(gathered: Gathered, codec: Codec, pieces: list[Codec], sizes: lis
         complaint, _, _, opened, frame = framing.open(out, sizes[j], ROUND_SUM, j, sender=j)
         if opened is None or frame != FRAME_OK:
             return FrameRefused(f"the sum of segment {j} is not signed by the federation's key")
-        if second is not None and framing.checks_signers:  # shown in the agreement (agreement.py)
-            second.evidence[j] = framing.evidence(out, sizes[j])
+        if shown is not None:
+            shown.evidence[j] = framing.evidence(out, sizes[j])
         if complaint:
             return SumRefused(f"the island at replica rank {j} says the island at replica rank "
                               f"{int(complaint) - 1}, which summed segment {int(complaint) - 1}, misreported "
