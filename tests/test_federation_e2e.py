@@ -422,6 +422,7 @@ def test_a_time_paced_thin_island_is_carried_by_a_time_paced_member(tmp_path, mo
     assert thin["uploads"] >= 1 and thin["final_step"] == 32
     uploads = _records(run_dir / "island-2", "upload")
     assert uploads and all(0 < u["tokens"] <= carried for u in uploads)
-    assert not _records(run_dir / "island-2", "refused")
+    refused = _records(run_dir / "island-2", "refused")
+    assert not refused, refused
     carried_in = sum(r.get("carried", 0) for r in _records(run_dir / "island-0", "outer_step") if r["committed"])
     assert carried_in >= 1

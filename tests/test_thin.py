@@ -126,6 +126,52 @@ def test_a_thin_island_uploads_its_progress_and_moves_with_the_global_weights(mo
         server.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_thin_island_holds_back_a_row_while_its_carrier_commits_no_round(monkeypatch):
+    # The carrier takes one row a round (carry.py): a thin island that carries faster than
+    # its carrier commits rounds would have its second row of a round refused. It holds
+    # that row back instead, keeps its progress and tokens, and sends them with its first
+    # row trained from a later outer step: no refusal, nothing lost.
+    key, model, server = _served(monkeypatch)
+    numel = _flat(model).numel()
+    try:
+        g = _flat(_model()) + 0.25
+        server.publish(3, g)
+        hooks = _Hooks()
+        thin = ThinIsland(_thin_ft(server.address()), 100, list(model.parameters()), 0, 1, key, hooks)
+        thin.join(0)
+        server.publish(4, g)
+        _train(thin, model, hooks, carry=1)
+        thin.finish_carry(hooks.step)  # the row trained from step 3 goes in; it downloads step 4
+        assert [u.base_step for u in server.take_uploads()] == [3]
+        _train(thin, model, hooks, carry=2)
+        thin.finish_carry(hooks.step)  # the row from step 4 goes in; the carrier is still at step 4
+        assert [u.base_step for u in server.take_uploads()] == [4]
+        start = _flat(model)
+        _train(thin, model, hooks, carry=3)
+        thin.finish_carry(hooks.step)  # trained from step 4 again: held back
+        assert server.take_uploads() == []
+        # It moves by what the global weights moved since the row's base, as after any carry
+        # (its row from step 4 is not in them yet: it comes back with the carrier's next round).
+        assert torch.equal(_flat(model), (start + _delta(THIN, 3, numel)) + (g.bfloat16().float() - start))
+        server.publish(5, g - 0.5)
+        _train(thin, model, hooks, carry=4)
+        thin.finish_carry(hooks.step)  # its download was still of step 4: held; step 5 comes down
+        assert server.take_uploads() == []
+        _train(thin, model, hooks, carry=5)
+        local = _flat(model)
+        thin.finish_carry(hooks.step)
+        (upload,) = server.take_uploads()
+        assert upload.base_step == 5 and upload.tokens == 3 * ROUND * CARRY_ROUNDS * THIN_TOKENS
+        assert torch.equal(upload.values, (g - 0.5).bfloat16().float() - local)
+        names = [e for e, _ in hooks.events]
+        assert "refused" not in names and names.count("upload") == 3
+        assert [f["held"] for e, f in hooks.events if e == "carry"] == [False, False, True, True, False]
+    finally:
+        thin.shutdown()
+        server.close()
+
+
 def _member(proc: int, lighthouse: str, store_ports: list[int], secret: str, rounds: int, out: dict) -> None:
     torch.set_num_threads(1)
     key = FederationKey(bytes.fromhex(secret))

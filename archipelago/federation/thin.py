@@ -51,6 +51,16 @@ from archipelago.federation.trust import FederationKey
 log = logging.getLogger("archipelago.federation")
 
 
+@dataclass(frozen=True)
+class NotSent:
+    """Why a row did not go in: the carrier refused it, or the island held it back (its
+    download is of the outer step its last row taken was trained from, and the carrier
+    takes one row a round, carry.py). Either way its progress goes with the next row."""
+
+    reason: str
+    refused: bool
+
+
 @dataclass
 class Sending:
     """A carry in flight: the row's base weights, the island's weights when it was sent,
@@ -92,7 +102,8 @@ class ThinIsland(Alone):
         self.local_step, self.tokens, self.uploaded = 0, 0, 0
         # The carry in flight: the upload and download run on a thread while the island trains.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archipelago-carry")
-        self.in_flight: Future[tuple[str | None, Download | None]] | None = None
+        self.in_flight: Future[tuple[NotSent | None, Download | None]] | None = None
+        self.taken_step: int | None = None  # the outer step the last row taken was trained from
         self.sending: Sending | None = None
         self.restored: dict[str, Any] | None = None  # from a checkpoint, until the join takes it
 
@@ -188,8 +199,8 @@ class ThinIsland(Alone):
             local = self.layout.gather()
             if local is not None and self.base is not None:
                 base_step = self._base_step
-                refusal = self._upload(self.base - local.float(), self.tokens)
-                self._report(refusal, None, self.hooks.step, 0.0, self.tokens, base_step)
+                outcome = self._upload(self.base - local.float(), self.tokens)
+                self._report(outcome, None, self.hooks.step, 0.0, self.tokens, base_step)
         self.local_step = 0
 
     def leave(self) -> None:
@@ -218,10 +229,10 @@ class ThinIsland(Alone):
         self.base, self.tokens = self.sending.local, 0  # its progress is in flight
         self.in_flight = self.worker.submit(self._travel, pseudo, tokens)
 
-    def _travel(self, pseudo: torch.Tensor, tokens: int) -> tuple[str | None, Download | None]:
+    def _travel(self, pseudo: torch.Tensor, tokens: int) -> tuple[NotSent | None, Download | None]:
         """On the thread: the upload (None, or why it was not taken), then the download."""
-        refusal = self._upload(pseudo, tokens)
-        return refusal, self._download(0.0)
+        outcome = self._upload(pseudo, tokens)
+        return outcome, self._download(0.0)
 
     def finish_carry(self, step: int) -> None:
         """The carry in flight has landed (or is waited for): shift the island's weights by
@@ -237,9 +248,9 @@ class ThinIsland(Alone):
         if landed is not None:
             sending = self.sending
             assert sending is not None and local is not None
-            refusal, got = landed
+            outcome, got = landed
             self.in_flight, self.sending = None, None
-            sent = refusal is None
+            sent = outcome is None
             if got is not None:
                 shift = got.weights - sending.base
                 new = local.float() + shift
@@ -249,37 +260,47 @@ class ThinIsland(Alone):
                 self.base = sending.base
             if not sent:
                 self.tokens += sending.tokens
-            self._report(refusal, sending, step, time.perf_counter() - blocked)
+            self._report(outcome, sending, step, time.perf_counter() - blocked)
         if self.ranks.max([float(new is not None)])[0] > 0:
             self.layout.scatter(new)
 
-    def _report(self, refusal: str | None, sending: Sending | None, step: int, blocked_s: float,
+    def _report(self, outcome: NotSent | None, sending: Sending | None, step: int, blocked_s: float,
                 tokens: int = 0, base_step: int = 0) -> None:
-        if refusal is not None:
+        if outcome is not None and outcome.refused:
             log.warning("thin island %d: upload not taken (%s); its progress goes with the next",
-                        self.ft.replica_id, refusal)
-            self.hooks.event("refused", step=step, island=self.ft.replica_id, by="carrier", reason=refusal)
+                        self.ft.replica_id, outcome.reason)
+            self.hooks.event("refused", step=step, island=self.ft.replica_id, by="carrier", reason=outcome.reason)
+        elif outcome is not None:
+            log.info("thin island %d: upload held back (%s); its progress goes with the next",
+                     self.ft.replica_id, outcome.reason)
         else:
             self.uploaded += 1
             if sending is not None:
                 tokens, base_step = sending.tokens, sending.base_step
             self.hooks.event("upload", step=step, island=self.ft.replica_id, tokens=tokens, base_step=base_step)
         if sending is not None:  # the seconds it did not train: waiting for the carry, taking its result
-            self.hooks.event("carry", step=step, island=self.ft.replica_id, uploaded=refusal is None,
-                             uploads=self.uploaded, tokens=sending.tokens,
-                             travel_s=round(time.perf_counter() - sending.started, 3), carry_s=round(blocked_s, 3))
+            self.hooks.event("carry", step=step, island=self.ft.replica_id, uploaded=outcome is None,
+                             held=outcome is not None and not outcome.refused, uploads=self.uploaded,
+                             tokens=sending.tokens, travel_s=round(time.perf_counter() - sending.started, 3),
+                             carry_s=round(blocked_s, 3))
 
-    def _upload(self, pseudo: torch.Tensor, tokens: int) -> str | None:
+    def _upload(self, pseudo: torch.Tensor, tokens: int) -> NotSent | None:
         """Send `pseudo`, trained from the last download; None when the carrier took it,
-        else why not."""
+        else why not. A row trained from the outer step the last row taken was trained from
+        is held back, not sent: the carrier takes one row a round and would refuse it (the
+        carrier's rounds are slower than this island's carries, or it did not commit)."""
         assert self.client is not None and self.codec is not None
         if self.download is None:
-            return "no download to train from (the last one failed)"
+            return NotSent("no download to train from (the last one failed)", refused=True)
+        if self.taken_step is not None and self.download.step <= self.taken_step:
+            return NotSent(f"the carrier has committed no round since outer step {self.download.step}, the one "
+                           "its last row taken was trained from (one row a round)", refused=False)
         download, self.download = self.download, None  # each download carries one row
         try:
             self.client.upload(download, tokens, self.codec, pseudo)
         except (CarryRefused, ConnectionError) as exc:
-            return str(exc)
+            return NotSent(str(exc), refused=True)
+        self.taken_step = download.step
         return None
 
     def _download(self, wait_s: float) -> Download | None:
